@@ -1,0 +1,18 @@
+"""The errors a user can cause. Each carries one line that names the problem; the CLI prints it
+without a traceback and exits with code 2."""
+
+
+class MoemeshError(Exception):
+    """Base class of every error caused by user input (config, data, checkpoint)."""
+
+
+class ConfigError(MoemeshError, ValueError):
+    """An invalid or unknown configuration value."""
+
+
+class CheckpointError(MoemeshError):
+    """A checkpoint or pretrained directory that is missing, incomplete or does not fit the model."""
+
+
+class DataError(MoemeshError):
+    """A data or tokenizer file that is missing or unreadable."""
