@@ -1,0 +1,63 @@
+"""What differs between model families: how their `config.json` and their original (per-expert)
+checkpoint keys are spelled. The network itself is `transformer.MoECausalLM` for all of them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from moemesh.errors import ConfigError
+from moemesh.models.config import ModelConfig
+
+# config.json keys that describe the file rather than the model.
+_BOOKKEEPING = {"architectures", "transformers_version", "model_type", "_name_or_path"}
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    architecture: str  # transformers class name written to config.json
+    renames: dict[str, str] = field(default_factory=dict)  # config.json name -> ModelConfig field
+    write_renames: dict[str, str] = field(default_factory=dict)  # ModelConfig field -> config.json name
+    fixed: dict[str, Any] = field(default_factory=dict)  # behaviour the family hard-wires
+    not_in_hf: tuple[str, ...] = ()  # ModelConfig fields this family's config.json lacks
+    hub_moe_prefix: str = "mlp"  # per-expert checkpoints: `layers.N.<prefix>.experts.J...`
+    hub_expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    read_hook: Callable[[dict], None] = lambda hf: None  # in-place fix-ups of a config.json dict
+    write_hook: Callable[[dict, ModelConfig], None] = lambda hf, config: None
+
+    def config_from_hf(self, hf: dict[str, Any]) -> ModelConfig:
+        hf = dict(hf)
+        self.read_hook(hf)
+        for theirs, ours in self.renames.items():
+            if theirs in hf:
+                hf[ours] = hf.pop(theirs)
+        _read_rope(hf)
+        known = set(ModelConfig.field_names())
+        values = {k: hf.pop(k) for k in list(hf) if k in known and k != "model_type"}
+        extra = {k: v for k, v in hf.items() if k not in _BOOKKEEPING}
+        return ModelConfig(model_type=self.model_type, extra=extra, **values)
+
+    def config_to_hf(self, config: ModelConfig) -> dict[str, Any]:
+        out = {"architectures": [self.architecture], "model_type": self.model_type}
+        skip = set(self.fixed) | set(self.not_in_hf) | {"model_type", "qk_norm", "rope_theta"}
+        for name in ModelConfig.field_names():
+            if name not in skip:
+                out[self.write_renames.get(name, name)] = getattr(config, name)
+        out["head_dim"] = config.attention_head_dim  # some families cannot read null
+        # Both spellings: transformers 5 reads rope_parameters, transformers 4 rope_theta.
+        out["rope_theta"] = config.rope_theta
+        out["rope_parameters"] = {"rope_type": "default", "rope_theta": config.rope_theta}
+        out.update(config.extra)
+        self.write_hook(out, config)
+        return out
+
+
+def _read_rope(hf: dict[str, Any]) -> None:
+    rope = hf.pop("rope_parameters", None) or hf.pop("rope_scaling", None) or {}
+    hf.pop("rope_scaling", None)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ConfigError(f"model config: rope_type {rope_type!r} is not supported (only 'default')")
+    if "rope_theta" in rope:
+        hf["rope_theta"] = rope["rope_theta"]

@@ -1,0 +1,135 @@
+"""The dense building blocks: RMSNorm, rotary embeddings, grouped-query attention, the SwiGLU MLP,
+and the KV cache used for generation. Numerics follow Hugging Face `transformers` so that logits
+match it to float32 rounding."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moemesh.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32, cast back before the scale, as transformers does.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class RotaryEmbedding:
+    """cos/sin tables for given positions. Not a module: it holds no state worth saving, and the
+    inverse frequencies are computed on the CPU in fp32 (like transformers) so every device agrees."""
+
+    def __init__(self, head_dim: int, theta: float):
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+        self.inv_freq = 1.0 / (theta**exponent)
+        self._on_device: dict[torch.device, torch.Tensor] = {}
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = self._on_device.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._on_device.setdefault(positions.device, self.inv_freq.to(positions.device))
+        freqs = positions[:, None].float() * inv_freq[None, :]
+        angles = torch.cat([freqs, freqs], dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, heads, T, D]; cos/sin: [T, D]."""
+    return x * cos + rotate_half(x) * sin
+
+
+class KVCache:
+    """Keys and values of the tokens seen so far, per layer, for incremental decoding."""
+
+    def __init__(self):
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+
+    def seq_length(self) -> int:
+        return next(iter(self.keys.values())).shape[2] if self.keys else 0
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_idx in self.keys:
+            k = torch.cat([self.keys[layer_idx], k], dim=2)
+            v = torch.cat([self.values[layer_idx], v], dim=2)
+        self.keys[layer_idx], self.values[layer_idx] = k, v
+        return k, v
+
+
+def attention_mask(q_positions: torch.Tensor, kv_len: int, sliding_window: int | None) -> torch.Tensor:
+    """Boolean [Tq, Tk] mask, True where query i may attend key j (causal, optionally banded)."""
+    k_positions = torch.arange(kv_len, device=q_positions.device)
+    allowed = k_positions[None, :] <= q_positions[:, None]
+    if sliding_window is not None:
+        allowed &= k_positions[None, :] > q_positions[:, None] - sliding_window
+    return allowed
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with RoPE and, for Qwen3, an RMSNorm on every query and key head."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.attention_head_dim
+        self.sliding_window = config.sliding_window
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
+                cache: KVCache | None = None) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.q_proj(x).view(batch, seq, -1, self.head_dim)
+        k = self.k_proj(x).view(batch, seq, -1, self.head_dim)
+        v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        q = apply_rotary(q.transpose(1, 2), cos, sin)
+        k = apply_rotary(k.transpose(1, 2), cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)
+
+        kv_len = k.shape[2]
+        plain_causal = kv_len == seq and (self.sliding_window is None or seq <= self.sliding_window)
+        mask = None if plain_causal else attention_mask(positions, kv_len, self.sliding_window)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=plain_causal,
+                                             enable_gqa=self.num_kv_heads != self.num_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU feed-forward of the dense (non-MoE) layers."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,134 @@
+"""The decoder-only MoE transformer shared by every family. Parameter names follow transformers'
+module tree (`model.layers.0.mlp.experts.gate_up_proj`, ...) so state dicts line up one to one.
+
+A decoder layer exposes its stages — attention, route, dispatch, experts, combine, aggregate — so
+that a pipeline runtime can interleave them; `forward` runs them in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moemesh.models.config import ModelConfig
+from moemesh.models.layers import Attention, DenseMLP, KVCache, RMSNorm, RotaryEmbedding
+from moemesh.models.moe import Dispatched, MoEBlock, RouterStats, Routing, load_balancing_loss
+
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.is_moe = config.is_moe_layer(layer_idx)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MoEBlock(config) if self.is_moe else DenseMLP(config.hidden_size, config.intermediate_size)
+
+    # ---- stages ---------------------------------------------------------------------------------
+    def attention(self, h: torch.Tensor, rope, positions: torch.Tensor, cache: KVCache | None = None):
+        """h + attention(norm(h)): [B, T, H] -> [B, T, H]."""
+        return h + self.self_attn(self.input_layernorm(h), rope, positions, cache)
+
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, Routing]:
+        """Normalise and flatten the tokens, choose their experts: -> (x [B*T, H], routing)."""
+        x = self.post_attention_layernorm(h).flatten(0, -2)
+        return x, self.mlp.route(x)
+
+    def dispatch(self, x: torch.Tensor, routing: Routing) -> Dispatched:
+        return self.mlp.dispatch(x, routing)
+
+    def experts(self, dispatched: Dispatched) -> torch.Tensor:
+        return self.mlp.compute_experts(dispatched)
+
+    def combine(self, expert_out: torch.Tensor, dispatched: Dispatched, routing: Routing,
+                num_tokens: int) -> torch.Tensor:
+        return self.mlp.combine(expert_out, dispatched, routing, num_tokens)
+
+    def aggregate(self, h: torch.Tensor, mlp_out: torch.Tensor) -> torch.Tensor:
+        return h + mlp_out.view_as(h)
+
+    def forward(self, h: torch.Tensor, rope, positions: torch.Tensor,
+                cache: KVCache | None = None) -> tuple[torch.Tensor, RouterStats | None]:
+        h = self.attention(h, rope, positions, cache)
+        if not self.is_moe:
+            return self.aggregate(h, self.mlp(self.post_attention_layernorm(h))), None
+        x, routing = self.route(h)
+        dispatched = self.dispatch(x, routing)
+        out = self.combine(self.experts(dispatched), dispatched, routing, x.shape[0])
+        return self.aggregate(h, out), routing.stats
+
+
+class TransformerBody(nn.Module):
+    """Embedding, decoder layers and final norm (transformers' `model.` prefix)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class MoECausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = TransformerBody(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+        self.rotary = RotaryEmbedding(config.attention_head_dim, config.rope_theta)
+
+    def tie_weights(self) -> None:
+        """Share the LM head with the embedding when the config says so (again after anything
+        that replaces parameters, such as `to_empty` or loading with `assign=True`)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                output_router_logits: bool | None = None, cache: KVCache | None = None) -> CausalLMOutput:
+        if output_router_logits is None:
+            output_router_logits = self.config.output_router_logits
+        start = cache.seq_length() if cache is not None else 0
+        positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
+        h = self.model.embed_tokens(input_ids)
+        rope = self.rotary(positions, h.dtype)
+        router_stats = []
+        for layer in self.model.layers:
+            h, stats = layer(h, rope, positions, cache)
+            if stats is not None:
+                router_stats.append(stats)
+        logits = self.lm_head(self.model.norm(h))
+
+        aux_loss = None
+        if output_router_logits and router_stats:
+            aux_loss = load_balancing_loss(router_stats, self.config.num_experts)
+        loss = None
+        if labels is not None:
+            loss = next_token_loss(logits, labels)
+            if aux_loss is not None:
+                loss = loss + self.config.router_aux_loss_coef * aux_loss
+        return CausalLMOutput(logits=logits, loss=loss, aux_loss=aux_loss)
+
+    def num_params(self, active: bool = False) -> int:
+        """Parameters counted once (tied weights once). With active=True, only the top-k share
+        of each expert bank counts: the parameters one token actually uses."""
+        total = sum(p.numel() for p in self.parameters())
+        if not active or self.config.num_experts == 0:
+            return total
+        expert = sum(p.numel() for m in self.modules() if isinstance(m, MoEBlock) for p in m.experts.parameters())
+        return total - expert + expert * self.config.num_experts_per_tok // self.config.num_experts
+
+
+def next_token_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Mean cross-entropy of predicting labels[t + 1] from position t, as transformers shifts it."""
+    shifted = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    return F.cross_entropy(logits.float().flatten(0, -2), shifted.flatten(), ignore_index=ignore_index)
