@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moemesh.models.config import ModelConfig
+from moemesh.ops import combine, permute, swiglu
 from moemesh.ops.grouped_mm import grouped_mm
 
 
@@ -83,8 +84,7 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inner))
 
     def forward(self, grouped: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-        gate, up = grouped_mm(grouped, self.gate_up_proj, group_sizes).chunk(2, dim=-1)
-        return grouped_mm(F.silu(gate) * up, self.down_proj, group_sizes)
+        return grouped_mm(swiglu(grouped_mm(grouped, self.gate_up_proj, group_sizes)), self.down_proj, group_sizes)
 
 
 @dataclass
@@ -95,21 +95,17 @@ class Dispatched:
 
 
 class LocalDispatcher:
-    """All experts live here: sort the token copies by expert, and add them back weighted."""
+    """All experts live here: copy the tokens into expert order (`permute`), and add each token's
+    expert outputs back, weighted (`combine`, whose backward also yields the routing-weight
+    gradient)."""
 
     def dispatch(self, x: torch.Tensor, routing: Routing, num_experts: int) -> Dispatched:
-        flat_ids = routing.expert_ids.flatten()
-        order = torch.argsort(flat_ids, stable=True)
-        source_token = order // routing.expert_ids.shape[1]
-        group_sizes = torch.bincount(flat_ids, minlength=num_experts)
-        return Dispatched(x[source_token], group_sizes, state=(order, source_token))
+        permuted = permute(x, routing.expert_ids, num_experts)
+        return Dispatched(permuted.grouped, permuted.offsets.diff(), state=permuted.position)
 
     def combine(self, expert_out: torch.Tensor, dispatched: Dispatched, routing: Routing,
                 num_tokens: int) -> torch.Tensor:
-        order, source_token = dispatched.state
-        weighted = expert_out.float() * routing.weights.flatten()[order, None]
-        out = weighted.new_zeros(num_tokens, expert_out.shape[-1])
-        return out.index_add_(0, source_token, weighted).to(expert_out.dtype)
+        return combine(expert_out, dispatched.state, routing.weights)
 
 
 class MoEBlock(nn.Module):

@@ -8,6 +8,7 @@ that a pipeline runtime can interleave them; `forward` runs them in order.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -16,13 +17,16 @@ from torch import nn
 from moemesh.models.config import ModelConfig
 from moemesh.models.layers import Attention, DenseMLP, KVCache, RMSNorm, RotaryEmbedding
 from moemesh.models.moe import Dispatched, MoEBlock, RouterStats, Routing, load_balancing_loss
+from moemesh.ops import linear_cross_entropy
+from moemesh.ops.backend import autocast_inputs
 
 
 @dataclass
 class CausalLMOutput:
-    logits: torch.Tensor
-    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None  # None when the loss was computed without them
+    loss: torch.Tensor | None = None  # ce_loss + router_aux_loss_coef * aux_loss
     aux_loss: torch.Tensor | None = None
+    ce_loss: torch.Tensor | None = None  # mean next-token cross-entropy alone
 
 
 class DecoderLayer(nn.Module):
@@ -86,6 +90,9 @@ class MoECausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         self.rotary = RotaryEmbedding(config.attention_head_dim, config.rope_theta)
+        # Data parallelism replaces this so that the load-balancing loss sees the whole
+        # micro-batch, as one process would, rather than this rank's slice of it.
+        self.reduce_router_stats: Callable[[list[RouterStats]], list[RouterStats]] = lambda stats: stats
 
     def tie_weights(self) -> None:
         """Share the LM head with the embedding when the config says so (again after anything
@@ -94,7 +101,10 @@ class MoECausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                output_router_logits: bool | None = None, cache: KVCache | None = None) -> CausalLMOutput:
+                output_router_logits: bool | None = None, cache: KVCache | None = None,
+                return_logits: bool = True) -> CausalLMOutput:
+        """With labels and return_logits=False (training), the loss comes from the fused
+        linear cross-entropy, which never holds the [tokens, vocab] logits in fp32."""
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
         start = cache.seq_length() if cache is not None else 0
@@ -106,17 +116,22 @@ class MoECausalLM(nn.Module):
             h, stats = layer(h, rope, positions, cache)
             if stats is not None:
                 router_stats.append(stats)
-        logits = self.lm_head(self.model.norm(h))
+        h = self.model.norm(h)
 
         aux_loss = None
         if output_router_logits and router_stats:
-            aux_loss = load_balancing_loss(router_stats, self.config.num_experts)
-        loss = None
-        if labels is not None:
-            loss = next_token_loss(logits, labels)
+            aux_loss = load_balancing_loss(self.reduce_router_stats(router_stats), self.config.num_experts)
+        logits = loss = ce_loss = None
+        if labels is not None and not return_logits:
+            loss = ce_loss = linear_cross_entropy(*autocast_inputs(h, self.lm_head.weight), shift_labels(labels))
+        else:
+            logits = self.lm_head(h)
+            if labels is not None:
+                loss = ce_loss = next_token_loss(logits, labels)
+        if loss is not None:
             if aux_loss is not None:
-                loss = loss + self.config.router_aux_loss_coef * aux_loss
-        return CausalLMOutput(logits=logits, loss=loss, aux_loss=aux_loss)
+                loss = ce_loss + self.config.router_aux_loss_coef * aux_loss
+        return CausalLMOutput(logits=logits, loss=loss, aux_loss=aux_loss, ce_loss=ce_loss)
 
     def num_params(self, active: bool = False) -> int:
         """Parameters counted once (tied weights once). With active=True, only the top-k share
@@ -128,7 +143,12 @@ class MoECausalLM(nn.Module):
         return total - expert + expert * self.config.num_experts_per_tok // self.config.num_experts
 
 
+def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Position t predicts labels[t + 1], as transformers shifts them; the last predicts nothing."""
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
 def next_token_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """Mean cross-entropy of predicting labels[t + 1] from position t, as transformers shifts it."""
-    shifted = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    return F.cross_entropy(logits.float().flatten(0, -2), shifted.flatten(), ignore_index=ignore_index)
+    """Mean cross-entropy of the next token, from full logits."""
+    return F.cross_entropy(logits.float().flatten(0, -2), shift_labels(labels, ignore_index).flatten(),
+                           ignore_index=ignore_index)

@@ -1,0 +1,6 @@
+"""Leaf ops, each a PyTorch reference + a Triton kernel + an autograd Function (see backend.py)."""
+
+from moemesh.ops.combine import combine
+from moemesh.ops.linear_cross_entropy import linear_cross_entropy
+from moemesh.ops.permute import Permuted, permute
+from moemesh.ops.swiglu import swiglu

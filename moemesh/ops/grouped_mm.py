@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moemesh.ops.backend import autocast_inputs
+
 # torch >= 2.10 exposes the public name; 2.9 only the private one.
 _grouped_mm_kernel = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -26,6 +28,7 @@ def _use_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
     """x: [N, K], rows sorted by group; weight: [E, O, K]; group_sizes: [E] integers summing to N.
     Returns [N, O] with out[rows of group e] = x[rows of group e] @ weight[e].T."""
+    x, weight = autocast_inputs(x, weight)
     if _use_kernel(x, weight):
         offsets = torch.cumsum(group_sizes, dim=0, dtype=torch.int32)
         return _grouped_mm_kernel(x, weight.transpose(-2, -1), offs=offsets)

@@ -1,0 +1,316 @@
+"""Benchmark moemesh's Triton kernels against plain PyTorch, side by side, on one GPU.
+
+    PYTHONPATH=. python3 bench/kernels.py            # H100/H200, bf16, well under 3 minutes
+    PYTHONPATH=. python3 bench/kernels.py --smoke    # tiny sizes on CPU under TRITON_INTERPRET=1:
+                                                     # checks the script runs; timings meaningless
+
+Prints: effective bandwidth of permute / combine / swiglu (forward and backward) as a fraction of
+a measured device copy, against the plain PyTorch index path; linear_cross_entropy against
+F.cross_entropy on full fp32 logits (time and peak memory); bf16-vs-fp32-reference errors for every
+op, including one problem whose N*H passes 2**31. Times are medians of triton.testing.do_bench.
+Writes nothing, except, when $OUT is set, the printed report to $OUT/kernels.txt (Triton's compile
+cache goes to a folder under $OUT, removed at exit).
+"""
+
+import os
+import shutil
+import sys
+import time
+
+SMOKE = "--smoke" in sys.argv
+if SMOKE:  # must precede the first import of moemesh.ops: triton.jit reads it then
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["MOEMESH_KERNELS"] = "triton"
+OUT = os.environ.get("OUT")
+CACHE_DIR = None
+if OUT and "TRITON_CACHE_DIR" not in os.environ:
+    CACHE_DIR = os.path.join(OUT, "triton-cache")
+    os.environ["TRITON_CACHE_DIR"] = CACHE_DIR
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from moemesh.ops import combine, linear_cross_entropy, permute, swiglu  # noqa: E402
+from moemesh.ops.combine import _Combine, combine_reference, combine_triton  # noqa: E402
+from moemesh.ops.linear_cross_entropy import linear_cross_entropy_reference  # noqa: E402
+from moemesh.ops.permute import _PermuteRows, permute_rows_reference, permute_rows_triton  # noqa: E402
+from moemesh.ops.permute import routing_layout  # noqa: E402
+from moemesh.ops.swiglu import _SwiGLU, swiglu_reference, swiglu_triton  # noqa: E402
+
+DEVICE = "cpu" if SMOKE else "cuda"
+DTYPE = torch.bfloat16
+# Qwen3-30B-A3B-like MoE layer and Qwen vocabulary; the smoke sizes only exercise the code.
+SIZES = dict(tokens=16384, k=8, hidden=2048, experts=128, inner=768, vocab=151936, copy_bytes=2**30)
+if SMOKE:
+    SIZES = dict(tokens=64, k=2, hidden=130, experts=8, inner=40, vocab=500, copy_bytes=2**20)
+BF16_TOLERANCE = 1e-2  # bf16 keeps 8 mantissa bits: ~4e-3 relative per rounding, a few roundings
+LINES = []
+
+
+def report(line=""):
+    print(line, flush=True)
+    LINES.append(line)
+
+
+def sync():
+    if not SMOKE:
+        torch.cuda.synchronize()
+
+
+def bench_ms(fn, grad_to_none=None, rep=100):
+    """Median milliseconds per call, over about `rep` ms of calls."""
+    if SMOKE:
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    import triton.testing
+
+    return triton.testing.do_bench(fn, rep=rep, grad_to_none=grad_to_none, return_mode="median")
+
+
+def peak_mib(fn):
+    """Peak memory allocated while `fn` runs, beyond what was allocated before (MiB)."""
+    if SMOKE:
+        fn()
+        return float("nan")
+    sync()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    sync()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def rel_err(actual, expected):
+    return ((actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)).item()
+
+
+def backward(out, inputs, grad):
+    """A function that runs the backward of an already-built graph (repeatable)."""
+    return lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True)
+
+
+def routing(tokens, experts, k):
+    topk_ids = torch.rand(tokens, experts, device=DEVICE).topk(k, dim=1).indices
+    weights = torch.softmax(torch.randn(tokens, k, device=DEVICE), dim=1)  # fp32 router weights
+    return topk_ids, weights
+
+
+def copy_bandwidth():
+    """GB/s of a large device-to-device copy (bytes read + written)."""
+    src = torch.empty(SIZES["copy_bytes"] // 2, dtype=DTYPE, device=DEVICE)
+    dst = torch.empty_like(src)
+    return 2 * SIZES["copy_bytes"] / bench_ms(lambda: dst.copy_(src)) / 1e6
+
+
+def bandwidth_rows(copy_gbps):
+    """permute / combine / swiglu, forward and backward: moemesh vs the plain PyTorch index path."""
+    tokens, k, hidden, experts, inner = (SIZES[n] for n in ("tokens", "k", "hidden", "experts", "inner"))
+    e = torch.finfo(DTYPE).bits // 8
+    x = torch.randn(tokens, hidden, dtype=DTYPE, device=DEVICE, requires_grad=True)
+    topk_ids, weights = routing(tokens, experts, k)
+    weights.requires_grad_()
+    position, _, _, host_offsets = routing_layout(x, topk_ids, experts, align=1)
+    n = host_offsets[-1]  # = tokens * k: align 1 leaves no padding rows
+    grouped = torch.randn(n, hidden, dtype=DTYPE, device=DEVICE, requires_grad=True)
+    gate_up = torch.randn(n, 2 * inner, dtype=DTYPE, device=DEVICE, requires_grad=True)
+
+    # The plain PyTorch path (as in transformers' MoE blocks) indexes per grouped row: its token
+    # and its routing weight, gathers with x[idx] and sums with index_add; autograd does the rest.
+    row_token = torch.empty(n, dtype=torch.long, device=DEVICE)
+    row_token[position.reshape(-1)] = torch.arange(tokens, device=DEVICE).repeat_interleave(k)
+    no_weight = torch.empty(n, dtype=weights.dtype, device=DEVICE)
+
+    def torch_combine(grouped, weights):
+        row_weight = no_weight.index_put((position.reshape(-1),), weights.reshape(-1)).to(DTYPE)
+        out = torch.zeros(tokens, hidden, dtype=DTYPE, device=DEVICE)
+        return out.index_add(0, row_token, grouped * row_weight[:, None])
+
+    def torch_swiglu(gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    index = tokens * k * 8  # bytes of `position`; the fp32 routing weights are half that
+    ops = [  # name, inputs, output grad, moemesh, torch, fwd bytes, bwd bytes (minimal read+write)
+        ("permute", (x,), torch.randn_like(grouped),
+         lambda x: _PermuteRows.apply(x, position, n), lambda x: x[row_token],
+         (tokens + n) * hidden * e + index, (n + tokens) * hidden * e + index),
+        # bwd: grad_out read once, grouped read for the weight gradient, grad of grouped written
+        ("combine", (grouped, weights), torch.randn_like(x),
+         lambda g, w: _Combine.apply(g, position, w), torch_combine,
+         (n + tokens) * hidden * e + index * 3 // 2, (tokens + 2 * n) * hidden * e + index * 2),
+        ("swiglu", (gate_up,), torch.randn(n, inner, dtype=DTYPE, device=DEVICE),
+         _SwiGLU.apply, torch_swiglu, n * 3 * inner * e, n * 5 * inner * e),
+    ]  # fmt: skip
+
+    report(f"T={tokens} k={k} H={hidden} E={experts} I={inner} {str(DTYPE)[6:]}, fp32 router weights, align 1")
+    report("effective GB/s = minimal bytes read+written / time (the same count for both columns);")
+    report("peak MiB = memory allocated during one fwd+bwd beyond its inputs")
+    header = f"{'ms':>9}{'GB/s':>7}{'%copy':>7}{'MiB':>7}"
+    report(f"{'':<13}{'moemesh':^30}{'torch index path':^30}")
+    report(f"{'op':<13}{header}{header}{'speedup':>9}")
+    for name, inputs, grad, ours, plain, fwd_bytes, bwd_bytes in ops:
+        cells = {"fwd": [], "bwd": []}
+        for impl in (ours, plain):
+            graph = impl(*inputs)
+            timings = {"fwd": bench_ms(lambda: impl(*inputs)), "bwd": bench_ms(backward(graph, inputs, grad))}
+            del graph
+            peak = peak_mib(lambda: torch.autograd.grad(impl(*inputs), inputs, grad))
+            for phase, nbytes in (("fwd", fwd_bytes), ("bwd", bwd_bytes)):
+                ms, gbps = timings[phase], nbytes / timings[phase] / 1e6
+                cells[phase].append((ms, f"{ms:>9.3f}{gbps:>7.0f}{gbps / copy_gbps:>7.0%}{peak:>7.0f}"))
+        for phase, ((ours_ms, ours_cell), (plain_ms, plain_cell)) in cells.items():
+            report(f"{name + ' ' + phase:<13}{ours_cell}{plain_cell}{plain_ms / ours_ms:>8.2f}x")
+    index_ms = bench_ms(lambda: routing_layout(x, topk_ids, experts, 1))
+    report(f"permute's index math (torch: sort, searchsorted, one host sync): {index_ms:.3f} ms")
+
+
+def linear_cross_entropy_rows():
+    tokens, hidden, vocab = SIZES["tokens"], SIZES["hidden"], SIZES["vocab"]
+    hidden_states = torch.randn(tokens, hidden, dtype=DTYPE, device=DEVICE, requires_grad=True)
+    weight = (torch.randn(vocab, hidden, device=DEVICE) * hidden**-0.5).to(DTYPE).requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), device=DEVICE)
+
+    def ours():
+        linear_cross_entropy(hidden_states, weight, labels).backward()
+
+    def plain():
+        F.cross_entropy((hidden_states @ weight.T).float(), labels).backward()
+
+    report(f"linear_cross_entropy, fwd+bwd: T={tokens} H={hidden} V={vocab} {str(DTYPE)[6:]}")
+    report(f"{'':<28}{'ms':>9}{'peak GiB':>10}")
+    results = {}
+    for name, fn in (("moemesh linear_cross_entropy", ours), ("F.cross_entropy(fp32 logits)", plain)):
+        ms = bench_ms(fn, grad_to_none=[hidden_states, weight], rep=600)  # ~50 ms a call
+        hidden_states.grad = weight.grad = None
+        gib = peak_mib(fn) / 1024
+        hidden_states.grad = weight.grad = None
+        results[name] = (ms, gib)
+        report(f"{name:<28}{ms:>9.2f}{gib:>10.2f}")
+    (ours_ms, ours_gib), (plain_ms, plain_gib) = results.values()
+    report(f"{'ratio torch / moemesh':<28}{plain_ms / ours_ms:>8.2f}x{plain_gib / ours_gib:>9.2f}x")
+
+
+def correctness_rows():
+    """bf16 kernels vs the op's reference run in fp32 on the same (upcast) inputs."""
+    tokens, k, hidden, experts, inner, vocab = (
+        SIZES[n] for n in ("tokens", "k", "hidden", "experts", "inner", "vocab")
+    )
+    results = []
+
+    def check(op, quantity, got, want):
+        results.append((op, quantity, rel_err(got, want)))
+
+    def fp32_copy(t):
+        return t.detach().float().requires_grad_(t.requires_grad)
+
+    x = torch.randn(tokens, hidden, dtype=DTYPE, device=DEVICE, requires_grad=True)
+    topk_ids, weights = routing(tokens, experts, k)
+    weights.requires_grad_()
+    layout = permute(x, topk_ids, experts, align=16)
+    x32 = fp32_copy(x)
+    want = permute_rows_reference(x32, layout.position, layout.host_offsets[-1])
+    check("permute", "out", layout.grouped, want)
+    grad = torch.randn_like(want)
+    got_grad, want_grad = torch.autograd.grad(layout.grouped, x, grad.to(DTYPE)), torch.autograd.grad(want, x32, grad)
+    check("permute", "grad x", got_grad[0], want_grad[0])
+
+    grouped = torch.randn(layout.host_offsets[-1], hidden, dtype=DTYPE, device=DEVICE, requires_grad=True)
+    g32, w32 = fp32_copy(grouped), fp32_copy(weights)
+    out, want = combine(grouped, layout.position, weights), combine_reference(g32, layout.position, w32)
+    check("combine", "out", out, want)
+    grad = torch.randn_like(want)
+    got_grads = torch.autograd.grad(out, (grouped, weights), grad.to(DTYPE))
+    want_grads = torch.autograd.grad(want, (g32, w32), grad)
+    check("combine", "grad grouped", got_grads[0], want_grads[0])
+    check("combine", "grad weights", got_grads[1], want_grads[1])
+
+    gate_up = torch.randn(tokens * k, 2 * inner, dtype=DTYPE, device=DEVICE, requires_grad=True)
+    gu32 = fp32_copy(gate_up)
+    out, want = swiglu(gate_up), swiglu_reference(gu32)
+    check("swiglu", "out", out, want)
+    grad = torch.randn_like(want)
+    got_grad, want_grad = torch.autograd.grad(out, gate_up, grad.to(DTYPE)), torch.autograd.grad(want, gu32, grad)
+    check("swiglu", "grad", got_grad[0], want_grad[0])
+
+    h = torch.randn(tokens, hidden, dtype=DTYPE, device=DEVICE, requires_grad=True)
+    w = (torch.randn(vocab, hidden, device=DEVICE) * hidden**-0.5).to(DTYPE).requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), device=DEVICE)
+    labels[::7] = -100
+    h32, w32 = fp32_copy(h), fp32_copy(w)
+    loss = linear_cross_entropy(h, w, labels, z_loss=1e-4)
+    want = linear_cross_entropy_reference(h32, w32, labels, z_loss=1e-4)
+    check("linear_cross_entropy", "loss", loss, want)
+    got_grads, want_grads = torch.autograd.grad(loss, (h, w)), torch.autograd.grad(want, (h32, w32))
+    check("linear_cross_entropy", "grad hidden", got_grads[0], want_grads[0])
+    check("linear_cross_entropy", "grad weight", got_grads[1], want_grads[1])
+    del h32, w32, want, want_grads, got_grads
+
+    # On the GPU at full size; in the smoke run a tiny one, only to run the code.
+    results += int64_index_checks(8, 2048, 2**31) if not SMOKE else int64_index_checks(k, hidden, 2**14)
+    report(f"bf16 vs fp32 reference, relative error ||out - ref|| / ||ref||, tolerance {BF16_TOLERANCE:g}")
+    for op, quantity, err in results:
+        verdict = "ok" if err <= BF16_TOLERANCE else "FAIL"
+        report(f"{op:<22}{quantity:<34}{err:>10.2e}  {verdict}")
+    return all(err <= BF16_TOLERANCE for _, _, err in results)
+
+
+def int64_index_checks(k, hidden, min_elements):
+    """N * H passes `min_elements` (2**31 on the GPU); the last tokens' rows are where 32-bit
+    offsets would wrap."""
+    last = 64
+    tokens = min_elements // (k * hidden) + last
+    x = torch.randn(tokens, hidden, dtype=DTYPE, device=DEVICE, requires_grad=True)
+    topk_ids, weights = routing(tokens, 16, k)
+    layout = permute(x, topk_ids, 16)
+    rows = layout.position[-last:].reshape(-1)  # the last tokens' copies, (token, slot) order
+    x_last = x.detach()[-last:].float()
+    size = f"N*H = {layout.host_offsets[-1] * hidden / 2**31:.3g} * 2^31"
+    copies = x_last.repeat_interleave(k, dim=0)
+    results = [("permute", f"out, last tokens, {size}", rel_err(layout.grouped[rows], copies))]
+    grad_x = torch.autograd.grad(layout.grouped, x, layout.grouped.detach())[0]  # = k * x
+    results.append(("permute", "grad x, last tokens", rel_err(grad_x[-last:], k * x_last)))
+    del grad_x
+    out = combine(layout.grouped, layout.position, weights)  # weights sum to 1: out = x
+    results.append(("combine", "out, last tokens", rel_err(out[-last:], x_last)))
+    grad_grouped = torch.autograd.grad(out, layout.grouped, torch.ones_like(out))[0]  # rows: weights
+    want = weights[-last:].reshape(-1, 1).expand(-1, hidden)
+    results.append(("combine", "grad grouped, last tokens", rel_err(grad_grouped[rows], want)))
+    del out, grad_grouped
+    gate_up = layout.grouped.detach().view(-1, 2 * hidden)  # rows * 2I passes 2**31 too
+    want = swiglu_reference(gate_up[-last:].float())
+    results.append(("swiglu", "out, last rows", rel_err(swiglu(gate_up)[-last:], want)))
+    return results
+
+
+def main():
+    if not SMOKE and not torch.cuda.is_available():
+        sys.exit("bench/kernels.py needs a CUDA GPU (or --smoke for a CPU dry run)")
+    torch.manual_seed(0)
+    device_name = "CPU smoke run (timings meaningless)" if SMOKE else torch.cuda.get_device_name()
+    import triton
+
+    report(f"moemesh kernel benchmark on {device_name}; torch {torch.__version__}, triton {triton.__version__}")
+    copy_gbps = copy_bandwidth()
+    report(f"device copy bandwidth (dst.copy_(src), {SIZES['copy_bytes'] / 2**20:.0f} MiB): {copy_gbps:.0f} GB/s")
+    report()
+    bandwidth_rows(copy_gbps)
+    report()
+    linear_cross_entropy_rows()
+    report()
+    all_ok = correctness_rows()
+    report()
+    bench_moe_block()
+    if OUT:
+        with open(os.path.join(OUT, "kernels.txt"), "w") as f:
+            f.write("\n".join(LINES) + "\n")
+    return 0 if all_ok else 1
+
+
+if __name__ == "__main__":
+    try:
+        status = main()
+    finally:
+        if CACHE_DIR:
+            shutil.rmtree(CACHE_DIR, ignore_errors=True)
+    sys.exit(status)

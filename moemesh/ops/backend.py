@@ -1,0 +1,79 @@
+"""Which implementation an op runs: its Triton kernel or its PyTorch reference.
+
+`MOEMESH_KERNELS` chooses, read at every call (so tests can switch it):
+  auto (default)  Triton on CUDA tensors, the reference anywhere else;
+  triton          always Triton; CPU tensors need `TRITON_INTERPRET=1` (Triton's interpreter);
+  torch           always the reference.
+
+Triton is optional: without it `import moemesh.ops` still works and the references run. The kernel
+files decorate their kernels with `triton.jit` at import time, so where Triton is missing a
+stand-in `triton`/`tl` (the same trick torch._inductor uses) lets those definitions load unused.
+"""
+
+import os
+
+import torch
+
+from moemesh.errors import ConfigError
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:
+    HAVE_TRITON = False
+
+    class triton:  # noqa: N801 - stand-in for the module
+        @staticmethod
+        def jit(fn):
+            return fn
+
+    class tl:  # noqa: N801 - stand-in for the module
+        constexpr = None
+
+# `triton.jit` picks the interpreter when a kernel is *defined*, i.e. when moemesh.ops is imported,
+# which happens right after this module is imported; setting the variable later has no effect.
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+_MODES = ("auto", "triton", "torch")
+
+
+def kernel_mode() -> str:
+    mode = os.environ.get("MOEMESH_KERNELS", "auto").strip().lower() or "auto"
+    if mode not in _MODES:
+        raise ConfigError(f"MOEMESH_KERNELS={mode!r}: expected one of {', '.join(_MODES)}")
+    return mode
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    """True when the op on `tensor` should run its Triton kernel, False for the reference."""
+    mode = kernel_mode()
+    if mode == "torch":
+        return False
+    if mode == "auto":
+        return HAVE_TRITON and tensor.is_cuda
+    if not HAVE_TRITON:
+        raise ConfigError("MOEMESH_KERNELS=triton, but the triton package is not installed")
+    if not tensor.is_cuda and not INTERPRETED:
+        raise ConfigError(
+            "MOEMESH_KERNELS=triton on a CPU tensor needs TRITON_INTERPRET=1 in the environment "
+            "before moemesh.ops is imported"
+        )
+    return True
+
+
+def block_size(n: int, smallest: int = 16, largest: int = 1024) -> int:
+    """Power-of-two tile width covering `n` columns, clamped to [smallest, largest]; the kernels
+    mask the tail, so any `n` works."""
+    return max(smallest, min(largest, 1 << max(n - 1, 0).bit_length()))
+
+
+def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Autocast does not reach custom ops: cast their matmul inputs to its dtype ourselves, as it
+    would for a linear layer."""
+    device_type = tensors[0].device.type
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) for t in tensors)

@@ -1,0 +1,129 @@
+"""Combine: weighted ragged gather that brings expert outputs back to their tokens.
+
+    out[t] = sum_j weights[t, j] * grouped[position[t, j]]       (fp32 accumulation)
+
+`position` comes from `permute` and must map distinct (token, slot) pairs to distinct rows.
+
+The backward is a fan-out: one program per token reads its `grad_out` row k times (from cache),
+writes `weights[t, j] * grad_out[t]` to row position[t, j] of the gradient of `grouped`, and in the
+same pass computes the routing-weight gradient <grad_out[t], grouped[position[t, j]]> -- with no
+padded [T*k, H] fp32 intermediate. Rows of `grouped` that no token maps to (padding) get zeros.
+"""
+
+import torch
+
+from moemesh.ops.backend import block_size, tl, triton, use_triton
+from moemesh.ops.permute import padding_rows
+
+
+def combine(grouped: torch.Tensor, position: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """`grouped [N, H]`, `position [T, k]`, `weights [T, k]` -> `out [T, H]` in grouped.dtype."""
+    if grouped.dim() != 2 or position.dim() != 2 or weights.shape != position.shape:
+        raise ValueError(
+            f"need grouped [N, H], position [T, k], weights [T, k]; got {tuple(grouped.shape)}, "
+            f"{tuple(position.shape)}, {tuple(weights.shape)}"
+        )
+    if use_triton(grouped):
+        return _Combine.apply(grouped, position, weights)
+    return combine_reference(grouped, position, weights)
+
+
+def combine_reference(grouped: torch.Tensor, position: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    num_tokens, k = position.shape
+    compute = torch.promote_types(grouped.dtype, torch.float32)  # fp32, or fp64 for gradcheck
+    rows = grouped[position.reshape(-1)].to(compute).view(num_tokens, k, grouped.shape[1])
+    return (weights.to(compute).unsqueeze(-1) * rows).sum(dim=1).to(grouped.dtype)
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, grouped, position, weights):
+        grouped, position, weights = grouped.contiguous(), position.contiguous(), weights.contiguous()
+        # The expert outputs are kept only for the routing-weight gradient.
+        ctx.save_for_backward(grouped if ctx.needs_input_grad[2] else None, position, weights)
+        ctx.num_rows = grouped.shape[0]
+        return combine_triton(grouped, position, weights)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grouped, position, weights = ctx.saved_tensors
+        grad_grouped, grad_weights = combine_backward_triton(
+            grad_out, position, weights, ctx.num_rows, grouped, need_grouped=ctx.needs_input_grad[0]
+        )
+        return grad_grouped, None, grad_weights
+
+
+def combine_triton(grouped: torch.Tensor, position: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    num_tokens, k = position.shape
+    hidden = grouped.shape[1]
+    out = grouped.new_empty(num_tokens, hidden)
+    if out.numel() == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    block = block_size(hidden)
+    grid = (num_tokens, triton.cdiv(hidden, block))
+    _combine_kernel[grid](grouped, position, weights, out, hidden, k, BLOCK_H=block)
+    return out
+
+
+def combine_backward_triton(grad_out, position, weights, num_rows, grouped=None, need_grouped=True):
+    """Gradients of combine for `grad_out [T, H]`: of `grouped` ([num_rows, H]; None unless
+    need_grouped) and of `weights` (None unless the forward's `grouped` is given)."""
+    grad_out = grad_out.contiguous()
+    num_tokens, k = position.shape
+    hidden = grad_out.shape[1]
+    need_weights = grouped is not None
+    grad_grouped = grad_out.new_empty(num_rows, hidden) if need_grouped else None
+    grad_weights = torch.zeros_like(weights) if need_weights else None
+    if need_grouped and num_rows > position.numel():
+        grad_grouped.index_fill_(0, padding_rows(position, num_rows), 0)
+    if (need_grouped or need_weights) and num_tokens * k * hidden > 0:
+        block = block_size(hidden)
+        _combine_backward_kernel[(num_tokens,)](
+            grad_out, grouped if need_weights else grad_out, position, weights,
+            grad_grouped if need_grouped else grad_out,  # placeholder pointers are never touched
+            grad_weights if need_weights else weights,
+            hidden, k, BLOCK_H=block, NEED_GROUPED=need_grouped, NEED_WEIGHTS=need_weights,
+        )  # fmt: skip
+    return grad_grouped, grad_weights
+
+
+@triton.jit
+def _combine_kernel(grouped_ptr, position_ptr, weights_ptr, out_ptr, hidden, k, BLOCK_H: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)  # 64-bit: row * hidden can pass 2**31
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < hidden
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in range(k):
+        row = tl.load(position_ptr + token * k + j).to(tl.int64)
+        weight = tl.load(weights_ptr + token * k + j).to(tl.float32)
+        acc += weight * tl.load(grouped_ptr + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _combine_backward_kernel(
+    grad_out_ptr, grouped_ptr, position_ptr, weights_ptr, grad_grouped_ptr, grad_weights_ptr,
+    hidden, k, BLOCK_H: tl.constexpr, NEED_GROUPED: tl.constexpr, NEED_WEIGHTS: tl.constexpr,
+):  # fmt: skip
+    # One program per token walks the whole row, so the weight gradient's dot product over H needs
+    # no cross-program reduction (deterministic, no atomics).
+    token = tl.program_id(0).to(tl.int64)
+    for j in range(k):
+        row = tl.load(position_ptr + token * k + j).to(tl.int64)
+        weight = tl.load(weights_ptr + token * k + j).to(tl.float32)
+        dot = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for start in range(0, hidden, BLOCK_H):
+            cols = start + tl.arange(0, BLOCK_H)
+            mask = cols < hidden
+            grad = tl.load(grad_out_ptr + token * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+            if NEED_GROUPED:
+                value = (weight * grad).to(grad_grouped_ptr.dtype.element_ty)
+                tl.store(grad_grouped_ptr + row * hidden + cols, value, mask=mask)
+            if NEED_WEIGHTS:
+                expert_out = tl.load(grouped_ptr + row * hidden + cols, mask=mask, other=0.0)
+                dot += grad * expert_out.to(tl.float32)
+        if NEED_WEIGHTS:
+            grad_weight = tl.sum(dot, axis=0).to(grad_weights_ptr.dtype.element_ty)
+            tl.store(grad_weights_ptr + token * k + j, grad_weight)

@@ -1,0 +1,151 @@
+"""Permute: copy each token's row once per routed expert, grouped by expert, for the expert GEMMs.
+
+Routing sends token t to k experts (`topk_ids[t]`). `permute` builds `grouped`, whose rows are
+sorted by expert and, within an expert, by (token, slot); each expert's group is padded with zero
+rows to a multiple of `align` (some grouped-GEMM kernels want aligned groups). `position[t, j]` is
+the row of `grouped` that holds token t's copy for its j-th expert; `combine` uses it to come back.
+
+The index arithmetic (sort, searchsorted, cumsum) is plain torch. The row copy is a Triton kernel
+that reads each token row once and writes its k copies; its backward sums the k copies' gradients
+back into the token row, and saves only `position` -- never `x`.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moemesh.ops.backend import block_size, tl, triton, use_triton
+
+
+@dataclass(frozen=True)
+class Permuted:
+    grouped: torch.Tensor  # [N, H] token rows grouped by expert, zero rows as padding
+    position: torch.Tensor  # [T, k] int64: row of `grouped` holding token t's copy for slot j
+    counts: torch.Tensor  # [E] int64: real (unpadded) rows per expert
+    offsets: torch.Tensor  # [E + 1] int64: padded group starts; offsets[-1] == N
+    host_offsets: tuple[int, ...]  # `offsets` on the host, for a grouped GEMM's CPU loop
+
+    @property
+    def group_sizes(self) -> tuple[int, ...]:
+        """Padded rows per expert, on the host (no device sync)."""
+        return tuple(b - a for a, b in zip(self.host_offsets[:-1], self.host_offsets[1:]))
+
+
+def permute(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, align: int = 1) -> Permuted:
+    """Group `x [T, H]` by expert for `topk_ids [T, k]`. Synchronises with the device once, to size
+    `grouped` (N depends on the routing); `host_offsets` comes from that same copy."""
+    position, counts, offsets, host_offsets = routing_layout(x, topk_ids, num_experts, align)
+    num_rows = host_offsets[-1]
+    if use_triton(x):
+        grouped = _PermuteRows.apply(x, position, num_rows)
+    else:
+        grouped = permute_rows_reference(x, position, num_rows)
+    return Permuted(grouped, position, counts, offsets, host_offsets)
+
+
+def permute_reference(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, align: int = 1) -> Permuted:
+    """`permute` in plain torch (autograd does the backward)."""
+    position, counts, offsets, host_offsets = routing_layout(x, topk_ids, num_experts, align)
+    grouped = permute_rows_reference(x, position, host_offsets[-1])
+    return Permuted(grouped, position, counts, offsets, host_offsets)
+
+
+def routing_layout(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, align: int):
+    """(position [T, k], counts [E], offsets [E + 1], host_offsets) for `topk_ids [T, k]`."""
+    if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        shapes = f"{tuple(x.shape)} and {tuple(topk_ids.shape)}"
+        raise ValueError(f"need x [T, H] and topk_ids [T, k], got {shapes}")
+    if num_experts < 1 or align < 1:
+        raise ValueError(f"num_experts ({num_experts}) and align ({align}) must be >= 1")
+    expert = topk_ids.reshape(-1).long()  # (token, slot) order
+    order = torch.argsort(expert, stable=True)  # stable: (token, slot) order within an expert
+    sorted_expert = expert[order]
+    # starts[e] = number of entries whose expert id is below e (e = 0 .. E); no sync, unlike bincount
+    starts = torch.searchsorted(sorted_expert, torch.arange(num_experts + 1, device=expert.device))
+    counts = starts.diff()
+    padded = (counts + align - 1) // align * align
+    offsets = F.pad(padded.cumsum(0), (1, 0))
+    host = torch.cat([starts[[0, -1]], offsets]).tolist()  # the one host sync
+    if host[0] != 0 or host[1] != expert.numel():
+        raise ValueError(f"topk_ids holds expert ids outside [0, num_experts={num_experts})")
+    host_offsets = tuple(host[2:])
+    rank = torch.arange(expert.numel(), device=expert.device) - starts[sorted_expert]  # within its expert
+    position = torch.empty_like(expert)
+    position[order] = offsets[sorted_expert] + rank
+    return position.view(topk_ids.shape), counts, offsets, host_offsets
+
+
+def padding_rows(position: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Rows of an `[num_rows, H]` grouped tensor that no (token, slot) of `position` maps to, in
+    increasing order. No host sync: their number is num_rows - position.numel()."""
+    covered = torch.zeros(num_rows, dtype=torch.uint8, device=position.device)
+    covered[position.reshape(-1)] = 1
+    return torch.sort(covered, stable=True).indices[: num_rows - position.numel()]  # zeros first
+
+
+def permute_rows_reference(x: torch.Tensor, position: torch.Tensor, num_rows: int) -> torch.Tensor:
+    copies = x.repeat_interleave(position.shape[1], dim=0)  # [T*k, H] in (token, slot) order
+    return x.new_zeros(num_rows, x.shape[1]).index_copy(0, position.reshape(-1), copies)
+
+
+class _PermuteRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, position, num_rows):
+        ctx.save_for_backward(position)
+        return permute_rows_triton(x, position, num_rows)
+
+    @staticmethod
+    def backward(ctx, grad_grouped):
+        (position,) = ctx.saved_tensors
+        return unpermute_sum_triton(grad_grouped, position), None, None
+
+
+def permute_rows_triton(x: torch.Tensor, position: torch.Tensor, num_rows: int) -> torch.Tensor:
+    x, position = x.contiguous(), position.contiguous()
+    num_tokens, hidden = x.shape
+    grouped = x.new_empty(num_rows, hidden)
+    if num_rows > position.numel():
+        grouped.index_fill_(0, padding_rows(position, num_rows), 0)
+    if x.numel() > 0 and position.numel() > 0:  # a launch grid must not be empty
+        block = block_size(hidden)
+        grid = (num_tokens, triton.cdiv(hidden, block))
+        _permute_rows_kernel[grid](x, position, grouped, hidden, position.shape[1], BLOCK_H=block)
+    return grouped
+
+
+def unpermute_sum_triton(grad_grouped: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """grad_x[t] = sum_j grad_grouped[position[t, j]], accumulated in fp32."""
+    grad_grouped, position = grad_grouped.contiguous(), position.contiguous()
+    num_tokens, k = position.shape
+    hidden = grad_grouped.shape[1]
+    grad_x = grad_grouped.new_empty(num_tokens, hidden)
+    if grad_x.numel() > 0:
+        block = block_size(hidden)
+        grid = (num_tokens, triton.cdiv(hidden, block))
+        _unpermute_sum_kernel[grid](grad_grouped, position, grad_x, hidden, k, BLOCK_H=block)
+    return grad_x
+
+
+@triton.jit
+def _permute_rows_kernel(x_ptr, position_ptr, grouped_ptr, hidden, k, BLOCK_H: tl.constexpr):
+    # One program per (token, column tile): read the token's tile once, write it k times.
+    token = tl.program_id(0).to(tl.int64)  # 64-bit: row * hidden can pass 2**31
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < hidden
+    tile = tl.load(x_ptr + token * hidden + cols, mask=mask)
+    for j in range(k):
+        row = tl.load(position_ptr + token * k + j).to(tl.int64)
+        tl.store(grouped_ptr + row * hidden + cols, tile, mask=mask)
+
+
+@triton.jit
+def _unpermute_sum_kernel(grad_grouped_ptr, position_ptr, grad_x_ptr, hidden, k, BLOCK_H: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < hidden
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in range(k):
+        row = tl.load(position_ptr + token * k + j).to(tl.int64)
+        acc += tl.load(grad_grouped_ptr + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(grad_x_ptr + token * hidden + cols, acc.to(grad_x_ptr.dtype.element_ty), mask=mask)
