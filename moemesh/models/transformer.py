@@ -149,6 +149,9 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor
 
 
 def next_token_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """Mean cross-entropy of the next token, from full logits."""
-    return F.cross_entropy(logits.float().flatten(0, -2), shift_labels(labels, ignore_index).flatten(),
-                           ignore_index=ignore_index)
+    """Mean cross-entropy of the next token, from full logits. With no label to predict it is 0,
+    still attached to the graph (not NaN as transformers gives): a data-parallel rank whose slice
+    has no labels must still run its backward, whose collectives its peers wait for."""
+    targets = shift_labels(labels, ignore_index).flatten()
+    total = F.cross_entropy(logits.float().flatten(0, -2), targets, ignore_index=ignore_index, reduction="sum")
+    return total / (targets != ignore_index).sum().clamp_min(1)

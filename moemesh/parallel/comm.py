@@ -1,0 +1,139 @@
+"""Every collective moemesh issues goes through here: autograd-aware where gradients must flow
+through it, and counted (calls and bytes per kind and phase) so tests can assert exactly what a
+layer communicates, forward and backward."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+calls: Counter[tuple[str, str]] = Counter()  # (kind, "forward" | "backward") -> number of calls
+sent_bytes: Counter[tuple[str, str]] = Counter()  # the same key -> bytes this rank sent
+
+
+def reset_counts() -> None:
+    calls.clear()
+    sent_bytes.clear()
+
+
+def _count(kind: str, phase: str, nbytes: int) -> None:
+    calls[(kind, phase)] += 1
+    sent_bytes[(kind, phase)] += nbytes
+
+
+# ---- all-to-all -----------------------------------------------------------------------------------
+
+
+def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Rows of several tensors (any dtypes, same row count) side by side as one byte matrix, so
+    that one all-to-all carries them all."""
+    rows = tensors[0].shape[0]
+    return torch.cat([t.reshape(rows, _row_bytes(t) // t.element_size()).contiguous().view(torch.uint8)
+                      for t in tensors], dim=1)
+
+
+def _unpack(packed: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    out, start = [], 0
+    for t in like:
+        width = _row_bytes(t)
+        piece = packed[:, start:start + width].contiguous().view(t.dtype)
+        out.append(piece.reshape(packed.shape[0], *t.shape[1:]))
+        start += width
+    return out
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    return t.element_size() * int(torch.Size(t.shape[1:]).numel())
+
+
+def _all_to_all_bytes(packed: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                      group, phase: str) -> torch.Tensor:
+    out = packed.new_empty(sum(output_splits), packed.shape[1])
+    _count("all_to_all", phase, packed.numel())
+    dist.all_to_all_single(out, packed, output_splits, input_splits, group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, output_splits, input_splits, group, *tensors):
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        ctx.templates = [t.new_empty(0, *t.shape[1:]) for t in tensors]
+        ctx.differentiable = [t.is_floating_point() for t in tensors]
+        received = _all_to_all_bytes(_pack(list(tensors)), output_splits, input_splits, group, "forward")
+        outputs = _unpack(received, list(tensors))
+        for out, differentiable in zip(outputs, ctx.differentiable):
+            if not differentiable:
+                ctx.mark_non_differentiable(out)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        output_splits, input_splits = ctx.splits
+        floats = [(g if g is not None else torch.zeros(sum(output_splits), *t.shape[1:], dtype=t.dtype,
+                                                           device=t.device))
+                  for g, t, d in zip(grads, ctx.templates, ctx.differentiable) if d]
+        received = _all_to_all_bytes(_pack(floats), input_splits, output_splits, ctx.group, "backward")
+        unpacked = iter(_unpack(received, floats))
+        return (None, None, None, *(next(unpacked) if d else None for d in ctx.differentiable))
+
+
+def all_to_all(tensors: list[torch.Tensor], output_splits: list[int], input_splits: list[int],
+               group) -> list[torch.Tensor]:
+    """Send rows [sum(input_splits[:p]), +input_splits[p]) of every tensor to rank p of `group`,
+    receive output_splits[p] rows from each; all tensors travel in one message. Gradients of the
+    floating-point tensors come back by the reverse all-to-all."""
+    return list(_AllToAll.apply(output_splits, input_splits, group, *tensors))
+
+
+def exchange_sizes(sizes: torch.Tensor, group) -> torch.Tensor:
+    """sizes[p] (a row of counts) goes to rank p; returns what every rank sent here, on the CPU,
+    because the all-to-all that follows needs its split sizes on the host."""
+    out = torch.empty_like(sizes)
+    _count("exchange_sizes", "forward", sizes.numel() * sizes.element_size())
+    dist.all_to_all_single(out, sizes.contiguous(), group=group)
+    return out.cpu()
+
+
+# ---- all-reduce -----------------------------------------------------------------------------------
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """y = Σ_ranks x. Every rank uses y, so the gradient of its x is the sum of all ranks'
+    gradients of y."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        y = x.clone()
+        _count("all_reduce", "forward", y.numel() * y.element_size())
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        _count("all_reduce", "backward", grad.numel() * grad.element_size())
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
+    """Differentiable sum over the ranks of `group` (a no-op for a one-rank group)."""
+    return x if group is None else _AllReduceSum.apply(x, group)
+
+
+def all_reduce_sum_(tensors: list[torch.Tensor], group, kind: str = "all_reduce") -> None:
+    """Sum tensors in place over `group`, flattened into one buffer so it is one collective.
+    Not differentiable: for gradients after backward and for statistics."""
+    if group is None:
+        return
+    for dtype in sorted({t.dtype for t in tensors}, key=str):
+        same = [t for t in tensors if t.dtype == dtype]
+        flat = torch.cat([t.reshape(-1) for t in same])
+        _count(kind, "step", flat.numel() * flat.element_size())
+        dist.all_reduce(flat, group=group)
+        for t, piece in zip(same, flat.split([t.numel() for t in same])):
+            t.copy_(piece.view_as(t))

@@ -1,0 +1,53 @@
+"""Data parallelism over the "batch" group (dp × ep ranks, each with a contiguous slice of every
+micro-batch): the load-balancing statistics are summed over the group in the forward pass, and
+gradients are summed after backward — dense ones over the whole group, expert ones over the ranks
+that hold the same experts."""
+
+from __future__ import annotations
+
+import torch
+
+from moemesh.models.moe import RouterStats
+from moemesh.models.transformer import MoECausalLM, shift_labels
+from moemesh.parallel import comm
+from moemesh.parallel.expert import is_expert_parameter
+from moemesh.parallel.mesh import Mesh
+
+
+def apply_data_parallel(model: MoECausalLM, mesh: Mesh) -> MoECausalLM:
+    group, ranks = mesh.group("batch"), mesh.dims.batch_size
+    if group is None:
+        return model
+
+    def reduce_router_stats(stats: list[RouterStats]) -> list[RouterStats]:
+        layers = len(stats)
+        summed = comm.all_reduce_sum(torch.cat([torch.stack([s.counts for s in stats]),
+                                                torch.stack([s.prob_sum for s in stats])]), group)
+        # every rank holds an equal slice, so the micro-batch has ranks × the local tokens
+        return [RouterStats(summed[i], summed[layers + i], s.num_tokens * ranks) for i, s in enumerate(stats)]
+
+    model.reduce_router_stats = reduce_router_stats
+    return model
+
+
+def reduce_gradients(model: MoECausalLM, mesh: Mesh) -> None:
+    """Sum every gradient over the ranks that computed a share of it."""
+    dense, experts = [], []
+    for name, param in model.named_parameters():
+        if param.grad is not None:
+            (experts if is_expert_parameter(name) else dense).append(param.grad)
+    comm.all_reduce_sum_(dense, mesh.group("batch"), kind="grad_all_reduce")
+    comm.all_reduce_sum_(experts, mesh.group("dp"), kind="grad_all_reduce")
+
+
+def rank_loss(ce_loss: torch.Tensor, aux_loss: torch.Tensor | None, local_labels: torch.Tensor,
+              micro_batch_label_tokens: int, aux_coef: float, ranks: int) -> torch.Tensor:
+    """This rank's share of the micro-batch loss. Summed over the batch group it is the loss one
+    process computes on the whole micro-batch: the cross-entropy is weighted by this rank's share
+    of the labelled tokens, and the aux loss (identical on every rank, from summed statistics) is
+    split evenly."""
+    local_tokens = int((shift_labels(local_labels) != -100).sum())
+    loss = ce_loss * (local_tokens / max(micro_batch_label_tokens, 1))
+    if aux_loss is not None:
+        loss = loss + aux_coef * aux_loss / ranks
+    return loss

@@ -1,0 +1,79 @@
+"""A pool of worker processes joined in one gloo process group, started once per test module and
+reused by many checks: `pool.run(fn, *args)` runs the module-level function `fn(rank, *args)` on
+every rank and returns the per-rank results, or raises with the failing rank's traceback.
+
+A check that hangs (a collective waiting for a peer) fails after `timeout_s` instead of blocking
+the suite."""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, tasks, results, timeout_s: float) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)  # several ranks share the machine's few cores
+    # Collectives give up before the parent does, so a rank stuck on a failed peer reports too.
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s / 2))
+    while (task := tasks.get()) is not None:
+        fn, args = task
+        try:
+            results.put((rank, True, fn(rank, *args)))
+        except BaseException:  # report every failure to the parent, then keep serving
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class WorkerPool:
+    def __init__(self, world_size: int, timeout_s: float = 120.0):
+        context = mp.get_context("spawn")
+        self.world_size, self.timeout_s = world_size, timeout_s
+        self.tasks = [context.Queue() for _ in range(world_size)]
+        self.results = context.Queue()
+        port = _free_port()
+        self.processes = [context.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results,
+                                                                 timeout_s), daemon=True)
+                          for r in range(world_size)]
+        for p in self.processes:
+            p.start()
+
+    def run(self, fn, *args) -> list:
+        for q in self.tasks:
+            q.put((fn, args))
+        outcomes = {}
+        while len(outcomes) < self.world_size:
+            try:
+                rank, ok, value = self.results.get(timeout=self.timeout_s)
+            except queue.Empty:
+                missing = sorted(set(range(self.world_size)) - set(outcomes))
+                outcomes.update({r: (False, f"did not finish within {self.timeout_s:.0f}s") for r in missing})
+                break
+            outcomes[rank] = (ok, value)
+        failures = [f"rank {r}: {v}" for r, (ok, v) in sorted(outcomes.items()) if not ok]
+        if failures:
+            raise AssertionError(f"{fn.__name__} failed on {len(failures)} rank(s)\n" + "\n".join(failures))
+        return [outcomes[r][1] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        for q in self.tasks:
+            q.put(None)
+        for p in self.processes:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()

@@ -1,0 +1,157 @@
+"""Expert parallelism on 4 CPU processes (gloo), fp32, against one process.
+
+Every check builds the full model from the same seed on every rank, computes the single-process
+reference itself, then shards (EP over 4 ranks, or 2 EP ranks × 2 data-parallel replicas) and
+compares loss, logits and every gradient. Tolerance 1e-5 relative: the sharded run adds the same
+fp32 terms in another order (partial sums per rank), which moves results by ~1e-7."""
+
+import pytest
+import torch
+
+from moemesh.models import ModelConfig, build
+from moemesh.models.transformer import shift_labels
+from moemesh.parallel import comm
+from moemesh.parallel.data import apply_data_parallel, rank_loss, reduce_gradients
+from moemesh.parallel.expert import apply_ep, is_expert_parameter
+from moemesh.parallel.mesh import ParallelDims, init_mesh
+from multiprocess import WorkerPool
+
+WORLD = 4
+RTOL = 1e-5
+CONFIG = ModelConfig(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                     num_experts=8, num_experts_per_tok=3, moe_intermediate_size=16, intermediate_size=24,
+                     mlp_only_layers=[1], initializer_range=0.2, router_aux_loss_coef=0.05,
+                     output_router_logits=True)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    workers = WorkerPool(WORLD)
+    yield workers
+    workers.close()
+
+
+def rel_err(ours, reference):
+    return ((ours - reference).norm() / reference.norm().clamp_min(1e-30)).item()
+
+
+def micro_batch(seed=0, batch=8, seq=9):
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, CONFIG.vocab_size, (batch, seq), generator=generator)
+    labels = input_ids.clone()
+    labels[1, 2:5] = -100
+    return input_ids, labels
+
+
+def sharded_step(dims: ParallelDims, config: ModelConfig, input_ids, labels, prepare=lambda model: None):
+    """Reference (one process) and sharded forward+backward of one micro-batch on this rank.
+    Returns (reference model, reference output, sharded model, this rank's summed loss)."""
+    reference = build(config, seed=1)
+    prepare(reference)
+    ref_out = reference(input_ids, labels=labels)
+    ref_out.loss.backward()
+
+    mesh = init_mesh(dims)
+    model = build(config, seed=1)
+    prepare(model)
+    apply_data_parallel(apply_ep(model, mesh), mesh)
+    ranks, rank = dims.batch_size, mesh.rank("batch")
+    rows = input_ids.shape[0] // ranks
+    local = slice(rank * rows, (rank + 1) * rows)
+    comm.reset_counts()
+    out = model(input_ids[local], labels=labels[local])
+    forward_bytes = dict(comm.sent_bytes)
+    total_tokens = int((shift_labels(labels) != -100).sum())
+    loss = rank_loss(out.ce_loss, out.aux_loss, labels[local], total_tokens, config.router_aux_loss_coef, ranks)
+    loss.backward()
+    reduce_gradients(model, mesh)
+    summed = loss.detach().clone()
+    comm.all_reduce_sum_([summed], mesh.group("batch"))
+    return reference, ref_out, model, summed, out, local, mesh, forward_bytes
+
+
+def check_matches_single_process(rank, dp, ep, prepare=lambda model: None):
+    input_ids, labels = micro_batch(seed=dp * 10 + ep)
+    reference, ref_out, model, loss, out, local, mesh, _ = sharded_step(ParallelDims(dp=dp, ep=ep), CONFIG,
+                                                                        input_ids, labels, prepare)
+    assert rel_err(loss, ref_out.loss.detach()) <= RTOL
+    assert rel_err(out.logits, ref_out.logits[local].detach()) <= RTOL
+    assert rel_err(out.aux_loss, ref_out.aux_loss) <= RTOL  # the same value on every rank
+    ep_rank, local_experts = mesh.rank("ep"), CONFIG.num_experts // ep
+    ref_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        expected = ref_params[name].grad
+        if is_expert_parameter(name):
+            expected = expected[ep_rank * local_experts:(ep_rank + 1) * local_experts]
+            assert param.shape[0] == local_experts
+        assert param.grad is not None and expected.norm() > 0, name
+        assert rel_err(param.grad, expected) <= RTOL, name
+    return True
+
+
+@pytest.mark.parametrize("dp, ep", [(1, 4), (2, 2)])
+def test_ep_equals_one_process(pool, dp, ep):
+    assert all(pool.run(check_matches_single_process, dp, ep))
+
+
+def _zero_router(model):
+    """A zero router gives every token the same probabilities, so every token chooses the same k
+    experts: one or two EP ranks receive everything, the others nothing, most experts no token."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.zero_()
+
+
+def check_degenerate_routing(rank):
+    config = CONFIG.replace(num_experts_per_tok=2)
+    local_experts = config.num_experts // WORLD
+    input_ids, labels = micro_batch(seed=5)
+    reference, ref_out, model, loss, out, local, mesh, forward_bytes = sharded_step(
+        ParallelDims(ep=WORLD), config, input_ids, labels, _zero_router)
+    chosen = set(model.model.layers[0].mlp.route(torch.randn(6, config.hidden_size)).expert_ids.flatten().tolist())
+    assert len(chosen) == 2
+    holders = {e // local_experts for e in chosen}
+    assert rel_err(loss, ref_out.loss.detach()) <= RTOL
+    ref_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        expected = ref_params[name].grad
+        if is_expert_parameter(name):
+            expected = expected[rank * local_experts:(rank + 1) * local_experts]
+            assert (param.grad.norm() > 0) == (rank in holders), name
+        assert (rel_err(param.grad, expected) <= RTOL) if expected.norm() > 0 else param.grad.norm() == 0, name
+    # Each token travels once to each holder (its row, k weights and k local ids); only holders
+    # send rows back, one per token of every rank.
+    moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+    tokens, hidden, k = input_ids[local].numel(), config.hidden_size, config.num_experts_per_tok
+    dispatch = len(holders) * tokens * (hidden * 4 + k * 4 + k * 8)
+    combine = WORLD * tokens * hidden * 4 if rank in holders else 0
+    assert forward_bytes[("all_to_all", "forward")] == moe_layers * (dispatch + combine)
+    return True
+
+
+def test_degenerate_routing_all_tokens_to_one_rank(pool):
+    assert all(pool.run(check_degenerate_routing))
+
+
+def check_collective_counts(rank):
+    """One dispatch and one combine all-to-all per MoE layer forward, the same backward; the
+    split sizes travel once per layer; the aux statistics once per forward and backward."""
+    mesh = init_mesh(ParallelDims(ep=WORLD))
+    model = apply_data_parallel(apply_ep(build(CONFIG, seed=1), mesh), mesh)
+    input_ids, labels = micro_batch(seed=7, batch=WORLD)
+    moe_layers = sum(CONFIG.is_moe_layer(i) for i in range(CONFIG.num_hidden_layers))
+    comm.reset_counts()
+    out = model(input_ids[rank:rank + 1], labels=labels[rank:rank + 1])
+    forward = dict(comm.calls)
+    out.loss.backward()
+    backward = {key: n - forward.get(key, 0) for key, n in comm.calls.items()}
+    assert forward == {("exchange_sizes", "forward"): moe_layers, ("all_to_all", "forward"): 2 * moe_layers,
+                       ("all_reduce", "forward"): 1}, forward
+    assert {k: v for k, v in backward.items() if v} == {("all_to_all", "backward"): 2 * moe_layers,
+                                                        ("all_reduce", "backward"): 1}, backward
+    return True
+
+
+def test_collective_counts_per_moe_layer(pool):
+    assert all(pool.run(check_collective_counts))
