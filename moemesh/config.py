@@ -1,0 +1,268 @@
+"""The run configuration: a TOML file plus `--set section.key=value` overrides, checked into
+dataclasses. Sections: `model` (Hugging Face config.json field names, becomes a ModelConfig),
+`parallel`, `train` and `data`. Every mistake raises ConfigError naming the key at fault."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moemesh.errors import ConfigError
+from moemesh.models import ModelConfig
+
+# `moemesh train` with no --config: the tiny model of this checkout.
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.toml"
+
+
+@dataclass
+class ParallelConfig:
+    """Sizes of the parallel dimensions. Only the single-process layout exists so far; each later
+    parallelism lifts its own check in `_check_layout_available`."""
+
+    dp_shard: int = 1
+    ep: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    @property
+    def batch_ranks(self) -> int:
+        """Ranks that take different slices of each micro-batch: the data-parallel and the
+        expert-parallel ones (experts split over ep, the dense part data-parallel over both)."""
+        return self.dp_shard * self.ep
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    seed: int = 0
+    run_dir: str = "runs/default"
+    global_batch: int = 16  # sequences per optimizer step, whatever the layout
+    micro_batch: int = 8  # sequences per forward/backward, summed over the data-parallel ranks
+    seq_len: int = 256
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    grad_clip: float = 1.0  # global gradient-norm limit; 0 turns clipping off
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU (autocast; weights stay fp32)
+    device: str = "auto"  # auto: cuda when available, else cpu
+    resume: bool = False
+    save_every: int = 100  # 0: only the final checkpoint
+    eval_every: int = 50  # 0: evaluate only before the first and after the last step
+    eval_sequences: int = 64  # validation sequences per evaluation (always the same ones)
+    log_every: int = 10  # steps between plain progress lines when the output is not a terminal
+
+
+@dataclass
+class DataConfig:
+    path: str = "stdlib"  # "stdlib", a text/JSONL/.npy/.bin file, or a directory of text/JSONL files
+    tokenizer: str = "bytes"  # "bytes" or a tokenizer.json file
+    val_fraction: float = 0.05  # the tail of the token stream held out for validation
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        model = {name: getattr(self.model, name) for name in ModelConfig.field_names()}
+        return {
+            "model": {k: v for k, v in model.items() if v is not None},
+            "parallel": dataclasses.asdict(self.parallel),
+            "train": dataclasses.asdict(self.train),
+            "data": dataclasses.asdict(self.data),
+        }
+
+    def to_toml(self) -> str:
+        return dumps_toml(self.to_dict())
+
+
+_SECTIONS = {"parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig}
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> RunConfig:
+    """Read `path` (the default config when None), apply `section.key=value` overrides, check."""
+    if path is None and not DEFAULT_CONFIG.is_file():
+        raise ConfigError(f"no --config given, and the default {DEFAULT_CONFIG} is missing: moemesh was "
+                          "installed without its source checkout; pass --config FILE")
+    path = Path(path) if path is not None else DEFAULT_CONFIG
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    for item in overrides:
+        _apply_override(raw, item)
+    return config_from_dict(raw)
+
+
+def config_from_dict(raw: dict[str, Any]) -> RunConfig:
+    sections = ["model", *_SECTIONS]
+    for key, value in raw.items():
+        if key not in sections and isinstance(value, dict):
+            close = difflib.get_close_matches(key, sections, n=1)
+            hint = f" (did you mean [{close[0]}]?)" if close else ""
+            raise ConfigError(f"unknown config section [{key}]{hint}; sections: {', '.join(sections)}")
+        if key not in sections:
+            _unknown_key(key)  # a key outside any section, such as `steps = 3`
+        if not isinstance(value, dict):
+            raise ConfigError(f"config section [{key}] must be a table, got {value!r}")
+    built = {name: _build_section(name, cls, raw.get(name, {})) for name, cls in _SECTIONS.items()}
+    config = RunConfig(model=_build_model(raw.get("model", {})), **built)
+    _validate(config)
+    return config
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    section, dot, name = key.partition(".")
+    if not sep or not dot or not name:
+        raise ConfigError(f"--set expects SECTION.KEY=VALUE, got {item!r}")
+    try:
+        value = tomllib.loads(f"value = {text}")["value"]
+    except tomllib.TOMLDecodeError:
+        value = text  # a bare word such as a path: take it as a string
+    raw.setdefault(section, {})[name] = value
+
+
+def _all_keys() -> list[str]:
+    keys = [f"model.{name}" for name in ModelConfig.field_names()]
+    for section, cls in _SECTIONS.items():
+        keys += [f"{section}.{f.name}" for f in dataclasses.fields(cls)]
+    return keys
+
+
+def _unknown_key(key: str, candidates: list[str] | None = None) -> typing.NoReturn:
+    candidates = candidates if candidates is not None else _all_keys()
+    # Compare the part after the dot too, so that `steps` finds `train.steps`.
+    by_name = {c.rpartition(".")[2]: c for c in candidates}
+    close = difflib.get_close_matches(key, candidates, n=1) or [
+        by_name[m] for m in difflib.get_close_matches(key.rpartition(".")[2], by_name, n=1)
+    ]
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    raise ConfigError(f"unknown config key '{key}'{hint}")
+
+
+def _build_model(values: dict[str, Any]) -> ModelConfig:
+    model = ModelConfig.from_hf_dict(values)
+    # ModelConfig keeps unrecognised config.json fields in `extra`; in a run config they are typos.
+    for key in model.extra:
+        _unknown_key(f"model.{key}", [f"model.{name}" for name in ModelConfig.field_names()])
+    return model
+
+
+def _build_section(section: str, cls: type, values: dict[str, Any]):
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    checked = {}
+    for key, value in values.items():
+        if key not in names:
+            _unknown_key(f"{section}.{key}", [f"{section}.{n}" for n in names])
+        checked[key] = _check_type(f"{section}.{key}", value, hints[key])
+    return cls(**checked)
+
+
+def _check_type(key: str, value: Any, expected: Any) -> Any:
+    if expected is bool:
+        ok = isinstance(value, bool)
+    elif expected is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif expected is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        value = float(value) if ok else value
+    elif expected is str:
+        ok = isinstance(value, str)
+    else:  # list[float]
+        ok = isinstance(value, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+        value = [float(v) for v in value] if ok else value
+    if not ok:
+        name = getattr(expected, "__name__", str(expected))
+        raise ConfigError(f"{key} must be of type {name}, got {value!r}")
+    return value
+
+
+def _validate(config: RunConfig) -> None:
+    train, data, model = config.train, config.data, config.model
+
+    def need(ok: bool, message: str):
+        if not ok:
+            raise ConfigError(message)
+
+    for name in ["steps", "global_batch", "micro_batch", "seq_len", "eval_sequences", "log_every"]:
+        need(getattr(train, name) >= 1, f"train.{name} must be >= 1, got {getattr(train, name)}")
+    for name in ["warmup_steps", "save_every", "eval_every", "seed", "weight_decay", "grad_clip"]:
+        need(getattr(train, name) >= 0, f"train.{name} must be >= 0, got {getattr(train, name)}")
+    need(train.lr > 0, f"train.lr must be > 0, got {train.lr}")
+    need(0 <= train.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {train.min_lr_ratio}")
+    need(len(train.betas) == 2 and all(0 <= b < 1 for b in train.betas),
+         f"train.betas must be two numbers in [0, 1), got {train.betas}")
+    need(train.dtype in ("auto", "float32", "bfloat16"),
+         f"train.dtype must be 'auto', 'float32' or 'bfloat16', got {train.dtype!r}")
+    need(train.device == "auto" or train.device.split(":")[0] in ("cpu", "cuda"),
+         f"train.device must be 'auto', 'cpu' or 'cuda[:N]', got {train.device!r}")
+    need(0 < data.val_fraction < 1, f"data.val_fraction must be in (0, 1), got {data.val_fraction}")
+    need(train.seq_len <= model.max_position_embeddings,
+         f"train.seq_len ({train.seq_len}) exceeds model.max_position_embeddings ({model.max_position_embeddings})")
+    for name in ["dp_shard", "ep", "tp", "pp"]:
+        need(getattr(config.parallel, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(config.parallel, name)}")
+    # The micro-batches of a step, and each rank's slice of them, must not depend on the layout.
+    ranks = config.parallel.batch_ranks
+    need(train.global_batch % train.micro_batch == 0,
+         f"train.global_batch ({train.global_batch}) must be divisible by train.micro_batch ({train.micro_batch})")
+    need(train.micro_batch % ranks == 0,
+         f"train.micro_batch ({train.micro_batch}) must be divisible by the data-parallel size "
+         f"(parallel.dp_shard × parallel.ep = {ranks})")
+    _check_layout_available(config.parallel)
+
+
+_PLANNED = {"dp_shard": "sharded data parallelism (FSDP)", "ep": "expert parallelism",
+            "tp": "tensor parallelism", "pp": "pipeline parallelism"}
+
+
+def _check_layout_available(parallel: ParallelConfig) -> None:
+    for name, what in _PLANNED.items():
+        size = getattr(parallel, name)
+        if size != 1:
+            raise ConfigError(f"parallel.{name}={size}: {what} is not available yet; set parallel.{name}=1")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != 1:
+        raise ConfigError(f"launched with {world} processes (WORLD_SIZE={world}), but only the single-process "
+                          "layout is available yet; run `moemesh train` without torchrun")
+
+
+def dumps_toml(sections: dict[str, dict[str, Any]]) -> str:
+    """TOML for flat sections of numbers, strings, booleans, lists and inline tables."""
+    lines = []
+    for section, values in sections.items():
+        lines.append(f"[{section}]")
+        lines += [f"{key} = {_toml_value(value)}" for key, value in values.items() if value is not None]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # JSON string escapes are valid TOML basic-string escapes
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {_toml_value(v)}" for k, v in value.items() if v is not None) + "}"
+    raise TypeError(f"cannot write {value!r} as TOML")

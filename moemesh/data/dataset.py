@@ -1,0 +1,74 @@
+"""Training and validation sequences cut from one token stream.
+
+The training stream is cut into windows of `seq_len` tokens and read in an order reshuffled each
+epoch from the seed. Sequence number s of that endless order is a pure function of (seed, s), so
+the data position of a run is one integer — the sequences consumed — and a resumed run reads
+exactly what an uninterrupted one would. Neither a step's global batch nor its split into
+micro-batches depends on the parallel layout: data-parallel ranks take contiguous slices of each
+micro-batch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from moemesh.config import DataConfig
+from moemesh.data.sources import load_tokens
+from moemesh.data.tokenizer import Tokenizer, load_tokenizer
+from moemesh.errors import ConfigError, DataError
+
+
+class TokenDataset:
+    def __init__(self, tokens: np.ndarray, seq_len: int, val_fraction: float, seed: int, source: str = "data"):
+        split = int(len(tokens) * (1 - val_fraction))
+        self.train_tokens, self.val_tokens = tokens[:split], tokens[split:]
+        self.seq_len, self.seed = seq_len, seed
+        self.num_train_windows = len(self.train_tokens) // seq_len
+        self.num_val_windows = len(self.val_tokens) // seq_len
+        if self.num_train_windows == 0 or self.num_val_windows == 0:
+            raise DataError(
+                f"{source} has {len(tokens)} tokens: too few for one training and one validation sequence of "
+                f"train.seq_len={seq_len} tokens with data.val_fraction={val_fraction}")
+        self._epoch_order: tuple[int, np.ndarray] | None = None
+
+    def _window_order(self, epoch: int) -> np.ndarray:
+        if self._epoch_order is None or self._epoch_order[0] != epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._epoch_order = (epoch, rng.permutation(self.num_train_windows))
+        return self._epoch_order[1]
+
+    def train_sequences(self, start: int, count: int) -> torch.Tensor:
+        """Sequences start .. start+count-1 of the endless shuffled order: LongTensor [count, seq_len]."""
+        rows = []
+        for s in range(start, start + count):
+            epoch, index = divmod(s, self.num_train_windows)
+            offset = int(self._window_order(epoch)[index]) * self.seq_len
+            rows.append(self.train_tokens[offset : offset + self.seq_len])
+        return torch.from_numpy(np.stack(rows).astype(np.int64))
+
+    def val_sequences(self, count: int) -> torch.Tensor:
+        """`count` validation windows (fewer if there are not that many), spread evenly over the
+        validation stream; always the same ones."""
+        count = min(count, self.num_val_windows)
+        offsets = np.linspace(0, self.num_val_windows - 1, count).astype(np.int64) * self.seq_len
+        return torch.from_numpy(np.stack([self.val_tokens[o : o + self.seq_len] for o in offsets]).astype(np.int64))
+
+
+def rank_micro_batches(global_batch: torch.Tensor, micro_batch: int, rank: int, ranks: int) -> list[torch.Tensor]:
+    """The global batch in micro-batches of `micro_batch` sequences, the same on every layout;
+    of each, this data-parallel rank's contiguous slice of micro_batch / ranks sequences."""
+    per_rank = micro_batch // ranks
+    return [m[rank * per_rank : (rank + 1) * per_rank] for m in global_batch.split(micro_batch)]
+
+
+def load_dataset(data: DataConfig, seq_len: int, seed: int, vocab_size: int) -> tuple[TokenDataset, Tokenizer]:
+    tokenizer = load_tokenizer(data.tokenizer)
+    if tokenizer.vocab_size > vocab_size:
+        raise ConfigError(f"model.vocab_size ({vocab_size}) is smaller than the tokenizer's vocabulary "
+                          f"({tokenizer.vocab_size}, data.tokenizer={data.tokenizer!r})")
+    tokens = load_tokens(data.path, tokenizer)
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or high >= vocab_size:
+        raise DataError(f"data {data.path} holds token ids in [{low}, {high}], outside model.vocab_size={vocab_size}")
+    return TokenDataset(tokens, seq_len, data.val_fraction, seed, source=f"data {data.path}"), tokenizer

@@ -1,0 +1,195 @@
+"""Checkpoints written with torch.distributed.checkpoint (DCP), so that later parallel layouts
+save their shards in parallel and load them back into any other layout.
+
+    run_dir/checkpoints/step_N/
+        .metadata, __*_*.distcp   DCP: model, optimizer, scheduler, trainer state (step, data
+                                  position, RNG states); a converted model holds "model" only
+        config.json               the model config, in Hugging Face field names
+        tokenizer.json            the tokenizer, when the run used one (none: byte-level)
+
+A checkpoint is written under a temporary name and renamed to `step_N` only when complete, so a
+`step_N` directory is never half-written and an interrupted save leaves the previous one intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from moemesh.errors import CheckpointError
+from moemesh.models import ModelConfig, build, from_pretrained, save_pretrained
+
+CHECKPOINTS = "checkpoints"
+TOKENIZER_FILE = "tokenizer.json"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_TMP_PREFIX = ".tmp-"
+
+
+def checkpoint_path(run_dir: str | os.PathLike, step: int) -> Path:
+    return Path(run_dir) / CHECKPOINTS / f"step_{step}"
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The complete checkpoint of the highest step in `run_dir`, or None."""
+    root = Path(run_dir) / CHECKPOINTS
+    steps = [(int(m.group(1)), p) for p in root.glob("step_*") if (m := _STEP_DIR.match(p.name))]
+    complete = [(step, p) for step, p in steps if (p / ".metadata").is_file()]
+    return max(complete)[1] if complete else None
+
+
+def _no_dist() -> bool:
+    # One process without a process group saves and loads on its own; under torchrun DCP
+    # coordinates the ranks.
+    return not (dist.is_available() and dist.is_initialized())
+
+
+@contextmanager
+def _single_process_quietly():
+    # DCP warns that it "assumes a single process" even when told so with no_dist=True.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def save_checkpoint(path: Path, state: dict[str, Any], model_config: ModelConfig,
+                    tokenizer_file: str | os.PathLike | None = None) -> None:
+    """Write `state` (nested dicts of tensors and small Python values) with DCP plus config.json
+    (and tokenizer.json), all under a temporary name, then rename to `path`."""
+    tmp = path.with_name(_TMP_PREFIX + path.name)
+    shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
+    with _single_process_quietly():
+        dcp.save(state, checkpoint_id=tmp, no_dist=_no_dist())
+    (tmp / "config.json").write_text(json.dumps(model_config.to_hf_dict(), indent=2) + "\n")
+    if tokenizer_file is not None:
+        shutil.copyfile(tokenizer_file, tmp / TOKENIZER_FILE)
+    if path.exists():  # the same step saved again, e.g. by a resumed run
+        shutil.rmtree(path)
+    os.rename(tmp, path)
+
+
+def training_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                   scheduler: torch.optim.lr_scheduler.LRScheduler, trainer: dict[str, Any]) -> dict[str, Any]:
+    """What a training checkpoint holds. Loading into this same structure fills it in place."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
+            "trainer": trainer}
+
+
+def load_training_state(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        scheduler: torch.optim.lr_scheduler.LRScheduler, trainer: dict[str, Any]) -> dict[str, Any]:
+    """Restore model, optimizer and scheduler from `path`; returns `trainer` filled from it."""
+    state = training_state(model, optimizer, scheduler, trainer)
+    _load(path, state)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    return state["trainer"]
+
+
+def _load(path: Path, state: dict[str, Any]) -> None:
+    check_complete(path)
+    try:
+        with _single_process_quietly():
+            dcp.load(state, checkpoint_id=path, no_dist=_no_dist())
+    except (Exception, dcp.CheckpointException) as e:  # CheckpointException is a BaseException
+        lines = [line for line in str(e).strip().splitlines() if line.strip()]
+        reason = lines[-1] if lines else type(e).__name__
+        raise CheckpointError(f"cannot load checkpoint {path}: {reason}") from None
+
+
+def check_complete(path: Path) -> None:
+    """Raise CheckpointError unless `path` holds a readable DCP checkpoint with all its data."""
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    if not (path / ".metadata").is_file():
+        raise CheckpointError(f"{path} is not a complete checkpoint (no .metadata)")
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except Exception as e:
+        raise CheckpointError(f"{path} is not a complete checkpoint (unreadable .metadata: {e})") from None
+    needed: dict[str, int] = {}
+    for item in metadata.storage_data.values():
+        needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
+    for name, size in needed.items():
+        file = path / name
+        if not file.is_file() or file.stat().st_size < size:
+            raise CheckpointError(f"{path} is not a complete checkpoint ({name} is missing or truncated)")
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A checkpoint directory itself, or the newest one of a run directory."""
+    path = Path(path)
+    if (path / CHECKPOINTS).is_dir():
+        latest = latest_checkpoint(path)
+        if latest is None:
+            raise CheckpointError(f"no complete checkpoint in {path / CHECKPOINTS}")
+        return latest
+    check_complete(path)
+    return path
+
+
+def is_hf_directory(path: str | os.PathLike) -> bool:
+    path = Path(path)
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def read_model_config(path: Path) -> ModelConfig:
+    try:
+        return ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is not a complete checkpoint (no config.json)") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path / 'config.json'}: not valid JSON ({e})") from None
+
+
+def load_model(path: str | os.PathLike, device: torch.device | str = "cpu") -> tuple[nn.Module, Path]:
+    """The model of a moemesh checkpoint (or run directory) or of a Hugging Face directory, in
+    float32. Returns it with the directory it came from."""
+    if is_hf_directory(path):
+        return from_pretrained(path, dtype=torch.float32, device=device), Path(path)
+    path = resolve_checkpoint(path)
+    model = build(read_model_config(path), device=device)
+    state = {"model": model.state_dict()}
+    _load(path, state)
+    model.load_state_dict(state["model"])
+    return model, path
+
+
+def export_hf(source: str | os.PathLike, target: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
+    """moemesh checkpoint -> Hugging Face directory (config.json + safetensors)."""
+    _check_target(target)
+    model, checkpoint = load_model(source)
+    if dtype is not None:
+        model.to(dtype)
+    save_pretrained(model, target)
+    if (checkpoint / TOKENIZER_FILE).is_file():
+        shutil.copyfile(checkpoint / TOKENIZER_FILE, Path(target) / TOKENIZER_FILE)
+    return checkpoint
+
+
+def import_hf(source: str | os.PathLike, target: str | os.PathLike) -> None:
+    """Hugging Face directory -> moemesh checkpoint holding the model."""
+    if not is_hf_directory(source):
+        raise CheckpointError(f"{source} is not a Hugging Face model directory (config.json + *.safetensors)")
+    _check_target(target)
+    model = from_pretrained(source, dtype=torch.float32)
+    tokenizer = Path(source) / TOKENIZER_FILE
+    save_checkpoint(Path(target), {"model": model.state_dict()}, model.config,
+                    tokenizer if tokenizer.is_file() else None)
+
+
+def _check_target(target: str | os.PathLike) -> None:
+    target = Path(target)
+    if target.exists() and any(target.iterdir()):
+        raise CheckpointError(f"{target} already exists and is not empty; choose a new directory")

@@ -1,0 +1,246 @@
+"""The training loop: data -> model -> AdamW, with validation, metrics, checkpoints and a plot.
+
+One optimizer step consumes `train.global_batch` sequences in micro-batches of `train.micro_batch`,
+whatever the layout; this rank runs its contiguous slice of each, accumulating gradients. Each
+slice's mean loss is divided by (micro-batches × ranks), so that the gradients, summed over
+micro-batches here and over ranks by data parallelism, are those of the global batch's mean loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+import torch
+
+from moemesh.config import RunConfig
+from moemesh.data.dataset import load_dataset, rank_micro_batches
+from moemesh.data.tokenizer import HFTokenizer
+from moemesh.errors import ConfigError
+from moemesh.models import MoECausalLM, build
+from moemesh.train.checkpoint import (CHECKPOINTS, checkpoint_path, latest_checkpoint, load_training_state,
+                                      save_checkpoint, training_state)
+from moemesh.train.flops import flops_per_token, peak_flops
+from moemesh.train.metrics import METRICS_FILE, MetricsLog, read_metrics
+from moemesh.train.optim import build_optimizer, build_scheduler
+from moemesh.train.plot import plot_losses
+from moemesh.train.progress import Progress, format_count, format_duration
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    steps: int
+    seconds: float
+    first_val_loss: float | None
+    last_val_loss: float | None
+    checkpoint: Path | None
+
+
+def resolve_device(config: RunConfig) -> RunConfig:
+    """Replace train.device / train.dtype "auto" by what this machine has."""
+    train = config.train
+    device = train.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"train.device={device!r} but torch sees no GPU")
+    dtype = train.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    train.device, train.dtype = device, dtype
+    return config
+
+
+def _max_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak RSS; Linux reports KiB
+
+
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    state = {"rng_cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["rng_cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+class Trainer:
+    def __init__(self, config: RunConfig, stream: TextIO = sys.stdout):
+        self.config = resolve_device(config)
+        self.train_config = train = config.train
+        self.stream = stream
+        self.device = torch.device(train.device)
+        self.autocast_dtype = _DTYPES[train.dtype]
+        self.run_dir = Path(train.run_dir)
+        self.rank, self.ranks = 0, config.parallel.batch_ranks  # one process until parallelism lands
+
+        torch.manual_seed(train.seed)
+        self.dataset, self.tokenizer = load_dataset(config.data, train.seq_len, train.seed, config.model.vocab_size)
+        self.model: MoECausalLM = build(config.model, seed=train.seed, device=self.device)
+        self.optimizer = build_optimizer(self.model, train)
+        self.scheduler = build_scheduler(self.optimizer, train)
+        self.step = 0
+        self.data_position = 0  # sequences of the training order consumed so far
+        self.val_batches = self.dataset.val_sequences(train.eval_sequences).split(train.micro_batch)
+        self.flops_per_token = flops_per_token(self.model, train.seq_len)
+        self.peak_flops = peak_flops(self.device)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def _autocast(self):
+        if self.autocast_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def train_step(self) -> dict[str, float | None]:
+        train = self.train_config
+        global_batch = self.dataset.train_sequences(self.data_position, train.global_batch)
+        self.data_position += train.global_batch
+        micro_batches = rank_micro_batches(global_batch, train.micro_batch, self.rank, self.ranks)
+        scale = 1.0 / (len(micro_batches) * self.ranks)
+        loss_sum = torch.zeros((), device=self.device)
+        aux_sum = None
+        for batch in micro_batches:
+            tokens = batch.to(self.device, non_blocking=True)
+            with self._autocast():
+                out = self.model(tokens, labels=tokens)
+            (out.loss * scale).backward()  # cross-entropy + router_aux_loss_coef * aux_loss
+            loss_sum += out.ce_loss.detach() * scale
+            if out.aux_loss is not None:
+                aux = out.aux_loss.detach().float() * scale
+                aux_sum = aux if aux_sum is None else aux_sum + aux
+        max_norm = train.grad_clip if train.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return {"loss": loss_sum.item(), "aux_loss": None if aux_sum is None else aux_sum.item(),
+                "lr": lr, "grad_norm": grad_norm.item()}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean language-model loss over the fixed validation sequences (no auxiliary loss)."""
+        total = torch.zeros((), device=self.device)
+        for batch in self.val_batches:
+            tokens = batch.to(self.device)
+            with self._autocast():
+                loss = self.model(tokens, labels=tokens, output_router_logits=False).ce_loss
+            total += loss.float() * len(batch)  # the last batch may be smaller
+        return total.item() / sum(len(batch) for batch in self.val_batches)
+
+    # ---- checkpoints ------------------------------------------------------------------------
+    def _state(self) -> dict:
+        trainer = {"step": self.step, "data_position": self.data_position, **_rng_state(self.device)}
+        return training_state(self.model, self.optimizer, self.scheduler, trainer)
+
+    def save(self) -> Path:
+        path = checkpoint_path(self.run_dir, self.step)
+        tokenizer_file = self.tokenizer.path if isinstance(self.tokenizer, HFTokenizer) else None
+        save_checkpoint(path, self._state(), self.config.model, tokenizer_file)
+        return path
+
+    def restore(self, path: Path) -> None:
+        trainer = {"step": 0, "data_position": 0, **_rng_state(self.device)}
+        trainer = load_training_state(path, self.model, self.optimizer, self.scheduler, trainer)
+        self.step, self.data_position = int(trainer["step"]), int(trainer["data_position"])
+        torch.set_rng_state(trainer["rng_cpu"])
+        if "rng_cuda" in trainer:
+            torch.cuda.set_rng_state(trainer["rng_cuda"], self.device)
+
+    # ---- the run ----------------------------------------------------------------------------
+    def _start(self) -> MetricsLog:
+        """Resume from the newest checkpoint, or start afresh in an emptied run directory."""
+        train, say = self.train_config, self._say
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        checkpoint = latest_checkpoint(self.run_dir) if train.resume else None
+        if checkpoint is not None:
+            self.restore(checkpoint)
+            say(f"resumed from {checkpoint} (step {self.step})")
+            return MetricsLog(self.run_dir / METRICS_FILE, resume_step=self.step)
+        if train.resume:
+            say(f"train.resume: no checkpoint in {self.run_dir / CHECKPOINTS} yet, starting at step 0")
+        if (self.run_dir / CHECKPOINTS).exists():
+            # Old checkpoints of another run would be picked up by a later resume.
+            say(f"starting afresh: removing the previous run's {self.run_dir / CHECKPOINTS} "
+                "(train.resume=true continues it instead)")
+            shutil.rmtree(self.run_dir / CHECKPOINTS)
+        return MetricsLog(self.run_dir / METRICS_FILE)
+
+    def _say(self, text: str) -> None:
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def _describe(self) -> None:
+        model, data, train = self.config.model, self.config.data, self.train_config
+        total, active = self.model.num_params(), self.model.num_params(active=True)
+        self._say(f"model   {model.model_type}: {model.num_hidden_layers} layers, hidden {model.hidden_size}, "
+                  f"{model.num_experts} experts top-{model.num_experts_per_tok}; "
+                  f"{format_count(total)} parameters, {format_count(active)} active per token")
+        self._say(f"data    {data.path} ({data.tokenizer} tokenizer): "
+                  f"{format_count(len(self.dataset.train_tokens))} training tokens, "
+                  f"{format_count(len(self.dataset.val_tokens))} validation tokens")
+        self._say(f"train   {train.steps} steps × {train.global_batch} sequences × {train.seq_len} tokens "
+                  f"on {self.device} in {train.dtype}; run directory {self.run_dir}")
+
+    def run(self) -> TrainResult:
+        train = self.train_config
+        self._describe()
+        metrics = self._start()
+        (self.run_dir / "config.toml").write_text(self.config.to_toml())
+        val_losses = [r["val_loss"] for r in read_metrics(metrics.path) if r.get("val_loss") is not None]
+        if self.step == 0:
+            val_losses.append(self.evaluate())
+            metrics.write({"step": 0, "val_loss": val_losses[-1]})
+            self._say(f"step 0: validation loss {val_losses[-1]:.4f}")
+        progress = Progress(train.steps, self.step, train.log_every, self.stream)
+
+        checkpoint, started = None, time.perf_counter()
+        tokens_per_step = train.global_batch * train.seq_len
+        try:
+            while self.step < train.steps:
+                t0 = time.perf_counter()
+                record = {"step": self.step + 1, **self.train_step()}
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                seconds = time.perf_counter() - t0
+                record["tokens_per_s"] = tokens_per_step / seconds
+                record["max_memory_bytes"] = _max_memory_bytes(self.device)
+                if self.peak_flops is not None:
+                    record["mfu"] = record["tokens_per_s"] * self.flops_per_token / (self.peak_flops * self.ranks)
+                progress.update(self.step, record["loss"], record["lr"], record["tokens_per_s"], record.get("mfu"))
+
+                last = self.step == train.steps
+                if last or (train.eval_every and self.step % train.eval_every == 0):
+                    record["val_loss"] = self.evaluate()
+                    val_losses.append(record["val_loss"])
+                    progress.message(f"step {self.step}: validation loss {record['val_loss']:.4f}")
+                metrics.write(record)
+                if last or (train.save_every and self.step % train.save_every == 0):
+                    checkpoint = self.save()
+        finally:
+            progress.close()
+            metrics.close()
+
+        seconds = time.perf_counter() - started
+        records = read_metrics(metrics.path)
+        plot_losses(records, self.run_dir / "loss.png", title=f"{self.config.model.model_type} · {self.run_dir}")
+        if val_losses:
+            self._say(f"done in {format_duration(seconds)}: validation loss {val_losses[0]:.4f} -> "
+                      f"{val_losses[-1]:.4f}; checkpoint {checkpoint or latest_checkpoint(self.run_dir)}; "
+                      f"plot {self.run_dir / 'loss.png'}")
+        return TrainResult(self.run_dir, self.step, seconds, val_losses[0] if val_losses else None,
+                           val_losses[-1] if val_losses else None, checkpoint or latest_checkpoint(self.run_dir))
+
+
+def train(config: RunConfig, stream: TextIO = sys.stdout) -> TrainResult:
+    return Trainer(config, stream).run()

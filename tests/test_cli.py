@@ -1,0 +1,153 @@
+"""The `moemesh` command: one clear line and exit code 2 for each user mistake; generate and
+convert on a trained checkpoint."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moemesh.cli import main
+from moemesh.inference.generate import generate, sample_next
+from moemesh.models import build, from_pretrained
+from moemesh.train.checkpoint import load_model
+from moemesh.train.trainer import train
+
+from tiny_run import tiny_config, write_corpus, write_tiny_toml
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """The run directory of a tiny model trained for 20 steps."""
+    directory = tmp_path_factory.mktemp("trained")
+    train(tiny_config(directory / "run", write_corpus(directory)), stream=io.StringIO())
+    return directory / "run"
+
+
+def _fails(capsys, argv: list[str]) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.stpes=3", "unknown config key 'train.stpes' (did you mean 'train.steps'?)"),
+    ("model.num_experts_per_tok=5", "num_experts_per_tok (5) must be <= num_experts (4)"),
+    ("train.global_batch=5", "train.global_batch (5) must be divisible by train.micro_batch (2)"),
+    ("parallel.pp=2", "parallel.pp=2: pipeline parallelism is not available yet"),
+])
+def test_config_mistakes(tmp_path, capsys, override, message):
+    err = _fails(capsys, ["train", "--config", str(write_tiny_toml(tmp_path)), "--set", override])
+    assert err.startswith("moemesh train: error: ") and message in err
+
+
+def test_missing_and_corrupt_data(tmp_path, capsys):
+    config = str(write_tiny_toml(tmp_path))
+    err = _fails(capsys, ["train", "--config", config, "--set", f"data.path={tmp_path / 'gone.txt'}"])
+    assert f"data file not found: {tmp_path / 'gone.txt'}" in err
+    (tmp_path / "bad.npy").write_bytes(b"\x93NUMPY garbage")
+    err = _fails(capsys, ["train", "--config", config, "--set", f"data.path={tmp_path / 'bad.npy'}"])
+    assert f"cannot read token file {tmp_path / 'bad.npy'}" in err
+
+
+def test_missing_and_incomplete_checkpoints(tmp_path, capsys, trained):
+    err = _fails(capsys, ["generate", "--checkpoint", str(tmp_path / "nothing"), "--prompt", "x"])
+    assert f"checkpoint not found: {tmp_path / 'nothing'}" in err
+
+    broken = tmp_path / "broken"
+    shutil.copytree(trained / "checkpoints" / "step_20", broken)
+    (broken / ".metadata").rename(tmp_path / "metadata")
+    err = _fails(capsys, ["generate", "--checkpoint", str(broken), "--prompt", "x"])
+    assert f"{broken} is not a complete checkpoint (no .metadata)" in err
+
+    (tmp_path / "metadata").rename(broken / ".metadata")
+    data_file = next(broken.glob("*.distcp"))
+    data_file.write_bytes(data_file.read_bytes()[:1000])
+    err = _fails(capsys, ["convert", str(broken), str(tmp_path / "hf")])
+    assert f"{broken} is not a complete checkpoint ({data_file.name} is missing or truncated)" in err
+
+    (tmp_path / "empty_run" / "checkpoints").mkdir(parents=True)
+    err = _fails(capsys, ["generate", "--checkpoint", str(tmp_path / "empty_run"), "--prompt", "x"])
+    assert "no complete checkpoint in" in err
+
+
+def test_resume_into_a_different_model_is_refused(tmp_path, capsys, trained):
+    config = write_tiny_toml(tmp_path)
+    shutil.copytree(trained, tmp_path / "run")
+    err = _fails(capsys, ["train", "--config", str(config), "--set", "train.resume=true", "model.hidden_size=64"])
+    assert "cannot load checkpoint" in err and "step_20" in err
+
+
+def test_the_command_line_exits_2_without_a_traceback(tmp_path):
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(repo)}  # works installed or not
+    result = subprocess.run([sys.executable, "-m", "moemesh", "train", "--set", "train.step=3"],
+                            capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert result.returncode == 2
+    assert result.stderr == "moemesh train: error: unknown config key 'train.step' (did you mean 'train.steps'?)\n"
+
+
+def test_generate_prints_the_prompt_and_its_continuation(capsys, trained):
+    assert main(["generate", "--checkpoint", str(trained), "--prompt", "def ", "--max-new-tokens", "30"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("def ") and len(out) > len("def \n")
+    args = ["generate", "--checkpoint", str(trained), "--prompt", "x", "--temperature", "0.9", "--top-p", "0.9"]
+    main(args + ["--seed", "1"])
+    first = capsys.readouterr().out
+    main(args + ["--seed", "1"])
+    assert capsys.readouterr().out == first  # seeded sampling repeats
+
+
+def test_kv_cache_decoding_matches_full_recomputation():
+    model = build(tiny_config(Path("run"), Path("data")).model, seed=3)
+    prompt = [0, 100, 101, 102]
+    cached = generate(model, prompt, max_new_tokens=12)
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(12):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert cached == ids[len(prompt):]
+
+
+def test_top_p_keeps_only_the_nucleus():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    generator = torch.Generator().manual_seed(0)
+    draws = {sample_next(logits, 1.0, 0.7, generator) for _ in range(200)}
+    assert draws == {0, 1}  # 0.5 + 0.3 reaches 0.7; tokens 2 and 3 never come
+    assert {sample_next(logits, 1.0, 0.4, generator) for _ in range(20)} == {0}
+    assert sample_next(logits, 0.0, 1.0) == 0
+
+
+def test_convert_to_hugging_face_and_back(tmp_path, capsys, trained):
+    original, _ = load_model(trained)
+    tokens = torch.tensor([[0, 104, 101, 108, 108, 111]])
+    expected = original(tokens).logits
+
+    assert main(["convert", str(trained), str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "model.safetensors").is_file()
+    torch.testing.assert_close(from_pretrained(tmp_path / "hf")(tokens).logits, expected, rtol=0, atol=0)
+
+    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
+    back, _ = load_model(tmp_path / "back")
+    torch.testing.assert_close(back(tokens).logits, expected, rtol=0, atol=0)
+    assert "wrote moemesh checkpoint" in capsys.readouterr().out
+
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    torch.testing.assert_close(theirs(tokens).logits, expected, rtol=1e-4, atol=1e-4)
+    capsys.readouterr()  # drop transformers' progress output
+
+    err = _fails(capsys, ["convert", str(trained), str(tmp_path / "hf")])
+    assert "already exists and is not empty" in err
+
+
+def test_convert_writes_bfloat16_on_request(tmp_path, trained):
+    assert main(["convert", str(trained), str(tmp_path / "hf"), "--dtype", "bfloat16"]) == 0
+    assert from_pretrained(tmp_path / "hf").lm_head.weight.dtype == torch.bfloat16

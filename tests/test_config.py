@@ -1,0 +1,105 @@
+"""The run config: TOML + overrides, unknown keys with suggestions, value checks, round trip."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from moemesh.config import DEFAULT_CONFIG, config_from_dict, load_config
+from moemesh.errors import ConfigError
+
+from tiny_run import tiny_raw
+
+REPO_CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
+
+
+def test_the_default_is_the_tiny_config():
+    config = load_config()
+    assert DEFAULT_CONFIG.name == "tiny.toml"
+    assert config.model.model_type == "qwen3_moe"
+    assert config.model.num_experts >= 8 and config.model.num_experts_per_tok == 2
+    assert config.model.output_router_logits
+    assert (config.data.path, config.data.tokenizer) == ("stdlib", "bytes")
+
+
+@pytest.mark.parametrize("path", REPO_CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_is_valid(path):
+    load_config(path)
+
+
+def test_overrides_are_toml_values_or_bare_strings():
+    config = load_config(None, ["train.lr=1e-4", "train.resume=true", "data.path=some/file.txt",
+                                "train.betas=[0.8, 0.99]", "model.num_experts=16"])
+    assert config.train.lr == 1e-4 and config.train.resume is True
+    assert config.data.path == "some/file.txt"
+    assert config.train.betas == [0.8, 0.99]
+    assert config.model.num_experts == 16
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.step=5", "unknown config key 'train.step' (did you mean 'train.steps'?)"),
+    ("model.num_expert=4", "unknown config key 'model.num_expert' (did you mean 'model.num_experts'?)"),
+    ("trian.steps=5", "unknown config section [trian] (did you mean [train]?); sections: model, parallel, "
+                      "train, data"),
+    ("parallel.ep_size=2", "unknown config key 'parallel.ep_size' (did you mean 'parallel.ep'?)"),
+])
+def test_unknown_keys_name_the_closest_valid_key(override, message):
+    with pytest.raises(ConfigError) as error:
+        load_config(None, [override])
+    assert str(error.value) == message
+
+
+def test_override_without_section_is_rejected():
+    with pytest.raises(ConfigError, match="SECTION.KEY=VALUE"):
+        load_config(None, ["steps=5"])
+
+
+def test_a_key_outside_any_section_finds_its_section(tmp_path):
+    path = tmp_path / "flat.toml"
+    path.write_text("steps = 5\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(path)
+    assert str(error.value) == "unknown config key 'steps' (did you mean 'train.steps'?)"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.steps=abc", "train.steps must be of type int, got 'abc'"),
+    ("train.resume=1", "train.resume must be of type bool, got 1"),
+    ("train.steps=0", "train.steps must be >= 1, got 0"),
+    ("train.dtype=float16", "train.dtype must be 'auto', 'float32' or 'bfloat16'"),
+    ("model.num_experts_per_tok=9", "num_experts_per_tok (9) must be <= num_experts (8)"),
+    ("train.global_batch=12", "train.global_batch (12) must be divisible by train.micro_batch (8)"),
+    ("parallel.dp_shard=3", "train.micro_batch (8) must be divisible by the data-parallel size "
+                            "(parallel.dp_shard × parallel.ep = 3)"),
+    ("train.seq_len=4096", "train.seq_len (4096) exceeds model.max_position_embeddings (1024)"),
+    ("parallel.ep=2", "parallel.ep=2: expert parallelism is not available yet; set parallel.ep=1"),
+    ("parallel.tp=2", "parallel.tp=2: tensor parallelism is not available yet"),
+    ("data.val_fraction=1.5", "data.val_fraction must be in (0, 1)"),
+])
+def test_invalid_values_are_named(override, message):
+    with pytest.raises(ConfigError) as error:
+        load_config(None, [override])
+    assert message in str(error.value)
+
+
+def test_a_torchrun_launch_is_refused_until_parallel_layouts_exist(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match=r"launched with 4 processes \(WORLD_SIZE=4\)"):
+        load_config()
+
+
+def test_missing_and_malformed_config_files(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train]\nsteps = = 3\n")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(bad)
+
+
+def test_resolved_config_round_trips_through_toml(tmp_path):
+    config = config_from_dict(tiny_raw(tmp_path / "run", tmp_path / "data.txt"))
+    again = config_from_dict(tomllib.loads(config.to_toml()))
+    assert again == config
