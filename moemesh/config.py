@@ -226,11 +226,13 @@ def _validate(config: RunConfig) -> None:
     need(train.micro_batch % ranks == 0,
          f"train.micro_batch ({train.micro_batch}) must be divisible by the data-parallel size "
          f"(parallel.dp_shard × parallel.ep = {ranks})")
+    need(model.num_experts % config.parallel.ep == 0,
+         f"parallel.ep ({config.parallel.ep}) must divide model.num_experts ({model.num_experts})")
     _check_layout_available(config.parallel)
 
 
-_PLANNED = {"dp_shard": "sharded data parallelism (FSDP)", "ep": "expert parallelism",
-            "tp": "tensor parallelism", "pp": "pipeline parallelism"}
+_PLANNED = {"dp_shard": "sharded data parallelism (FSDP)", "tp": "tensor parallelism",
+            "pp": "pipeline parallelism"}
 
 
 def _check_layout_available(parallel: ParallelConfig) -> None:
@@ -239,9 +241,10 @@ def _check_layout_available(parallel: ParallelConfig) -> None:
         if size != 1:
             raise ConfigError(f"parallel.{name}={size}: {what} is not available yet; set parallel.{name}=1")
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != 1:
-        raise ConfigError(f"launched with {world} processes (WORLD_SIZE={world}), but only the single-process "
-                          "layout is available yet; run `moemesh train` without torchrun")
+    needed = parallel.dp_shard * parallel.ep * parallel.tp * parallel.pp
+    if world != needed:
+        raise ConfigError(f"the layout parallel.dp_shard × ep × tp × pp needs {needed} processes, but {world} "
+                          f"were launched (WORLD_SIZE={world}); use torchrun --nproc-per-node {needed}")
 
 
 def dumps_toml(sections: dict[str, dict[str, Any]]) -> str:

@@ -74,7 +74,7 @@ def test_a_key_outside_any_section_finds_its_section(tmp_path):
     ("parallel.dp_shard=3", "train.micro_batch (8) must be divisible by the data-parallel size "
                             "(parallel.dp_shard × parallel.ep = 3)"),
     ("train.seq_len=4096", "train.seq_len (4096) exceeds model.max_position_embeddings (1024)"),
-    ("parallel.ep=2", "parallel.ep=2: expert parallelism is not available yet; set parallel.ep=1"),
+    ("parallel.ep=2", "the layout parallel.dp_shard × ep × tp × pp needs 2 processes, but 1 were launched"),
     ("parallel.tp=2", "parallel.tp=2: tensor parallelism is not available yet"),
     ("data.val_fraction=1.5", "data.val_fraction must be in (0, 1)"),
 ])
@@ -84,10 +84,12 @@ def test_invalid_values_are_named(override, message):
     assert message in str(error.value)
 
 
-def test_a_torchrun_launch_is_refused_until_parallel_layouts_exist(monkeypatch):
+def test_the_number_of_processes_must_match_the_layout(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
-    with pytest.raises(ConfigError, match=r"launched with 4 processes \(WORLD_SIZE=4\)"):
+    with pytest.raises(ConfigError, match=r"needs 1 processes, but 4 were launched \(WORLD_SIZE=4\); "
+                                          r"use torchrun --nproc-per-node 1"):
         load_config()
+    load_config(None, ["parallel.ep=4"])  # the expert-parallel layout of four processes
 
 
 def test_missing_and_malformed_config_files(tmp_path):

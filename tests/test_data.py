@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moemesh.config import DataConfig
-from moemesh.data.dataset import TokenDataset, load_dataset, rank_micro_batches
+from moemesh.data.dataset import TokenDataset, load_dataset, rank_slice
 from moemesh.data.sources import load_tokens
 from moemesh.data.stdlib import stdlib_files
 from moemesh.data.tokenizer import ByteTokenizer, load_tokenizer
@@ -101,12 +101,11 @@ def test_validation_is_the_held_out_tail():
 
 
 def test_data_parallel_ranks_take_contiguous_slices_of_each_micro_batch():
-    batch = torch.arange(8 * 3).view(8, 3)
-    single = rank_micro_batches(batch, 4, rank=0, ranks=1)
-    split = [rank_micro_batches(batch, 4, rank, ranks=2) for rank in range(2)]
-    assert [m.shape for m in single] == [(4, 3), (4, 3)]
-    for j, micro in enumerate(single):  # the same micro-batches, each cut between the ranks
-        assert torch.equal(torch.cat([split[0][j], split[1][j]]), micro)
+    micro_batch = torch.arange(4 * 3).view(4, 3)
+    assert torch.equal(rank_slice(micro_batch, 0, ranks=1), micro_batch)
+    halves = [rank_slice(micro_batch, rank, ranks=2) for rank in range(2)]
+    assert [h.shape for h in halves] == [(2, 3), (2, 3)]
+    assert torch.equal(torch.cat(halves), micro_batch)
 
 
 @pytest.mark.parametrize("write, message", [

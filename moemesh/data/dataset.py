@@ -55,11 +55,11 @@ class TokenDataset:
         return torch.from_numpy(np.stack([self.val_tokens[o : o + self.seq_len] for o in offsets]).astype(np.int64))
 
 
-def rank_micro_batches(global_batch: torch.Tensor, micro_batch: int, rank: int, ranks: int) -> list[torch.Tensor]:
-    """The global batch in micro-batches of `micro_batch` sequences, the same on every layout;
-    of each, this data-parallel rank's contiguous slice of micro_batch / ranks sequences."""
-    per_rank = micro_batch // ranks
-    return [m[rank * per_rank : (rank + 1) * per_rank] for m in global_batch.split(micro_batch)]
+def rank_slice(batch: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:
+    """A data-parallel rank's contiguous share of a micro-batch (the micro-batches themselves are
+    the same on every layout)."""
+    rows = len(batch) // ranks
+    return batch[rank * rows:(rank + 1) * rows]
 
 
 def load_dataset(data: DataConfig, seq_len: int, seed: int, vocab_size: int) -> tuple[TokenDataset, Tokenizer]:

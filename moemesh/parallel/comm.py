@@ -38,7 +38,9 @@ def _unpack(packed: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor
     out, start = [], 0
     for t in like:
         width = _row_bytes(t)
-        piece = packed[:, start:start + width].contiguous().view(t.dtype)
+        # Copied into a fresh buffer: the slice may start at, or stride by, a byte count that is
+        # not aligned for t's dtype (and .contiguous() keeps a one-row slice as it is).
+        piece = packed.new_empty(packed.shape[0], width).copy_(packed[:, start:start + width]).view(t.dtype)
         out.append(piece.reshape(packed.shape[0], *t.shape[1:]))
         start += width
     return out

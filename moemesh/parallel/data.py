@@ -51,3 +51,20 @@ def rank_loss(ce_loss: torch.Tensor, aux_loss: torch.Tensor | None, local_labels
     if aux_loss is not None:
         loss = loss + aux_coef * aux_loss / ranks
     return loss
+
+
+def clip_grad_norm_(model: MoECausalLM, max_norm: float, mesh: Mesh) -> torch.Tensor:
+    """Scale all gradients so their global L2 norm is at most max_norm (as
+    torch.nn.utils.clip_grad_norm_ does); returns the norm before clipping. Call after
+    `reduce_gradients`: dense gradients are then the same on every rank, and each expert shard's
+    gradient lives on one EP rank, so only the expert part is summed over ep."""
+    grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    zero = torch.zeros((), device=next(model.parameters()).device, dtype=torch.float32)
+    dense = sum((g.float().pow(2).sum() for n, g in grads.items() if not is_expert_parameter(n)), zero)
+    experts = sum((g.float().pow(2).sum() for n, g in grads.items() if is_expert_parameter(n)), zero.clone())
+    comm.all_reduce_sum_([experts], mesh.group("ep"), kind="grad_norm")
+    total = (dense + experts).sqrt()
+    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for g in grads.values():
+        g.mul_(scale)
+    return total

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from moemesh.errors import ConfigError
 from moemesh.models.moe import Dispatched, MoEBlock, Routing
@@ -83,3 +84,21 @@ def apply_ep(model: MoECausalLM, mesh: Mesh) -> MoECausalLM:
 
 def is_expert_parameter(name: str) -> bool:
     return ".mlp.experts." in name
+
+
+def expert_state_as_dtensors(state: dict, mesh: Mesh) -> dict:
+    """In a model/optimizer state dict, wrap this rank's expert shards (weights and their AdamW
+    moments) as DTensors sharded over ep: torch.distributed.checkpoint then saves every shard under
+    its place in the full tensor, and loads into any other ep size."""
+    if mesh.dims.ep == 1:
+        return state
+    ep_mesh = mesh.device_mesh["ep"]
+
+    def wrap(name: str, value):
+        if isinstance(value, dict):
+            return {k: wrap(k if is_expert_parameter(k) else name, v) for k, v in value.items()}
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and is_expert_parameter(name):
+            return DTensor.from_local(value, ep_mesh, [Shard(0)], run_check=False)
+        return value
+
+    return wrap("", state)

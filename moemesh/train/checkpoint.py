@@ -20,13 +20,14 @@ import shutil
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
 from moemesh.errors import CheckpointError
 from moemesh.models import ModelConfig, build, from_pretrained, save_pretrained
@@ -49,6 +50,15 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     return max(complete)[1] if complete else None
 
 
+def _is_main() -> bool:
+    return _no_dist() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if not _no_dist():
+        dist.barrier()
+
+
 def _no_dist() -> bool:
     # One process without a process group saves and loads on its own; under torchrun DCP
     # coordinates the ranks.
@@ -68,33 +78,48 @@ def save_checkpoint(path: Path, state: dict[str, Any], model_config: ModelConfig
     """Write `state` (nested dicts of tensors and small Python values) with DCP plus config.json
     (and tokenizer.json), all under a temporary name, then rename to `path`."""
     tmp = path.with_name(_TMP_PREFIX + path.name)
-    shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
+    if _is_main():
+        shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
+    _barrier()
     with _single_process_quietly():
-        dcp.save(state, checkpoint_id=tmp, no_dist=_no_dist())
-    (tmp / "config.json").write_text(json.dumps(model_config.to_hf_dict(), indent=2) + "\n")
-    if tokenizer_file is not None:
-        shutil.copyfile(tokenizer_file, tmp / TOKENIZER_FILE)
-    if path.exists():  # the same step saved again, e.g. by a resumed run
-        shutil.rmtree(path)
-    os.rename(tmp, path)
+        dcp.save(state, checkpoint_id=tmp, no_dist=_no_dist())  # every rank writes its part
+    if _is_main():
+        (tmp / "config.json").write_text(json.dumps(model_config.to_hf_dict(), indent=2) + "\n")
+        if tokenizer_file is not None:
+            shutil.copyfile(tokenizer_file, tmp / TOKENIZER_FILE)
+        if path.exists():  # the same step saved again, e.g. by a resumed run
+            shutil.rmtree(path)
+        os.rename(tmp, path)
+    _barrier()
 
 
 def training_state(model: nn.Module, optimizer: torch.optim.Optimizer,
-                   scheduler: torch.optim.lr_scheduler.LRScheduler, trainer: dict[str, Any]) -> dict[str, Any]:
-    """What a training checkpoint holds. Loading into this same structure fills it in place."""
+                   scheduler: torch.optim.lr_scheduler.LRScheduler, trainer: dict[str, Any],
+                   shard: Callable[[dict], dict] = lambda state: state) -> dict[str, Any]:
+    """What a training checkpoint holds. Loading into this same structure fills it in place.
+    `shard` marks the entries that each rank holds only a part of (as DTensors)."""
     model_state, optimizer_state = get_state_dict(model, optimizer)
     return {"model": model_state, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
-            "trainer": trainer}
+            "trainer": trainer, **shard({"model": model_state, "optimizer": optimizer_state})}
 
 
 def load_training_state(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                        scheduler: torch.optim.lr_scheduler.LRScheduler, trainer: dict[str, Any]) -> dict[str, Any]:
+                        scheduler: torch.optim.lr_scheduler.LRScheduler, trainer: dict[str, Any],
+                        shard: Callable[[dict], dict] = lambda state: state) -> dict[str, Any]:
     """Restore model, optimizer and scheduler from `path`; returns `trainer` filled from it."""
-    state = training_state(model, optimizer, scheduler, trainer)
+    state = training_state(model, optimizer, scheduler, trainer, shard)
     _load(path, state)
+    state = _local_parts(state)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     return state["trainer"]
+
+
+def _local_parts(value):
+    """The state with every DTensor replaced by this rank's part of it."""
+    if isinstance(value, dict):
+        return {k: _local_parts(v) for k, v in value.items()}
+    return value.to_local() if isinstance(value, DTensor) else value
 
 
 def _load(path: Path, state: dict[str, Any]) -> None:

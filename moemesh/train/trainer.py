@@ -1,14 +1,16 @@
 """The training loop: data -> model -> AdamW, with validation, metrics, checkpoints and a plot.
 
 One optimizer step consumes `train.global_batch` sequences in micro-batches of `train.micro_batch`,
-whatever the layout; this rank runs its contiguous slice of each, accumulating gradients. Each
-slice's mean loss is divided by (micro-batches × ranks), so that the gradients, summed over
-micro-batches here and over ranks by data parallelism, are those of the global batch's mean loss.
+whatever the layout; each data-parallel rank runs its contiguous slice of every micro-batch and
+accumulates gradients. A rank's loss is its share of the micro-batch loss (`rank_loss`) divided by
+the number of micro-batches, so the gradients, summed over micro-batches here and over ranks by
+`reduce_gradients`, are those of the global batch's mean loss in one process.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import resource
 import shutil
 import sys
@@ -18,12 +20,18 @@ from pathlib import Path
 from typing import TextIO
 
 import torch
+import torch.distributed as dist
 
 from moemesh.config import RunConfig
-from moemesh.data.dataset import load_dataset, rank_micro_batches
+from moemesh.data.dataset import load_dataset, rank_slice
 from moemesh.data.tokenizer import HFTokenizer
 from moemesh.errors import ConfigError
 from moemesh.models import MoECausalLM, build
+from moemesh.models.transformer import shift_labels
+from moemesh.parallel import comm
+from moemesh.parallel.data import apply_data_parallel, clip_grad_norm_, rank_loss, reduce_gradients
+from moemesh.parallel.expert import apply_ep, expert_state_as_dtensors
+from moemesh.parallel.mesh import ParallelDims, init_mesh
 from moemesh.train.checkpoint import (CHECKPOINTS, checkpoint_path, latest_checkpoint, load_training_state,
                                       save_checkpoint, training_state)
 from moemesh.train.flops import flops_per_token, peak_flops
@@ -77,20 +85,26 @@ class Trainer:
     def __init__(self, config: RunConfig, stream: TextIO = sys.stdout):
         self.config = resolve_device(config)
         self.train_config = train = config.train
-        self.stream = stream
+        parallel = config.parallel
+        self.mesh = init_mesh(ParallelDims(dp=parallel.dp_shard, ep=parallel.ep, tp=parallel.tp, pp=parallel.pp))
+        self.rank, self.ranks = self.mesh.rank("batch"), self.mesh.dims.batch_size
+        self.is_main = int(os.environ.get("RANK", "0")) == 0  # the rank that prints and writes files
+        self.stream = stream if self.is_main else open(os.devnull, "w")
         self.device = torch.device(train.device)
         self.autocast_dtype = _DTYPES[train.dtype]
         self.run_dir = Path(train.run_dir)
-        self.rank, self.ranks = 0, config.parallel.batch_ranks  # one process until parallelism lands
 
         torch.manual_seed(train.seed)
         self.dataset, self.tokenizer = load_dataset(config.data, train.seq_len, train.seed, config.model.vocab_size)
+        # Every rank builds the full model from the seed, then keeps its part.
         self.model: MoECausalLM = build(config.model, seed=train.seed, device=self.device)
+        apply_data_parallel(apply_ep(self.model, self.mesh), self.mesh)
         self.optimizer = build_optimizer(self.model, train)
         self.scheduler = build_scheduler(self.optimizer, train)
         self.step = 0
         self.data_position = 0  # sequences of the training order consumed so far
-        self.val_batches = self.dataset.val_sequences(train.eval_sequences).split(train.micro_batch)
+        val = self.dataset.val_sequences(train.eval_sequences)
+        self.val_batches = val[: len(val) // self.ranks * self.ranks].split(train.micro_batch)
         self.flops_per_token = flops_per_token(self.model, train.seq_len)
         self.peak_flops = peak_flops(self.device)
 
@@ -100,48 +114,63 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
+    def _local(self, batch: torch.Tensor) -> torch.Tensor:
+        """This rank's contiguous slice of a (micro-)batch, on the device."""
+        return rank_slice(batch, self.rank, self.ranks).to(self.device, non_blocking=True)
+
     def train_step(self) -> dict[str, float | None]:
         train = self.train_config
         global_batch = self.dataset.train_sequences(self.data_position, train.global_batch)
         self.data_position += train.global_batch
-        micro_batches = rank_micro_batches(global_batch, train.micro_batch, self.rank, self.ranks)
-        scale = 1.0 / (len(micro_batches) * self.ranks)
-        loss_sum = torch.zeros((), device=self.device)
+        micro_batches = global_batch.split(train.micro_batch)
+        coef = self.config.model.router_aux_loss_coef
+        ce_sum = torch.zeros((), device=self.device)
         aux_sum = None
-        for batch in micro_batches:
-            tokens = batch.to(self.device, non_blocking=True)
+        for micro_batch in micro_batches:
+            tokens = self._local(micro_batch)
+            label_tokens = int((shift_labels(micro_batch) != -100).sum())
             with self._autocast():
-                out = self.model(tokens, labels=tokens)
-            (out.loss * scale).backward()  # cross-entropy + router_aux_loss_coef * aux_loss
-            loss_sum += out.ce_loss.detach() * scale
-            if out.aux_loss is not None:
-                aux = out.aux_loss.detach().float() * scale
+                out = self.model(tokens, labels=tokens, return_logits=False)
+            loss = rank_loss(out.ce_loss, out.aux_loss, tokens, label_tokens, coef, self.ranks)
+            (loss / len(micro_batches)).backward()
+            ce_sum += rank_loss(out.ce_loss.detach().float(), None, tokens, label_tokens, coef, self.ranks) \
+                / len(micro_batches)
+            if out.aux_loss is not None:  # the same on every rank: computed from summed statistics
+                aux = out.aux_loss.detach().float() / len(micro_batches)
                 aux_sum = aux if aux_sum is None else aux_sum + aux
+        reduce_gradients(self.model, self.mesh)
         max_norm = train.grad_clip if train.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        grad_norm = clip_grad_norm_(self.model, max_norm, self.mesh)
+        comm.all_reduce_sum_([ce_sum], self.mesh.group("batch"), kind="metrics")
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return {"loss": loss_sum.item(), "aux_loss": None if aux_sum is None else aux_sum.item(),
+        return {"loss": ce_sum.item(), "aux_loss": None if aux_sum is None else aux_sum.item(),
                 "lr": lr, "grad_norm": grad_norm.item()}
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean language-model loss over the fixed validation sequences (no auxiliary loss)."""
-        total = torch.zeros((), device=self.device)
+        total, label_tokens = torch.zeros((), device=self.device), 0
         for batch in self.val_batches:
-            tokens = batch.to(self.device)
+            tokens = self._local(batch)
             with self._autocast():
-                loss = self.model(tokens, labels=tokens, output_router_logits=False).ce_loss
-            total += loss.float() * len(batch)  # the last batch may be smaller
-        return total.item() / sum(len(batch) for batch in self.val_batches)
+                loss = self.model(tokens, labels=tokens, output_router_logits=False, return_logits=False).ce_loss
+            local_tokens = int((shift_labels(tokens) != -100).sum())
+            total += loss.float() * local_tokens
+            label_tokens += int((shift_labels(batch) != -100).sum())
+        comm.all_reduce_sum_([total], self.mesh.group("batch"), kind="metrics")
+        return total.item() / label_tokens
 
     # ---- checkpoints ------------------------------------------------------------------------
     def _state(self) -> dict:
         trainer = {"step": self.step, "data_position": self.data_position, **_rng_state(self.device)}
-        return training_state(self.model, self.optimizer, self.scheduler, trainer)
+        return training_state(self.model, self.optimizer, self.scheduler, trainer, self._shard_state)
+
+    def _shard_state(self, state: dict) -> dict:
+        return expert_state_as_dtensors(state, self.mesh)
 
     def save(self) -> Path:
         path = checkpoint_path(self.run_dir, self.step)
@@ -151,7 +180,7 @@ class Trainer:
 
     def restore(self, path: Path) -> None:
         trainer = {"step": 0, "data_position": 0, **_rng_state(self.device)}
-        trainer = load_training_state(path, self.model, self.optimizer, self.scheduler, trainer)
+        trainer = load_training_state(path, self.model, self.optimizer, self.scheduler, trainer, self._shard_state)
         self.step, self.data_position = int(trainer["step"]), int(trainer["data_position"])
         torch.set_rng_state(trainer["rng_cpu"])
         if "rng_cuda" in trainer:
@@ -166,15 +195,19 @@ class Trainer:
         if checkpoint is not None:
             self.restore(checkpoint)
             say(f"resumed from {checkpoint} (step {self.step})")
-            return MetricsLog(self.run_dir / METRICS_FILE, resume_step=self.step)
+            return self._metrics_log(resume_step=self.step)
         if train.resume:
             say(f"train.resume: no checkpoint in {self.run_dir / CHECKPOINTS} yet, starting at step 0")
-        if (self.run_dir / CHECKPOINTS).exists():
+        if (self.run_dir / CHECKPOINTS).exists() and self.is_main:
             # Old checkpoints of another run would be picked up by a later resume.
             say(f"starting afresh: removing the previous run's {self.run_dir / CHECKPOINTS} "
                 "(train.resume=true continues it instead)")
             shutil.rmtree(self.run_dir / CHECKPOINTS)
-        return MetricsLog(self.run_dir / METRICS_FILE)
+        return self._metrics_log()
+
+    def _metrics_log(self, resume_step: int | None = None) -> MetricsLog:
+        # Only the main rank writes the file; the others log into nothing.
+        return MetricsLog(self.run_dir / METRICS_FILE if self.is_main else os.devnull, resume_step=resume_step)
 
     def _say(self, text: str) -> None:
         self.stream.write(text + "\n")
@@ -196,7 +229,8 @@ class Trainer:
         train = self.train_config
         self._describe()
         metrics = self._start()
-        (self.run_dir / "config.toml").write_text(self.config.to_toml())
+        if self.is_main:
+            (self.run_dir / "config.toml").write_text(self.config.to_toml())
         val_losses = [r["val_loss"] for r in read_metrics(metrics.path) if r.get("val_loss") is not None]
         if self.step == 0:
             val_losses.append(self.evaluate())
@@ -233,7 +267,8 @@ class Trainer:
 
         seconds = time.perf_counter() - started
         records = read_metrics(metrics.path)
-        plot_losses(records, self.run_dir / "loss.png", title=f"{self.config.model.model_type} · {self.run_dir}")
+        if self.is_main:
+            plot_losses(records, self.run_dir / "loss.png", title=f"{self.config.model.model_type} · {self.run_dir}")
         if val_losses:
             self._say(f"done in {format_duration(seconds)}: validation loss {val_losses[0]:.4f} -> "
                       f"{val_losses[-1]:.4f}; checkpoint {checkpoint or latest_checkpoint(self.run_dir)}; "
@@ -243,4 +278,8 @@ class Trainer:
 
 
 def train(config: RunConfig, stream: TextIO = sys.stdout) -> TrainResult:
-    return Trainer(config, stream).run()
+    try:
+        return Trainer(config, stream).run()
+    finally:
+        if dist.is_initialized():  # launched by torchrun: leave the process group cleanly
+            dist.destroy_process_group()
