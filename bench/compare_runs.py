@@ -1,0 +1,39 @@
+"""Per-step training loss of two runs side by side, with the largest relative difference.
+
+    python3 bench/compare_runs.py RUN_DIR_A RUN_DIR_B [--tolerance 0.02]
+
+Exits with status 1 when a step differs by more than the tolerance (or the runs have different
+steps), so a script can use it as a check."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from moemesh.train.metrics import METRICS_FILE, read_metrics
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("a")
+    parser.add_argument("b")
+    parser.add_argument("--tolerance", type=float, default=0.02)
+    args = parser.parse_args()
+    runs = [{r["step"]: r for r in read_metrics(f"{d}/{METRICS_FILE}") if "loss" in r} for d in (args.a, args.b)]
+    if not runs[0] or runs[0].keys() != runs[1].keys():
+        print(f"the runs have different steps: {sorted(runs[0])} vs {sorted(runs[1])}")
+        return 1
+    worst = 0.0
+    print(f"{'step':>5} {'loss A':>10} {'loss B':>10} {'rel diff':>10} {'tok/s A':>10} {'tok/s B':>10}")
+    for step in sorted(runs[0]):
+        a, b = runs[0][step], runs[1][step]
+        diff = abs(a["loss"] - b["loss"]) / abs(a["loss"])
+        worst = max(worst, diff)
+        print(f"{step:>5} {a['loss']:>10.4f} {b['loss']:>10.4f} {diff:>10.2e} "
+              f"{a['tokens_per_s']:>10.0f} {b['tokens_per_s']:>10.0f}")
+    print(f"largest relative loss difference {worst:.2e} (tolerance {args.tolerance})")
+    return 0 if worst <= args.tolerance else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
