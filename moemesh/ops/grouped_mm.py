@@ -33,4 +33,6 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor)
         offsets = torch.cumsum(group_sizes, dim=0, dtype=torch.int32)
         return _grouped_mm_kernel(x, weight.transpose(-2, -1), offs=offsets)
     pieces = torch.split(x, group_sizes.tolist())
-    return torch.cat([piece @ weight[e].transpose(0, 1) for e, piece in enumerate(pieces)])
+    # unbind, not weight[e]: its backward stacks the expert gradients once, where indexing would
+    # add a full-size zero gradient per expert.
+    return torch.cat([piece @ w.transpose(0, 1) for piece, w in zip(pieces, weight.unbind(0))])
