@@ -12,7 +12,9 @@ import time
 import pytest
 
 from moemesh.config import load_config
+from moemesh.models import build
 from moemesh.train.checkpoint import load_model
+from moemesh.train.progress import format_count
 from moemesh.train.trainer import train
 from tiny_run import write_tiny_toml
 
@@ -47,6 +49,11 @@ def test_expert_parallel_training_equals_one_process(reference, ep):
     result = torchrun(ep, "-m", "moemesh", "train", "--config", str(config_file), "--set", *OVERRIDES,
                       f"parallel.ep={ep}", f"train.run_dir={run_dir}")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    # parameter counts (and so MFU) are those of the whole model, not of one rank's experts
+    model = load_config(config_file, OVERRIDES).model
+    full = build(model)
+    assert f"{format_count(full.num_params())} parameters, {format_count(full.num_params(active=True))} active" \
+        in result.stdout
     ours = [r for r in metrics(run_dir) if "loss" in r]
     theirs = [r for r in metrics(single_dir) if "loss" in r]
     assert len(ours) == len(theirs) == STEPS

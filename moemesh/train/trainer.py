@@ -98,6 +98,9 @@ class Trainer:
         self.dataset, self.tokenizer = load_dataset(config.data, train.seq_len, train.seed, config.model.vocab_size)
         # Every rank builds the full model from the seed, then keeps its part.
         self.model: MoECausalLM = build(config.model, seed=train.seed, device=self.device)
+        # Counted on the whole model, before this rank drops the experts it does not hold.
+        self.flops_per_token = flops_per_token(self.model, train.seq_len)
+        self.num_params = (self.model.num_params(), self.model.num_params(active=True))
         apply_data_parallel(apply_ep(self.model, self.mesh), self.mesh)
         self.optimizer = build_optimizer(self.model, train)
         self.scheduler = build_scheduler(self.optimizer, train)
@@ -105,7 +108,6 @@ class Trainer:
         self.data_position = 0  # sequences of the training order consumed so far
         val = self.dataset.val_sequences(train.eval_sequences)
         self.val_batches = val[: len(val) // self.ranks * self.ranks].split(train.micro_batch)
-        self.flops_per_token = flops_per_token(self.model, train.seq_len)
         self.peak_flops = peak_flops(self.device)
 
     # ---- one step ---------------------------------------------------------------------------
@@ -215,7 +217,7 @@ class Trainer:
 
     def _describe(self) -> None:
         model, data, train = self.config.model, self.config.data, self.train_config
-        total, active = self.model.num_params(), self.model.num_params(active=True)
+        total, active = self.num_params
         self._say(f"model   {model.model_type}: {model.num_hidden_layers} layers, hidden {model.hidden_size}, "
                   f"{model.num_experts} experts top-{model.num_experts_per_tok}; "
                   f"{format_count(total)} parameters, {format_count(active)} active per token")
