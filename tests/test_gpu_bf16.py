@@ -12,12 +12,9 @@ import torch
 import transformers
 
 from moemesh.models import from_pretrained
+from numerics import rel_err
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def rel_err(ours, reference):
-    return ((ours.double() - reference.double()).norm() / reference.double().norm()).item()
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])

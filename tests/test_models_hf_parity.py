@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 from moemesh.errors import CheckpointError, ConfigError
 from moemesh.models import ModelConfig, from_pretrained, save_pretrained
+from numerics import rel_err
 
 RTOL = 1e-5
 
@@ -42,10 +43,6 @@ CASES = {
     "mixtral_e6_k3_tied": ("mixtral", dict(num_local_experts=6, num_experts_per_tok=3, intermediate_size=12,
                                            tie_word_embeddings=True, head_dim=16)),
 }
-
-
-def rel_err(ours: torch.Tensor, theirs: torch.Tensor) -> float:
-    return ((ours - theirs).norm() / theirs.norm().clamp_min(1e-30)).item()
 
 
 def hf_model(model_type: str, overrides: dict, seed: int = 0):
@@ -173,25 +170,18 @@ def test_unknown_model_type_is_named(tmp_path):
         from_pretrained(tmp_path)
 
 
-def test_missing_weight_is_named(tmp_path):
+@pytest.mark.parametrize("key, message", [
+    ("model.layers.2.self_attn.k_norm.weight", r"missing weight 'model.layers.2.self_attn.k_norm.weight'"),
+    ("model.layers.0.mlp.experts.4.up_proj.weight", r"missing weight model.layers.0.mlp.experts.4.up_proj.weight"),
+])
+def test_missing_weight_is_named(tmp_path, key, message):
     from safetensors.torch import load_file
 
     _saved(tmp_path)
     tensors = load_file(tmp_path / "model.safetensors")
-    del tensors["model.layers.2.self_attn.k_norm.weight"]
+    del tensors[key]
     save_file(tensors, tmp_path / "model.safetensors")
-    with pytest.raises(CheckpointError, match=r"missing weight 'model.layers.2.self_attn.k_norm.weight'"):
-        from_pretrained(tmp_path)
-
-
-def test_missing_expert_is_named(tmp_path):
-    from safetensors.torch import load_file
-
-    _saved(tmp_path)
-    tensors = load_file(tmp_path / "model.safetensors")
-    del tensors["model.layers.0.mlp.experts.4.up_proj.weight"]
-    save_file(tensors, tmp_path / "model.safetensors")
-    with pytest.raises(CheckpointError, match=r"missing weight model.layers.0.mlp.experts.4.up_proj.weight"):
+    with pytest.raises(CheckpointError, match=message):
         from_pretrained(tmp_path)
 
 

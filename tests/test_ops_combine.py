@@ -5,33 +5,12 @@ H terms in the weight gradient's dot product): relative (Frobenius) error <= 1e-
 vs the fp32 reference: one bf16 rounding of the output, <= 1e-2.
 """
 
-import zlib
-
 import pytest
 import torch
 
 from moemesh.ops import combine, permute
-from moemesh.ops.backend import HAVE_TRITON
 from moemesh.ops.combine import combine_reference
-
-
-@pytest.fixture(autouse=True)
-def seed(request):
-    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
-
-
-@pytest.fixture
-def triton_kernels(monkeypatch):
-    """Force the Triton kernels: compiled on a GPU, interpreted on CPU (see conftest.py)."""
-    if not HAVE_TRITON:
-        pytest.skip("triton is not installed")
-    monkeypatch.setenv("MOEMESH_KERNELS", "triton")
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # where tensors are made
-        yield
-
-
-def rel_err(actual, expected):
-    return ((actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)).item()
+from numerics import rel_err
 
 
 def layout(num_tokens, num_experts, k, align, hidden, dtype=torch.float32):

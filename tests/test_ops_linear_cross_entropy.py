@@ -7,39 +7,18 @@ ulps per reduction: relative (Frobenius) error <= 1e-5 for losses and gradients,
 single-chunk-step comparison. bf16 vs the fp32 reference: bf16 logits and gradients, <= 1e-2.
 """
 
-import zlib
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from moemesh.ops import linear_cross_entropy
-from moemesh.ops.backend import HAVE_TRITON
 from moemesh.ops.linear_cross_entropy import (
     chunked_linear_cross_entropy,
     cross_entropy_step_torch,
     cross_entropy_step_triton,
     linear_cross_entropy_reference,
 )
-
-
-@pytest.fixture(autouse=True)
-def seed(request):
-    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
-
-
-@pytest.fixture
-def triton_kernels(monkeypatch):
-    """Force the Triton kernels: compiled on a GPU, interpreted on CPU (see conftest.py)."""
-    if not HAVE_TRITON:
-        pytest.skip("triton is not installed")
-    monkeypatch.setenv("MOEMESH_KERNELS", "triton")
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # where tensors are made
-        yield
-
-
-def rel_err(actual, expected):
-    return ((actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)).item()
+from numerics import rel_err
 
 
 def problem(num_tokens, hidden, vocab, ignored_every=4, dtype=torch.float32):

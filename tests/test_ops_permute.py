@@ -5,29 +5,12 @@ k fp32 rows in possibly another order than autograd does, so it may differ by a 
 relative (Frobenius) error <= 1e-6.
 """
 
-import zlib
-
 import pytest
 import torch
 
 from moemesh.ops import permute
-from moemesh.ops.backend import HAVE_TRITON
 from moemesh.ops.permute import permute_reference, permute_rows_reference
-
-
-@pytest.fixture(autouse=True)
-def seed(request):
-    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
-
-
-@pytest.fixture
-def triton_kernels(monkeypatch):
-    """Force the Triton kernels: compiled on a GPU, interpreted on CPU (see conftest.py)."""
-    if not HAVE_TRITON:
-        pytest.skip("triton is not installed")
-    monkeypatch.setenv("MOEMESH_KERNELS", "triton")
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # where tensors are made
-        yield
+from numerics import rel_err
 
 
 def routing(num_tokens, num_experts, k, unused_experts=()):
@@ -35,10 +18,6 @@ def routing(num_tokens, num_experts, k, unused_experts=()):
     scores = torch.rand(num_tokens, num_experts)
     scores[:, list(unused_experts)] = -float("inf")
     return scores.topk(k, dim=1).indices
-
-
-def rel_err(actual, expected):
-    return ((actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)).item()
 
 
 @pytest.mark.parametrize(

@@ -5,34 +5,13 @@ sigmoid implementations): relative (Frobenius) error <= 1e-6. bf16 kernel vs fp3
 bf16 rounding, <= 1e-2.
 """
 
-import zlib
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from moemesh.ops import swiglu
-from moemesh.ops.backend import HAVE_TRITON
 from moemesh.ops.swiglu import swiglu_reference
-
-
-@pytest.fixture(autouse=True)
-def seed(request):
-    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
-
-
-@pytest.fixture
-def triton_kernels(monkeypatch):
-    """Force the Triton kernels: compiled on a GPU, interpreted on CPU (see conftest.py)."""
-    if not HAVE_TRITON:
-        pytest.skip("triton is not installed")
-    monkeypatch.setenv("MOEMESH_KERNELS", "triton")
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # where tensors are made
-        yield
-
-
-def rel_err(actual, expected):
-    return ((actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)).item()
+from numerics import rel_err
 
 
 def test_reference_is_hf_chunk_split():

@@ -15,6 +15,7 @@ from moemesh.parallel.data import apply_data_parallel, rank_loss, reduce_gradien
 from moemesh.parallel.expert import apply_ep, is_expert_parameter
 from moemesh.parallel.mesh import ParallelDims, init_mesh
 from multiprocess import WorkerPool
+from numerics import rel_err
 
 WORLD = 4
 RTOL = 1e-5
@@ -29,10 +30,6 @@ def pool():
     workers = WorkerPool(WORLD)
     yield workers
     workers.close()
-
-
-def rel_err(ours, reference):
-    return ((ours - reference).norm() / reference.norm().clamp_min(1e-30)).item()
 
 
 def micro_batch(seed=0, batch=8, seq=9):
