@@ -100,14 +100,14 @@ def _zero_router(model):
                 param.zero_()
 
 
-def check_degenerate_routing(rank):
-    config = CONFIG.replace(num_experts_per_tok=2)
+def check_degenerate_routing(rank, top_k):
+    config = CONFIG.replace(num_experts_per_tok=top_k)
     local_experts = config.num_experts // WORLD
     input_ids, labels = micro_batch(seed=5)
     reference, ref_out, model, loss, out, local, mesh, forward_bytes = sharded_step(
         ParallelDims(ep=WORLD), config, input_ids, labels, _zero_router)
     chosen = set(model.model.layers[0].mlp.route(torch.randn(6, config.hidden_size)).expert_ids.flatten().tolist())
-    assert len(chosen) == 2
+    assert len(chosen) == top_k
     holders = {e // local_experts for e in chosen}
     assert rel_err(loss, ref_out.loss.detach()) <= RTOL
     ref_params = dict(reference.named_parameters())
@@ -127,8 +127,9 @@ def check_degenerate_routing(rank):
     return True
 
 
-def test_degenerate_routing_all_tokens_to_one_rank(pool):
-    assert all(pool.run(check_degenerate_routing))
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_degenerate_routing_all_tokens_to_the_same_experts(pool, top_k):
+    assert all(pool.run(check_degenerate_routing, top_k))
 
 
 def check_collective_counts(rank):

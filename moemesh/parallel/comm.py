@@ -139,3 +139,10 @@ def all_reduce_sum_(tensors: list[torch.Tensor], group, kind: str = "all_reduce"
         dist.all_reduce(flat, group=group)
         for t, piece in zip(same, flat.split([t.numel() for t in same])):
             t.copy_(piece.view_as(t))
+
+
+def barrier() -> None:
+    """Wait for every rank of the default group (no-op without one)."""
+    if dist.is_available() and dist.is_initialized():
+        _count("barrier", "step", 0)
+        dist.barrier()

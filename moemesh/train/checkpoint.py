@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from moemesh.errors import CheckpointError
+from moemesh.parallel import comm
 from moemesh.models import ModelConfig, build, from_pretrained, save_pretrained
 
 CHECKPOINTS = "checkpoints"
@@ -54,11 +55,6 @@ def _is_main() -> bool:
     return _no_dist() or dist.get_rank() == 0
 
 
-def _barrier() -> None:
-    if not _no_dist():
-        dist.barrier()
-
-
 def _no_dist() -> bool:
     # One process without a process group saves and loads on its own; under torchrun DCP
     # coordinates the ranks.
@@ -80,7 +76,7 @@ def save_checkpoint(path: Path, state: dict[str, Any], model_config: ModelConfig
     tmp = path.with_name(_TMP_PREFIX + path.name)
     if _is_main():
         shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
-    _barrier()
+    comm.barrier()
     with _single_process_quietly():
         dcp.save(state, checkpoint_id=tmp, no_dist=_no_dist())  # every rank writes its part
     if _is_main():
@@ -90,7 +86,7 @@ def save_checkpoint(path: Path, state: dict[str, Any], model_config: ModelConfig
         if path.exists():  # the same step saved again, e.g. by a resumed run
             shutil.rmtree(path)
         os.rename(tmp, path)
-    _barrier()
+    comm.barrier()
 
 
 def training_state(model: nn.Module, optimizer: torch.optim.Optimizer,
