@@ -5,6 +5,8 @@ reference itself, then shards (EP over 4 ranks, or 2 EP ranks × 2 data-parallel
 compares loss, logits and every gradient. Tolerance 1e-5 relative: the sharded run adds the same
 fp32 terms in another order (partial sums per rank), which moves results by ~1e-7."""
 
+import os
+
 import pytest
 import torch
 
@@ -67,10 +69,18 @@ def sharded_step(dims: ParallelDims, config: ModelConfig, input_ids, labels, pre
     return reference, ref_out, model, summed, out, local, mesh, forward_bytes
 
 
-def check_matches_single_process(rank, dp, ep, prepare=lambda model: None):
+def check_matches_single_process(rank, dp, ep, kernels="auto"):
+    os.environ["MOEMESH_KERNELS"] = kernels  # read at every call; TRITON_INTERPRET came from conftest
+    try:
+        return _check_matches_single_process(dp, ep)
+    finally:
+        os.environ.pop("MOEMESH_KERNELS")
+
+
+def _check_matches_single_process(dp, ep):
     input_ids, labels = micro_batch(seed=dp * 10 + ep)
     reference, ref_out, model, loss, out, local, mesh, _ = sharded_step(ParallelDims(dp=dp, ep=ep), CONFIG,
-                                                                        input_ids, labels, prepare)
+                                                                        input_ids, labels)
     assert rel_err(loss, ref_out.loss.detach()) <= RTOL
     assert rel_err(out.logits, ref_out.logits[local].detach()) <= RTOL
     assert rel_err(out.aux_loss, ref_out.aux_loss) <= RTOL  # the same value on every rank
@@ -86,9 +96,10 @@ def check_matches_single_process(rank, dp, ep, prepare=lambda model: None):
     return True
 
 
-@pytest.mark.parametrize("dp, ep", [(1, 4), (2, 2)])
-def test_ep_equals_one_process(pool, dp, ep):
-    assert all(pool.run(check_matches_single_process, dp, ep))
+@pytest.mark.parametrize("dp, ep, kernels", [(1, 4, "auto"), (2, 2, "auto"), (1, 4, "triton")])
+def test_ep_equals_one_process(pool, dp, ep, kernels):
+    """kernels="triton": the permute/combine kernels (interpreted on CPU) on both sides."""
+    assert all(pool.run(check_matches_single_process, dp, ep, kernels))
 
 
 def _zero_router(model):

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, Shard
 from moemesh.errors import ConfigError
 from moemesh.models.moe import Dispatched, MoEBlock, Routing
 from moemesh.models.transformer import MoECausalLM
+from moemesh.ops import combine, permute
 from moemesh.parallel import comm
 from moemesh.parallel.mesh import Mesh
 
@@ -28,7 +29,7 @@ class AllToAllDispatcher:
         self.num_local_experts = num_local_experts
 
     def dispatch(self, x: torch.Tensor, routing: Routing, num_experts: int) -> Dispatched:
-        num_tokens, top_k = routing.expert_ids.shape
+        num_tokens = x.shape[0]
         local = self.num_local_experts
         dest = routing.expert_ids // local  # [T, k] rank holding each chosen expert
         goes_to = torch.zeros(num_tokens, self.ep_size, dtype=torch.bool, device=x.device)
@@ -36,31 +37,37 @@ class AllToAllDispatcher:
         # One row per (rank, token) pair, ordered by rank and then token.
         row_rank, row_token = goes_to.T.nonzero(as_tuple=True)
         on_rank = dest[row_token] == row_rank[:, None]  # [rows, k]: which slots this row serves
-        local_ids = torch.where(on_rank, routing.expert_ids[row_token] % local, local)  # `local` = not here
+        local_ids = torch.where(on_rank, routing.expert_ids[row_token] % local, local)  # `local`: not here
         weights = torch.where(on_rank, routing.weights[row_token], 0.0)
 
-        # per rank: rows it gets, and expert slots those rows expand to
-        sizes = torch.stack([goes_to.sum(0), torch.bincount(dest.flatten(), minlength=self.ep_size)], dim=1)
-        incoming = comm.exchange_sizes(sizes, self.group)
-        send_splits, recv_splits = sizes[:, 0].tolist(), incoming[:, 0].tolist()
+        sizes = goes_to.sum(0)
+        send_splits, recv_splits = sizes.tolist(), comm.exchange_sizes(sizes, self.group).tolist()
         x_in, weights_in, ids_in = comm.all_to_all([x[row_token], weights, local_ids], recv_splits, send_splits,
                                                    self.group)
-
-        flat_ids = ids_in.flatten()
-        order = torch.argsort(flat_ids, stable=True)[: int(incoming[:, 1].sum())]  # drop slots served elsewhere
-        slot_row = order // top_k
-        group_sizes = torch.bincount(flat_ids, minlength=local + 1)[:local]
-        state = (row_token, send_splits, recv_splits, order, slot_row, weights_in)
-        return Dispatched(x_in[slot_row], group_sizes, state)
+        # Expand each received row to its experts here; slots served elsewhere form a last group
+        # that no expert computes, and in the combine they read one shared zero row, with weight 0.
+        permuted = permute(x_in, ids_in, local + 1)
+        real = permuted.host_offsets[local]
+        position = torch.where(ids_in == local, real, permuted.position)
+        # Where each returning row goes: source[t, p] is the row of (rank p, token t), or the zero row.
+        source = torch.full((num_tokens, self.ep_size), len(row_token), dtype=torch.long, device=x.device)
+        source[row_token, row_rank] = torch.arange(len(row_token), device=x.device)
+        state = (position, weights_in, source, send_splits, recv_splits)
+        return Dispatched(permuted.grouped[:real], permuted.offsets.diff()[:local], state)
 
     def combine(self, expert_out: torch.Tensor, dispatched: Dispatched, routing: Routing,
                 num_tokens: int) -> torch.Tensor:
-        row_token, send_splits, recv_splits, order, slot_row, weights_in = dispatched.state
-        weighted = expert_out.float() * weights_in.flatten()[order, None]
-        rows = weighted.new_zeros(sum(recv_splits), expert_out.shape[-1]).index_add_(0, slot_row, weighted)
-        (back,) = comm.all_to_all([rows.to(expert_out.dtype)], send_splits, recv_splits, self.group)
-        out = back.new_zeros(num_tokens, back.shape[-1], dtype=torch.float32)
-        return out.index_add_(0, row_token, back.float()).to(expert_out.dtype)
+        position, weights_in, source, send_splits, recv_splits = dispatched.state
+        rows = combine(_with_zero_row(expert_out), position, weights_in)  # per row: Σ weight · expert output
+        (back,) = comm.all_to_all([rows], send_splits, recv_splits, self.group)
+        ones = torch.ones(source.shape, device=back.device)
+        return combine(_with_zero_row(back), source, ones)  # per token: Σ over ranks
+
+
+def _with_zero_row(t: torch.Tensor) -> torch.Tensor:
+    # Several slots read this row with weight 0; combine's backward writes 0 there for each of
+    # them, so their writes agree.
+    return torch.cat([t, t.new_zeros(1, t.shape[1])])
 
 
 def apply_ep(model: MoECausalLM, mesh: Mesh) -> MoECausalLM:
