@@ -1,9 +1,12 @@
-"""Per-step training loss of two runs side by side, with the largest relative difference.
+"""Per-step training loss of two runs side by side, with the largest relative difference and the
+difference of the mean loss over the last quarter of the steps.
 
-    python3 bench/compare_runs.py RUN_DIR_A RUN_DIR_B [--tolerance 0.02]
+    python3 bench/compare_runs.py RUN_DIR_A RUN_DIR_B [--tolerance 0.03]
 
 Exits with status 1 when a step differs by more than the tolerance (or the runs have different
-steps), so a script can use it as a check."""
+steps), so a script can use it as a check. In bf16 on a GPU, two runs of the same code on one GPU
+already drift apart step by step (atomics in the backward make them nondeterministic): measured
+on an H200, up to 1.6e-2 by step 30 of configs/gpu_small.toml, so a tolerance must sit above that."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("a")
     parser.add_argument("b")
-    parser.add_argument("--tolerance", type=float, default=0.02)
+    parser.add_argument("--tolerance", type=float, default=0.03)
     args = parser.parse_args()
     runs = [{r["step"]: r for r in read_metrics(f"{d}/{METRICS_FILE}") if "loss" in r} for d in (args.a, args.b)]
     if not runs[0] or runs[0].keys() != runs[1].keys():
@@ -31,6 +34,10 @@ def main() -> int:
         worst = max(worst, diff)
         print(f"{step:>5} {a['loss']:>10.4f} {b['loss']:>10.4f} {diff:>10.2e} "
               f"{a['tokens_per_s']:>10.0f} {b['tokens_per_s']:>10.0f}")
+    tail = sorted(runs[0])[-max(1, len(runs[0]) // 4):]
+    means = [sum(run[step]["loss"] for step in tail) / len(tail) for run in runs]
+    print(f"mean loss over steps {tail[0]}-{tail[-1]}: {means[0]:.4f} vs {means[1]:.4f} "
+          f"({abs(means[0] - means[1]) / means[0]:.2e} relative)")
     print(f"largest relative loss difference {worst:.2e} (tolerance {args.tolerance})")
     return 0 if worst <= args.tolerance else 1
 
