@@ -116,9 +116,11 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def _local(self, batch: torch.Tensor) -> torch.Tensor:
-        """This rank's contiguous slice of a (micro-)batch, on the device."""
-        return rank_slice(batch, self.rank, self.ranks).to(self.device, non_blocking=True)
+    def _local(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's contiguous slice of a (micro-)batch, on the host (to count labels without
+        waiting for the device) and on the device."""
+        local = rank_slice(batch, self.rank, self.ranks)
+        return local, local.to(self.device, non_blocking=True)
 
     def train_step(self) -> dict[str, float | None]:
         train = self.train_config
@@ -129,13 +131,13 @@ class Trainer:
         ce_sum = torch.zeros((), device=self.device)
         aux_sum = None
         for micro_batch in micro_batches:
-            tokens = self._local(micro_batch)
+            local, tokens = self._local(micro_batch)
             label_tokens = int((shift_labels(micro_batch) != -100).sum())
             with self._autocast():
                 out = self.model(tokens, labels=tokens, return_logits=False)
-            loss = rank_loss(out.ce_loss, out.aux_loss, tokens, label_tokens, coef, self.ranks)
+            loss = rank_loss(out.ce_loss, out.aux_loss, local, label_tokens, coef, self.ranks)
             (loss / len(micro_batches)).backward()
-            ce_sum += rank_loss(out.ce_loss.detach().float(), None, tokens, label_tokens, coef, self.ranks) \
+            ce_sum += rank_loss(out.ce_loss.detach().float(), None, local, label_tokens, coef, self.ranks) \
                 / len(micro_batches)
             if out.aux_loss is not None:  # the same on every rank: computed from summed statistics
                 aux = out.aux_loss.detach().float() / len(micro_batches)
@@ -157,10 +159,10 @@ class Trainer:
         """Mean language-model loss over the fixed validation sequences (no auxiliary loss)."""
         total, label_tokens = torch.zeros((), device=self.device), 0
         for batch in self.val_batches:
-            tokens = self._local(batch)
+            local, tokens = self._local(batch)
             with self._autocast():
                 loss = self.model(tokens, labels=tokens, output_router_logits=False, return_logits=False).ce_loss
-            local_tokens = int((shift_labels(tokens) != -100).sum())
+            local_tokens = int((shift_labels(local) != -100).sum())
             total += loss.float() * local_tokens
             label_tokens += int((shift_labels(batch) != -100).sum())
         comm.all_reduce_sum_([total], self.mesh.group("batch"), kind="metrics")
