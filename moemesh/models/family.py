@@ -25,6 +25,9 @@ class Family:
     hub_expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     read_hook: Callable[[dict], None] = lambda hf: None  # in-place fix-ups of a config.json dict
     write_hook: Callable[[dict, ModelConfig], None] = lambda hf, config: None
+    # Tensor-parallel plan of a model with this config: parameter or module path pattern (`*`
+    # stands for one path component) -> style; see moemesh/parallel/tensor.py.
+    tp_plan: Callable[[ModelConfig], dict[str, str]] = lambda config: {}
 
     def config_from_hf(self, hf: dict[str, Any]) -> ModelConfig:
         hf = dict(hf)

@@ -19,6 +19,20 @@ def _write(hf: dict, config: ModelConfig) -> None:
     hf["intermediate_size"] = config.moe_intermediate_size
 
 
+def _tp_plan(config: ModelConfig) -> dict[str, str]:
+    return {
+        "model.embed_tokens": "vocab",
+        "model.layers.*.self_attn.q_proj": "colwise",
+        "model.layers.*.self_attn.k_proj": "colwise",
+        "model.layers.*.self_attn.v_proj": "colwise",
+        "model.layers.*.self_attn.o_proj": "rowwise",
+        "model.layers.*.mlp.gate": "replicated",
+        "model.layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+        "model.layers.*.mlp.experts.down_proj": "rowwise",
+        "lm_head": "vocab",
+    }
+
+
 FAMILY = Family(
     model_type="mixtral",
     architecture="MixtralForCausalLM",
@@ -31,4 +45,5 @@ FAMILY = Family(
     hub_expert_names=("w1", "w3", "w2"),
     read_hook=_read,
     write_hook=_write,
+    tp_plan=_tp_plan,
 )

@@ -6,13 +6,14 @@
     combine   weighted sum of each token's k expert outputs
 
 `dispatch` and `combine` belong to the block's `dispatcher`: `LocalDispatcher` here, an
-all-to-all dispatcher under expert parallelism. `forward` is the stages in order.
+all-to-all dispatcher under expert parallelism. Combine ends with the block's `reduce_output`
+(identity here, an all-reduce under tensor parallelism). `forward` is the stages in order.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -115,6 +116,9 @@ class MoEBlock(nn.Module):
         self.gate = Router(config)
         self.experts = Experts(config)
         self.dispatcher = LocalDispatcher()
+        # Tensor parallelism replaces this with the block's one all-reduce: the expert outputs are
+        # partial sums there, and the weighted top-k sum of combine is linear in them.
+        self.reduce_output: Callable[[torch.Tensor], torch.Tensor] = lambda out: out
 
     def route(self, x: torch.Tensor) -> Routing:
         return self.gate(x)
@@ -127,7 +131,7 @@ class MoEBlock(nn.Module):
 
     def combine(self, expert_out: torch.Tensor, dispatched: Dispatched, routing: Routing,
                 num_tokens: int) -> torch.Tensor:
-        return self.dispatcher.combine(expert_out, dispatched, routing, num_tokens)
+        return self.reduce_output(self.dispatcher.combine(expert_out, dispatched, routing, num_tokens))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
         """x: [T, H] -> ([T, H], router statistics for the load-balancing loss)."""

@@ -93,6 +93,9 @@ class MoECausalLM(nn.Module):
         # Data parallelism replaces this so that the load-balancing loss sees the whole
         # micro-batch, as one process would, rather than this rank's slice of it.
         self.reduce_router_stats: Callable[[list[RouterStats]], list[RouterStats]] = lambda stats: stats
+        # Tensor parallelism sets this to a cross-entropy over logits split by vocabulary (the head
+        # then holds a slice of it), used instead of the fused loss that needs the whole vocabulary.
+        self.vocab_parallel_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def tie_weights(self) -> None:
         """Share the LM head with the embedding when the config says so (again after anything
@@ -122,12 +125,12 @@ class MoECausalLM(nn.Module):
         if output_router_logits and router_stats:
             aux_loss = load_balancing_loss(self.reduce_router_stats(router_stats), self.config.num_experts)
         logits = loss = ce_loss = None
-        if labels is not None and not return_logits:
+        if labels is not None and not return_logits and self.vocab_parallel_loss is None:
             loss = ce_loss = linear_cross_entropy(*autocast_inputs(h, self.lm_head.weight), shift_labels(labels))
         else:
             logits = self.lm_head(h)
             if labels is not None:
-                loss = ce_loss = next_token_loss(logits, labels)
+                loss = ce_loss = (self.vocab_parallel_loss or next_token_loss)(logits, labels)
         if loss is not None:
             if aux_loss is not None:
                 loss = ce_loss + self.config.router_aux_loss_coef * aux_loss

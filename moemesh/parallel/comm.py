@@ -102,6 +102,13 @@ def exchange_sizes(sizes: torch.Tensor, group) -> torch.Tensor:
 # ---- all-reduce -----------------------------------------------------------------------------------
 
 
+def _summed(x: torch.Tensor, group, phase: str) -> torch.Tensor:
+    y = x.contiguous().clone()
+    _count("all_reduce", phase, y.numel() * y.element_size())
+    dist.all_reduce(y, group=group)
+    return y
+
+
 class _AllReduceSum(torch.autograd.Function):
     """y = Σ_ranks x. Every rank uses y, so the gradient of its x is the sum of all ranks'
     gradients of y."""
@@ -109,22 +116,66 @@ class _AllReduceSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        y = x.clone()
-        _count("all_reduce", "forward", y.numel() * y.element_size())
-        dist.all_reduce(y, group=group)
-        return y
+        return _summed(x, group, "forward")
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        _count("all_reduce", "backward", grad.numel() * grad.element_size())
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return _summed(grad, ctx.group, "backward"), None
 
 
 def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
     """Differentiable sum over the ranks of `group` (a no-op for a one-rank group)."""
     return x if group is None else _AllReduceSum.apply(x, group)
+
+
+# ---- tensor-parallel regions (Megatron's f and g) --------------------------------------------------
+
+
+class _ToShards(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _summed(grad, ctx.group, "backward"), None
+
+
+class _FromPartial(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _summed(x, group, "forward")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def to_shards(x: torch.Tensor, group) -> torch.Tensor:
+    """f: a replicated x enters a region where each rank computes with its own shard of the
+    weights, so each rank's gradient of x is a share of the whole: identity forward, all-reduce
+    backward."""
+    return x if group is None else _ToShards.apply(x, group)
+
+
+def from_partial(x: torch.Tensor, group) -> torch.Tensor:
+    """g: each rank holds a partial sum of x; every rank then uses the full x alike, so each
+    partial's gradient is the full gradient: all-reduce forward, identity backward."""
+    return x if group is None else _FromPartial.apply(x, group)
+
+
+def summed_gradient(grad: torch.Tensor, group) -> torch.Tensor:
+    """A partial gradient (of a replicated weight applied to each rank's shard), summed."""
+    return _summed(grad, group, "backward")
+
+
+def all_reduce_max(x: torch.Tensor, group) -> torch.Tensor:
+    """Elementwise max over `group`, not differentiable (the shift that stabilises a softmax)."""
+    y = x.detach().clone()
+    _count("all_reduce_max", "forward", y.numel() * y.element_size())
+    dist.all_reduce(y, op=dist.ReduceOp.MAX, group=group)
+    return y
 
 
 def all_reduce_sum_(tensors: list[torch.Tensor], group, kind: str = "all_reduce") -> None:

@@ -1,0 +1,310 @@
+"""Tensor parallelism: every rank of the tp group holds a slice of each large weight and computes
+its share of the layer; collectives join the shares. Applied to a built full model, identical on
+every rank, by the model family's plan (module or parameter path pattern -> style):
+
+    colwise          Linear split on its output features (q/k/v, dense gate/up): each rank gets
+                     its own heads or columns
+    rowwise          Linear split on its input features (o_proj, dense down): the product is a
+                     partial sum, all-reduced, then the bias is added once. On the expert bank's
+                     down_proj [E, H, I] (split on I) the partial is not reduced there but at
+                     the end of the MoE block's combine, once per block
+    packed_colwise   the expert bank's fused gate_up_proj [E, 2I, H]: each rank keeps the same
+                     slice of the gate rows and of the up rows, so SwiGLU stays local
+    vocab            embedding and LM head split on the vocabulary: a masked lookup plus one
+                     all-reduce; the loss is a vocabulary-parallel cross-entropy
+    replicated       the router: every rank routes its (identical) tokens identically
+    replicated_with_grad_allreduce
+                     a weight applied to this rank's shard only (Qwen3's per-head q/k norms):
+                     its gradient is a partial sum, all-reduced in backward
+
+Megatron's f (identity forward, all-reduce backward) sits where a replicated tensor enters
+sharded compute: the attention / dense-MLP input, the experts' input tokens and the routing
+weights (they multiply partial expert outputs, so their gradient is partial too). g (all-reduce
+forward, identity backward) sits where partial sums become replicated again: after o_proj and
+the dense down_proj, and once per MoE block after combine — routing-weight multiply and top-k sum
+are linear, so they run on the partial expert outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moemesh.errors import ConfigError
+from moemesh.models.layers import Attention, DenseMLP
+from moemesh.models.moe import MoEBlock
+from moemesh.models.registry import family
+from moemesh.models.transformer import MoECausalLM, shift_labels
+from moemesh.parallel import comm
+from moemesh.parallel.mesh import Mesh
+from moemesh.parallel.placement import Op, place_reduce
+
+
+def apply_tp(model: MoECausalLM, mesh: Mesh, plan: dict[str, str] | None = None) -> MoECausalLM:
+    """Shard `model` in place over the tp axis by `plan` (default: its family's). The plan is
+    checked whole before anything changes: an entry that matches nothing, an unknown style, a
+    matrix that no entry covers, a region whose styles do not fit together (`place_reduce`), or a
+    size that tp does not divide is a ConfigError. Under expert parallelism call it after
+    `apply_ep`: it wraps the block's (all-to-all) dispatcher."""
+    tp, group = mesh.dims.tp, mesh.group("tp")
+    if tp == 1:
+        return model
+    if plan is None:
+        plan = family(model.config.model_type).tp_plan(model.config)
+    targets = _resolve(model, plan)
+    _check(model, targets, tp)
+    # Regions (attention, dense MLP, MoE block) that the plan shards, i.e. that need a reduce.
+    regions = [region for region, chain in _regions(model, dict(targets)) if place_reduce(chain) is not None]
+    _check_heads(regions, tp)
+    shard = _Sharder(mesh.rank("tp"), tp)
+    for name, style in targets:
+        _APPLY[style](model, name, shard, group)
+    for region in regions:
+        _enter_sharded(region, group, tp)
+    model.tie_weights()
+    return model
+
+
+def _enter_sharded(region: nn.Module, group, tp: int) -> None:
+    """Put f where the replicated input of `region` meets its sharded weights, and the MoE block's
+    reduce after combine (where `place_reduce` puts it; a rowwise Linear reduces before its bias)."""
+    if isinstance(region, MoEBlock):
+        region.gate.register_forward_hook(functools.partial(_routing_weights_to_shards, group=group))
+        region.dispatcher = TensorParallelDispatcher(region.dispatcher, group)
+        region.reduce_output = functools.partial(comm.from_partial, group=group)
+        return
+    if isinstance(region, Attention):
+        region.num_heads //= tp
+        region.num_kv_heads //= tp
+    region.register_forward_pre_hook(functools.partial(_input_to_shards, group=group))
+
+
+# ---- checking the plan ----------------------------------------------------------------------------
+
+
+def _resolve(model: nn.Module, plan: dict[str, str]) -> list[tuple[str, str]]:
+    """(module or parameter name, style) for every target of every plan entry."""
+    names = [name for name, _ in model.named_modules()] + [name for name, _ in model.named_parameters()]
+    targets = []
+    for pattern, style in plan.items():
+        if style not in _APPLY:
+            raise ConfigError(f"TP plan: unknown style {style!r} for {pattern!r}; known: {', '.join(_APPLY)}")
+        regex = re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))
+        matched = [name for name in names if regex.fullmatch(name)]
+        if not matched:
+            raise ConfigError(f"TP plan entry {pattern!r} ({style}) matches nothing in the model")
+        targets += [(name, style) for name in matched]
+    return targets
+
+
+def _params_of(model: nn.Module, name: str) -> list[nn.Parameter]:
+    target = model.get_submodule(name) if name in dict(model.named_modules()) else model.get_parameter(name)
+    return list(target.parameters()) if isinstance(target, nn.Module) else [target]
+
+
+def _check(model: MoECausalLM, targets: list[tuple[str, str]], tp: int) -> None:
+    covered = {id(p) for name, _ in targets for p in _params_of(model, name)}
+    for name, param in model.named_parameters():
+        # Vectors (norms, biases) may stay replicated unnoticed; a forgotten matrix may not: it
+        # would be silently replicated on every rank.
+        if param.dim() >= 2 and id(param) not in covered:
+            raise ConfigError(f"TP plan covers no entry for {name} {tuple(param.shape)}: shard it or declare it "
+                              "replicated")
+    for name, style in targets:
+        for param, dim, parts in _splits(model, name, style):
+            if param.shape[dim] % (parts * tp):
+                raise ConfigError(f"parallel.tp={tp}: {name} ({style}) has {param.shape[dim]} rows on dim {dim}, "
+                                  f"not divisible into {parts * tp}")
+
+
+def _check_heads(regions: list[nn.Module], tp: int) -> None:
+    for attention in regions:
+        if isinstance(attention, Attention):
+            for heads in ("num_heads", "num_kv_heads"):
+                if getattr(attention, heads) % tp:
+                    raise ConfigError(f"parallel.tp={tp} must divide the {getattr(attention, heads)} "
+                                      f"{'key/value ' if heads == 'num_kv_heads' else ''}attention heads")
+
+
+def _regions(model: nn.Module, styles: dict[str, str]) -> list[tuple[nn.Module, list[Op]]]:
+    """Every attention, dense MLP and MoE block, with the chain of ops the plan makes of it
+    (unplanned projections are replicated)."""
+
+    def kind(path: str, *leaves: str) -> str:
+        kinds = {styles.get(f"{path}.{leaf}", "replicated") for leaf in leaves}
+        if len(kinds) > 1:  # these projections read the same input side by side
+            raise ConfigError(f"TP plan: {path}.{'/'.join(leaves)} need one style, got {', '.join(sorted(kinds))}")
+        return kinds.pop()
+
+    regions = []
+    for path, module in model.named_modules():
+        if isinstance(module, Attention):
+            chain = [Op(f"{path}.q/k/v_proj", kind(path, "q_proj", "k_proj", "v_proj")), Op("attention", "local"),
+                     Op(f"{path}.o_proj", kind(path, "o_proj"))]
+            if module.o_proj.bias is not None:
+                chain.append(Op(f"{path}.o_proj.bias", "add_replicated"))
+        elif isinstance(module, DenseMLP):
+            chain = [Op(f"{path}.gate/up_proj", kind(path, "gate_proj", "up_proj")), Op("swiglu", "local"),
+                     Op(f"{path}.down_proj", kind(path, "down_proj"))]
+        elif isinstance(module, MoEBlock):
+            chain = [Op(f"{path}.experts.gate_up_proj", kind(path, "experts.gate_up_proj")), Op("swiglu", "local"),
+                     Op(f"{path}.experts.down_proj", kind(path, "experts.down_proj")),
+                     Op("routing-weight multiply", "linear"), Op("top-k sum", "linear")]
+        else:
+            continue
+        regions.append((module, chain))
+    return regions
+
+
+def _splits(model, name, style) -> list[tuple[torch.Tensor, int, int]]:
+    """(tensor, dim split, parts of that dim each split separately) for one target."""
+    if style == "colwise" or style == "vocab":
+        return [(p, 0, 1) for p in _params_of(model, name)]
+    if style == "rowwise":
+        return [(p, -1, 1) for p in _params_of(model, name) if p.dim() >= 2]
+    if style == "packed_colwise":
+        return [(model.get_parameter(name), -2, 2)]
+    return []
+
+
+# ---- sharding -------------------------------------------------------------------------------------
+
+
+class _Sharder:
+    """Cuts this rank's slice of a full parameter, once per parameter, so that tied weights (the
+    embedding and the LM head) stay one parameter."""
+
+    def __init__(self, rank: int, tp: int):
+        self.rank, self.tp = rank, tp
+        self._done: dict[int, nn.Parameter] = {}
+
+    def __call__(self, param: nn.Parameter, dim: int, parts: int = 1) -> nn.Parameter:
+        if id(param) not in self._done:
+            pieces = [piece.chunk(self.tp, dim)[self.rank] for piece in param.detach().chunk(parts, dim)]
+            self._done[id(param)] = nn.Parameter(torch.cat(pieces, dim).clone())
+        return self._done[id(param)]
+
+    def offset(self, full_size: int) -> int:
+        return self.rank * full_size // self.tp
+
+
+def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    parent, _, leaf = name.rpartition(".")
+    return model.get_submodule(parent), leaf
+
+
+def _colwise(model, name, shard, group):
+    linear = model.get_submodule(name)
+    linear.weight = shard(linear.weight, 0)
+    if linear.bias is not None:
+        linear.bias = shard(linear.bias, 0)
+
+
+def _rowwise(model, name, shard, group):
+    parent, leaf = _parent(model, name)
+    target = getattr(parent, leaf)
+    if isinstance(target, nn.Parameter):  # an expert bank: reduced by the MoE block
+        setattr(parent, leaf, shard(target, -1))
+    else:
+        setattr(parent, leaf, RowwiseLinear(shard(target.weight, 1), target.bias, group))
+
+
+def _packed_colwise(model, name, shard, group):
+    experts, leaf = _parent(model, name)
+    setattr(experts, leaf, shard(getattr(experts, leaf), -2, parts=2))
+
+
+def _vocab(model, name, shard, group):
+    parent, leaf = _parent(model, name)
+    module = getattr(parent, leaf)
+    start = shard.offset(module.weight.shape[0])
+    if isinstance(module, nn.Embedding):
+        setattr(parent, leaf, VocabParallelEmbedding(shard(module.weight, 0), start, group))
+    else:  # the LM head: each rank computes the logits of its vocabulary slice
+        module.weight = shard(module.weight, 0)
+        module.register_forward_pre_hook(functools.partial(_input_to_shards, group=group))
+        model.vocab_parallel_loss = functools.partial(vocab_parallel_cross_entropy, vocab_start=start, group=group)
+
+
+def _replicated_with_grad_allreduce(model, name, shard, group):
+    for param in _params_of(model, name):
+        param.register_hook(functools.partial(comm.summed_gradient, group=group))
+
+
+_APPLY = {"colwise": _colwise, "rowwise": _rowwise, "packed_colwise": _packed_colwise, "vocab": _vocab,
+          "replicated": lambda *args: None, "replicated_with_grad_allreduce": _replicated_with_grad_allreduce}
+
+
+# ---- sharded modules and region boundaries --------------------------------------------------------
+
+
+class RowwiseLinear(nn.Module):
+    """y = Σ_ranks x_r W_r^T + b: the partial products are all-reduced (g), then the bias is
+    added once."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group):
+        super().__init__()
+        self.weight, self.bias, self.group = weight, bias, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = comm.from_partial(F.linear(x, self.weight), self.group)
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [vocab_start, vocab_start + rows) of the embedding: tokens outside the slice look up
+    zeros, and the all-reduce (g) gives every rank the full embedding."""
+
+    def __init__(self, weight: nn.Parameter, vocab_start: int, group):
+        super().__init__()
+        self.weight, self.vocab_start, self.group = weight, vocab_start, group
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.vocab_start
+        here = (local >= 0) & (local < self.weight.shape[0])
+        rows = F.embedding(torch.where(here, local, 0), self.weight)
+        return comm.from_partial(torch.where(here[..., None], rows, 0.0), self.group)
+
+
+class TensorParallelDispatcher:
+    """Wraps a block's dispatcher: the tokens enter the experts' sharded compute through f."""
+
+    def __init__(self, inner, group):
+        self.inner, self.group = inner, group
+
+    def dispatch(self, x, routing, num_experts):
+        return self.inner.dispatch(comm.to_shards(x, self.group), routing, num_experts)
+
+    def combine(self, expert_out, dispatched, routing, num_tokens):
+        return self.inner.combine(expert_out, dispatched, routing, num_tokens)
+
+
+def _input_to_shards(module, args, group):
+    return (comm.to_shards(args[0], group), *args[1:])
+
+
+def _routing_weights_to_shards(router, args, routing, group):
+    return dataclasses.replace(routing, weights=comm.to_shards(routing.weights, group))
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, group,
+                                 ignore_index: int = -100) -> torch.Tensor:
+    """`next_token_loss` of logits split by vocabulary ([..., V/tp], this rank's columns from
+    vocab_start), without gathering them: the max, then the sum of exponentials and the target
+    logit (one all-reduce for both) are reduced over the group."""
+    targets = shift_labels(labels, ignore_index).flatten()
+    logits = logits.float().flatten(0, -2)
+    shift = comm.all_reduce_max(logits.max(dim=-1).values, group)  # constant: it cancels in the loss
+    shifted = logits - shift[:, None]
+    local = targets - vocab_start
+    here = (local >= 0) & (local < logits.shape[-1])
+    target = torch.where(here, shifted.gather(1, local.clamp(0, logits.shape[-1] - 1)[:, None]).squeeze(1), 0.0)
+    sum_exp, target = comm.from_partial(torch.stack([shifted.exp().sum(-1), target]), group)
+    valid = targets != ignore_index
+    total = torch.where(valid, sum_exp.log() - target, 0.0).sum()
+    return total / valid.sum().clamp_min(1)

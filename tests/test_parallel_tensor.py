@@ -1,0 +1,202 @@
+"""Tensor parallelism on 4 CPU processes (gloo), fp32, against one process.
+
+As for expert parallelism: every check builds the full model from the same seed on every rank,
+computes the single-process reference itself, shards it (TP over 4 ranks, or 2 data-parallel
+replicas × TP 2) and compares loss, logits (this rank's vocabulary slice) and every gradient
+(sliced to this rank's shard) at 1e-5 relative."""
+
+import pytest
+import torch
+
+from moemesh.errors import ConfigError
+from moemesh.models import ModelConfig, build
+from moemesh.models.transformer import shift_labels
+from moemesh.parallel import comm
+from moemesh.parallel.data import apply_data_parallel, rank_loss, reduce_gradients
+from moemesh.parallel.expert import apply_ep, is_expert_parameter
+from moemesh.parallel.mesh import Mesh, ParallelDims, init_mesh
+from moemesh.parallel.tensor import apply_tp
+from multiprocess import WorkerPool
+from numerics import rel_err
+
+WORLD = 4
+RTOL = 1e-5
+# Qwen3: q/k norms, a dense layer (1) among MoE layers, attention biases.
+QWEN3 = ModelConfig(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=4,
+                    num_experts=8, num_experts_per_tok=3, moe_intermediate_size=16, intermediate_size=24,
+                    mlp_only_layers=[1], attention_bias=True, initializer_range=0.2, router_aux_loss_coef=0.05,
+                    output_router_logits=True)
+# Mixtral: every layer MoE, no q/k norm; with the LM head tied to the embedding.
+MIXTRAL = QWEN3.replace(model_type="mixtral", tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    workers = WorkerPool(WORLD)
+    yield workers
+    workers.close()
+
+
+def micro_batch(seed=0, batch=4, seq=9):
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, QWEN3.vocab_size, (batch, seq), generator=generator)
+    labels = input_ids.clone()
+    labels[1, 2:5] = -100
+    return input_ids, labels
+
+
+def build_with_biases(config):
+    """The model with non-zero biases (they are initialised to zero), so that a row-parallel bias
+    added on every rank would show."""
+    model = build(config, seed=1)
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.2, generator=generator)
+    return model
+
+
+def local_slice(name: str, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    """This rank's part of a full parameter (or gradient), written out independently of the plan."""
+    if name.endswith("experts.gate_up_proj"):  # matching slices of the gate rows and the up rows
+        gate, up = full.chunk(2, dim=1)
+        return torch.cat([gate.chunk(tp, dim=1)[rank], up.chunk(tp, dim=1)[rank]], dim=1)
+    if name.endswith(("o_proj.weight", "mlp.down_proj.weight", "experts.down_proj")):
+        return full.chunk(tp, dim=-1)[rank]
+    if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias", "v_proj.bias",
+                      "gate_proj.weight", "up_proj.weight", "embed_tokens.weight", "lm_head.weight")):
+        return full.chunk(tp, dim=0)[rank]
+    return full  # norms, router, o_proj bias: replicated
+
+
+def expert_slice(name: str, full: torch.Tensor, rank: int, ep: int) -> torch.Tensor:
+    """This EP rank's experts of an expert bank (with its gradient), other parameters whole."""
+    if not is_expert_parameter(name):
+        return full
+    sliced = full.detach().chunk(ep)[rank].requires_grad_()
+    sliced.grad = full.grad.chunk(ep)[rank]
+    return sliced
+
+
+def check_matches_single_process(rank, config, dp, ep, tp):
+    input_ids, labels = micro_batch(seed=dp * 10 + tp, batch=4 * dp * ep)
+    reference = build_with_biases(config)
+    ref_out = reference(input_ids, labels=labels)
+    ref_out.loss.backward()
+
+    mesh = init_mesh(ParallelDims(dp=dp, ep=ep, tp=tp))
+    model = apply_data_parallel(apply_tp(apply_ep(build_with_biases(config), mesh), mesh), mesh)
+    tp_rank, batch_rank = mesh.rank("tp"), mesh.rank("batch")
+    rows = input_ids.shape[0] // (dp * ep)
+    local = slice(batch_rank * rows, (batch_rank + 1) * rows)
+    out = model(input_ids[local], labels=labels[local])
+    total_tokens = int((shift_labels(labels) != -100).sum())
+    loss = rank_loss(out.ce_loss, out.aux_loss, labels[local], total_tokens, config.router_aux_loss_coef, dp * ep)
+    loss.backward()
+    reduce_gradients(model, mesh)
+    comm.all_reduce_sum_([summed := loss.detach().clone()], mesh.group("batch"))
+
+    assert rel_err(summed, ref_out.loss.detach()) <= RTOL
+    assert rel_err(out.aux_loss, ref_out.aux_loss) <= RTOL
+    ref_logits = ref_out.logits[local].detach().movedim(-1, 0)  # vocabulary first, as in lm_head.weight
+    assert rel_err(out.logits, local_slice("lm_head.weight", ref_logits, tp_rank, tp).movedim(0, -1)) <= RTOL
+    ref_params = {name: expert_slice(name, p, mesh.rank("ep"), ep) for name, p in reference.named_parameters()}
+    for name, param in model.named_parameters():
+        expected = local_slice(name, ref_params[name].grad, tp_rank, tp)
+        assert param.shape == expected.shape, name
+        assert param.grad is not None and expected.norm() > 0, name
+        assert rel_err(param.grad, expected) <= RTOL, name
+
+    # Per rank: the sharded parameters' share, the replicated ones whole.
+    expected_bytes = sum(local_slice(name, p, tp_rank, tp).numel() * 4 for name, p in ref_params.items())
+    assert sum(p.numel() * p.element_size() for p in model.parameters()) == expected_bytes
+    return True
+
+
+@pytest.mark.parametrize("config, dp, ep, tp", [(QWEN3, 1, 1, 4), (QWEN3, 2, 1, 2), (QWEN3, 1, 2, 2),
+                                                (MIXTRAL, 1, 1, 4), (MIXTRAL, 2, 1, 2)],
+                         ids=["qwen3-tp4", "qwen3-dp2-tp2", "qwen3-ep2-tp2", "mixtral-tied-tp4",
+                              "mixtral-tied-dp2-tp2"])
+def test_tp_equals_one_process(pool, config, dp, ep, tp):
+    """ep2-tp2: each EP rank's experts split again over TP (apply_tp after apply_ep, wrapping the
+    all-to-all dispatcher)."""
+    assert all(pool.run(check_matches_single_process, config, dp, ep, tp))
+
+
+def check_collective_counts(rank):
+    """Forward: one all-reduce for the embedding, one for attention and one for the MoE block (or
+    dense MLP) of every layer, one for the loss's sum of exponentials and target logits (after
+    one max). Backward: f's all-reduce at the attention input, at the MoE block's tokens and
+    routing weights (or the dense MLP's input) and at the LM head, plus the q/k norm gradients."""
+    mesh = init_mesh(ParallelDims(tp=WORLD))
+    model = apply_tp(build(QWEN3, seed=1), mesh)
+    input_ids, labels = micro_batch(seed=7, batch=2)
+    layers = QWEN3.num_hidden_layers
+    moe = sum(QWEN3.is_moe_layer(i) for i in range(layers))
+    comm.reset_counts()
+    out = model(input_ids, labels=labels, return_logits=False)
+    forward, forward_bytes = dict(comm.calls), dict(comm.sent_bytes)
+    out.loss.backward()
+    backward = {key: n - forward.get(key, 0) for key, n in comm.calls.items()}
+
+    assert out.logits.shape[-1] == QWEN3.vocab_size // WORLD  # the loss took this rank's vocabulary slice only
+    embedding, loss = 1, 1
+    assert forward == {("all_reduce", "forward"): embedding + 2 * layers + loss,
+                       ("all_reduce_max", "forward"): 1}, forward
+    attention_and_qk_norms, head = 1 + 2, 1
+    assert {k: v for k, v in backward.items() if v} == {
+        ("all_reduce", "backward"): layers * attention_and_qk_norms + 2 * moe + (layers - moe) + head}, backward
+    # Each block reduces [tokens, hidden] once; an all-reduce per expert slot (before the
+    # routing-weight multiply) would move k times as much for every MoE block.
+    tokens_bytes = input_ids.numel() * QWEN3.hidden_size * 4
+    loss_bytes = 2 * input_ids.numel() * 4  # sum of exponentials and target logit per token
+    assert forward_bytes[("all_reduce", "forward")] == (embedding + 2 * layers) * tokens_bytes + loss_bytes
+    return True
+
+
+def test_collective_counts_per_layer(pool):
+    assert all(pool.run(check_collective_counts))
+
+
+# ---- plan verification (before any collective, so in this process) --------------------------------
+
+PLAN = {
+    "model.embed_tokens": "vocab",
+    "model.layers.*.self_attn.q_proj": "colwise",
+    "model.layers.*.self_attn.k_proj": "colwise",
+    "model.layers.*.self_attn.v_proj": "colwise",
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.mlp.gate": "replicated",
+    "model.layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+    "model.layers.*.mlp.experts.down_proj": "rowwise",
+    "lm_head": "vocab",
+}
+
+
+@pytest.mark.parametrize("plan, tp, message", [
+    ({**PLAN, "model.layers.*.self_attn.qkv_proj": "colwise"}, 2, r"'model.layers.\*.self_attn.qkv_proj' .* nothing"),
+    ({k: v for k, v in PLAN.items() if "experts" not in k}, 2, "no entry for model.layers.0.mlp.experts.gate_up_proj"),
+    ({**PLAN, "lm_head": "colwise_rep"}, 2, "unknown style 'colwise_rep'"),
+    (PLAN, 3, r"tp=3: model.embed_tokens \(vocab\) has 64 rows on dim 0"),
+    (PLAN, 8, "tp=8 must divide the 4 key/value attention heads"),
+    ({**PLAN, "model.layers.*.mlp.experts.gate_up_proj": "replicated"}, 2,
+     r"experts.down_proj \(rowwise\) cannot take a Replicated\(\) input"),
+    ({**PLAN, "model.layers.*.self_attn.k_proj": "replicated"}, 2, "q_proj/k_proj/v_proj need one style"),
+], ids=["unmatched-entry", "experts-left-replicated", "unknown-style", "indivisible-vocab", "indivisible-heads",
+        "mixed-expert-styles", "mixed-qkv-styles"])
+def test_bad_plan_is_fatal_and_leaves_the_model_whole(plan, tp, message):
+    model = build(MIXTRAL.replace(tie_word_embeddings=False), seed=1)
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    with pytest.raises(ConfigError, match=message):
+        apply_tp(model, Mesh(ParallelDims(tp=tp), None), plan)
+    assert {name: p.shape for name, p in model.named_parameters()} == shapes
+
+
+@pytest.mark.parametrize("config", [QWEN3.replace(mlp_only_layers=[]), QWEN3.replace(num_experts=0), MIXTRAL],
+                         ids=["qwen3-all-moe", "qwen3-dense", "mixtral"])
+def test_family_plans_fit_their_models(config):
+    """Each family's plan has entries for exactly what the config builds (no dense-MLP entries
+    without dense layers, no q/k norm entries without q/k norms)."""
+    model = apply_tp(build(config, seed=1), Mesh(ParallelDims(tp=2), None))  # no group: sharding only
+    assert model.model.layers[0].self_attn.q_proj.weight.shape[0] == config.hidden_size // 2
