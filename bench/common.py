@@ -1,8 +1,9 @@
-"""Timing and memory helpers shared by the benchmark scripts (CUDA only)."""
+"""Timing and memory helpers shared by the benchmark scripts (timing also on CPU, for smoke runs)."""
 
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Callable
 
 import torch
@@ -15,9 +16,17 @@ def rel_err(ours: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def median_ms(fn: Callable[[], object], warmup: int = 3, repeat: int = 10) -> float:
-    """Median wall time of fn() in milliseconds, timed with CUDA events after warm-up."""
+    """Median wall time of fn() in milliseconds, timed with CUDA events after warm-up (with the
+    host clock where there is no GPU)."""
     for _ in range(warmup):
         fn()
+    if not torch.cuda.is_available():
+        times = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
     torch.cuda.synchronize()
     times = []
     for _ in range(repeat):

@@ -33,6 +33,10 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument("--tokenizer", help="'bytes' or a tokenizer.json (default: the checkpoint's, else bytes)")
     generate.add_argument("--device", default="auto", help="cpu, cuda[:N] or auto")
+    generate.add_argument("--tp", type=int, default=1,
+                          help="tensor-parallel ranks, launched as `torchrun --nproc-per-node N -m moemesh "
+                               "generate ... --tp N`: every rank loads the whole model and keeps its shard "
+                               "(attention heads and their KV cache, expert slices, vocabulary); rank 0 prints")
 
     convert = commands.add_parser("convert", help="Hugging Face directory <-> moemesh checkpoint (direction from SRC)")
     convert.add_argument("source", metavar="SRC", help="Hugging Face directory, checkpoint or run directory")
@@ -52,15 +56,26 @@ def _train(args: argparse.Namespace) -> None:
 
 def _generate(args: argparse.Namespace) -> None:
     import torch
+    import torch.distributed as dist
 
     from moemesh.inference.generate import complete, load_for_generation
+    from moemesh.parallel.mesh import ParallelDims, init_mesh
+    from moemesh.parallel.tensor import apply_tp
 
     if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
         raise MoemeshError("need --max-new-tokens >= 1, --temperature >= 0 and 0 < --top-p <= 1")
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    model, tokenizer = load_for_generation(args.checkpoint, args.tokenizer, device)
-    text = complete(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed)
-    print(args.prompt + text)
+    # First the mesh: it checks the number of processes and makes "cuda" this rank's GPU.
+    mesh = init_mesh(ParallelDims(tp=args.tp))
+    try:
+        device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        model, tokenizer = load_for_generation(args.checkpoint, args.tokenizer, device)
+        apply_tp(model, mesh)
+        text = complete(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed)
+        if mesh.rank("tp") == 0:
+            print(args.prompt + text)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _convert(args: argparse.Namespace) -> None:

@@ -24,8 +24,8 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.toml
 
 @dataclass
 class ParallelConfig:
-    """Sizes of the parallel dimensions. Only the single-process layout exists so far; each later
-    parallelism lifts its own check in `_check_layout_available`."""
+    """Sizes of the parallel dimensions. Each parallelism still to come is refused by
+    `_check_layout_available` until it lands."""
 
     dp_shard: int = 1
     ep: int = 1
@@ -228,11 +228,25 @@ def _validate(config: RunConfig) -> None:
          f"(parallel.dp_shard × parallel.ep = {ranks})")
     need(model.num_experts % config.parallel.ep == 0,
          f"parallel.ep ({config.parallel.ep}) must divide model.num_experts ({model.num_experts})")
+    _check_tp_sizes(model, config.parallel.tp)
     _check_layout_available(config.parallel)
 
 
-_PLANNED = {"dp_shard": "sharded data parallelism (FSDP)", "tp": "tensor parallelism",
-            "pp": "pipeline parallelism"}
+def _check_tp_sizes(model: ModelConfig, tp: int) -> None:
+    """Tensor parallelism splits heads, the vocabulary and the MLP widths into tp equal parts
+    (`apply_tp` checks the same, but only after every process has started)."""
+    layers = range(model.num_hidden_layers)
+    sizes = ["num_attention_heads", "num_key_value_heads", "vocab_size"]
+    if any(model.is_moe_layer(i) for i in layers):
+        sizes.append("moe_intermediate_size")
+    if not all(model.is_moe_layer(i) for i in layers):
+        sizes.append("intermediate_size")
+    for name in sizes:
+        if getattr(model, name) % tp:
+            raise ConfigError(f"parallel.tp ({tp}) must divide model.{name} ({getattr(model, name)})")
+
+
+_PLANNED = {"dp_shard": "sharded data parallelism (FSDP)", "pp": "pipeline parallelism"}
 
 
 def _check_layout_available(parallel: ParallelConfig) -> None:

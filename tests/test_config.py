@@ -75,12 +75,15 @@ def test_a_key_outside_any_section_finds_its_section(tmp_path):
                             "(parallel.dp_shard × parallel.ep = 3)"),
     ("train.seq_len=4096", "train.seq_len (4096) exceeds model.max_position_embeddings (1024)"),
     ("parallel.ep=2", "the layout parallel.dp_shard × ep × tp × pp needs 2 processes, but 1 were launched"),
-    ("parallel.tp=2", "parallel.tp=2: tensor parallelism is not available yet"),
+    ("parallel.tp=2", "the layout parallel.dp_shard × ep × tp × pp needs 2 processes, but 1 were launched"),
+    ("parallel.tp=3", "parallel.tp (3) must divide model.num_attention_heads (4)"),
+    ("parallel.tp=2 model.vocab_size=257", "parallel.tp (2) must divide model.vocab_size (257)"),
+    ("parallel.pp=2", "parallel.pp=2: pipeline parallelism is not available yet"),
     ("data.val_fraction=1.5", "data.val_fraction must be in (0, 1)"),
 ])
 def test_invalid_values_are_named(override, message):
     with pytest.raises(ConfigError) as error:
-        load_config(None, [override])
+        load_config(None, override.split())
     assert message in str(error.value)
 
 

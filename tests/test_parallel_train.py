@@ -1,5 +1,5 @@
-"""`torchrun ... moemesh train --set parallel.ep=N` on CPU (gloo) against the same run in one
-process: the same per-step losses and gradient norms (1e-5 relative: the sharded run sums the same
+"""`torchrun ... moemesh train --set parallel.ep=N parallel.tp=M` on CPU (gloo) against the same
+run in one process: the same per-step losses and gradient norms (1e-5 relative: the sharded run sums the same
 fp32 terms in another order), and a checkpoint that loads back into one process."""
 
 import json
@@ -42,12 +42,12 @@ def reference(tmp_path_factory):
     return config_file, run_dir
 
 
-@pytest.mark.parametrize("ep", [2, 4])
-def test_expert_parallel_training_equals_one_process(reference, ep):
+@pytest.mark.parametrize("ep, tp", [(2, 1), (4, 1), (1, 2), (2, 2)], ids=["ep2", "ep4", "tp2", "ep2-tp2"])
+def test_parallel_training_equals_one_process(reference, ep, tp):
     config_file, single_dir = reference
-    run_dir = config_file.parent / f"ep{ep}"
-    result = torchrun(ep, "-m", "moemesh", "train", "--config", str(config_file), "--set", *OVERRIDES,
-                      f"parallel.ep={ep}", f"train.run_dir={run_dir}")
+    run_dir = config_file.parent / f"ep{ep}-tp{tp}"
+    result = torchrun(ep * tp, "-m", "moemesh", "train", "--config", str(config_file), "--set", *OVERRIDES,
+                      f"parallel.ep={ep}", f"parallel.tp={tp}", f"train.run_dir={run_dir}")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     # parameter counts (and so MFU) are those of the whole model, not of one rank's experts
     model = load_config(config_file, OVERRIDES).model
@@ -62,7 +62,7 @@ def test_expert_parallel_training_equals_one_process(reference, ep):
             assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (a["step"], key, a[key], b[key])
     final_val = [r["val_loss"] for r in metrics(run_dir) if "val_loss" in r][-1]
     assert abs(final_val - [r["val_loss"] for r in metrics(single_dir) if "val_loss" in r][-1]) <= 1e-4
-    # the expert-sharded checkpoint loads whole into one process
+    # the sharded checkpoint loads whole into one process
     sharded, _ = load_model(run_dir)
     whole, _ = load_model(single_dir)
     for (name, p), q in zip(sharded.state_dict().items(), whole.state_dict().values()):
@@ -84,12 +84,14 @@ def test_a_dead_rank_stops_the_others_instead_of_hanging(tmp_path):
     assert time.monotonic() - started < 90
 
 
-def test_expert_parallel_resume_continues_exactly(reference):
-    """Stop an EP=2 run after its step-3 checkpoint (simulated by removing what came later) and
-    resume it under EP=2: steps 4 and 5 are those of the uninterrupted single-process run."""
+@pytest.mark.parametrize("layout", ["parallel.ep=2", "parallel.tp=2"])
+def test_parallel_resume_continues_exactly(reference, layout):
+    """Stop a 2-process run after its step-3 checkpoint (simulated by removing what came later)
+    and resume it in the same layout: steps 4 and 5 are those of the uninterrupted
+    single-process run (so the sharded weights and AdamW moments came back in place)."""
     config_file, single_dir = reference
-    run_dir = config_file.parent / "ep2_resume"
-    args = ["-m", "moemesh", "train", "--config", str(config_file), "--set", *OVERRIDES, "parallel.ep=2",
+    run_dir = config_file.parent / f"{layout}_resume"
+    args = ["-m", "moemesh", "train", "--config", str(config_file), "--set", *OVERRIDES, layout,
             f"train.run_dir={run_dir}", "train.save_every=3"]
     assert torchrun(2, *args).returncode == 0
     shutil.rmtree(run_dir / "checkpoints" / f"step_{STEPS}")

@@ -38,7 +38,13 @@ def generate(model: MoECausalLM, prompt_ids: list[int], max_new_tokens: int, tem
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     cache = KVCache()
-    logits = model(torch.tensor([prompt_ids], device=device), cache=cache).logits[0, -1]
+
+    def next_logits(ids: list[int]) -> torch.Tensor:
+        # Under tensor parallelism each rank holds a vocabulary slice: gathering the last position
+        # gives every rank the same full logits, so each samples the same token from the same seed.
+        return model.gather_logits(model(torch.tensor([ids], device=device), cache=cache).logits[:, -1])[0]
+
+    logits = next_logits(prompt_ids)
     new_ids: list[int] = []
     while len(new_ids) < max_new_tokens:
         token = sample_next(logits, temperature, top_p, generator)
@@ -46,7 +52,7 @@ def generate(model: MoECausalLM, prompt_ids: list[int], max_new_tokens: int, tem
             break
         new_ids.append(token)
         if len(new_ids) < max_new_tokens:
-            logits = model(torch.tensor([[token]], device=device), cache=cache).logits[0, -1]
+            logits = next_logits([token])
     return new_ids
 
 

@@ -96,6 +96,9 @@ class MoECausalLM(nn.Module):
         # Tensor parallelism sets this to a cross-entropy over logits split by vocabulary (the head
         # then holds a slice of it), used instead of the fused loss that needs the whole vocabulary.
         self.vocab_parallel_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        # ... and this to the all-gather that rebuilds full-vocabulary logits from those slices
+        # (generation needs them for the last position only).
+        self.gather_logits: Callable[[torch.Tensor], torch.Tensor] = lambda logits: logits
 
     def tie_weights(self) -> None:
         """Share the LM head with the embedding when the config says so (again after anything

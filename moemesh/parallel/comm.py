@@ -192,6 +192,17 @@ def all_reduce_sum_(tensors: list[torch.Tensor], group, kind: str = "all_reduce"
             t.copy_(piece.view_as(t))
 
 
+def all_gather(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
+    """Every rank's x, concatenated along `dim` in rank order; not differentiable (generation
+    gathers the logits of the last position, split by vocabulary)."""
+    if group is None:
+        return x
+    pieces = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    _count("all_gather", "forward", x.numel() * x.element_size())
+    dist.all_gather(pieces, x.contiguous(), group=group)
+    return torch.cat(pieces, dim=dim)
+
+
 def barrier() -> None:
     """Wait for every rank of the default group (no-op without one)."""
     if dist.is_available() and dist.is_initialized():

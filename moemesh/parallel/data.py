@@ -56,15 +56,20 @@ def rank_loss(ce_loss: torch.Tensor, aux_loss: torch.Tensor | None, local_labels
 def clip_grad_norm_(model: MoECausalLM, max_norm: float, mesh: Mesh) -> torch.Tensor:
     """Scale all gradients so their global L2 norm is at most max_norm (as
     torch.nn.utils.clip_grad_norm_ does); returns the norm before clipping. Call after
-    `reduce_gradients`: dense gradients are then the same on every rank, and each expert shard's
-    gradient lives on one EP rank, so only the expert part is summed over ep."""
-    grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    `reduce_gradients`: a gradient is then the same on every rank that holds the same part of its
+    parameter, so each part counts once: squared norms of expert shards are summed over ep, those
+    of TP shards over tp, and replicated ones (identical on every TP rank) are taken as they are."""
     zero = torch.zeros((), device=next(model.parameters()).device, dtype=torch.float32)
-    dense = sum((g.float().pow(2).sum() for n, g in grads.items() if not is_expert_parameter(n)), zero)
-    experts = sum((g.float().pow(2).sum() for n, g in grads.items() if is_expert_parameter(n)), zero.clone())
-    comm.all_reduce_sum_([experts], mesh.group("ep"), kind="grad_norm")
-    total = (dense + experts).sqrt()
+    squares = {(over_ep, over_tp): zero.clone() for over_ep in (False, True) for over_tp in (False, True)}
+    grads = []
+    for name, param in model.named_parameters():
+        if param.grad is not None:
+            squares[is_expert_parameter(name), hasattr(param, "tp_dim")] += param.grad.float().pow(2).sum()
+            grads.append(param.grad)
+    comm.all_reduce_sum_([squares[True, False], squares[True, True]], mesh.group("ep"), kind="grad_norm")
+    comm.all_reduce_sum_([squares[False, True], squares[True, True]], mesh.group("tp"), kind="grad_norm")
+    total = sum(squares.values()).sqrt()
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for g in grads.values():
+    for g in grads:
         g.mul_(scale)
     return total

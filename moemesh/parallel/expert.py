@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
 
 from moemesh.errors import ConfigError
 from moemesh.models.moe import Dispatched, MoEBlock, Routing
@@ -65,8 +64,9 @@ class AllToAllDispatcher:
 
 
 def _with_zero_row(t: torch.Tensor) -> torch.Tensor:
-    # Several slots read this row with weight 0; combine's backward writes 0 there for each of
-    # them, so their writes agree.
+    # Slots with nothing to read (served on another rank, or a rank a token does not visit) point
+    # at this row. combine's backward may write this row's gradient from several slots at once;
+    # that gradient belongs to a constant and is dropped, so the race is harmless.
     return torch.cat([t, t.new_zeros(1, t.shape[1])])
 
 
@@ -92,20 +92,3 @@ def apply_ep(model: MoECausalLM, mesh: Mesh) -> MoECausalLM:
 def is_expert_parameter(name: str) -> bool:
     return ".mlp.experts." in name
 
-
-def expert_state_as_dtensors(state: dict, mesh: Mesh) -> dict:
-    """In a model/optimizer state dict, wrap this rank's expert shards (weights and their AdamW
-    moments) as DTensors sharded over ep: torch.distributed.checkpoint then saves every shard under
-    its place in the full tensor, and loads into any other ep size."""
-    if mesh.dims.ep == 1:
-        return state
-    ep_mesh = mesh.device_mesh["ep"]
-
-    def wrap(name: str, value):
-        if isinstance(value, dict):
-            return {k: wrap(k if is_expert_parameter(k) else name, v) for k, v in value.items()}
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and is_expert_parameter(name):
-            return DTensor.from_local(value, ep_mesh, [Shard(0)], run_check=False)
-        return value
-
-    return wrap("", state)

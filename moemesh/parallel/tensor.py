@@ -186,7 +186,9 @@ class _Sharder:
     def __call__(self, param: nn.Parameter, dim: int, parts: int = 1) -> nn.Parameter:
         if id(param) not in self._done:
             pieces = [piece.chunk(self.tp, dim)[self.rank] for piece in param.detach().chunk(parts, dim)]
-            self._done[id(param)] = nn.Parameter(torch.cat(pieces, dim).clone())
+            sharded = nn.Parameter(torch.cat(pieces, dim).clone())
+            sharded.tp_dim = dim % param.dim()  # where checkpoints place it in the full tensor
+            self._done[id(param)] = sharded
         return self._done[id(param)]
 
     def offset(self, full_size: int) -> int:
@@ -229,6 +231,7 @@ def _vocab(model, name, shard, group):
         module.weight = shard(module.weight, 0)
         module.register_forward_pre_hook(functools.partial(_input_to_shards, group=group))
         model.vocab_parallel_loss = functools.partial(vocab_parallel_cross_entropy, vocab_start=start, group=group)
+        model.gather_logits = functools.partial(comm.all_gather, group=group, dim=-1)
 
 
 def _replicated_with_grad_allreduce(model, name, shard, group):

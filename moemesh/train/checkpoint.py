@@ -3,7 +3,9 @@ save their shards in parallel and load them back into any other layout.
 
     run_dir/checkpoints/step_N/
         .metadata, __*_*.distcp   DCP: model, optimizer, scheduler, trainer state (step, data
-                                  position, RNG states); a converted model holds "model" only
+                                  position, RNG states); a converted model holds "model" only.
+                                  Tensors are stored whole, as `parallel/stored.py` presents them
+                                  (gate_up_proj as its .gate and .up halves), whatever the layout
         config.json               the model config, in Hugging Face field names
         tokenizer.json            the tokenizer, when the run used one (none: byte-level)
 
@@ -20,18 +22,19 @@ import shutil
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
 
 from moemesh.errors import CheckpointError
-from moemesh.parallel import comm
 from moemesh.models import ModelConfig, build, from_pretrained, save_pretrained
+from moemesh.parallel import comm
+from moemesh.parallel.mesh import Mesh
+from moemesh.parallel.stored import stored_state
 
 CHECKPOINTS = "checkpoints"
 TOKENIZER_FILE = "tokenizer.json"
@@ -71,14 +74,15 @@ def _single_process_quietly():
 
 def save_checkpoint(path: Path, state: dict[str, Any], model_config: ModelConfig,
                     tokenizer_file: str | os.PathLike | None = None) -> None:
-    """Write `state` (nested dicts of tensors and small Python values) with DCP plus config.json
-    (and tokenizer.json), all under a temporary name, then rename to `path`."""
+    """Write `state` (nested dicts of tensors and small Python values; a sharded model's as
+    `stored_state` presents it) with DCP plus config.json (and tokenizer.json), all under a
+    temporary name, then rename to `path`."""
     tmp = path.with_name(_TMP_PREFIX + path.name)
     if _is_main():
         shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
     comm.barrier()
     with _single_process_quietly():
-        dcp.save(state, checkpoint_id=tmp, no_dist=_no_dist())  # every rank writes its part
+        dcp.save(stored_state(state), checkpoint_id=tmp, no_dist=_no_dist())  # every rank writes its part
     if _is_main():
         (tmp / "config.json").write_text(json.dumps(model_config.to_hf_dict(), indent=2) + "\n")
         if tokenizer_file is not None:
@@ -90,32 +94,25 @@ def save_checkpoint(path: Path, state: dict[str, Any], model_config: ModelConfig
 
 
 def training_state(model: nn.Module, optimizer: torch.optim.Optimizer,
-                   scheduler: torch.optim.lr_scheduler.LRScheduler, trainer: dict[str, Any],
-                   shard: Callable[[dict], dict] = lambda state: state) -> dict[str, Any]:
-    """What a training checkpoint holds. Loading into this same structure fills it in place.
-    `shard` marks the entries that each rank holds only a part of (as DTensors)."""
+                   scheduler: torch.optim.lr_scheduler.LRScheduler, trainer: dict[str, Any]) -> dict[str, Any]:
+    """What a training checkpoint holds (this rank's part of it)."""
     model_state, optimizer_state = get_state_dict(model, optimizer)
     return {"model": model_state, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
-            "trainer": trainer, **shard({"model": model_state, "optimizer": optimizer_state})}
+            "trainer": trainer}
 
 
 def load_training_state(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                         scheduler: torch.optim.lr_scheduler.LRScheduler, trainer: dict[str, Any],
-                        shard: Callable[[dict], dict] = lambda state: state) -> dict[str, Any]:
-    """Restore model, optimizer and scheduler from `path`; returns `trainer` filled from it."""
-    state = training_state(model, optimizer, scheduler, trainer, shard)
-    _load(path, state)
-    state = _local_parts(state)
+                        mesh: Mesh | None = None) -> dict[str, Any]:
+    """Restore model, optimizer and scheduler from `path` (into this rank of `mesh`); returns
+    `trainer` filled from it."""
+    state = training_state(model, optimizer, scheduler, trainer)
+    stored = stored_state(state, model, mesh)
+    _load(path, stored)  # tensors in place, so into `state` too; Python values into `stored` only
+    state["optimizer"]["param_groups"] = stored["optimizer"]["param_groups"]
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    return state["trainer"]
-
-
-def _local_parts(value):
-    """The state with every DTensor replaced by this rank's part of it."""
-    if isinstance(value, dict):
-        return {k: _local_parts(v) for k, v in value.items()}
-    return value.to_local() if isinstance(value, DTensor) else value
+    scheduler.load_state_dict(stored["scheduler"])
+    return stored["trainer"]
 
 
 def _load(path: Path, state: dict[str, Any]) -> None:
@@ -181,9 +178,7 @@ def load_model(path: str | os.PathLike, device: torch.device | str = "cpu") -> t
         return from_pretrained(path, dtype=torch.float32, device=device), Path(path)
     path = resolve_checkpoint(path)
     model = build(read_model_config(path), device=device)
-    state = {"model": model.state_dict()}
-    _load(path, state)
-    model.load_state_dict(state["model"])
+    _load(path, stored_state({"model": model.state_dict()}))  # in place, into the parameters
     return model, path
 
 

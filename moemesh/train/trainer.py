@@ -30,8 +30,10 @@ from moemesh.models import MoECausalLM, build
 from moemesh.models.transformer import shift_labels
 from moemesh.parallel import comm
 from moemesh.parallel.data import apply_data_parallel, clip_grad_norm_, rank_loss, reduce_gradients
-from moemesh.parallel.expert import apply_ep, expert_state_as_dtensors
+from moemesh.parallel.expert import apply_ep
 from moemesh.parallel.mesh import ParallelDims, init_mesh
+from moemesh.parallel.stored import stored_state
+from moemesh.parallel.tensor import apply_tp
 from moemesh.train.checkpoint import (CHECKPOINTS, checkpoint_path, latest_checkpoint, load_training_state,
                                       save_checkpoint, training_state)
 from moemesh.train.flops import flops_per_token, peak_flops
@@ -101,7 +103,8 @@ class Trainer:
         # Counted on the whole model, before this rank drops the experts it does not hold.
         self.flops_per_token = flops_per_token(self.model, train.seq_len)
         self.num_params = (self.model.num_params(), self.model.num_params(active=True))
-        apply_data_parallel(apply_ep(self.model, self.mesh), self.mesh)
+        # TP ranks share their data: they are not in the batch group.
+        apply_data_parallel(apply_tp(apply_ep(self.model, self.mesh), self.mesh), self.mesh)
         self.optimizer = build_optimizer(self.model, train)
         self.scheduler = build_scheduler(self.optimizer, train)
         self.step = 0
@@ -171,20 +174,17 @@ class Trainer:
     # ---- checkpoints ------------------------------------------------------------------------
     def _state(self) -> dict:
         trainer = {"step": self.step, "data_position": self.data_position, **_rng_state(self.device)}
-        return training_state(self.model, self.optimizer, self.scheduler, trainer, self._shard_state)
-
-    def _shard_state(self, state: dict) -> dict:
-        return expert_state_as_dtensors(state, self.mesh)
+        return training_state(self.model, self.optimizer, self.scheduler, trainer)
 
     def save(self) -> Path:
         path = checkpoint_path(self.run_dir, self.step)
         tokenizer_file = self.tokenizer.path if isinstance(self.tokenizer, HFTokenizer) else None
-        save_checkpoint(path, self._state(), self.config.model, tokenizer_file)
+        save_checkpoint(path, stored_state(self._state(), self.model, self.mesh), self.config.model, tokenizer_file)
         return path
 
     def restore(self, path: Path) -> None:
         trainer = {"step": 0, "data_position": 0, **_rng_state(self.device)}
-        trainer = load_training_state(path, self.model, self.optimizer, self.scheduler, trainer, self._shard_state)
+        trainer = load_training_state(path, self.model, self.optimizer, self.scheduler, trainer, self.mesh)
         self.step, self.data_position = int(trainer["step"]), int(trainer["data_position"])
         torch.set_rng_state(trainer["rng_cpu"])
         if "rng_cuda" in trainer:
@@ -253,8 +253,9 @@ class Trainer:
                 seconds = time.perf_counter() - t0
                 record["tokens_per_s"] = tokens_per_step / seconds
                 record["max_memory_bytes"] = _max_memory_bytes(self.device)
-                if self.peak_flops is not None:
-                    record["mfu"] = record["tokens_per_s"] * self.flops_per_token / (self.peak_flops * self.ranks)
+                if self.peak_flops is not None:  # of all the GPUs, whatever each one computes
+                    gpus = self.mesh.dims.world_size
+                    record["mfu"] = record["tokens_per_s"] * self.flops_per_token / (self.peak_flops * gpus)
                 progress.update(self.step, record["loss"], record["lr"], record["tokens_per_s"], record.get("mfu"))
 
                 last = self.step == train.steps

@@ -1,0 +1,64 @@
+"""How a model's (and its AdamW moments') tensors appear in a checkpoint, whatever the layout:
+each as the full tensor, of which this rank presents its part as a DTensor with plain `Shard`
+placements (experts on dim 0 over ep, a TP shard on its split dim over tp). torch.distributed.
+checkpoint then writes every part once, under its place in the full tensor, and loads into any
+other layout, one process included.
+
+The fused expert bank gate_up_proj [E, 2I, H] is stored as two tensors [E, I, H], `.gate` and
+`.up`, in every layout: under TP a rank holds a slice of the gate rows and the same slice of the
+up rows, two separate pieces of the fused tensor that no single `Shard` describes. Both halves
+are views of the local tensor, so a load writes straight into it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from moemesh.parallel.expert import is_expert_parameter
+from moemesh.parallel.mesh import Mesh
+
+HALVES = ("gate", "up")
+
+
+def stored_state(state: dict, model: nn.Module | None = None, mesh: Mesh | None = None) -> dict:
+    """`state` (model and optimizer state dicts, keyed by parameter name, among other entries) as
+    it is saved and loaded: new dicts around the same tensors, or views of them. `model` is this
+    rank's model on `mesh`; without it, the tensors of `state["model"]` are whole. A state that is
+    already stored stays as it is."""
+    if model is None:
+        names = {name: t for name, t in state.get("model", {}).items() if isinstance(t, torch.Tensor)}
+    else:
+        names = dict(model.named_parameters(remove_duplicate=False))
+
+    def walk(value: dict, owner: str | None) -> dict:
+        out = {}
+        for key, item in value.items():
+            name = key if key in names else owner  # optimizer moments sit under their parameter's name
+            if isinstance(item, dict):
+                out[key] = walk(item, name)
+            elif name is not None and isinstance(item, torch.Tensor) and item.shape == names[name].shape:
+                out.update(_stored(key, item, name, names[name], mesh))
+            else:  # the optimizer step count, param_groups, scheduler and trainer state
+                out[key] = item
+        return out
+
+    return walk(state, None)
+
+
+def _stored(key: str, tensor: torch.Tensor, name: str, param: torch.Tensor, mesh: Mesh | None) -> dict:
+    axes, dims = [], []
+    if mesh is not None and mesh.dims.ep > 1 and is_expert_parameter(name):
+        axes.append("ep"), dims.append(0)
+    if mesh is not None and mesh.dims.tp > 1 and hasattr(param, "tp_dim"):
+        axes.append("tp"), dims.append(param.tp_dim)
+
+    def full(part: torch.Tensor):
+        if not axes:
+            return part
+        return DTensor.from_local(part, mesh.device_mesh[tuple(axes)], [Shard(d) for d in dims], run_check=False)
+
+    if name.endswith(".experts.gate_up_proj"):
+        return {f"{key}.{half}": full(part) for half, part in zip(HALVES, tensor.chunk(2, dim=-2))}
+    return {key: full(tensor)}
