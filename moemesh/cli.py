@@ -37,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
                           help="tensor-parallel ranks, launched as `torchrun --nproc-per-node N -m moemesh "
                                "generate ... --tp N`: every rank loads the whole model and keeps its shard "
                                "(attention heads and their KV cache, expert slices, vocabulary); rank 0 prints")
+    generate.add_argument("--set", dest="overrides", action="append", nargs="+", default=[],
+                          metavar="parallel.tp=N", help="the same as --tp N, spelled as for `moemesh train`")
 
     convert = commands.add_parser("convert", help="Hugging Face directory <-> moemesh checkpoint (direction from SRC)")
     convert.add_argument("source", metavar="SRC", help="Hugging Face directory, checkpoint or run directory")
@@ -65,7 +67,7 @@ def _generate(args: argparse.Namespace) -> None:
     if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
         raise MoemeshError("need --max-new-tokens >= 1, --temperature >= 0 and 0 < --top-p <= 1")
     # First the mesh: it checks the number of processes and makes "cuda" this rank's GPU.
-    mesh = init_mesh(ParallelDims(tp=args.tp))
+    mesh = init_mesh(ParallelDims(tp=_tensor_parallel_size(args)))
     try:
         device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         model, tokenizer = load_for_generation(args.checkpoint, args.tokenizer, device)
@@ -76,6 +78,16 @@ def _generate(args: argparse.Namespace) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _tensor_parallel_size(args: argparse.Namespace) -> int:
+    tp = args.tp
+    for item in (item for group in args.overrides for item in group):
+        key, _, value = item.partition("=")
+        if key != "parallel.tp" or not value.isdigit():
+            raise MoemeshError(f"generate --set takes only parallel.tp=N (the tensor-parallel size), got {item!r}")
+        tp = int(value)
+    return tp
 
 
 def _convert(args: argparse.Namespace) -> None:

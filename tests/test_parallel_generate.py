@@ -65,7 +65,8 @@ def test_generate_command_under_torchrun(tmp_path, capsys):
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(TP),
-                             "-m", "moemesh", *args, "--tp", str(TP)], capture_output=True, text=True, env=env,
+                             "-m", "moemesh", *args, "--set", f"parallel.tp={TP}"], capture_output=True, text=True,
+                            env=env,
                             timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout == expected  # rank 0 alone prints, the same text
@@ -75,3 +76,8 @@ def test_generate_refuses_a_layout_torchrun_did_not_launch(tmp_path, capsys):
     assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "x", "--tp", "3"]) == 2
     err = capsys.readouterr().err
     assert "parallel layout pp=1 × dp=1 × ep=1 × tp=3 needs 3 processes, but 1 were launched" in err
+
+
+def test_generate_set_takes_only_the_tensor_parallel_size(tmp_path, capsys):
+    assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "x", "--set", "train.steps=3"]) == 2
+    assert "generate --set takes only parallel.tp=N" in capsys.readouterr().err
