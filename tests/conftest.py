@@ -26,3 +26,13 @@ def triton_kernels(monkeypatch):
     monkeypatch.setenv("MOEMESH_KERNELS", "triton")
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # where tensors are made
         yield
+
+
+@pytest.fixture(scope="module")
+def pool(request):
+    """A gloo process group of the test module's WORLD ranks, started once for the whole module."""
+    from multiprocess import WorkerPool
+
+    workers = WorkerPool(request.module.WORLD)
+    yield workers
+    workers.close()

@@ -16,7 +16,6 @@ from moemesh.parallel import comm
 from moemesh.parallel.data import apply_data_parallel, rank_loss, reduce_gradients
 from moemesh.parallel.expert import apply_ep, is_expert_parameter
 from moemesh.parallel.mesh import ParallelDims, init_mesh
-from multiprocess import WorkerPool
 from numerics import rel_err
 
 WORLD = 4
@@ -25,13 +24,6 @@ CONFIG = ModelConfig(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_att
                      num_experts=8, num_experts_per_tok=3, moe_intermediate_size=16, intermediate_size=24,
                      mlp_only_layers=[1], initializer_range=0.2, router_aux_loss_coef=0.05,
                      output_router_logits=True)
-
-
-@pytest.fixture(scope="module")
-def pool():
-    workers = WorkerPool(WORLD)
-    yield workers
-    workers.close()
 
 
 def micro_batch(seed=0, batch=8, seq=9):

@@ -10,13 +10,13 @@ import torch
 
 from moemesh.errors import ConfigError
 from moemesh.models import ModelConfig, build
+from moemesh.models.registry import family
 from moemesh.models.transformer import shift_labels
 from moemesh.parallel import comm
 from moemesh.parallel.data import apply_data_parallel, rank_loss, reduce_gradients
 from moemesh.parallel.expert import apply_ep, is_expert_parameter
 from moemesh.parallel.mesh import Mesh, ParallelDims, init_mesh
 from moemesh.parallel.tensor import apply_tp
-from multiprocess import WorkerPool
 from numerics import rel_err
 
 WORLD = 4
@@ -28,13 +28,6 @@ QWEN3 = ModelConfig(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_atte
                     output_router_logits=True)
 # Mixtral: every layer MoE, no q/k norm; with the LM head tied to the embedding.
 MIXTRAL = QWEN3.replace(model_type="mixtral", tie_word_embeddings=True)
-
-
-@pytest.fixture(scope="module")
-def pool():
-    workers = WorkerPool(WORLD)
-    yield workers
-    workers.close()
 
 
 def micro_batch(seed=0, batch=4, seq=9):
@@ -161,17 +154,7 @@ def test_collective_counts_per_layer(pool):
 
 # ---- plan verification (before any collective, so in this process) --------------------------------
 
-PLAN = {
-    "model.embed_tokens": "vocab",
-    "model.layers.*.self_attn.q_proj": "colwise",
-    "model.layers.*.self_attn.k_proj": "colwise",
-    "model.layers.*.self_attn.v_proj": "colwise",
-    "model.layers.*.self_attn.o_proj": "rowwise",
-    "model.layers.*.mlp.gate": "replicated",
-    "model.layers.*.mlp.experts.gate_up_proj": "packed_colwise",
-    "model.layers.*.mlp.experts.down_proj": "rowwise",
-    "lm_head": "vocab",
-}
+PLAN = family("mixtral").tp_plan(MIXTRAL)
 
 
 @pytest.mark.parametrize("plan, tp, message", [
