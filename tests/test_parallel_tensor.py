@@ -183,3 +183,28 @@ def test_family_plans_fit_their_models(config):
     without dense layers, no q/k norm entries without q/k norms)."""
     model = apply_tp(build(config, seed=1), Mesh(ParallelDims(tp=2), None))  # no group: sharding only
     assert model.model.layers[0].self_attn.q_proj.weight.shape[0] == config.hidden_size // 2
+
+
+def check_per_slot_reduce_moves_k_times_the_bytes(rank):
+    """The alternative to the delayed all-reduce — reducing each expert slot's output before the
+    routing-weight multiply (bench/tp_moe.py) — computes the same block but moves k× the bytes."""
+    from bench.tp_moe import reduce_per_slot
+
+    mesh = init_mesh(ParallelDims(tp=WORLD))
+    config = QWEN3.replace(num_hidden_layers=1, mlp_only_layers=[])
+    delayed = apply_tp(build(config, seed=3), mesh).model.layers[0].mlp
+    per_slot = apply_tp(build(config, seed=3), mesh).model.layers[0].mlp
+    reduce_per_slot(per_slot, mesh.group("tp"))
+    x = torch.randn(10, config.hidden_size, generator=torch.Generator().manual_seed(4))
+    outputs, sent = [], []
+    for block in (delayed, per_slot):
+        comm.reset_counts()
+        outputs.append(block(x)[0])
+        sent.append(comm.sent_bytes[("all_reduce", "forward")])
+    assert rel_err(outputs[1], outputs[0]) <= 1e-5
+    assert sent[0] == x.numel() * 4 and sent[1] == config.num_experts_per_tok * sent[0]
+    return True
+
+
+def test_per_slot_reduce_moves_k_times_the_bytes(pool):
+    assert all(pool.run(check_per_slot_reduce_moves_k_times_the_bytes))
