@@ -31,11 +31,11 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from moemesh.ops import combine, linear_cross_entropy, permute, swiglu  # noqa: E402
-from moemesh.ops.combine import _Combine, combine_reference, combine_triton  # noqa: E402
+from moemesh.ops.combine import _Combine, combine_reference  # noqa: E402
 from moemesh.ops.linear_cross_entropy import linear_cross_entropy_reference  # noqa: E402
-from moemesh.ops.permute import _PermuteRows, permute_rows_reference, permute_rows_triton  # noqa: E402
+from moemesh.ops.permute import _PermuteRows, permute_rows_reference  # noqa: E402
 from moemesh.ops.permute import routing_layout  # noqa: E402
-from moemesh.ops.swiglu import _SwiGLU, swiglu_reference, swiglu_triton  # noqa: E402
+from moemesh.ops.swiglu import _SwiGLU, swiglu_reference  # noqa: E402
 
 DEVICE = "cpu" if SMOKE else "cuda"
 DTYPE = torch.bfloat16

@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from moemesh.models import ModelConfig, build
-from moemesh.models.transformer import shift_labels
 from moemesh.parallel import comm
-from moemesh.parallel.data import apply_data_parallel, rank_loss, reduce_gradients
+from moemesh.parallel.data import apply_data_parallel, label_tokens, rank_loss, reduce_gradients
 from moemesh.parallel.expert import apply_ep, is_expert_parameter
 from moemesh.parallel.mesh import ParallelDims, init_mesh
 from numerics import rel_err
@@ -52,8 +51,8 @@ def sharded_step(dims: ParallelDims, config: ModelConfig, input_ids, labels, pre
     comm.reset_counts()
     out = model(input_ids[local], labels=labels[local])
     forward_bytes = dict(comm.sent_bytes)
-    total_tokens = int((shift_labels(labels) != -100).sum())
-    loss = rank_loss(out.ce_loss, out.aux_loss, labels[local], total_tokens, config.router_aux_loss_coef, ranks)
+    loss = rank_loss(out.ce_loss, out.aux_loss, label_tokens(labels[local]), label_tokens(labels),
+                     config.router_aux_loss_coef, ranks)
     loss.backward()
     reduce_gradients(model, mesh)
     summed = loss.detach().clone()

@@ -11,9 +11,8 @@ import torch
 from moemesh.errors import ConfigError
 from moemesh.models import ModelConfig, build
 from moemesh.models.registry import family
-from moemesh.models.transformer import shift_labels
 from moemesh.parallel import comm
-from moemesh.parallel.data import apply_data_parallel, rank_loss, reduce_gradients
+from moemesh.parallel.data import apply_data_parallel, label_tokens, rank_loss, reduce_gradients
 from moemesh.parallel.expert import apply_ep, is_expert_parameter
 from moemesh.parallel.mesh import Mesh, ParallelDims, init_mesh
 from moemesh.parallel.tensor import apply_tp
@@ -84,8 +83,8 @@ def check_matches_single_process(rank, config, dp, ep, tp):
     rows = input_ids.shape[0] // (dp * ep)
     local = slice(batch_rank * rows, (batch_rank + 1) * rows)
     out = model(input_ids[local], labels=labels[local])
-    total_tokens = int((shift_labels(labels) != -100).sum())
-    loss = rank_loss(out.ce_loss, out.aux_loss, labels[local], total_tokens, config.router_aux_loss_coef, dp * ep)
+    loss = rank_loss(out.ce_loss, out.aux_loss, label_tokens(labels[local]), label_tokens(labels),
+                     config.router_aux_loss_coef, dp * ep)
     loss.backward()
     reduce_gradients(model, mesh)
     comm.all_reduce_sum_([summed := loss.detach().clone()], mesh.group("batch"))

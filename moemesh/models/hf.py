@@ -20,7 +20,6 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moemesh.errors import CheckpointError
-from moemesh.models.build import build
 from moemesh.models.config import ModelConfig
 from moemesh.models.family import Family
 from moemesh.models.registry import family

@@ -40,14 +40,18 @@ def reduce_gradients(model: MoECausalLM, mesh: Mesh) -> None:
     comm.all_reduce_sum_(experts, mesh.group("dp"), kind="grad_all_reduce")
 
 
-def rank_loss(ce_loss: torch.Tensor, aux_loss: torch.Tensor | None, local_labels: torch.Tensor,
+def label_tokens(labels: torch.Tensor) -> int:
+    """How many positions of `labels` have a next token to predict."""
+    return int((shift_labels(labels) != -100).sum())
+
+
+def rank_loss(ce_loss: torch.Tensor, aux_loss: torch.Tensor | None, local_label_tokens: int,
               micro_batch_label_tokens: int, aux_coef: float, ranks: int) -> torch.Tensor:
     """This rank's share of the micro-batch loss. Summed over the batch group it is the loss one
     process computes on the whole micro-batch: the cross-entropy is weighted by this rank's share
     of the labelled tokens, and the aux loss (identical on every rank, from summed statistics) is
     split evenly."""
-    local_tokens = int((shift_labels(local_labels) != -100).sum())
-    loss = ce_loss * (local_tokens / max(micro_batch_label_tokens, 1))
+    loss = ce_loss * (local_label_tokens / max(micro_batch_label_tokens, 1))
     if aux_loss is not None:
         loss = loss + aux_coef * aux_loss / ranks
     return loss

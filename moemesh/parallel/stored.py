@@ -25,8 +25,7 @@ HALVES = ("gate", "up")
 def stored_state(state: dict, model: nn.Module | None = None, mesh: Mesh | None = None) -> dict:
     """`state` (model and optimizer state dicts, keyed by parameter name, among other entries) as
     it is saved and loaded: new dicts around the same tensors, or views of them. `model` is this
-    rank's model on `mesh`; without it, the tensors of `state["model"]` are whole. A state that is
-    already stored stays as it is."""
+    rank's model on `mesh`; without it, the tensors of `state["model"]` are whole."""
     if model is None:
         names = {name: t for name, t in state.get("model", {}).items() if isinstance(t, torch.Tensor)}
     else:

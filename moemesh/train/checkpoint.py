@@ -73,16 +73,17 @@ def _single_process_quietly():
 
 
 def save_checkpoint(path: Path, state: dict[str, Any], model_config: ModelConfig,
-                    tokenizer_file: str | os.PathLike | None = None) -> None:
-    """Write `state` (nested dicts of tensors and small Python values; a sharded model's as
-    `stored_state` presents it) with DCP plus config.json (and tokenizer.json), all under a
-    temporary name, then rename to `path`."""
+                    tokenizer_file: str | os.PathLike | None = None, model: nn.Module | None = None,
+                    mesh: Mesh | None = None) -> None:
+    """Write `state` (nested dicts of tensors and small Python values; the parts of `model` on
+    `mesh` where it is sharded) with DCP as `stored_state` presents it, plus config.json (and
+    tokenizer.json), all under a temporary name, then rename to `path`."""
     tmp = path.with_name(_TMP_PREFIX + path.name)
     if _is_main():
         shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
     comm.barrier()
     with _single_process_quietly():
-        dcp.save(stored_state(state), checkpoint_id=tmp, no_dist=_no_dist())  # every rank writes its part
+        dcp.save(stored_state(state, model, mesh), checkpoint_id=tmp, no_dist=_no_dist())  # every rank writes its part
     if _is_main():
         (tmp / "config.json").write_text(json.dumps(model_config.to_hf_dict(), indent=2) + "\n")
         if tokenizer_file is not None:

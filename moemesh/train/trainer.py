@@ -27,12 +27,10 @@ from moemesh.data.dataset import load_dataset, rank_slice
 from moemesh.data.tokenizer import HFTokenizer
 from moemesh.errors import ConfigError
 from moemesh.models import MoECausalLM, build
-from moemesh.models.transformer import shift_labels
 from moemesh.parallel import comm
-from moemesh.parallel.data import apply_data_parallel, clip_grad_norm_, rank_loss, reduce_gradients
+from moemesh.parallel.data import apply_data_parallel, clip_grad_norm_, label_tokens, rank_loss, reduce_gradients
 from moemesh.parallel.expert import apply_ep
 from moemesh.parallel.mesh import ParallelDims, init_mesh
-from moemesh.parallel.stored import stored_state
 from moemesh.parallel.tensor import apply_tp
 from moemesh.train.checkpoint import (CHECKPOINTS, checkpoint_path, latest_checkpoint, load_training_state,
                                       save_checkpoint, training_state)
@@ -135,13 +133,12 @@ class Trainer:
         aux_sum = None
         for micro_batch in micro_batches:
             local, tokens = self._local(micro_batch)
-            label_tokens = int((shift_labels(micro_batch) != -100).sum())
+            shares = label_tokens(local), label_tokens(micro_batch)
             with self._autocast():
                 out = self.model(tokens, labels=tokens, return_logits=False)
-            loss = rank_loss(out.ce_loss, out.aux_loss, local, label_tokens, coef, self.ranks)
+            loss = rank_loss(out.ce_loss, out.aux_loss, *shares, coef, self.ranks)
             (loss / len(micro_batches)).backward()
-            ce_sum += rank_loss(out.ce_loss.detach().float(), None, local, label_tokens, coef, self.ranks) \
-                / len(micro_batches)
+            ce_sum += rank_loss(out.ce_loss.detach().float(), None, *shares, coef, self.ranks) / len(micro_batches)
             if out.aux_loss is not None:  # the same on every rank: computed from summed statistics
                 aux = out.aux_loss.detach().float() / len(micro_batches)
                 aux_sum = aux if aux_sum is None else aux_sum + aux
@@ -160,16 +157,15 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean language-model loss over the fixed validation sequences (no auxiliary loss)."""
-        total, label_tokens = torch.zeros((), device=self.device), 0
+        total, tokens_in_all = torch.zeros((), device=self.device), 0
         for batch in self.val_batches:
             local, tokens = self._local(batch)
             with self._autocast():
                 loss = self.model(tokens, labels=tokens, output_router_logits=False, return_logits=False).ce_loss
-            local_tokens = int((shift_labels(local) != -100).sum())
-            total += loss.float() * local_tokens
-            label_tokens += int((shift_labels(batch) != -100).sum())
+            total += loss.float() * label_tokens(local)
+            tokens_in_all += label_tokens(batch)
         comm.all_reduce_sum_([total], self.mesh.group("batch"), kind="metrics")
-        return total.item() / label_tokens
+        return total.item() / tokens_in_all
 
     # ---- checkpoints ------------------------------------------------------------------------
     def _state(self) -> dict:
@@ -179,7 +175,7 @@ class Trainer:
     def save(self) -> Path:
         path = checkpoint_path(self.run_dir, self.step)
         tokenizer_file = self.tokenizer.path if isinstance(self.tokenizer, HFTokenizer) else None
-        save_checkpoint(path, stored_state(self._state(), self.model, self.mesh), self.config.model, tokenizer_file)
+        save_checkpoint(path, self._state(), self.config.model, tokenizer_file, self.model, self.mesh)
         return path
 
     def restore(self, path: Path) -> None:
