@@ -24,19 +24,26 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.toml
 
 @dataclass
 class ParallelConfig:
-    """Sizes of the parallel dimensions. Each parallelism still to come is refused by
-    `_check_layout_available` until it lands."""
+    """Sizes of the parallel dimensions, and how FSDP runs. Each parallelism still to come is
+    refused by `_check_layout_available` until it lands."""
 
-    dp_shard: int = 1
+    dp_replicate: int = 1  # data-parallel replicas (with dp_shard > 1: HSDP)
+    dp_shard: int = 1  # FSDP: weights, gradients and optimizer state split over these ranks
     ep: int = 1
     tp: int = 1
     pp: int = 1
+    fsdp_reshard_after_forward: bool = True  # free gathered weights after forward (less memory)
+    fsdp_prefetch: bool = True  # gather the next block's weights during this block's compute
 
     @property
     def batch_ranks(self) -> int:
         """Ranks that take different slices of each micro-batch: the data-parallel and the
-        expert-parallel ones (experts split over ep, the dense part data-parallel over both)."""
-        return self.dp_shard * self.ep
+        expert-parallel ones (experts split over ep, the dense part data-parallel over all)."""
+        return self.dp_replicate * self.dp_shard * self.ep
+
+    @property
+    def world_size(self) -> int:
+        return self.batch_ranks * self.tp * self.pp
 
 
 @dataclass
@@ -217,7 +224,7 @@ def _validate(config: RunConfig) -> None:
     need(0 < data.val_fraction < 1, f"data.val_fraction must be in (0, 1), got {data.val_fraction}")
     need(train.seq_len <= model.max_position_embeddings,
          f"train.seq_len ({train.seq_len}) exceeds model.max_position_embeddings ({model.max_position_embeddings})")
-    for name in ["dp_shard", "ep", "tp", "pp"]:
+    for name in ["dp_replicate", "dp_shard", "ep", "tp", "pp"]:
         need(getattr(config.parallel, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(config.parallel, name)}")
     # The micro-batches of a step, and each rank's slice of them, must not depend on the layout.
     ranks = config.parallel.batch_ranks
@@ -225,7 +232,7 @@ def _validate(config: RunConfig) -> None:
          f"train.global_batch ({train.global_batch}) must be divisible by train.micro_batch ({train.micro_batch})")
     need(train.micro_batch % ranks == 0,
          f"train.micro_batch ({train.micro_batch}) must be divisible by the data-parallel size "
-         f"(parallel.dp_shard × parallel.ep = {ranks})")
+         f"(parallel.dp_replicate × parallel.dp_shard × parallel.ep = {ranks})")
     need(model.num_experts % config.parallel.ep == 0,
          f"parallel.ep ({config.parallel.ep}) must divide model.num_experts ({model.num_experts})")
     _check_tp_sizes(model, config.parallel.tp)
@@ -246,7 +253,7 @@ def _check_tp_sizes(model: ModelConfig, tp: int) -> None:
             raise ConfigError(f"parallel.tp ({tp}) must divide model.{name} ({getattr(model, name)})")
 
 
-_PLANNED = {"dp_shard": "sharded data parallelism (FSDP)", "pp": "pipeline parallelism"}
+_PLANNED = {"pp": "pipeline parallelism"}
 
 
 def _check_layout_available(parallel: ParallelConfig) -> None:
@@ -255,10 +262,10 @@ def _check_layout_available(parallel: ParallelConfig) -> None:
         if size != 1:
             raise ConfigError(f"parallel.{name}={size}: {what} is not available yet; set parallel.{name}=1")
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    needed = parallel.dp_shard * parallel.ep * parallel.tp * parallel.pp
+    needed = parallel.world_size
     if world != needed:
-        raise ConfigError(f"the layout parallel.dp_shard × ep × tp × pp needs {needed} processes, but {world} "
-                          f"were launched (WORLD_SIZE={world}); use torchrun --nproc-per-node {needed}")
+        raise ConfigError(f"the layout parallel.dp_replicate × dp_shard × ep × tp × pp needs {needed} processes, "
+                          f"but {world} were launched (WORLD_SIZE={world}); use torchrun --nproc-per-node {needed}")
 
 
 def dumps_toml(sections: dict[str, dict[str, Any]]) -> str:

@@ -72,10 +72,10 @@ def test_a_key_outside_any_section_finds_its_section(tmp_path):
     ("model.num_experts_per_tok=9", "num_experts_per_tok (9) must be <= num_experts (8)"),
     ("train.global_batch=12", "train.global_batch (12) must be divisible by train.micro_batch (8)"),
     ("parallel.dp_shard=3", "train.micro_batch (8) must be divisible by the data-parallel size "
-                            "(parallel.dp_shard × parallel.ep = 3)"),
+                            "(parallel.dp_replicate × parallel.dp_shard × parallel.ep = 3)"),
     ("train.seq_len=4096", "train.seq_len (4096) exceeds model.max_position_embeddings (1024)"),
-    ("parallel.ep=2", "the layout parallel.dp_shard × ep × tp × pp needs 2 processes, but 1 were launched"),
-    ("parallel.tp=2", "the layout parallel.dp_shard × ep × tp × pp needs 2 processes, but 1 were launched"),
+    ("parallel.ep=2", "the layout parallel.dp_replicate × dp_shard × ep × tp × pp needs 2 processes, but 1 were launched"),
+    ("parallel.tp=2", "the layout parallel.dp_replicate × dp_shard × ep × tp × pp needs 2 processes, but 1 were launched"),
     ("parallel.tp=3", "parallel.tp (3) must divide model.num_attention_heads (4)"),
     ("parallel.tp=2 model.vocab_size=257", "parallel.tp (2) must divide model.vocab_size (257)"),
     ("parallel.pp=2", "parallel.pp=2: pipeline parallelism is not available yet"),

@@ -70,7 +70,7 @@ def check_matches_single_process(rank, dp, ep, kernels="auto"):
 
 def _check_matches_single_process(dp, ep):
     input_ids, labels = micro_batch(seed=dp * 10 + ep)
-    reference, ref_out, model, loss, out, local, mesh, _ = sharded_step(ParallelDims(dp=dp, ep=ep), CONFIG,
+    reference, ref_out, model, loss, out, local, mesh, _ = sharded_step(ParallelDims(dp_replicate=dp, ep=ep), CONFIG,
                                                                         input_ids, labels)
     assert rel_err(loss, ref_out.loss.detach()) <= RTOL
     assert rel_err(out.logits, ref_out.logits[local].detach()) <= RTOL

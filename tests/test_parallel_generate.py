@@ -75,7 +75,7 @@ def test_generate_command_under_torchrun(tmp_path, capsys):
 def test_generate_refuses_a_layout_torchrun_did_not_launch(tmp_path, capsys):
     assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "x", "--tp", "3"]) == 2
     err = capsys.readouterr().err
-    assert "parallel layout pp=1 × dp=1 × ep=1 × tp=3 needs 3 processes, but 1 were launched" in err
+    assert "parallel layout pp=1 × dp_replicate=1 × dp_shard=1 × ep=1 × tp=3 needs 3 processes, but 1 were launched" in err
 
 
 def test_generate_set_takes_only_the_tensor_parallel_size(tmp_path, capsys):

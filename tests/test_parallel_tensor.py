@@ -77,7 +77,7 @@ def check_matches_single_process(rank, config, dp, ep, tp):
     ref_out = reference(input_ids, labels=labels)
     ref_out.loss.backward()
 
-    mesh = init_mesh(ParallelDims(dp=dp, ep=ep, tp=tp))
+    mesh = init_mesh(ParallelDims(dp_replicate=dp, ep=ep, tp=tp))
     model = apply_data_parallel(apply_tp(apply_ep(build_with_biases(config), mesh), mesh), mesh)
     tp_rank, batch_rank = mesh.rank("tp"), mesh.rank("batch")
     rows = input_ids.shape[0] // (dp * ep)
@@ -120,7 +120,8 @@ def check_collective_counts(rank):
     """Forward: one all-reduce for the embedding, one for attention and one for the MoE block (or
     dense MLP) of every layer, one for the loss's sum of exponentials and target logits (after
     one max). Backward: f's all-reduce at the attention input, at the MoE block's tokens and
-    routing weights (or the dense MLP's input) and at the LM head, plus the q/k norm gradients."""
+    routing weights (or the dense MLP's input) and at the LM head. After backward: one all-reduce
+    of every q/k norm gradient together."""
     mesh = init_mesh(ParallelDims(tp=WORLD))
     model = apply_tp(build(QWEN3, seed=1), mesh)
     input_ids, labels = micro_batch(seed=7, batch=2)
@@ -136,9 +137,14 @@ def check_collective_counts(rank):
     embedding, loss = 1, 1
     assert forward == {("all_reduce", "forward"): embedding + 2 * layers + loss,
                        ("all_reduce_max", "forward"): 1}, forward
-    attention_and_qk_norms, head = 1 + 2, 1
+    attention, head = 1, 1
     assert {k: v for k, v in backward.items() if v} == {
-        ("all_reduce", "backward"): layers * attention_and_qk_norms + 2 * moe + (layers - moe) + head}, backward
+        ("all_reduce", "backward"): layers * attention + 2 * moe + (layers - moe) + head}, backward
+    comm.reset_counts()
+    reduce_gradients(model, mesh)
+    qk_norms = [p for n, p in model.named_parameters() if n.endswith(("q_norm.weight", "k_norm.weight"))]
+    assert dict(comm.calls) == {("grad_all_reduce", "step"): 1}
+    assert dict(comm.sent_bytes) == {("grad_all_reduce", "step"): sum(p.numel() * 4 for p in qk_norms)}
     # Each block reduces [tokens, hidden] once; an all-reduce per expert slot (before the
     # routing-weight multiply) would move k times as much for every MoE block.
     tokens_bytes = input_ids.numel() * QWEN3.hidden_size * 4

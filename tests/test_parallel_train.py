@@ -1,8 +1,9 @@
-"""`torchrun ... moemesh train --set parallel.ep=N parallel.tp=M` on CPU (gloo) against the same
+"""`torchrun ... moemesh train --set parallel.ep=N parallel.tp=M` (or parallel.dp_shard=N) on CPU (gloo) against the same
 run in one process: the same per-step losses and gradient norms (1e-5 relative: the sharded run sums the same
 fp32 terms in another order), and a checkpoint that loads back into one process."""
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -42,12 +43,17 @@ def reference(tmp_path_factory):
     return config_file, run_dir
 
 
-@pytest.mark.parametrize("ep, tp", [(2, 1), (4, 1), (1, 2), (2, 2)], ids=["ep2", "ep4", "tp2", "ep2-tp2"])
-def test_parallel_training_equals_one_process(reference, ep, tp):
+LAYOUTS = {"ep2": {"ep": 2}, "ep4": {"ep": 4}, "tp2": {"tp": 2}, "ep2-tp2": {"ep": 2, "tp": 2},
+           "dp_shard2": {"dp_shard": 2}}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_parallel_training_equals_one_process(reference, layout):
     config_file, single_dir = reference
-    run_dir = config_file.parent / f"ep{ep}-tp{tp}"
-    result = torchrun(ep * tp, "-m", "moemesh", "train", "--config", str(config_file), "--set", *OVERRIDES,
-                      f"parallel.ep={ep}", f"parallel.tp={tp}", f"train.run_dir={run_dir}")
+    run_dir = config_file.parent / "-".join(f"{axis}{size}" for axis, size in layout.items())
+    result = torchrun(math.prod(layout.values()), "-m", "moemesh", "train", "--config", str(config_file), "--set",
+                      *OVERRIDES, *(f"parallel.{axis}={size}" for axis, size in layout.items()),
+                      f"train.run_dir={run_dir}")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     # parameter counts (and so MFU) are those of the whole model, not of one rank's experts
     model = load_config(config_file, OVERRIDES).model
@@ -84,7 +90,7 @@ def test_a_dead_rank_stops_the_others_instead_of_hanging(tmp_path):
     assert time.monotonic() - started < 90
 
 
-@pytest.mark.parametrize("layout", ["parallel.ep=2", "parallel.tp=2"])
+@pytest.mark.parametrize("layout", ["parallel.ep=2", "parallel.tp=2", "parallel.dp_shard=2"])
 def test_parallel_resume_continues_exactly(reference, layout):
     """Stop a 2-process run after its step-3 checkpoint (simulated by removing what came later)
     and resume it in the same layout: steps 4 and 5 are those of the uninterrupted

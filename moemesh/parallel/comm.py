@@ -165,11 +165,6 @@ def from_partial(x: torch.Tensor, group) -> torch.Tensor:
     return x if group is None else _FromPartial.apply(x, group)
 
 
-def summed_gradient(grad: torch.Tensor, group) -> torch.Tensor:
-    """A partial gradient (of a replicated weight applied to each rank's shard), summed."""
-    return _summed(grad, group, "backward")
-
-
 def all_reduce_max(x: torch.Tensor, group) -> torch.Tensor:
     """Elementwise max over `group`, not differentiable (the shift that stabilises a softmax)."""
     y = x.detach().clone()

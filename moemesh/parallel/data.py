@@ -1,11 +1,13 @@
-"""Data parallelism over the "batch" group (dp × ep ranks, each with a contiguous slice of every
-micro-batch): the load-balancing statistics are summed over the group in the forward pass, and
-gradients are summed after backward — dense ones over the whole group, expert ones over the ranks
-that hold the same experts."""
+"""Data parallelism over the "batch" group (dp_replicate × dp_shard × ep ranks, each with a
+contiguous slice of every micro-batch): the load-balancing statistics are summed over the group in
+the forward pass, and gradients are summed after backward — dense ones over the whole group,
+expert ones over the ranks that hold the same experts. Parameters that FSDP shards
+(`parallel/fsdp.py`) have their gradients reduce-scattered by FSDP during backward instead."""
 
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from moemesh.models.moe import RouterStats
 from moemesh.models.transformer import MoECausalLM, shift_labels
@@ -23,21 +25,39 @@ def apply_data_parallel(model: MoECausalLM, mesh: Mesh) -> MoECausalLM:
         layers = len(stats)
         summed = comm.all_reduce_sum(torch.cat([torch.stack([s.counts for s in stats]),
                                                 torch.stack([s.prob_sum for s in stats])]), group)
-        # every rank holds an equal slice, so the micro-batch has ranks × the local tokens
+        # every rank holds an equal slice, so the micro-batch has ranks × the local tensors
         return [RouterStats(summed[i], summed[layers + i], s.num_tokens * ranks) for i, s in enumerate(stats)]
 
     model.reduce_router_stats = reduce_router_stats
     return model
 
 
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a tensor: the local shard of an FSDP DTensor (sharing its storage, so
+    writing into it writes into the DTensor), a plain tensor as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def is_fsdp_sharded(param: torch.Tensor) -> bool:
+    return isinstance(param, DTensor)
+
+
 def reduce_gradients(model: MoECausalLM, mesh: Mesh) -> None:
-    """Sum every gradient over the ranks that computed a share of it."""
-    dense, experts = [], []
+    """Sum every gradient over the ranks that computed a share of it: those FSDP did not already
+    reduce over the data-parallel ranks, and the partial ones (q/k norms under TP) over tp."""
+    dense, experts, partial_over_tp = [], [], []
     for name, param in model.named_parameters():
-        if param.grad is not None:
-            (experts if is_expert_parameter(name) else dense).append(param.grad)
+        if param.grad is None:
+            continue
+        grad = local(param.grad)
+        if not is_fsdp_sharded(param):
+            (experts if is_expert_parameter(name) else dense).append(grad)
+        if getattr(param, "partial_grad_axis", None) == "tp":
+            partial_over_tp.append(grad)
     comm.all_reduce_sum_(dense, mesh.group("batch"), kind="grad_all_reduce")
-    comm.all_reduce_sum_(experts, mesh.group("dp"), kind="grad_all_reduce")
+    for axis in ("dp_replicate", "dp_shard"):  # the ranks holding the same experts
+        comm.all_reduce_sum_(experts, mesh.group(axis), kind="grad_all_reduce")
+    comm.all_reduce_sum_(partial_over_tp, mesh.group("tp"), kind="grad_all_reduce")
 
 
 def label_tokens(labels: torch.Tensor) -> int:
@@ -57,22 +77,37 @@ def rank_loss(ce_loss: torch.Tensor, aux_loss: torch.Tensor | None, local_label_
     return loss
 
 
+def split_axes(name: str, param: torch.Tensor, mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes over which the ranks hold different parts of `param` (and of its gradient);
+    along the other axes they hold the same part."""
+    axes = []
+    expert = is_expert_parameter(name)
+    if is_fsdp_sharded(param):
+        axes += ["dp_shard"] if expert else ["dp_shard", "ep"]
+    if expert:
+        axes.append("ep")
+    if hasattr(param, "tp_dim"):
+        axes.append("tp")
+    return tuple(dict.fromkeys(axes))
+
+
 def clip_grad_norm_(model: MoECausalLM, max_norm: float, mesh: Mesh) -> torch.Tensor:
     """Scale all gradients so their global L2 norm is at most max_norm (as
     torch.nn.utils.clip_grad_norm_ does); returns the norm before clipping. Call after
     `reduce_gradients`: a gradient is then the same on every rank that holds the same part of its
-    parameter, so each part counts once: squared norms of expert shards are summed over ep, those
-    of TP shards over tp, and replicated ones (identical on every TP rank) are taken as they are."""
-    zero = torch.zeros((), device=next(model.parameters()).device, dtype=torch.float32)
-    squares = {(over_ep, over_tp): zero.clone() for over_ep in (False, True) for over_tp in (False, True)}
+    parameter, so each part counts once: the squared norms of the parts are summed over the axes
+    that split them (`split_axes`) and not over the others."""
+    squares: dict[tuple[str, ...], torch.Tensor] = {}
     grads = []
     for name, param in model.named_parameters():
         if param.grad is not None:
-            squares[is_expert_parameter(name), hasattr(param, "tp_dim")] += param.grad.float().pow(2).sum()
-            grads.append(param.grad)
-    comm.all_reduce_sum_([squares[True, False], squares[True, True]], mesh.group("ep"), kind="grad_norm")
-    comm.all_reduce_sum_([squares[False, True], squares[True, True]], mesh.group("tp"), kind="grad_norm")
-    total = sum(squares.values()).sqrt()
+            grad = local(param.grad)
+            axes = split_axes(name, param, mesh)
+            squares[axes] = squares.get(axes, 0) + grad.float().pow(2).sum()
+            grads.append(grad)
+    for axis in ("dp_shard", "ep", "tp"):  # a sum over several axes is a sum over each in turn
+        comm.all_reduce_sum_([s for axes, s in squares.items() if axis in axes], mesh.group(axis), kind="grad_norm")
+    total = sum(squares.values(), torch.zeros((), device=grads[0].device if grads else None)).sqrt()
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for g in grads:
         g.mul_(scale)

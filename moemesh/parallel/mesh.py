@@ -1,9 +1,11 @@
-"""Parallel dimensions -> a `DeviceMesh` with named axes (pp, dp, ep, tp).
+"""Parallel dimensions -> a `DeviceMesh` with named axes (pp, dp_replicate, dp_shard, ep, tp).
 
-The world is pp × dp × ep × tp ranks, tp innermost. Ranks on the (dp, ep) plane are
-data-parallel for the dense part of the model: together they form the "batch" group, and each
-takes a contiguous slice of every micro-batch. Expert weights are split over ep and replicated
-over dp.
+The world is pp × dp_replicate × dp_shard × ep × tp ranks, tp innermost. Ranks on the
+(dp_replicate, dp_shard, ep) cube are data-parallel for the dense part of the model: together they
+form the "batch" group, and each takes a contiguous slice of every micro-batch. Expert weights are
+split over ep. dp_replicate ranks hold whole copies of what they hold; dp_shard ranks split it
+further with FSDP (`parallel/fsdp.py`): the dense weights over dp_shard × ep, the experts over
+dp_shard.
 """
 
 from __future__ import annotations
@@ -18,13 +20,15 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from moemesh.errors import ConfigError
 
-AXES = ("pp", "dp", "ep", "tp")
+AXES = ("pp", "dp_replicate", "dp_shard", "ep", "tp")
+BATCH_AXES = ("dp_replicate", "dp_shard", "ep")
 
 
 @dataclass(frozen=True)
 class ParallelDims:
     pp: int = 1
-    dp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
     ep: int = 1
     tp: int = 1
 
@@ -35,44 +39,53 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.ep * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.ep * self.tp
 
     @property
     def batch_size(self) -> int:
         """How many ranks take different slices of each micro-batch."""
-        return self.dp * self.ep
+        return self.dp_replicate * self.dp_shard * self.ep
+
+    def describe(self) -> str:
+        return " × ".join(f"{axis}={getattr(self, axis)}" for axis in AXES)
 
     def check_world(self, world_size: int) -> None:
         if world_size != self.world_size:
-            raise ConfigError(
-                f"parallel layout pp={self.pp} × dp={self.dp} × ep={self.ep} × tp={self.tp} needs "
-                f"{self.world_size} processes, but {world_size} were launched")
+            raise ConfigError(f"parallel layout {self.describe()} needs {self.world_size} processes, but "
+                              f"{world_size} were launched")
 
 
 class Mesh:
     """The device mesh plus the process groups moemesh uses, created once (creating a group is
     itself a collective that every rank must join in the same order)."""
 
-    def __init__(self, dims: ParallelDims, device_mesh: DeviceMesh | None):
+    def __init__(self, dims: ParallelDims, device_mesh: DeviceMesh | None, fsdp_dense_mesh: DeviceMesh | None = None):
         self.dims = dims
         self.device_mesh = device_mesh
+        # The same ranks seen as (pp, dp_replicate, dp_shard·ep, tp): FSDP shards the dense
+        # weights over the flattened dp_shard·ep axis, with dp_replicate as the HSDP replicas.
+        self.fsdp_dense_mesh = fsdp_dense_mesh
         self._groups: dict[str, dist.ProcessGroup | None] = {axis: None for axis in (*AXES, "batch")}
         if device_mesh is not None:
             for axis in AXES:
                 if getattr(dims, axis) > 1:
                     self._groups[axis] = device_mesh[axis].get_group()
             if dims.batch_size > 1:
-                self._groups["batch"] = device_mesh["dp", "ep"]._flatten("batch").get_group()
+                self._groups["batch"] = device_mesh[BATCH_AXES]._flatten("batch").get_group()
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
-        """Process group of one axis or of "batch" (dp × ep); None where it has one rank."""
+        """Process group of one axis or of "batch" (dp_replicate × dp_shard × ep); None where it
+        has one rank."""
         return self._groups[axis]
 
     def rank(self, axis: str) -> int:
         if self.device_mesh is None:
             return 0
         if axis == "batch":
-            return self.rank("dp") * self.dims.ep + self.rank("ep")
+            rank = 0
+            for name in BATCH_AXES:
+                rank = rank * getattr(self.dims, name) + self.rank(name)
+            return rank
         return self.device_mesh.get_local_rank(axis)
 
 
@@ -89,5 +102,9 @@ def init_mesh(dims: ParallelDims, timeout_s: float = 300.0) -> Mesh:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
                                 timeout=datetime.timedelta(seconds=timeout_s))
-    mesh = init_device_mesh(device_type, (dims.pp, dims.dp, dims.ep, dims.tp), mesh_dim_names=AXES)
-    return Mesh(dims, mesh)
+    mesh = init_device_mesh(device_type, tuple(getattr(dims, axis) for axis in AXES), mesh_dim_names=AXES)
+    dense = None
+    if dims.dp_shard > 1:
+        dense = init_device_mesh(device_type, (dims.pp, dims.dp_replicate, dims.dp_shard * dims.ep, dims.tp),
+                                 mesh_dim_names=("pp", "dp_replicate", "dp_shard_ep", "tp"))
+    return Mesh(dims, mesh, dense)

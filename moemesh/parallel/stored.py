@@ -1,6 +1,7 @@
 """How a model's (and its AdamW moments') tensors appear in a checkpoint, whatever the layout:
 each as the full tensor, of which this rank presents its part as a DTensor with plain `Shard`
-placements (experts on dim 0 over ep, a TP shard on its split dim over tp). torch.distributed.
+placements (experts on dim 0 over ep, a TP shard on its split dim over tp, an FSDP shard — a
+DTensor of the EP/TP shard — on its dim over dp_shard, and for dense weights over ep too). torch.distributed.
 checkpoint then writes every part once, under its place in the full tensor, and loads into any
 other layout, one process included.
 
@@ -17,7 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from moemesh.parallel.expert import is_expert_parameter
-from moemesh.parallel.mesh import Mesh
+from moemesh.parallel.mesh import AXES, Mesh
 
 HALVES = ("gate", "up")
 
@@ -47,16 +48,26 @@ def stored_state(state: dict, model: nn.Module | None = None, mesh: Mesh | None 
 
 
 def _stored(key: str, tensor: torch.Tensor, name: str, param: torch.Tensor, mesh: Mesh | None) -> dict:
-    axes, dims = [], []
-    if mesh is not None and mesh.dims.ep > 1 and is_expert_parameter(name):
-        axes.append("ep"), dims.append(0)
-    if mesh is not None and mesh.dims.tp > 1 and hasattr(param, "tp_dim"):
-        axes.append("tp"), dims.append(param.tp_dim)
+    # mesh axis -> the dim it splits. Two axes on one dim nest in mesh order: the first splits first.
+    splits = {}
+    expert = is_expert_parameter(name)
+    if isinstance(tensor, DTensor):  # FSDP's shard of this rank's EP/TP piece (`parallel/fsdp.py`)
+        fsdp_dim = tensor.placements[-1].dim
+        splits["dp_shard"] = fsdp_dim
+        if not expert:
+            splits["ep"] = fsdp_dim  # dense weights are sharded over dp_shard × ep, dp_shard-major
+        tensor = tensor.to_local()
+    if expert:
+        splits["ep"] = 0
+    if hasattr(param, "tp_dim"):
+        splits["tp"] = param.tp_dim
+    axes = [axis for axis in AXES if axis in splits and mesh is not None and getattr(mesh.dims, axis) > 1]
 
     def full(part: torch.Tensor):
         if not axes:
             return part
-        return DTensor.from_local(part, mesh.device_mesh[tuple(axes)], [Shard(d) for d in dims], run_check=False)
+        placements = [Shard(splits[axis]) for axis in axes]
+        return DTensor.from_local(part, mesh.device_mesh[tuple(axes)], placements, run_check=False)
 
     if name.endswith(".experts.gate_up_proj"):
         return {f"{key}.{half}": full(part) for half, part in zip(HALVES, tensor.chunk(2, dim=-2))}

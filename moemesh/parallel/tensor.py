@@ -15,7 +15,8 @@ every rank, by the model family's plan (module or parameter path pattern -> styl
     replicated       the router: every rank routes its (identical) tokens identically
     replicated_with_grad_allreduce
                      a weight applied to this rank's shard only (Qwen3's per-head q/k norms):
-                     its gradient is a partial sum, all-reduced in backward
+                     its gradient is a partial sum, tagged `partial_grad_axis = "tp"` and
+                     summed over tp with the other gradients after backward (`reduce_gradients`)
 
 Megatron's f (identity forward, all-reduce backward) sits where a replicated tensor enters
 sharded compute: the attention / dense-MLP input, the experts' input tokens and the routing
@@ -236,7 +237,9 @@ def _vocab(model, name, shard, group):
 
 def _replicated_with_grad_allreduce(model, name, shard, group):
     for param in _params_of(model, name):
-        param.register_hook(functools.partial(comm.summed_gradient, group=group))
+        # A tag, not a gradient hook: it survives FSDP replacing the parameter, and the sum is
+        # taken once per step rather than once per micro-batch.
+        param.partial_grad_axis = "tp"
 
 
 _APPLY = {"colwise": _colwise, "rowwise": _rowwise, "packed_colwise": _packed_colwise, "vocab": _vocab,

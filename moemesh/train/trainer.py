@@ -30,6 +30,7 @@ from moemesh.models import MoECausalLM, build
 from moemesh.parallel import comm
 from moemesh.parallel.data import apply_data_parallel, clip_grad_norm_, label_tokens, rank_loss, reduce_gradients
 from moemesh.parallel.expert import apply_ep
+from moemesh.parallel.fsdp import apply_fsdp
 from moemesh.parallel.mesh import ParallelDims, init_mesh
 from moemesh.parallel.tensor import apply_tp
 from moemesh.train.checkpoint import (CHECKPOINTS, checkpoint_path, latest_checkpoint, load_training_state,
@@ -86,7 +87,8 @@ class Trainer:
         self.config = resolve_device(config)
         self.train_config = train = config.train
         parallel = config.parallel
-        self.mesh = init_mesh(ParallelDims(dp=parallel.dp_shard, ep=parallel.ep, tp=parallel.tp, pp=parallel.pp))
+        self.mesh = init_mesh(ParallelDims(pp=parallel.pp, dp_replicate=parallel.dp_replicate,
+                                           dp_shard=parallel.dp_shard, ep=parallel.ep, tp=parallel.tp))
         self.rank, self.ranks = self.mesh.rank("batch"), self.mesh.dims.batch_size
         self.is_main = int(os.environ.get("RANK", "0")) == 0  # the rank that prints and writes files
         self.stream = stream if self.is_main else open(os.devnull, "w")
@@ -103,7 +105,11 @@ class Trainer:
         self.num_params = (self.model.num_params(), self.model.num_params(active=True))
         # TP ranks share their data: they are not in the batch group.
         apply_data_parallel(apply_tp(apply_ep(self.model, self.mesh), self.mesh), self.mesh)
-        self.optimizer = build_optimizer(self.model, train)
+        # FSDP computes in the training dtype (bf16) from fp32 shards; autocast covers the rest.
+        self.kept_whole = apply_fsdp(self.model, self.mesh, param_dtype=self.autocast_dtype,
+                                     reshard_after_forward=parallel.fsdp_reshard_after_forward,
+                                     prefetch=parallel.fsdp_prefetch)
+        self.optimizer = build_optimizer(self.model, train)  # on the shards: its moments are sharded too
         self.scheduler = build_scheduler(self.optimizer, train)
         self.step = 0
         self.data_position = 0  # sequences of the training order consumed so far
@@ -224,6 +230,11 @@ class Trainer:
                   f"{format_count(len(self.dataset.val_tokens))} validation tokens")
         self._say(f"train   {train.steps} steps × {train.global_batch} sequences × {train.seq_len} tokens "
                   f"on {self.device} in {train.dtype}; run directory {self.run_dir}")
+        if self.mesh.dims.world_size > 1:
+            self._say(f"layout  {self.mesh.dims.describe()}")
+        if self.kept_whole:
+            self._say(f"fsdp    {len(self.kept_whole)} tensors without an evenly divisible dimension stay whole on "
+                      f"each rank: {', '.join(self.kept_whole[:3])}{', ...' if len(self.kept_whole) > 3 else ''}")
 
     def run(self) -> TrainResult:
         train = self.train_config

@@ -1,0 +1,113 @@
+"""Fully-sharded data parallelism — generalized tensor parallelism — on FSDP2
+(`torch.distributed.fsdp.fully_shard`), on top of the expert and tensor parallel shards.
+
+Each rank stores 1/dp_shard of what EP and TP leave it: the dense weights are split over the
+dp_shard × ep ranks (all of which hold them whole otherwise), the experts over the dp_shard ranks
+that hold the same experts. dp_replicate, when > 1, keeps whole copies of these shards (HSDP).
+The optimizer then keeps its moments for the shard only.
+
+Units: every decoder block, its expert bank apart (it lives on a different group of ranks), and
+the root (embedding, final norm, LM head). Before a unit runs, its weights are all-gathered (in
+`param_dtype`, bf16 on GPU); after backward, its gradients are reduce-scattered in fp32 and summed,
+not averaged: each rank's loss is already its share of the global one (`rank_loss`). With
+`prefetch`, block i's forward issues the all-gathers of block i+1 and of its experts (two buffers,
+one block ahead), and block i's backward those of block i-1.
+
+FSDP splits each tensor on a dimension that no other axis already splits (experts are split on
+dim 0 over ep, a TP shard on its `tp_dim`; the fused gate_up bank is stored as two halves along
+its rows) and that the shard count divides evenly, so that a checkpoint can describe every rank's
+piece as nested `Shard`s of the full tensor (`parallel/stored.py`). A tensor without such a
+dimension stays whole on each rank and `reduce_gradients` sums its gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
+
+from moemesh.models.transformer import MoECausalLM
+from moemesh.parallel.expert import is_expert_parameter
+from moemesh.parallel.mesh import Mesh, ParallelDims
+
+
+def apply_fsdp(model: MoECausalLM, mesh: Mesh, param_dtype: torch.dtype | None = None,
+               reshard_after_forward: bool = True, prefetch: bool = True) -> list[str]:
+    """Shard `model` in place over dp_shard (after `apply_ep`, `apply_tp` and
+    `apply_data_parallel`). `param_dtype`: the dtype weights are gathered and computed in (None:
+    their own). `reshard_after_forward`: free a block's gathered weights after its forward and
+    gather them again for backward (less memory, more communication). Returns the names of the
+    parameters left whole."""
+    dims = mesh.dims
+    if dims.dp_shard == 1:
+        return []
+    shard_dims, whole = {}, []
+    for name, param in model.named_parameters():
+        dim = shard_dim(name, param, dims)
+        if dim is None:
+            whole.append(name)
+        else:
+            shard_dims[id(param)] = dim
+    # FSDP replaces the parameters; the tags other parts of moemesh put on them (tp_dim, ...) go along.
+    tags = {name: dict(vars(param)) for name, param in model.named_parameters()}
+    ignored = {param for name, param in model.named_parameters() if name in whole}
+
+    dense_mesh = mesh.fsdp_dense_mesh[_data_axes(dims, "dp_shard_ep")]
+    expert_mesh = mesh.device_mesh[_data_axes(dims, "dp_shard")]
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+
+    def shard(module: nn.Module, on, reshard: bool) -> FSDPModule:
+        fully_shard(module, mesh=on, reshard_after_forward=reshard, mp_policy=policy, ignored_params=ignored,
+                    shard_placement_fn=lambda param: Shard(shard_dims[id(param)]))
+        return module
+
+    units = []  # per block: (its expert bank or None, the block)
+    for layer in model.model.layers:
+        experts = shard(layer.mlp.experts, expert_mesh, reshard_after_forward) if layer.is_moe else None
+        units.append((experts, shard(layer, dense_mesh, reshard_after_forward)))
+    shard(model, dense_mesh, False)  # the root's weights are needed again first thing in backward
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            if hasattr(module, "set_force_sum_reduction_for_comms"):  # torch >= 2.12; gloo has no PREMUL_SUM
+                module.set_force_sum_reduction_for_comms(True)
+    if prefetch:
+        _prefetch_one_block_ahead(model, units)
+    for name, param in model.named_parameters():
+        for key, value in tags[name].items():
+            setattr(param, key, value)
+    return whole
+
+
+def shard_dim(name: str, param: torch.Tensor, dims: ParallelDims) -> int | None:
+    """The dimension FSDP splits `param` on, or None if it must stay whole (see the module doc)."""
+    expert = is_expert_parameter(name)
+    parts = dims.dp_shard if expert else dims.dp_shard * dims.ep
+    taken = set()
+    if expert and dims.ep > 1:
+        taken.add(0)
+    if name.endswith(".experts.gate_up_proj"):
+        taken.add(param.dim() - 2)  # stored as its gate and up halves along the rows
+    if hasattr(param, "tp_dim"):
+        taken.add(param.tp_dim)
+    return next((d for d in range(param.dim()) if d not in taken and param.shape[d] % parts == 0), None)
+
+
+def _data_axes(dims: ParallelDims, shard_axis: str) -> tuple[str, ...]:
+    # FSDP takes a 1-D mesh (shard) or a 2-D one (replicate, shard): HSDP.
+    return ("dp_replicate", shard_axis) if dims.dp_replicate > 1 else (shard_axis,)
+
+
+def _prefetch_one_block_ahead(model: FSDPModule, units: list[tuple[FSDPModule | None, FSDPModule]]) -> None:
+    def gather(i: int) -> list[FSDPModule]:
+        experts, block = units[i]
+        return [block] if experts is None else [block, experts]
+
+    model.set_modules_to_forward_prefetch(gather(0))
+    for i, (_, block) in enumerate(units):
+        if i + 1 < len(units):
+            block.set_modules_to_forward_prefetch(gather(i + 1))
+        if i > 0:  # backward reaches block i-1's experts first
+            block.set_modules_to_backward_prefetch(gather(i - 1)[::-1])
