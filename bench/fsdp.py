@@ -102,17 +102,14 @@ def run_variant(name: str, parallel: dict, args) -> dict:
         torch.cuda.reset_peak_memory_stats()  # the whole model built on each GPU before sharding is not
     step_ms = median_ms(lambda: records.append(trainer.train_step()), warmup=args.warmup, repeat=args.steps)
     tokens = args.sequences * world * args.seq
-    row = {"variant": name, **{"layout": " ".join(f"{k}={v}" for k, v in parallel.items())}, "step ms": f"{step_ms:.0f}", "tokens/s": f"{tokens / step_ms * 1e3:,.0f}",
-           "loss": f"{records[-1]['loss']:.4f}"}
+    row = {"variant": name, "layout": " ".join(f"{k}={v}" for k, v in parallel.items()), "step ms": f"{step_ms:.0f}",
+           "tokens/s": f"{tokens / step_ms * 1e3:,.0f}", "loss": f"{records[-1]['loss']:.4f}"}
     if on_gpu:
         peak = torch.tensor(torch.cuda.max_memory_allocated(trainer.device) / 2**30, device=trainer.device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         comm_ms, overlapped = comm_overlap(trainer)
         row.update({"peak GiB/GPU": f"{peak.item():.1f}", "NCCL ms/step": f"{comm_ms:.0f}",
                     "NCCL overlapped": f"{overlapped:.0%}"})
-    del trainer
-    gc.collect()
-    torch.cuda.empty_cache()
     return row
 
 
@@ -132,8 +129,8 @@ def main():
             rows.append(run_variant(name, VARIANTS[name], args))
         except torch.OutOfMemoryError:
             rows.append({"variant": name, "step ms": "out of memory"})
-            gc.collect()
-            torch.cuda.empty_cache()
+        gc.collect()  # the variant's model and optimizer state, before the next one
+        torch.cuda.empty_cache()
         if dist.get_rank() == 0:
             print(rows[-1], flush=True)
     if dist.get_rank() == 0:

@@ -1,4 +1,4 @@
-"""The `moemesh` command: train, generate, convert.
+"""The `moemesh` command: train, generate, estimate, convert.
 
 A mistake in what the user gave (config, data, checkpoint) prints one line and exits with code 2;
 anything else is a bug and keeps its traceback.
@@ -39,6 +39,16 @@ def _parser() -> argparse.ArgumentParser:
                                "(attention heads and their KV cache, expert slices, vocabulary); rank 0 prints")
     generate.add_argument("--set", dest="overrides", action="append", nargs="+", default=[],
                           metavar="parallel.tp=N", help="the same as --tp N, spelled as for `moemesh train`")
+
+    estimate = commands.add_parser("estimate", help="per-layer memory and time, pipeline stages, per-rank memory")
+    estimate.add_argument("--config", help="TOML config file (default: configs/tiny.toml)")
+    estimate.add_argument("--set", dest="overrides", action="append", nargs="+", default=[], metavar="KEY=VALUE",
+                          help="override a config value, as for `moemesh train`")
+    estimate.add_argument("--pp", type=int, help="pipeline ranks (default: parallel.pp)")
+    estimate.add_argument("--schedule", choices=("dualpipev", "1f1b"), help="default: parallel.pp_schedule")
+    estimate.add_argument("--profile", action="store_true",
+                          help="measure each layer (one forward and backward on random tokens, on the "
+                               "config's device) instead of the analytical estimate")
 
     convert = commands.add_parser("convert", help="Hugging Face directory <-> moemesh checkpoint (direction from SRC)")
     convert.add_argument("source", metavar="SRC", help="Hugging Face directory, checkpoint or run directory")
@@ -90,6 +100,14 @@ def _tensor_parallel_size(args: argparse.Namespace) -> int:
     return tp
 
 
+def _estimate(args: argparse.Namespace) -> None:
+    from moemesh.config import load_config
+    from moemesh.parallel.pipeline.memory import estimate_run
+
+    overrides = [item for group in args.overrides for item in group]
+    print(estimate_run(load_config(args.config, overrides), args.pp, args.schedule, args.profile))
+
+
 def _convert(args: argparse.Namespace) -> None:
     import torch
 
@@ -105,7 +123,7 @@ def _convert(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    run = {"train": _train, "generate": _generate, "convert": _convert}[args.command]
+    run = {"train": _train, "generate": _generate, "estimate": _estimate, "convert": _convert}[args.command]
     try:
         run(args)
     except MoemeshError as e:

@@ -17,6 +17,7 @@ from typing import Any
 
 from moemesh.errors import ConfigError
 from moemesh.models import ModelConfig
+from moemesh.parallel.pipeline.schedule import min_micro_batches
 
 # `moemesh train` with no --config: the tiny model of this checkout.
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.toml"
@@ -24,14 +25,14 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.toml
 
 @dataclass
 class ParallelConfig:
-    """Sizes of the parallel dimensions, and how FSDP runs. Each parallelism still to come is
-    refused by `_check_layout_available` until it lands."""
+    """Sizes of the parallel dimensions, the pipeline schedule, and how FSDP runs."""
 
     dp_replicate: int = 1  # data-parallel replicas (with dp_shard > 1: HSDP)
     dp_shard: int = 1  # FSDP: weights, gradients and optimizer state split over these ranks
     ep: int = 1
     tp: int = 1
     pp: int = 1
+    pp_schedule: str = "dualpipev"  # or "1f1b"; train.global_batch / train.micro_batch micro-batches
     fsdp_reshard_after_forward: bool = True  # free gathered weights after forward (less memory)
     fsdp_prefetch: bool = True  # gather the next block's weights during this block's compute
 
@@ -236,6 +237,7 @@ def _validate(config: RunConfig) -> None:
     need(model.num_experts % config.parallel.ep == 0,
          f"parallel.ep ({config.parallel.ep}) must divide model.num_experts ({model.num_experts})")
     _check_tp_sizes(model, config.parallel.tp)
+    _check_pipeline(config)
     _check_layout_available(config.parallel)
 
 
@@ -253,14 +255,21 @@ def _check_tp_sizes(model: ModelConfig, tp: int) -> None:
             raise ConfigError(f"parallel.tp ({tp}) must divide model.{name} ({getattr(model, name)})")
 
 
-_PLANNED = {"pp": "pipeline parallelism"}
+def _check_pipeline(config: RunConfig) -> None:
+    parallel, train = config.parallel, config.train
+    if parallel.pp == 1:
+        return
+    needed, micro_batches = min_micro_batches(parallel.pp_schedule, parallel.pp), train.global_batch // train.micro_batch
+    if micro_batches < needed:
+        raise ConfigError(f"parallel.pp_schedule = {parallel.pp_schedule!r} with parallel.pp={parallel.pp} needs at "
+                          f"least {needed} micro-batches per step, got train.global_batch / train.micro_batch = "
+                          f"{train.global_batch} / {train.micro_batch} = {micro_batches}")
+    if parallel.dp_shard > 1:
+        raise ConfigError("parallel.pp > 1 with parallel.dp_shard > 1 is not available yet; use parallel.dp_replicate "
+                          "for data parallelism with a pipeline")
 
 
 def _check_layout_available(parallel: ParallelConfig) -> None:
-    for name, what in _PLANNED.items():
-        size = getattr(parallel, name)
-        if size != 1:
-            raise ConfigError(f"parallel.{name}={size}: {what} is not available yet; set parallel.{name}=1")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     needed = parallel.world_size
     if world != needed:

@@ -41,7 +41,7 @@ def _fails(capsys, argv: list[str]) -> str:
     ("train.stpes=3", "unknown config key 'train.stpes' (did you mean 'train.steps'?)"),
     ("model.num_experts_per_tok=5", "num_experts_per_tok (5) must be <= num_experts (4)"),
     ("train.global_batch=5", "train.global_batch (5) must be divisible by train.micro_batch (2)"),
-    ("parallel.pp=2", "parallel.pp=2: pipeline parallelism is not available yet"),
+    ("parallel.pp=2", "parallel.pp_schedule = 'dualpipev' with parallel.pp=2 needs at least 4 micro-batches"),
 ])
 def test_config_mistakes(tmp_path, capsys, override, message):
     err = _fails(capsys, ["train", "--config", str(write_tiny_toml(tmp_path)), "--set", override])

@@ -78,7 +78,9 @@ def test_a_key_outside_any_section_finds_its_section(tmp_path):
     ("parallel.tp=2", "the layout parallel.dp_replicate × dp_shard × ep × tp × pp needs 2 processes, but 1 were launched"),
     ("parallel.tp=3", "parallel.tp (3) must divide model.num_attention_heads (4)"),
     ("parallel.tp=2 model.vocab_size=257", "parallel.tp (2) must divide model.vocab_size (257)"),
-    ("parallel.pp=2", "parallel.pp=2: pipeline parallelism is not available yet"),
+    ("parallel.pp=2", "parallel.pp_schedule = 'dualpipev' with parallel.pp=2 needs at least 4 micro-batches per "
+                      "step, got train.global_batch / train.micro_batch = 16 / 8 = 2"),
+    ("parallel.pp=2 parallel.pp_schedule=zb", "unknown pipeline schedule 'zb'; known: dualpipev, 1f1b"),
     ("data.val_fraction=1.5", "data.val_fraction must be in (0, 1)"),
 ])
 def test_invalid_values_are_named(override, message):

@@ -127,17 +127,21 @@ class MoECausalLM(nn.Module):
         aux_loss = None
         if output_router_logits and router_stats:
             aux_loss = load_balancing_loss(self.reduce_router_stats(router_stats), self.config.num_experts)
-        logits = loss = ce_loss = None
-        if labels is not None and not return_logits and self.vocab_parallel_loss is None:
-            loss = ce_loss = linear_cross_entropy(*autocast_inputs(h, self.lm_head.weight), shift_labels(labels))
-        else:
-            logits = self.lm_head(h)
-            if labels is not None:
-                loss = ce_loss = (self.vocab_parallel_loss or next_token_loss)(logits, labels)
-        if loss is not None:
-            if aux_loss is not None:
-                loss = ce_loss + self.config.router_aux_loss_coef * aux_loss
+        logits, ce_loss = self.head(h, labels, return_logits)
+        loss = ce_loss
+        if loss is not None and aux_loss is not None:
+            loss = ce_loss + self.config.router_aux_loss_coef * aux_loss
         return CausalLMOutput(logits=logits, loss=loss, aux_loss=aux_loss, ce_loss=ce_loss)
+
+    def head(self, h: torch.Tensor, labels: torch.Tensor | None = None,
+             return_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Normalised hidden states -> (logits or None, next-token loss or None)."""
+        if labels is not None and not return_logits and self.vocab_parallel_loss is None:
+            return None, linear_cross_entropy(*autocast_inputs(h, self.lm_head.weight), shift_labels(labels))
+        logits = self.lm_head(h)
+        if labels is None:
+            return logits, None
+        return logits, (self.vocab_parallel_loss or next_token_loss)(logits, labels)
 
     def num_params(self, active: bool = False) -> int:
         """Parameters counted once (tied weights once). With active=True, only the top-k share

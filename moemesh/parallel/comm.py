@@ -198,6 +198,28 @@ def all_gather(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     return torch.cat(pieces, dim=dim)
 
 
+# ---- point to point (pipeline stages) ------------------------------------------------------------
+
+
+def send(tensors: list[torch.Tensor], dst: int, group) -> list:
+    """Start sending tensors to global rank `dst` (of `group`) and return at once; wait on the
+    returned handles (which keep the tensors alive) before reusing them. Sends and receives
+    between two ranks match in order."""
+    tensors = [t.contiguous() for t in tensors]
+    for t in tensors:
+        _count("send", "step", t.numel() * t.element_size())
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, dst, group) for t in tensors])
+    return [(work, tensors) for work in works]
+
+
+def recv(shapes: list[tuple[tuple[int, ...], torch.dtype]], src: int, group, device) -> list[torch.Tensor]:
+    """Receive tensors of the given (shape, dtype) from global rank `src`, in the order sent."""
+    tensors = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in shapes]
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, src, group) for t in tensors]):
+        work.wait()
+    return tensors
+
+
 def barrier() -> None:
     """Wait for every rank of the default group (no-op without one)."""
     if dist.is_available() and dist.is_initialized():

@@ -80,7 +80,7 @@ def rank_loss(ce_loss: torch.Tensor, aux_loss: torch.Tensor | None, local_label_
 def split_axes(name: str, param: torch.Tensor, mesh: Mesh) -> tuple[str, ...]:
     """The mesh axes over which the ranks hold different parts of `param` (and of its gradient);
     along the other axes they hold the same part."""
-    axes = []
+    axes = ["pp"]  # pipeline ranks hold different layers (a no-op without a pipeline)
     expert = is_expert_parameter(name)
     if is_fsdp_sharded(param):
         axes += ["dp_shard"] if expert else ["dp_shard", "ep"]
@@ -105,7 +105,7 @@ def clip_grad_norm_(model: MoECausalLM, max_norm: float, mesh: Mesh) -> torch.Te
             axes = split_axes(name, param, mesh)
             squares[axes] = squares.get(axes, 0) + grad.float().pow(2).sum()
             grads.append(grad)
-    for axis in ("dp_shard", "ep", "tp"):  # a sum over several axes is a sum over each in turn
+    for axis in ("pp", "dp_shard", "ep", "tp"):  # a sum over several axes is a sum over each in turn
         comm.all_reduce_sum_([s for axes, s in squares.items() if axis in axes], mesh.group(axis), kind="grad_norm")
     total = sum(squares.values(), torch.zeros((), device=grads[0].device if grads else None)).sqrt()
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)

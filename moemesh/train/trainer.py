@@ -32,6 +32,9 @@ from moemesh.parallel.data import apply_data_parallel, clip_grad_norm_, label_to
 from moemesh.parallel.expert import apply_ep
 from moemesh.parallel.fsdp import apply_fsdp
 from moemesh.parallel.mesh import ParallelDims, init_mesh
+from moemesh.parallel.pipeline.runtime import MicroBatch, PipelineRunner
+from moemesh.parallel.pipeline.schedule import build_schedule
+from moemesh.parallel.pipeline.memory import run_costs, stage_ranges
 from moemesh.parallel.tensor import apply_tp
 from moemesh.train.checkpoint import (CHECKPOINTS, checkpoint_path, latest_checkpoint, load_training_state,
                                       save_checkpoint, training_state)
@@ -105,6 +108,11 @@ class Trainer:
         self.num_params = (self.model.num_params(), self.model.num_params(active=True))
         # TP ranks share their data: they are not in the batch group.
         apply_data_parallel(apply_tp(apply_ep(self.model, self.mesh), self.mesh), self.mesh)
+        self.pipeline = None
+        if parallel.pp > 1:  # this rank keeps its stages only
+            schedule = build_schedule(parallel.pp_schedule, parallel.pp, train.global_batch // train.micro_batch)
+            ranges = stage_ranges(schedule, run_costs(config))  # partitioned by estimated memory and time
+            self.pipeline = PipelineRunner(self.model, self.mesh, schedule, ranges, self._autocast)
         # FSDP computes in the training dtype (bf16) from fp32 shards; autocast covers the rest.
         self.kept_whole = apply_fsdp(self.model, self.mesh, param_dtype=self.autocast_dtype,
                                      reshard_after_forward=parallel.fsdp_reshard_after_forward,
@@ -134,6 +142,31 @@ class Trainer:
         global_batch = self.dataset.train_sequences(self.data_position, train.global_batch)
         self.data_position += train.global_batch
         micro_batches = global_batch.split(train.micro_batch)
+        if self.pipeline is not None:
+            ce_sum, aux_sum = self.pipeline.train([self._micro_batch(micro_batch) for micro_batch in micro_batches])
+            if not self.config.model.output_router_logits:
+                aux_sum = None
+        else:
+            ce_sum, aux_sum = self._forward_backward(micro_batches)
+        reduce_gradients(self.model, self.mesh)
+        max_norm = train.grad_clip if train.grad_clip > 0 else float("inf")
+        grad_norm = clip_grad_norm_(self.model, max_norm, self.mesh)
+        comm.all_reduce_sum_([ce_sum], self.mesh.group("batch"), kind="metrics")
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return {"loss": ce_sum.item(), "aux_loss": None if aux_sum is None else aux_sum.item(),
+                "lr": lr, "grad_norm": grad_norm.item()}
+
+    def _micro_batch(self, micro_batch: torch.Tensor) -> MicroBatch:
+        local, tokens = self._local(micro_batch)
+        return MicroBatch(tokens, label_tokens(local), label_tokens(micro_batch))
+
+    def _forward_backward(self, micro_batches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every micro-batch's forward and backward in turn (no pipeline); returns this rank's
+        share of the mean cross-entropy and the mean load-balancing loss."""
         coef = self.config.model.router_aux_loss_coef
         ce_sum = torch.zeros((), device=self.device)
         aux_sum = None
@@ -148,21 +181,16 @@ class Trainer:
             if out.aux_loss is not None:  # the same on every rank: computed from summed statistics
                 aux = out.aux_loss.detach().float() / len(micro_batches)
                 aux_sum = aux if aux_sum is None else aux_sum + aux
-        reduce_gradients(self.model, self.mesh)
-        max_norm = train.grad_clip if train.grad_clip > 0 else float("inf")
-        grad_norm = clip_grad_norm_(self.model, max_norm, self.mesh)
-        comm.all_reduce_sum_([ce_sum], self.mesh.group("batch"), kind="metrics")
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        return {"loss": ce_sum.item(), "aux_loss": None if aux_sum is None else aux_sum.item(),
-                "lr": lr, "grad_norm": grad_norm.item()}
+        return ce_sum, aux_sum
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean language-model loss over the fixed validation sequences (no auxiliary loss)."""
+        if self.pipeline is not None:
+            total = self.pipeline.evaluate([self._micro_batch(batch) for batch in self.val_batches])
+            tokens_in_all = sum(label_tokens(batch) for batch in self.val_batches)
+            comm.all_reduce_sum_([total], self.mesh.group("batch"), kind="metrics")
+            return total.item() / tokens_in_all
         total, tokens_in_all = torch.zeros((), device=self.device), 0
         for batch in self.val_batches:
             local, tokens = self._local(batch)

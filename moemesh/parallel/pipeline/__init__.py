@@ -1,0 +1,1 @@
+"""Pipeline parallelism: schedules (pure logic) and the runtime that executes them."""

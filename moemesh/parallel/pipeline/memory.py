@@ -1,0 +1,290 @@
+"""What each item of the model (embedding, decoder layers, head) costs a pipeline stage: measured
+by running it, or estimated from the config.
+
+Measured (`profile_layers`): run one forward and backward item by item, each item's input cut
+from the graph (`detach().requires_grad_()`) so that its backward can be run and timed on its own.
+While an item's forward runs, `saved_tensors_hooks` sees every tensor autograd keeps for the
+backward. A saved tensor whose storage is a parameter's is a weight (already counted with the
+parameters); anything else is activation memory, held once per micro-batch in flight. Each
+storage counts once per item, at its full size (a saved view keeps its whole storage alive).
+
+Estimated (`estimate_layer_costs`): the same bytes from the shapes, following what moemesh saves
+on the kernel path (Triton ops, flash-style attention). With T tokens, activation dtype size b,
+H hidden, Q = heads x head_dim, K = kv heads x head_dim, k = experts per token, E experts,
+I the expert (or dense MLP) width, V the vocabulary:
+
+    RMSNorm     n*w*(4 + b) + 4n over n rows of width w: its input in fp32, the normalised
+                copy in the activation dtype, the fp32 rsqrt (the output is counted where a
+                consumer saves it)
+    attention   norm(T, H) + its output, which q/k/v save, T*H*b + with qk-norm norm(T*heads, D)
+                + norm(T*kv heads, D) + cos and sin 2*seq_len*D*b + SDPA's rotated q and k, v and
+                output T*(2Q + 2K)*b and log-sum-exp 4*T*heads (RoPE's products save only cos and
+                sin; o_proj's input is a view of SDPA's output)
+    MoE         norm(T, H) + its output T*H*b + router probabilities 4*T*E + top-k ids 8*T*k and
+                values 4*T*k (+ with norm_topk_prob their sum 4*T and the normalised values 4*T*k)
+                + permute positions 8*T*k + expert input, gate|up output, SwiGLU output and
+                expert output T*k*(2H + 3I)*b
+    dense MLP   norm(T, H) + its output T*H*b + gate, up, silu(gate), product 4*T*I*b
+    embedding   the token ids, 8*T
+    head        norm(T, H) + the fused cross-entropy's precomputed gradients of the hidden states
+                T*H*b and of the head weight V*H*b (never the logits)
+
+Off the kernel path (PyTorch reference ops, the default on CPU) the saved tensors differ: the
+reference cross-entropy keeps full logits, for one. Under autocast, the bf16 copies of weights
+that matmuls save are activations too (they do not share a parameter's storage); the formula
+leaves them out.
+
+Time is forward + backward FLOPs: 6 per multiplying parameter per token, plus attention.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from moemesh.config import RunConfig
+from moemesh.models.config import ModelConfig
+from moemesh.models.transformer import MoECausalLM, shift_labels
+from moemesh.ops import linear_cross_entropy
+from moemesh.ops.backend import autocast_inputs
+from moemesh.parallel.pipeline.schedule import Schedule, build_schedule, peak_in_flight
+from moemesh.parallel.pipeline.partition import (
+    LayerCost,
+    describe,
+    partition,
+    rank_memory,
+)
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    name: str
+    params: int  # parameters of the item (a tied embedding/head weight counts with the embedding)
+    weight_bytes: int  # saved tensors that are parameters
+    activation_bytes: int  # everything else saved for backward
+    seconds: float  # forward + backward wall clock
+
+
+def profile_layers(model: MoECausalLM, input_ids: torch.Tensor, labels: torch.Tensor) -> list[LayerProfile]:
+    """One forward and backward of `model` on one micro-batch, measured item by item."""
+    parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    targets = shift_labels(labels)
+
+    def head(h: torch.Tensor) -> torch.Tensor:
+        h = model.model.norm(h)
+        return linear_cross_entropy(*autocast_inputs(h, model.lm_head.weight), targets)
+
+    rope = None  # set once the embedding has run, as the model does: it takes the hidden dtype
+    items: list[tuple[str, Callable]] = [("embedding", model.model.embed_tokens)]
+    items += [(f"layer {i}", lambda h, layer=layer: layer(h, rope, positions)[0])
+              for i, layer in enumerate(model.model.layers)]
+    items.append(("head", head))
+
+    # Forward, item by item, each input a fresh leaf.
+    runs = []  # (input leaf or None, output, saved bytes by kind, forward seconds)
+    h = input_ids
+    for name, forward in items:
+        leaf = h if name == "embedding" else h.detach().requires_grad_()
+        saved = _SavedBytes(parameter_storages)
+        start = _clock(h)
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda x: x):
+            out = forward(leaf)
+        seconds = _clock(h) - start
+        if name == "embedding":
+            rope = model.rotary(positions, out.dtype)
+        runs.append((leaf, out, saved, seconds))
+        h = out
+
+    # Backward, last item first, each fed its output's gradient.
+    backward_seconds, grad = [], None
+    for leaf, out, _, _ in reversed(runs):
+        start = _clock(out)
+        out.backward(grad)
+        backward_seconds.insert(0, _clock(out) - start)
+        grad = leaf.grad if leaf.is_floating_point() else None
+    return [LayerProfile(name, params, saved.weight_bytes, saved.activation_bytes, forward + backward)
+            for (name, _), params, (_, _, saved, forward), backward
+            in zip(items, _item_params(model), runs, backward_seconds)]
+
+
+def _item_params(model: MoECausalLM) -> list[int]:
+    """Parameters per item, in item order; a tied head weight counts once, with the embedding."""
+    modules = [[model.model.embed_tokens], *[[layer] for layer in model.model.layers],
+               [model.model.norm, model.lm_head]]
+    seen: set[int] = set()
+    counts = []
+    for group in modules:
+        params = [p for module in group for p in module.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in params)
+        counts.append(sum(p.numel() for p in params))
+    return counts
+
+
+def profile_costs(profiles: list[LayerProfile], state_bytes_per_param: int = 16, shard: int = 1) -> list[LayerCost]:
+    """LayerCosts from measured profiles, each parameter keeping `state_bytes_per_param` bytes
+    (weight, gradient and optimizer state; 16 for fp32 AdamW) split over `shard` ranks."""
+    return [LayerCost(p.name, p.params * state_bytes_per_param / shard, p.activation_bytes, p.seconds)
+            for p in profiles]
+
+
+def estimate_layer_costs(config: ModelConfig, tokens: int, dtype_bytes: int = 2, state_bytes_per_param: int = 16,
+                         shard: int = 1, seq_len: int | None = None) -> list[LayerCost]:
+    """Analytical LayerCosts for micro-batches of `tokens` tokens in sequences of `seq_len`
+    (default: one sequence); time is forward + backward FLOPs. See the module docstring."""
+    return [LayerCost(name, params * state_bytes_per_param / shard, activations, flops)
+            for name, params, activations, flops in estimate_layers(config, tokens, dtype_bytes, seq_len)]
+
+
+def estimate_layers(config: ModelConfig, tokens: int, dtype_bytes: int = 2,
+                    seq_len: int | None = None) -> list[tuple[str, int, float, float]]:
+    """(name, parameters, activation bytes per micro-batch, forward + backward FLOPs) per item."""
+    T, b, H, V = tokens, dtype_bytes, config.hidden_size, config.vocab_size
+    D, heads, kv_heads = config.attention_head_dim, config.num_attention_heads, config.num_key_value_heads
+    Q, K = heads * D, kv_heads * D
+    k, E = config.num_experts_per_tok, config.num_experts
+    seq = seq_len or T
+    context = min(seq, config.sliding_window or seq)
+
+    def norm(rows: int, width: int) -> float:
+        return rows * width * (4 + b) + 4 * rows
+
+    attention_matmul = H * (Q + 2 * K) + Q * H  # q, k, v, o
+    attention_params = attention_matmul + 2 * H  # and the two layer norms
+    attention_acts = norm(T, H) + T * H * b + 2 * seq * D * b + T * (2 * Q + 2 * K) * b + 4 * T * heads
+    if config.qk_norm:
+        attention_params += 2 * D
+        attention_acts += norm(T * heads, D) + norm(T * kv_heads, D)
+    if config.attention_bias:
+        attention_params += Q + 2 * K + H
+    attention_flops = 6 * T * attention_matmul + 6 * T * context * Q  # scores and values, causal: half of 12
+
+    rows = [("embedding", V * H, 8 * T, 0.0)]
+    for i in range(config.num_hidden_layers):
+        if config.is_moe_layer(i):
+            I = config.moe_intermediate_size
+            mlp_params = E * 3 * H * I + E * H
+            mlp_flops = 6 * T * (k * 3 * H * I + E * H)
+            mlp_acts = norm(T, H) + T * H * b + 4 * T * E + 12 * T * k + 8 * T * k + T * k * (2 * H + 3 * I) * b
+            if config.norm_topk_prob:
+                mlp_acts += 4 * T + 4 * T * k
+        else:
+            I = config.intermediate_size
+            mlp_params = 3 * H * I
+            mlp_flops = 6 * T * mlp_params
+            mlp_acts = norm(T, H) + T * H * b + 4 * T * I * b
+        rows.append((f"layer {i}", attention_params + mlp_params, attention_acts + mlp_acts,
+                     attention_flops + mlp_flops))
+    head_params = H + (0 if config.tie_word_embeddings else V * H)
+    rows.append(("head", head_params, norm(T, H) + T * H * b + V * H * b, 6.0 * T * V * H))
+    return rows
+
+
+def estimate_rank_memory(costs: list[LayerCost], ranges: list[range], in_flight: list[int],
+                         stage_rank: list[int]) -> list[float]:
+    """Bytes per rank at its peak: parameters + in-flight activations of the stages it holds."""
+    return rank_memory(costs, ranges, in_flight, stage_rank)
+
+
+class _SavedBytes:
+    """A saved_tensors_hooks pack hook that sums the storages it sees, each once."""
+
+    def __init__(self, parameter_storages: set[int]):
+        self.parameter_storages = parameter_storages
+        self.seen: set[int] = set()
+        self.weight_bytes = self.activation_bytes = 0
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        pointer = storage.data_ptr()
+        if pointer not in self.seen:
+            self.seen.add(pointer)
+            if pointer in self.parameter_storages:
+                self.weight_bytes += storage.nbytes()
+            else:
+                self.activation_bytes += storage.nbytes()
+        return tensor
+
+
+def _clock(tensor: torch.Tensor) -> float:
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
+    return time.perf_counter()
+
+
+# ---- the `moemesh estimate` report -----------------------------------------------------------------
+
+# Per parameter: fp32 weight and gradient, AdamW's two fp32 moments.
+ADAMW_STATE_BYTES = 16
+
+
+def rank_tokens(config: RunConfig) -> int:
+    """Tokens one rank runs per micro-batch: the micro-batch is split over the data-parallel ranks."""
+    return config.train.micro_batch * config.train.seq_len // config.parallel.batch_ranks
+
+
+def run_costs(config: RunConfig) -> list[LayerCost]:
+    """The analytical per-item costs of a run (`train.dtype` resolved): parameter state as AdamW
+    keeps it, sharded over dp_shard."""
+    dtype_bytes = 2 if config.train.dtype == "bfloat16" else 4
+    return estimate_layer_costs(config.model, rank_tokens(config), dtype_bytes, ADAMW_STATE_BYTES,
+                                config.parallel.dp_shard, seq_len=config.train.seq_len)
+
+
+def stage_ranges(schedule: Schedule, costs: list[LayerCost]) -> list[range]:
+    """The items of each stage of `schedule`: the least peak memory per rank at balanced time."""
+    return partition(costs, schedule.num_stages, peak_in_flight(schedule), list(schedule.stage_rank))
+
+
+def estimate_run(config: RunConfig, pp: int | None = None, schedule_name: str | None = None,
+                 profile: bool = False) -> str:
+    """The `moemesh estimate` report: per-item costs (analytical, or measured with `profile`), their
+    partition into the stages of the pipeline schedule, and each rank's memory at its peak."""
+    from moemesh.models import build
+    from moemesh.train.trainer import resolve_device  # the trainer imports this module
+
+    config = resolve_device(config)
+    train, parallel = config.train, config.parallel
+    pp = parallel.pp if pp is None else pp
+    schedule = build_schedule(schedule_name or parallel.pp_schedule, pp, train.global_batch // train.micro_batch)
+    in_flight = peak_in_flight(schedule)
+    tokens = rank_tokens(config)
+    if profile:
+        device = torch.device(train.device)
+        model = build(config.model, train.seed, device)
+        ids = torch.randint(config.model.vocab_size, (train.micro_batch // parallel.batch_ranks, train.seq_len),
+                            device=device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=train.dtype == "bfloat16"):
+            costs = profile_costs(profile_layers(model, ids, ids), ADAMW_STATE_BYTES, parallel.dp_shard)
+        time_unit, time_scale = "ms", 1e3
+    else:
+        costs = run_costs(config)
+        time_unit, time_scale = "GFLOP", 1e-9
+    ranges = stage_ranges(schedule, costs)
+
+    how = f"measured on {train.device}" if profile else "analytical"
+    lines = [(f"per layer ({how}; {tokens} tokens per micro-batch, {train.dtype}; "
+              f"parameter state {ADAMW_STATE_BYTES} B/parameter over dp_shard={parallel.dp_shard}):"),
+             f"  {'layer':<10} {'param state':>12} {'activations':>12} {'time ' + time_unit:>12}"]
+    lines += [f"  {c.name:<10} {_bytes(c.param_bytes):>12} {_bytes(c.activation_bytes):>12} "
+              f"{c.time * time_scale:>12.3f}" for c in costs]
+    lines += ["", (f"stages ({schedule_name or parallel.pp_schedule}, pp={pp}, "
+                   f"{train.global_batch // train.micro_batch} micro-batches):"),
+              f"  {'stage':>5} {'rank':>4}  {'layers':<22} {'in flight':>9} {'memory':>12} {'time ' + time_unit:>12}"]
+    lines += [f"  {row['stage']:>5} {row['rank']:>4}  {row['layers']:<22} {row['in_flight']:>9} "
+              f"{_bytes(row['memory']):>12} {row['time'] * time_scale:>12.3f}"
+              for row in describe(costs, ranges, in_flight, list(schedule.stage_rank))]
+    lines += ["", "memory per rank (parameter state + in-flight activations):"]
+    lines += [f"  rank {rank}: {_bytes(memory)}"
+              for rank, memory in enumerate(estimate_rank_memory(costs, ranges, in_flight, list(schedule.stage_rank)))]
+    return "\n".join(lines)
+
+
+def _bytes(count: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= size:
+            return f"{count / size:.2f} {unit}"
+    return f"{count:.0f} B"

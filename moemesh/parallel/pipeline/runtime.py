@@ -1,0 +1,205 @@
+"""Runs this rank's operations of a pipeline schedule (`schedule.py`) for one optimizer step.
+
+A forward of (stage s, micro-batch m) takes the token ids (first stage) or the hidden states that
+stage s-1 sent, runs the stage's layers and sends the result on to stage s+1 — a local hand-off when
+this rank holds s+1 too, as DualPipeV's middle stages are. Its backward takes the gradient that
+stage s+1 sent back and sends the input's gradient to stage s-1; the stage's saved tensors are freed
+as soon as its backward is done. Sends do not wait, receives do; a schedule whose ranks send and
+receive in the same order (checked by the schedule tests) therefore cannot deadlock.
+
+The load-balancing loss pools token counts and router probabilities over all MoE layers of the
+model, which live on different stages. Its value is Σ_e C_e·P_e·E/N² (C: token counts, P: summed
+probabilities, N: tokens × MoE layers), linear in P once C is known: the forward messages carry the
+counts accumulated so far, the last stage gets the whole C, and the backward messages bring C back
+so that each stage adds the gradient of its own share Σ_e C_e·P_stage,e·E/N².
+
+A rank's loss is its share of the micro-batch loss (`rank_loss`) / the number of micro-batches, as
+without a pipeline, so the gradients after a step are those of one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from moemesh.models.transformer import MoECausalLM
+from moemesh.parallel import comm
+from moemesh.parallel.data import rank_loss
+from moemesh.parallel.mesh import Mesh
+from moemesh.parallel.pipeline.schedule import Schedule, messages
+from moemesh.parallel.pipeline.stage import Stage, cut_model, stage_forward
+from moemesh.parallel.pipeline.weight_grad import WeightGradStore
+
+
+@dataclass
+class MicroBatch:
+    tokens: torch.Tensor  # this rank's slice, on the device: input ids and labels alike
+    local_label_tokens: int  # labelled positions in the slice
+    label_tokens: int  # ... in the whole micro-batch (all data-parallel ranks)
+
+
+@dataclass
+class _Saved:
+    inputs: torch.Tensor | None  # the received hidden states (a leaf whose gradient goes back)
+    output: torch.Tensor  # hidden states sent on, or the last stage's scaled loss
+    prob_sums: list[torch.Tensor]  # the stage's MoE layers' summed router probabilities
+    num_tokens: int  # tokens per MoE layer in the micro-batch (all data-parallel ranks)
+
+
+class PipelineRunner:
+    def __init__(self, model: MoECausalLM, mesh: Mesh, schedule: Schedule, ranges: list[range],
+                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+        self.model, self.schedule, self.autocast = model, schedule, autocast
+        self.group = mesh.group("pp")
+        self.rank = mesh.rank("pp")
+        self.data_ranks = mesh.dims.batch_size
+        self.stages: dict[int, Stage] = cut_model(model, ranges, list(schedule.stage_rank), self.rank)
+        config = model.config
+        self.num_experts = max(config.num_experts, 1)
+        self.moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+        self.aux = config.output_router_logits  # train the load-balancing loss
+        self.aux_coef = config.router_aux_loss_coef
+        self.weight_grads = WeightGradStore()
+        # What each peer sends this rank, in its order (training; evaluation goes stage by stage).
+        self.expected = {src: sent for (src, dst), (sent, _) in messages(schedule).items() if dst == self.rank}
+        self.device = next(model.parameters()).device
+        comm.all_reduce_sum_([torch.zeros(1, device=self.device)], self.group)  # set up the links first
+
+    def _peer(self, stage: int) -> int:
+        return dist.get_global_rank(self.group, self.schedule.stage_rank[stage])
+
+    # ---- messages --------------------------------------------------------------------------------
+    # A message is ("act", from_stage, micro) or ("grad", from_stage, micro), as `messages` names them.
+    def _post(self, key: tuple[str, int, int], to_stage: int, tensors: list[torch.Tensor]) -> None:
+        if to_stage in self.stages:  # a hand-off between two stages of this rank
+            self.inbox[key] = tensors
+        else:
+            self.pending += comm.send(tensors, self._peer(to_stage), self.group)
+
+    def _take(self, key: tuple[str, int, int], hidden_shape) -> list[torch.Tensor]:
+        """The message `key`. A peer may send a message this rank needs later before the one it
+        needs now (DualPipeV with pp > 2 does): messages from a peer are received in the order
+        it sends them, and those that come early wait in the inbox."""
+        from_stage = key[1]
+        if key in self.inbox or from_stage in self.stages:
+            return self.inbox.pop(key)
+        peer = self.schedule.stage_rank[from_stage]
+        shapes = [(hidden_shape, torch.float32), ((self.num_experts,), torch.float32)]
+        if not self.training:  # stage by stage, micro-batch by micro-batch: both sides in one order
+            return comm.recv(shapes, self._peer(from_stage), self.group, self.device)
+        while True:
+            arrived = self.expected[peer][self.received[peer]]
+            self.received[peer] += 1
+            tensors = comm.recv(shapes, self._peer(from_stage), self.group, self.device)
+            if arrived == key:
+                return tensors
+            self.inbox[arrived] = tensors
+
+    # ---- one stage, one micro-batch -------------------------------------------------------------
+    def _forward(self, s: int, m: int, train: bool) -> None:
+        stage, micro = self.stages[s], self.micro[m]
+        tokens = micro.tokens
+        hidden_shape = (*tokens.shape, self.model.config.hidden_size)
+        if stage.first:
+            x, counts = tokens, torch.zeros(self.num_experts, device=self.device)
+        else:
+            x, counts = self._take(("act", s - 1, m), hidden_shape)
+            x.requires_grad_(train)
+        positions = torch.arange(tokens.shape[1], device=self.device)
+        with self.autocast():
+            h, stats = stage_forward(self.model, stage, x, positions)
+            if stats and train:
+                stats = self.model.reduce_router_stats(stats)
+                counts = counts + torch.stack([st.counts for st in stats]).sum(0).float()
+            num_tokens = stats[0].num_tokens if stats else 0
+            if stage.last:
+                _, ce = self.model.head(self.model.model.norm(h), tokens, return_logits=False)
+                self.ce[m] = ce.detach().float()
+                self.total_counts[m] = counts
+                output = rank_loss(ce, None, micro.local_label_tokens, micro.label_tokens, 0.0,
+                                   self.data_ranks) / len(self.micro)
+            else:
+                output = h
+                self._post(("act", s, m), s + 1, [h.detach().float(), counts])
+        if train:
+            self.saved[(s, m)] = _Saved(x if not stage.first else None, output,
+                                        [st.prob_sum for st in stats], num_tokens)
+
+    def _backward(self, s: int, m: int, defer_weight: bool) -> None:
+        stage, saved = self.stages[s], self.saved.pop((s, m))  # freed once this backward is done
+        hidden_shape = (*self.micro[m].tokens.shape, self.model.config.hidden_size)
+        if stage.last:
+            counts, outputs, grads = self.total_counts.pop(m), [saved.output], [None]
+        else:
+            grad, counts = self._take(("grad", s + 1, m), hidden_shape)
+            outputs, grads = [saved.output], [grad.to(saved.output.dtype)]
+        if saved.prob_sums and self.aux:
+            share = self._aux_share(saved, counts)
+            self.aux_sum += share.detach() / len(self.micro)
+            outputs.append(self.aux_coef * share / self.data_ranks / len(self.micro))
+            grads.append(None)
+        with self.weight_grads.deferring(defer_weight):
+            torch.autograd.backward(outputs, grads)
+        if not stage.first:
+            self._post(("grad", s, m), s - 1, [saved.inputs.grad, counts])
+
+    def _aux_share(self, saved: _Saved, counts: torch.Tensor) -> torch.Tensor:
+        """This stage's part of the load-balancing loss, given all layers' token counts."""
+        pooled = float(saved.num_tokens * self.moe_layers)
+        prob_sum = torch.stack(saved.prob_sums).sum(0).float()
+        return self.num_experts * torch.sum(counts / pooled * prob_sum / pooled)
+
+    # ---- a step -----------------------------------------------------------------------------------
+    def _reset(self, micro_batches: list[MicroBatch], training: bool) -> None:
+        self.micro, self.training = micro_batches, training
+        self.inbox, self.saved, self.total_counts, self.pending = {}, {}, {}, []
+        self.received = {peer: 0 for peer in self.expected}  # messages taken from each peer so far
+        self.ce: dict[int, torch.Tensor] = {}  # the last stage's cross-entropy of each micro-batch (slice)
+        self.aux_sum = torch.zeros((), device=self.device)
+
+    def train(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
+        """Forward and backward of every micro-batch by the schedule, gradients accumulated.
+        Returns (this rank's share of the cross-entropy, the load-balancing loss), each summed
+        over the pipeline's stages, as means over the micro-batches."""
+        if len(micro_batches) != self.schedule.num_micro:
+            raise ValueError(f"the schedule was built for {self.schedule.num_micro} micro-batches, "
+                             f"got {len(micro_batches)}")
+        self._reset(micro_batches, training=True)
+        for op in self.schedule.ops[self.rank]:
+            if op.kind in ("F", "FB"):
+                self._forward(op.stage, op.micro, train=True)
+            if op.kind == "B":
+                self._backward(op.stage, op.micro, op.defer_weight)
+            elif op.kind == "FB":
+                self._backward(op.b_stage, op.b_micro, op.defer_weight)
+            elif op.kind == "W":
+                self.weight_grads.pop()
+        self.weight_grads.flush()
+        ce = sum((rank_loss(ce, None, self.micro[m].local_label_tokens, self.micro[m].label_tokens, 0.0,
+                            self.data_ranks) for m, ce in self.ce.items()), torch.zeros((), device=self.device))
+        return self._finish(ce / len(micro_batches), self.aux_sum)
+
+    @torch.no_grad()
+    def evaluate(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
+        """Forward only, every micro-batch through the stages in order. Returns the sum over
+        micro-batches of this rank's mean cross-entropy × its labelled tokens."""
+        self._reset(micro_batches, training=False)
+        for m in range(len(micro_batches)):
+            for s in sorted(self.stages):
+                self._forward(s, m, train=False)
+        total = sum((ce * self.micro[m].local_label_tokens for m, ce in self.ce.items()),
+                    torch.zeros((), device=self.device))
+        return self._finish(total)[0]
+
+    def _finish(self, *totals: torch.Tensor) -> list[torch.Tensor]:
+        """Wait for the sends; sum the totals over the stages (only the last one has the loss)."""
+        for work, _ in self.pending:
+            work.wait()
+        totals = list(totals)
+        comm.all_reduce_sum_(totals, self.group, kind="metrics")
+        self.pending, self.saved, self.inbox = [], {}, {}
+        return totals

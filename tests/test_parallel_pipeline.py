@@ -1,0 +1,142 @@
+"""Pipeline parallelism (DualPipeV and 1F1B) on CPU processes (gloo), fp32, against one process
+with the same global batch and the same 8 micro-batches:
+
+- every gradient after one step's forwards and backwards (gathered whole from the stages and
+  shards), and the step's loss and load-balancing loss, for PP 2 × EP 2, PP 2 × TP 2, PP 2 × 2
+  data-parallel replicas and PP 4 (8 DualPipeV stages, some holding only the embedding or head);
+- 5 optimizer steps of the trainer (losses, aux losses, gradient norms) for PP 2 × EP 2 in both
+  schedules, and PP 2 alone through `torchrun ... moemesh train`; their checkpoints load whole.
+
+Tolerance 1e-5 relative: the same fp32 terms summed in another order."""
+
+import io
+
+import pytest
+from torch.distributed.tensor import DTensor
+
+from moemesh.config import config_from_dict
+from moemesh.errors import ConfigError
+from moemesh.parallel.data import reduce_gradients
+from moemesh.parallel.stored import stored_state
+from moemesh.train.checkpoint import load_model
+from moemesh.train.trainer import Trainer
+from numerics import rel_err
+from test_parallel_train import metrics, torchrun
+from tiny_run import tiny_raw, write_corpus, write_tiny_toml
+
+WORLD = 4
+RTOL = 1e-5
+STEPS = 5
+MODEL = {"num_hidden_layers": 6, "num_experts": 8, "num_experts_per_tok": 3, "mlp_only_layers": [0]}
+TRAIN = {"steps": STEPS, "global_batch": 16, "micro_batch": 2, "eval_every": 0, "save_every": 0}  # 8 micro-batches
+LAYOUTS = {"pp2-ep2": dict(pp=2, ep=2), "pp2-tp2": dict(pp=2, tp=2), "pp2-dp2": dict(pp=2, dp_replicate=2),
+           "pp4": dict(pp=4), "pp2-ep2-1f1b": dict(pp=2, ep=2, pp_schedule="1f1b")}
+
+
+def run_config(directory, layout: dict, name: str) -> dict:
+    raw = tiny_raw(directory / name, directory / "corpus.txt", **TRAIN)
+    raw["model"].update(MODEL)
+    raw["parallel"] = layout
+    return raw
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process: the gradients of step 1 (before its optimizer step), then the records of steps 1..STEPS."""
+    directory = tmp_path_factory.mktemp("pipeline")
+    write_corpus(directory)
+    trainer = Trainer(config_from_dict(run_config(directory, {}, "single")), io.StringIO())
+    batch = trainer.dataset.train_sequences(0, trainer.train_config.global_batch)
+    ce, aux = trainer._forward_backward(batch.split(trainer.train_config.micro_batch))
+    grads = {name: p.grad.clone() for name, p in trainer.model.named_parameters()}
+    trainer.optimizer.zero_grad(set_to_none=True)
+    records = [trainer.train_step() for _ in range(STEPS)]
+    return directory, (ce.item(), aux.item(), grads), records, trainer.model.state_dict()
+
+
+def first_step_gradients(rank, raw: dict):
+    trainer = Trainer(config_from_dict(raw), io.StringIO())
+    batch = trainer.dataset.train_sequences(0, trainer.train_config.global_batch)
+    micro = [trainer._micro_batch(m) for m in batch.split(trainer.train_config.micro_batch)]
+    ce, aux = trainer.pipeline.train(micro)
+    reduce_gradients(trainer.model, trainer.mesh)
+    from moemesh.parallel import comm
+    comm.all_reduce_sum_([ce], trainer.mesh.group("batch"))
+    grads = stored_state({"model": {n: p.grad for n, p in trainer.model.named_parameters()}},
+                         trainer.model, trainer.mesh)["model"]
+    grads = {key: g.full_tensor() if isinstance(g, DTensor) else g for key, g in grads.items()}
+    return ce.item(), aux.item(), grads
+
+
+@pytest.mark.parametrize("layout", ["pp2-ep2", "pp2-tp2", "pp2-dp2", "pp4"])
+def test_pipeline_gradients_equal_one_process(pool, reference, layout):
+    directory, (ref_ce, ref_aux, ref_grads), _, _ = reference
+    results = pool.run(first_step_gradients, run_config(directory, LAYOUTS[layout], layout))
+    gathered = {}
+    for ce, aux, grads in results:
+        assert abs(ce - ref_ce) <= RTOL * ref_ce and abs(aux - ref_aux) <= RTOL * ref_aux, (ce, ref_ce, aux, ref_aux)
+        gathered.update(grads)
+    expected = dict(ref_grads)
+    for name in [n for n in expected if n.endswith(".experts.gate_up_proj")]:
+        gate, up = expected.pop(name).chunk(2, dim=-2)
+        expected[f"{name}.gate"], expected[f"{name}.up"] = gate, up
+    assert gathered.keys() == expected.keys()  # every parameter on some stage, none twice
+    for name, grad in gathered.items():
+        assert rel_err(grad, expected[name]) <= RTOL, name
+
+
+def train_steps(rank, raw: dict) -> list[dict]:
+    trainer = Trainer(config_from_dict(raw), io.StringIO())
+    records = [trainer.train_step() for _ in range(STEPS)]
+    trainer.save()
+    return records
+
+
+def assert_records_match(ours: list[dict], theirs: list[dict]) -> None:
+    for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        for key in ("loss", "aux_loss", "grad_norm"):
+            assert abs(a[key] - b[key]) <= RTOL * abs(b[key]), (step, key, a[key], b[key])
+
+
+def assert_same_weights(run_dir, weights) -> None:
+    """1e-4: AdamW divides each gradient by its own running size, so over 5 steps the last-bit
+    differences of small gradients grow into the weights beyond the 1e-5 of the losses."""
+    model, _ = load_model(run_dir)
+    for name, tensor in model.state_dict().items():
+        assert rel_err(tensor, weights[name]) <= 1e-4, name
+
+
+@pytest.mark.parametrize("layout", ["pp2-ep2", "pp2-ep2-1f1b"])
+def test_pipeline_training_equals_one_process(pool, reference, layout):
+    directory, _, records, weights = reference
+    for rank_records in pool.run(train_steps, run_config(directory, LAYOUTS[layout], layout)):
+        assert_records_match(rank_records, records)
+    assert_same_weights(directory / layout, weights)
+
+
+def test_torchrun_pp2_trains_like_one_process(reference):
+    directory, _, records, weights = reference
+    config_file = write_tiny_toml(directory)
+    overrides = [f"model.{k}={v}".replace(" ", "") for k, v in MODEL.items()]
+    overrides += [f"train.{k}={v}" for k, v in TRAIN.items()] + ["parallel.pp=2"]
+    run_dir = directory / "torchrun-pp2"
+    result = torchrun(2, "-m", "moemesh", "train", "--config", str(config_file), "--set", *overrides,
+                      f"train.run_dir={run_dir}", f"data.path={directory / 'corpus.txt'}")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "layout  pp=2" in result.stdout
+    assert_records_match([r for r in metrics(run_dir) if "loss" in r], records)
+    assert_same_weights(run_dir, weights)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("parallel.pp=2 train.global_batch=6 train.micro_batch=2",
+     "parallel.pp_schedule = 'dualpipev' with parallel.pp=2 needs at least 4 micro-batches per step, got "
+     "train.global_batch / train.micro_batch = 6 / 2 = 3"),
+    ("parallel.pp=2 parallel.pp_schedule=gpipe", "gpipe"),
+    ("parallel.pp=2 parallel.dp_shard=2 train.micro_batch=2", "parallel.pp > 1 with parallel.dp_shard > 1 is not available yet"),
+])
+def test_pipeline_config_errors(override, message):
+    from moemesh.config import load_config
+    with pytest.raises(ConfigError, match=None) as error:
+        load_config(None, override.split())
+    assert message in str(error.value)

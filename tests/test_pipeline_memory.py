@@ -1,0 +1,113 @@
+"""Per-layer saved-tensor profile, the analytical estimate it checks, and `moemesh estimate`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moemesh.cli import main
+from moemesh.config import load_config
+from moemesh.models import build
+from moemesh.parallel.pipeline.memory import (
+    estimate_layer_costs,
+    estimate_rank_memory,
+    profile_costs,
+    profile_layers,
+)
+from moemesh.parallel.pipeline.partition import LayerCost
+
+
+def _tiny_model_config(**changes):
+    """configs/tiny.toml's model, cut to 2 layers."""
+    return load_config(None, ["model.num_hidden_layers=2"]).model.replace(**changes)
+
+
+@pytest.mark.parametrize("changes", [{}, {"mlp_only_layers": [0], "intermediate_size": 96, "qk_norm": False,
+                                          "norm_topk_prob": False}], ids=["moe", "dense-first"])
+def test_analytical_activations_match_profile(triton_kernels, changes):
+    """On the kernel path (here Triton's interpreter on CPU, fp32) the formula counts the very
+    tensors autograd saves, so it agrees to the byte; the 1% tolerance (tighter than the 10% the
+    estimate needs) is there only so that a stray small tensor is not a failure — anything that
+    changes what a layer saves moves a layer by more than that."""
+    config = _tiny_model_config(**changes)
+    model = build(config, seed=0, device="cpu")
+    batch, seq = torch.randint(1, 3, ()).item(), 8
+    ids = torch.randint(config.vocab_size, (batch, seq))
+    profiles = profile_layers(model, ids, ids)
+    estimates = estimate_layer_costs(config, batch * seq, dtype_bytes=4, state_bytes_per_param=1, seq_len=seq)
+
+    assert [p.name for p in profiles] == ["embedding", "layer 0", "layer 1", "head"]
+    assert [e.name for e in estimates] == [p.name for p in profiles]
+    for measured, estimated in zip(profiles, estimates):
+        assert estimated.activation_bytes == pytest.approx(measured.activation_bytes, rel=0.01), measured.name
+        assert estimated.param_bytes == measured.params, measured.name
+    assert sum(p.params for p in profiles) == model.num_params()
+    # Every matmul of a layer saves its weight; the embedding lookup saves none.
+    assert profiles[0].weight_bytes == 0 and all(p.weight_bytes > 0 for p in profiles[1:3])
+
+
+def test_profile_on_reference_ops_and_costs():
+    """The default CPU path (PyTorch reference ops) runs too, and its costs feed rank memory."""
+    config = _tiny_model_config(tie_word_embeddings=True)
+    model = build(config, seed=0, device="cpu")
+    ids = torch.randint(config.vocab_size, (2, 16))
+    profiles = profile_layers(model, ids, ids)
+    assert all(p.seconds > 0 and p.activation_bytes > 0 for p in profiles)
+    assert sum(p.params for p in profiles) == model.num_params()  # the tied weight once
+    assert profiles[-1].params == config.hidden_size  # the head keeps only its norm
+
+    costs = profile_costs(profiles, state_bytes_per_param=16, shard=2)
+    assert [c.param_bytes for c in costs] == [p.params * 8 for p in profiles]
+    in_flight, stage_rank = [3, 1], [0, 0]  # one rank holding both stages, as DualPipeV pairs them
+    memory = estimate_rank_memory(costs, [range(2), range(2, 4)], in_flight, stage_rank)
+    expected = sum(c.param_bytes for c in costs) + sum(c.activation_bytes * (3 if i < 2 else 1)
+                                                       for i, c in enumerate(costs))
+    assert memory == [pytest.approx(expected)]
+
+
+def test_estimate_scales_with_tokens_and_shard():
+    config = _tiny_model_config()
+    small = estimate_layer_costs(config, 64)
+    large = estimate_layer_costs(config, 128, shard=4)
+    assert all(isinstance(c, LayerCost) for c in small)
+    for a, b in zip(small[:-1], large[:-1]):  # the head's weight gradient does not grow with tokens
+        assert b.activation_bytes == pytest.approx(2 * a.activation_bytes, rel=0.05)
+        assert b.param_bytes == a.param_bytes / 4
+    assert large[1].time > small[1].time > 0
+
+
+def _stage_rows(output: str) -> list[tuple[int, str, str]]:
+    """(rank, first layer, last layer) of each row of the stage table."""
+    lines = output.split("stages (")[1].split("\n\n")[0].splitlines()[2:]
+    rows = []
+    for line in lines:
+        _, rank, rest = line.split(maxsplit=2)
+        layers = rest.rsplit(maxsplit=4)[0]  # then in flight, memory (number, unit), time
+        first, _, last = layers.partition(" .. ")
+        rows.append((int(rank), first, last or first))
+    return rows
+
+
+@pytest.mark.parametrize("argv", [["--pp", "2", "--schedule", "1f1b"],
+                                  ["--pp", "2", "--schedule", "dualpipev", "--set", "train.micro_batch=4"]])
+def test_estimate_command(capsys, argv):
+    assert main(["estimate", "--config", "configs/tiny.toml", *argv]) == 0
+    output = capsys.readouterr().out
+    names = ["embedding"] + [f"layer {i}" for i in range(4)] + ["head"]
+    table = output.split("\n\n")[0]
+    assert all(f"\n  {name} " in table for name in names)
+    rows = _stage_rows(output)
+    assert len(rows) == (2 if "1f1b" in argv else 4)
+    covered = []
+    for _, first, last in rows:  # consecutive stages, each a run of consecutive layers
+        assert names.index(first) == len(covered)
+        covered += names[names.index(first): names.index(last) + 1]
+    assert covered == names
+    assert output.count("  rank ") == 2
+
+
+def test_estimate_command_errors(capsys):
+    assert main(["estimate", "--config", "configs/tiny.toml", "--pp", "8", "--schedule", "1f1b",
+                 "--set", "train.micro_batch=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot split 6 layers" in err and "into 8 non-empty pipeline stages" in err
