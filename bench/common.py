@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import statistics
+import tempfile
 import time
 from typing import Callable
 
@@ -58,3 +60,48 @@ def print_table(rows: list[dict], title: str) -> None:
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for row in rows:
         print("| " + " | ".join(str(row[c]).ljust(w) for c, w in zip(columns, widths)) + " |")
+
+
+# ---- GPU timelines from the profiler -----------------------------------------------------------
+
+
+def kernel_intervals(fn: Callable[[], object]) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """Run fn() under the profiler; returns the merged [start, end) intervals (µs) of the NCCL
+    kernels and of all other kernels."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    nccl = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" in e["name"].lower()]
+    other = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" not in e["name"].lower()]
+    return merged(nccl), merged(other)
+
+
+def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def interval_length(intervals) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+def intersection_length(a, b) -> float:
+    """Total length where two sorted, merged interval lists overlap."""
+    total, j = 0.0, 0
+    for start, end in a:
+        while j < len(b) and b[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < end:
+            total += max(0.0, min(end, b[k][1]) - max(start, b[k][0]))
+            k += 1
+    return total

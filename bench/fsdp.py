@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import tempfile
 
 import torch
 import torch.distributed as dist
 
-from bench.common import median_ms, print_table
+from bench.common import intersection_length, interval_length, kernel_intervals, median_ms, print_table
 from moemesh.config import DataConfig, ParallelConfig, RunConfig, TrainConfig, load_config
 from moemesh.models import ModelConfig
 from moemesh.train.trainer import Trainer
@@ -45,45 +43,11 @@ def model_config(layers: int) -> ModelConfig:
                        output_router_logits=True, router_aux_loss_coef=0.001)
 
 
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
-
-
-def _length(intervals) -> float:
-    return sum(end - start for start, end in intervals)
-
-
-def _intersection(a, b) -> float:
-    total, j = 0.0, 0
-    for start, end in a:
-        while j < len(b) and b[j][1] <= start:
-            j += 1
-        k = j
-        while k < len(b) and b[k][0] < end:
-            total += max(0.0, min(end, b[k][1]) - max(start, b[k][0]))
-            k += 1
-    return total
-
-
 def comm_overlap(trainer: Trainer) -> tuple[float, float]:
     """Profile one step: (ms in NCCL kernels, fraction of it overlapped by compute kernels)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        trainer.train_step()
-        torch.cuda.synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
-    kernels = [e for e in events if e.get("cat") == "kernel"]
-    nccl = _union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" in e["name"].lower()])
-    compute = _union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" not in e["name"].lower()])
-    comm_us = _length(nccl)
-    return comm_us / 1e3, (_intersection(nccl, compute) / comm_us if comm_us else 0.0)
+    nccl, compute = kernel_intervals(trainer.train_step)
+    comm_us = interval_length(nccl)
+    return comm_us / 1e3, (intersection_length(nccl, compute) / comm_us if comm_us else 0.0)
 
 
 def run_variant(name: str, parallel: dict, args) -> dict:

@@ -56,6 +56,7 @@ class PipelineRunner:
         self.model, self.schedule, self.autocast = model, schedule, autocast
         self.group = mesh.group("pp")
         self.rank = mesh.rank("pp")
+        self.links = _directed_links(mesh)
         self.data_ranks = mesh.dims.batch_size
         self.stages: dict[int, Stage] = cut_model(model, ranges, list(schedule.stage_rank), self.rank)
         config = model.config
@@ -67,10 +68,11 @@ class PipelineRunner:
         # What each peer sends this rank, in its order (training; evaluation goes stage by stage).
         self.expected = {src: sent for (src, dst), (sent, _) in messages(schedule).items() if dst == self.rank}
         self.device = next(model.parameters()).device
-        comm.all_reduce_sum_([torch.zeros(1, device=self.device)], self.group)  # set up the links first
 
-    def _peer(self, stage: int) -> int:
-        return dist.get_global_rank(self.group, self.schedule.stage_rank[stage])
+    def _peer(self, stage: int) -> tuple[int, dist.ProcessGroup]:
+        """The global rank holding `stage`, and the group of messages from this rank to it."""
+        peer = self.schedule.stage_rank[stage]
+        return dist.get_global_rank(self.group, peer), self.links[(self.rank, peer)]
 
     # ---- messages --------------------------------------------------------------------------------
     # A message is ("act", from_stage, micro) or ("grad", from_stage, micro), as `messages` names them.
@@ -78,7 +80,7 @@ class PipelineRunner:
         if to_stage in self.stages:  # a hand-off between two stages of this rank
             self.inbox[key] = tensors
         else:
-            self.pending += comm.send(tensors, self._peer(to_stage), self.group)
+            self.pending += comm.send(tensors, *self._peer(to_stage))
 
     def _take(self, key: tuple[str, int, int], hidden_shape) -> list[torch.Tensor]:
         """The message `key`. A peer may send a message this rank needs later before the one it
@@ -88,13 +90,15 @@ class PipelineRunner:
         if key in self.inbox or from_stage in self.stages:
             return self.inbox.pop(key)
         peer = self.schedule.stage_rank[from_stage]
+        source, _ = self._peer(from_stage)
+        link = self.links[(peer, self.rank)]
         shapes = [(hidden_shape, torch.float32), ((self.num_experts,), torch.float32)]
         if not self.training:  # stage by stage, micro-batch by micro-batch: both sides in one order
-            return comm.recv(shapes, self._peer(from_stage), self.group, self.device)
+            return comm.recv(shapes, source, link, self.device)
         while True:
             arrived = self.expected[peer][self.received[peer]]
             self.received[peer] += 1
-            tensors = comm.recv(shapes, self._peer(from_stage), self.group, self.device)
+            tensors = comm.recv(shapes, source, link, self.device)
             if arrived == key:
                 return tensors
             self.inbox[arrived] = tensors
@@ -203,3 +207,21 @@ class PipelineRunner:
         comm.all_reduce_sum_(totals, self.group, kind="metrics")
         self.pending, self.saved, self.inbox = [], {}, {}
         return totals
+
+
+def _directed_links(mesh: Mesh) -> dict[tuple[int, int], dist.ProcessGroup]:
+    """A process group per direction between neighbouring pipeline ranks: (from, to) pp ranks ->
+    group. With NCCL, sends and receives between two ranks on one communicator queue on one stream,
+    so a send still waiting for its receiver would hold up this rank's receive of a message the
+    peer sent first; one communicator per direction keeps the two flows apart. Every rank creates
+    every group, in the same order (creating a group is collective)."""
+    grid = mesh.device_mesh.mesh  # global ranks, axes (pp, ...)
+    pipelines = grid.movedim(0, -1).reshape(-1, grid.shape[0]).tolist()  # one row per pipeline
+    me, links = dist.get_rank(), {}
+    for ranks in pipelines:
+        for i in range(len(ranks) - 1):
+            for a, b in ((i, i + 1), (i + 1, i)):
+                group = dist.new_group([ranks[i], ranks[i + 1]])
+                if me in ranks:
+                    links[(a, b)] = group
+    return links

@@ -1,0 +1,99 @@
+"""Pipeline schedules against expert parallelism on the same GPUs and model, through the trainer's
+own step:
+
+    PYTHONPATH=. torchrun --nproc-per-node 2 bench/pipeline.py [--config configs/gpu_small.toml]
+    PYTHONPATH=. torchrun --nproc-per-node 2 bench/pipeline.py --config configs/tiny.toml --seq 128  (CPU smoke)
+
+Variants: DualPipeV (pp=2), 1F1B (pp=2), no pipeline (ep=2), each with 8 micro-batches per step.
+For each: step time and tokens/s; on GPUs also each rank's peak memory against the analytical
+estimate (`moemesh estimate`: parameter state + the activations of the micro-batches a stage holds at
+its peak), and from one profiled step each rank's idle share (no compute kernel running; NCCL
+kernels waiting on a peer count as idle) against the schedule's simulated bubble share with
+backward = 2 × forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+
+import torch
+import torch.distributed as dist
+
+from bench.common import interval_length, kernel_intervals, median_ms, print_table
+from moemesh.config import load_config
+from moemesh.parallel.pipeline.memory import estimate_rank_memory, run_costs, stage_ranges
+from moemesh.parallel.pipeline.schedule import build_schedule, peak_in_flight, simulate
+from moemesh.train.trainer import Trainer
+
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+VARIANTS = {"dualpipev": ["parallel.pp_schedule=dualpipev", f"parallel.pp={WORLD}"],
+            "1f1b": ["parallel.pp_schedule=1f1b", f"parallel.pp={WORLD}"],
+            "ep (no pipeline)": [f"parallel.ep={WORLD}"]}
+
+
+def idle_share(trainer: Trainer) -> float:
+    """The share of one step's GPU time during which no compute kernel ran."""
+    torch.cuda.synchronize()
+    _, compute = kernel_intervals(trainer.train_step)
+    span = compute[-1][1] - compute[0][0]
+    return 1 - interval_length(compute) / span
+
+
+def run_variant(name: str, overrides: list[str], args) -> dict:
+    config = load_config(args.config, [*overrides, f"train.seq_len={args.seq}", f"train.global_batch={args.micro * 8}",
+                                       f"train.micro_batch={args.micro}", "train.eval_sequences=8"])
+    trainer = Trainer(config, stream=open(os.devnull, "w"))
+    records = []
+    on_gpu = trainer.device.type == "cuda"
+    if on_gpu:
+        trainer.train_step()
+        torch.cuda.reset_peak_memory_stats()
+    step_ms = median_ms(lambda: records.append(trainer.train_step()), warmup=args.warmup, repeat=args.steps)
+    tokens = config.train.global_batch * config.train.seq_len
+    row = {"variant": name, "step ms": f"{step_ms:.0f}", "tokens/s": f"{tokens / step_ms * 1e3:,.0f}",
+           "loss": f"{records[-1]['loss']:.4f}"}
+    if on_gpu:
+        peaks = [torch.zeros(WORLD, device=trainer.device) for _ in range(2)]
+        peaks[0][dist.get_rank()] = torch.cuda.max_memory_allocated(trainer.device) / 2**30
+        peaks[1][dist.get_rank()] = idle_share(trainer)
+        for t in peaks:
+            dist.all_reduce(t)
+        row["peak GiB per rank"] = " / ".join(f"{p:.1f}" for p in peaks[0].tolist())
+        row["GPU idle per rank"] = " / ".join(f"{p:.0%}" for p in peaks[1].tolist())
+        if trainer.pipeline is not None:
+            schedule = trainer.pipeline.schedule
+            estimate = estimate_rank_memory(run_costs(config), stage_ranges(schedule, run_costs(config)),
+                                            peak_in_flight(schedule), list(schedule.stage_rank))
+            row["estimate GiB per rank"] = " / ".join(f"{e / 2**30:.1f}" for e in estimate)
+            timeline = simulate(schedule, f=1.0, b=2.0, w=0.0)
+            row["simulated bubble per rank"] = " / ".join(f"{b / timeline.makespan:.0%}" for b in timeline.bubble)
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/gpu_small.toml")
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--micro", type=int, default=4, help="sequences per micro-batch (8 micro-batches per step)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    rows = []
+    for name, overrides in VARIANTS.items():
+        rows.append(run_variant(name, overrides, args))
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        if dist.get_rank() == 0:
+            print(rows[-1], flush=True)
+    if dist.get_rank() == 0:
+        rows = [{key: row.get(key, "") for key in max(rows, key=len)} for row in rows]
+        print_table(rows, f"pipeline vs expert parallelism, {args.config}, 8 micro-batches of {args.micro}×{args.seq} "
+                          f"tokens, {WORLD} GPUs")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
