@@ -24,7 +24,7 @@ import torch.distributed as dist
 from bench.common import interval_length, kernel_intervals, median_ms, print_table
 from moemesh.config import load_config
 from moemesh.parallel.pipeline.memory import estimate_rank_memory, run_costs, stage_ranges
-from moemesh.parallel.pipeline.schedule import build_schedule, peak_in_flight, simulate
+from moemesh.parallel.pipeline.schedule import peak_in_flight, simulate
 from moemesh.train.trainer import Trainer
 
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
@@ -41,6 +41,22 @@ def idle_share(trainer: Trainer) -> float:
     return 1 - interval_length(compute) / span
 
 
+def bubble_share(trainer: Trainer) -> float:
+    """The share of one step this rank spent outside its operations' compute: waiting for a peer's
+    activation or gradient (the pipeline bubble), plus the gradient reduction and optimizer step."""
+    runner = trainer.pipeline
+    runner.op_times = []
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    trainer.train_step()
+    end.record()
+    end.synchronize()
+    busy = sum(a.elapsed_time(b) for a, b in runner.op_times)
+    runner.op_times = None
+    return 1 - busy / start.elapsed_time(end)
+
+
 def run_variant(name: str, overrides: list[str], args) -> dict:
     config = load_config(args.config, [*overrides, f"train.seq_len={args.seq}", f"train.global_batch={args.micro * 8}",
                                        f"train.micro_batch={args.micro}", "train.eval_sequences=8"])
@@ -55,9 +71,11 @@ def run_variant(name: str, overrides: list[str], args) -> dict:
     row = {"variant": name, "step ms": f"{step_ms:.0f}", "tokens/s": f"{tokens / step_ms * 1e3:,.0f}",
            "loss": f"{records[-1]['loss']:.4f}"}
     if on_gpu:
-        peaks = [torch.zeros(WORLD, device=trainer.device) for _ in range(2)]
+        peaks = [torch.zeros(WORLD, device=trainer.device) for _ in range(3)]
         peaks[0][dist.get_rank()] = torch.cuda.max_memory_allocated(trainer.device) / 2**30
         peaks[1][dist.get_rank()] = idle_share(trainer)
+        if trainer.pipeline is not None:
+            peaks[2][dist.get_rank()] = bubble_share(trainer)
         for t in peaks:
             dist.all_reduce(t)
         row["peak GiB per rank"] = " / ".join(f"{p:.1f}" for p in peaks[0].tolist())
@@ -67,7 +85,8 @@ def run_variant(name: str, overrides: list[str], args) -> dict:
             estimate = estimate_rank_memory(run_costs(config), stage_ranges(schedule, run_costs(config)),
                                             peak_in_flight(schedule), list(schedule.stage_rank))
             row["estimate GiB per rank"] = " / ".join(f"{e / 2**30:.1f}" for e in estimate)
-            timeline = simulate(schedule, f=1.0, b=2.0, w=0.0)
+            row["measured bubble per rank"] = " / ".join(f"{p:.0%}" for p in peaks[2].tolist())
+            timeline = simulate(schedule, f=1.0, b=1.0, w=1.0)  # backward = input + weight gradient = 2F
             row["simulated bubble per rank"] = " / ".join(f"{b / timeline.makespan:.0%}" for b in timeline.bubble)
     return row
 

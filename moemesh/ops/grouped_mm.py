@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moemesh.ops import weight_grad
 from moemesh.ops.backend import autocast_inputs
 
 # torch >= 2.10 exposes the public name; 2.9 only the private one.
@@ -25,14 +26,57 @@ def _use_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def grouped_mm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-    """x: [N, K], rows sorted by group; weight: [E, O, K]; group_sizes: [E] integers summing to N.
-    Returns [N, O] with out[rows of group e] = x[rows of group e] @ weight[e].T."""
-    x, weight = autocast_inputs(x, weight)
+def _forward(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    """out[rows of group e] = x[rows of group e] @ weight[e].T, for weight [E, O, K]."""
     if _use_kernel(x, weight):
         offsets = torch.cumsum(group_sizes, dim=0, dtype=torch.int32)
         return _grouped_mm_kernel(x, weight.transpose(-2, -1), offs=offsets)
     pieces = torch.split(x, group_sizes.tolist())
-    # unbind, not weight[e]: its backward stacks the expert gradients once, where indexing would
-    # add a full-size zero gradient per expert.
     return torch.cat([piece @ w.transpose(0, 1) for piece, w in zip(pieces, weight.unbind(0))])
+
+
+def _weight_gradient(grad: torch.Tensor, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    """[E, O, K]: grad[rows of e].T @ x[rows of e] for every group e."""
+    if _use_kernel(x, grad):
+        offsets = torch.cumsum(group_sizes, dim=0, dtype=torch.int32)
+        return _grouped_mm_kernel(grad.transpose(0, 1), x, offs=offsets)
+    pieces = zip(torch.split(grad, group_sizes.tolist()), torch.split(x, group_sizes.tolist()))
+    return torch.stack([g.transpose(0, 1) @ piece for g, piece in pieces])
+
+
+class _GroupedMM(torch.autograd.Function):
+    """Saves the weight as given (the fp32 parameter under autocast) and casts it again in
+    backward: a saved bf16 copy would stay alive per micro-batch in flight, and a pipeline stage
+    holds several."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight, group_sizes)
+        return _forward(x, weight.to(x.dtype), group_sizes)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, group_sizes = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _forward(grad, weight.to(x.dtype).transpose(-2, -1), group_sizes)
+        if not ctx.needs_input_grad[1]:
+            return grad_x, None, None
+
+        def weight_gradient() -> torch.Tensor:
+            return _weight_gradient(grad, x, group_sizes).to(weight.dtype)
+
+        # Deferred (a zero-bubble pipeline's backward, `weight_grad.py`): the queued job sends the
+        # gradient into `weight`'s graph, as returning it here would have.
+        if weight_grad.put(lambda: torch.autograd.backward(weight, weight_gradient())):
+            return grad_x, None, None
+        return grad_x, weight_gradient(), None
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    """x: [N, K], rows sorted by group; weight: [E, O, K]; group_sizes: [E] integers summing to N.
+    Returns [N, O] with out[rows of group e] = x[rows of group e] @ weight[e].T. The weight
+    gradient may be deferred (`weight_grad.py`)."""
+    (x,) = autocast_inputs(x)
+    return _GroupedMM.apply(x, weight, group_sizes)

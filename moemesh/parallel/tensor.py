@@ -40,6 +40,7 @@ from moemesh.errors import ConfigError
 from moemesh.models.layers import Attention, DenseMLP
 from moemesh.models.moe import MoEBlock
 from moemesh.models.registry import family
+from moemesh.ops.linear import linear
 from moemesh.models.transformer import MoECausalLM, shift_labels
 from moemesh.parallel import comm
 from moemesh.parallel.mesh import Mesh
@@ -258,7 +259,7 @@ class RowwiseLinear(nn.Module):
         self.weight, self.bias, self.group = weight, bias, group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = comm.from_partial(F.linear(x, self.weight), self.group)
+        out = comm.from_partial(linear(x, self.weight), self.group)
         return out if self.bias is None else out + self.bias
 
 

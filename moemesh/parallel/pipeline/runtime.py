@@ -32,7 +32,7 @@ from moemesh.parallel.data import rank_loss
 from moemesh.parallel.mesh import Mesh
 from moemesh.parallel.pipeline.schedule import Schedule, messages
 from moemesh.parallel.pipeline.stage import Stage, cut_model, stage_forward
-from moemesh.parallel.pipeline.weight_grad import WeightGradStore
+from moemesh.ops.weight_grad import WeightGradStore
 
 
 @dataclass
@@ -65,6 +65,7 @@ class PipelineRunner:
         self.aux = config.output_router_logits  # train the load-balancing loss
         self.aux_coef = config.router_aux_loss_coef
         self.weight_grads = WeightGradStore()
+        self.op_times: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
         # What each peer sends this rank, in its order (training; evaluation goes stage by stage).
         self.expected = {src: sent for (src, dst), (sent, _) in messages(schedule).items() if dst == self.rank}
         self.device = next(model.parameters()).device
@@ -114,7 +115,7 @@ class PipelineRunner:
             x, counts = self._take(("act", s - 1, m), hidden_shape)
             x.requires_grad_(train)
         positions = torch.arange(tokens.shape[1], device=self.device)
-        with self.autocast():
+        with self._busy(), self.autocast():
             h, stats = stage_forward(self.model, stage, x, positions)
             if stats and train:
                 stats = self.model.reduce_router_stats(stats)
@@ -141,15 +142,29 @@ class PipelineRunner:
         else:
             grad, counts = self._take(("grad", s + 1, m), hidden_shape)
             outputs, grads = [saved.output], [grad.to(saved.output.dtype)]
-        if saved.prob_sums and self.aux:
-            share = self._aux_share(saved, counts)
-            self.aux_sum += share.detach() / len(self.micro)
-            outputs.append(self.aux_coef * share / self.data_ranks / len(self.micro))
-            grads.append(None)
-        with self.weight_grads.deferring(defer_weight):
-            torch.autograd.backward(outputs, grads)
+        with self._busy():
+            if saved.prob_sums and self.aux:
+                share = self._aux_share(saved, counts)
+                self.aux_sum += share.detach() / len(self.micro)
+                outputs.append(self.aux_coef * share / self.data_ranks / len(self.micro))
+                grads.append(None)
+            with self.weight_grads.deferring(defer_weight):
+                torch.autograd.backward(outputs, grads)
         if not stage.first:
             self._post(("grad", s, m), s - 1, [saved.inputs.grad, counts])
+
+    @contextlib.contextmanager
+    def _busy(self):
+        """When `op_times` is a list (a benchmark sets it), CUDA events around the compute of each
+        operation, after its inputs arrived: their total against the step time is the bubble."""
+        if self.op_times is None or self.device.type != "cuda":
+            yield
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end.record()
+        self.op_times.append((start, end))
 
     def _aux_share(self, saved: _Saved, counts: torch.Tensor) -> torch.Tensor:
         """This stage's part of the load-balancing loss, given all layers' token counts."""
@@ -181,7 +196,8 @@ class PipelineRunner:
             elif op.kind == "FB":
                 self._backward(op.b_stage, op.b_micro, op.defer_weight)
             elif op.kind == "W":
-                self.weight_grads.pop()
+                with self._busy():
+                    self.weight_grads.pop()
         self.weight_grads.flush()
         ce = sum((rank_loss(ce, None, self.micro[m].local_label_tokens, self.micro[m].label_tokens, 0.0,
                             self.data_ranks) for m, ce in self.ce.items()), torch.zeros((), device=self.device))
