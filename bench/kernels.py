@@ -110,8 +110,8 @@ def bandwidth_rows(copy_gbps):
     x = torch.randn(tokens, hidden, dtype=DTYPE, device=DEVICE, requires_grad=True)
     topk_ids, weights = routing(tokens, experts, k)
     weights.requires_grad_()
-    position, _, _, host_offsets = routing_layout(x, topk_ids, experts, align=1)
-    n = host_offsets[-1]  # = tokens * k: align 1 leaves no padding rows
+    position, _, _, _ = routing_layout(x, topk_ids, experts, align=1)
+    n = topk_ids.numel()  # align 1 leaves no padding rows
     grouped = torch.randn(n, hidden, dtype=DTYPE, device=DEVICE, requires_grad=True)
     gate_up = torch.randn(n, 2 * inner, dtype=DTYPE, device=DEVICE, requires_grad=True)
 

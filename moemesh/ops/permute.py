@@ -10,6 +10,7 @@ that reads each token row once and writes its k copies; its backward sums the k 
 back into the token row, and saves only `position` -- never `x`.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -24,19 +25,25 @@ class Permuted:
     position: torch.Tensor  # [T, k] int64: row of `grouped` holding token t's copy for slot j
     counts: torch.Tensor  # [E] int64: real (unpadded) rows per expert
     offsets: torch.Tensor  # [E + 1] int64: padded group starts; offsets[-1] == N
-    host_offsets: tuple[int, ...]  # `offsets` on the host, for a grouped GEMM's CPU loop
+    synced_offsets: tuple[int, ...] | None = None  # `offsets` on the host, when already copied
+
+    @functools.cached_property
+    def host_offsets(self) -> tuple[int, ...]:
+        """`offsets` on the host (for a grouped GEMM's CPU loop); a device sync unless copied already."""
+        return self.synced_offsets or tuple(self.offsets.tolist())
 
     @property
     def group_sizes(self) -> tuple[int, ...]:
-        """Padded rows per expert, on the host (no device sync)."""
+        """Padded rows per expert, on the host."""
         return tuple(b - a for a, b in zip(self.host_offsets[:-1], self.host_offsets[1:]))
 
 
 def permute(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, align: int = 1) -> Permuted:
-    """Group `x [T, H]` by expert for `topk_ids [T, k]`. Synchronises with the device once, to size
-    `grouped` (N depends on the routing); `host_offsets` comes from that same copy."""
+    """Group `x [T, H]` by expert for `topk_ids [T, k]`. Without padding (align 1) `grouped` has
+    T·k rows and a GPU never waits for the host; with padding its size depends on the routing,
+    which costs one device sync."""
     position, counts, offsets, host_offsets = routing_layout(x, topk_ids, num_experts, align)
-    num_rows = host_offsets[-1]
+    num_rows = topk_ids.numel() if host_offsets is None else host_offsets[-1]
     if use_triton(x):
         grouped = _PermuteRows.apply(x, position, num_rows)
     else:
@@ -47,12 +54,14 @@ def permute(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, align: in
 def permute_reference(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, align: int = 1) -> Permuted:
     """`permute` in plain torch (autograd does the backward)."""
     position, counts, offsets, host_offsets = routing_layout(x, topk_ids, num_experts, align)
-    grouped = permute_rows_reference(x, position, host_offsets[-1])
+    grouped = permute_rows_reference(x, position, topk_ids.numel() if host_offsets is None else host_offsets[-1])
     return Permuted(grouped, position, counts, offsets, host_offsets)
 
 
 def routing_layout(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, align: int):
-    """(position [T, k], counts [E], offsets [E + 1], host_offsets) for `topk_ids [T, k]`."""
+    """(position [T, k], counts [E], offsets [E + 1], host_offsets) for `topk_ids [T, k]`.
+    host_offsets is None on a GPU without padding: nothing needs it there, and copying it would
+    make the host wait for the device (the ids then come from top-k and need no check)."""
     if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
         shapes = f"{tuple(x.shape)} and {tuple(topk_ids.shape)}"
         raise ValueError(f"need x [T, H] and topk_ids [T, k], got {shapes}")
@@ -66,10 +75,12 @@ def routing_layout(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, al
     counts = starts.diff()
     padded = (counts + align - 1) // align * align
     offsets = F.pad(padded.cumsum(0), (1, 0))
-    host = torch.cat([starts[[0, -1]], offsets]).tolist()  # the one host sync
-    if host[0] != 0 or host[1] != expert.numel():
-        raise ValueError(f"topk_ids holds expert ids outside [0, num_experts={num_experts})")
-    host_offsets = tuple(host[2:])
+    host_offsets = None
+    if align > 1 or not x.is_cuda:
+        host = torch.cat([starts[[0, -1]], offsets]).tolist()  # the one host sync
+        if host[0] != 0 or host[1] != expert.numel():
+            raise ValueError(f"topk_ids holds expert ids outside [0, num_experts={num_experts})")
+        host_offsets = tuple(host[2:])
     rank = torch.arange(expert.numel(), device=expert.device) - starts[sorted_expert]  # within its expert
     position = torch.empty_like(expert)
     position[order] = offsets[sorted_expert] + rank
