@@ -264,9 +264,6 @@ def _check_pipeline(config: RunConfig) -> None:
         raise ConfigError(f"parallel.pp_schedule = {parallel.pp_schedule!r} with parallel.pp={parallel.pp} needs at "
                           f"least {needed} micro-batches per step, got train.global_batch / train.micro_batch = "
                           f"{train.global_batch} / {train.micro_batch} = {micro_batches}")
-    if parallel.dp_shard > 1:
-        raise ConfigError("parallel.pp > 1 with parallel.dp_shard > 1 is not available yet; use parallel.dp_replicate "
-                          "for data parallelism with a pipeline")
 
 
 def _check_layout_available(parallel: ParallelConfig) -> None:

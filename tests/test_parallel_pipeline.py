@@ -30,6 +30,7 @@ STEPS = 5
 MODEL = {"num_hidden_layers": 6, "num_experts": 8, "num_experts_per_tok": 3, "mlp_only_layers": [0]}
 TRAIN = {"steps": STEPS, "global_batch": 16, "micro_batch": 2, "eval_every": 0, "save_every": 0}  # 8 micro-batches
 LAYOUTS = {"pp2-ep2": dict(pp=2, ep=2), "pp2-tp2": dict(pp=2, tp=2), "pp2-dp2": dict(pp=2, dp_replicate=2),
+           "pp2-dp_shard2": dict(pp=2, dp_shard=2),
            "pp4": dict(pp=4), "pp2-ep2-1f1b": dict(pp=2, ep=2, pp_schedule="1f1b")}
 
 
@@ -68,7 +69,7 @@ def first_step_gradients(rank, raw: dict):
     return ce.item(), aux.item(), grads
 
 
-@pytest.mark.parametrize("layout", ["pp2-ep2", "pp2-tp2", "pp2-dp2", "pp4"])
+@pytest.mark.parametrize("layout", ["pp2-ep2", "pp2-tp2", "pp2-dp2", "pp2-dp_shard2", "pp4"])
 def test_pipeline_gradients_equal_one_process(pool, reference, layout):
     directory, (ref_ce, ref_aux, ref_grads), _, _ = reference
     results = pool.run(first_step_gradients, run_config(directory, LAYOUTS[layout], layout))
@@ -83,6 +84,41 @@ def test_pipeline_gradients_equal_one_process(pool, reference, layout):
     assert gathered.keys() == expected.keys()  # every parameter on some stage, none twice
     for name, grad in gathered.items():
         assert rel_err(grad, expected[name]) <= RTOL, name
+
+
+def count_reduce_scatters(rank, raw: dict) -> tuple[int, int]:
+    """(FSDP reduce-scatters in one step's forwards and backwards, FSDP units on this rank)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    trainer = Trainer(config_from_dict(raw), io.StringIO())
+    batch = trainer.dataset.train_sequences(0, trainer.train_config.global_batch)
+    micro = [trainer._micro_batch(m) for m in batch.split(trainer.train_config.micro_batch)]
+    calls = []
+    names = [n for n in ("reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, n)]
+    originals = {n: getattr(dist, n) for n in names}
+    for n in names:  # FSDP calls whichever its torch version has, through the module attribute
+        setattr(dist, n, lambda *a, _f=originals[n], **k: (calls.append(1), _f(*a, **k))[1])
+    try:
+        trainer.pipeline.train(micro)
+    finally:
+        for n, f in originals.items():
+            setattr(dist, n, f)
+    def has_own_parameters(unit) -> bool:  # rank 1's root holds none: no embedding, no head
+        nested = {id(p) for child in unit.modules() if child is not unit and isinstance(child, FSDPModule)
+                  for p in child.parameters()}
+        return any(id(p) not in nested for p in unit.parameters())
+
+    units = [m for m in trainer.pipeline.module.modules() if isinstance(m, FSDPModule)]
+    return len(calls), sum(has_own_parameters(unit) for unit in units)
+
+
+def test_pipeline_fsdp_reduces_each_unit_once_per_step(pool, reference):
+    """8 micro-batches, but each FSDP unit (block, expert bank, root) reduce-scatters its
+    gradients once: in its stage's last backward."""
+    directory = reference[0]
+    for calls, units in pool.run(count_reduce_scatters, run_config(directory, LAYOUTS["pp2-dp_shard2"], "rs")):
+        assert calls == units > 0
 
 
 def train_steps(rank, raw: dict) -> list[dict]:
@@ -106,7 +142,7 @@ def assert_same_weights(run_dir, weights) -> None:
         assert rel_err(tensor, weights[name]) <= 1e-4, name
 
 
-@pytest.mark.parametrize("layout", ["pp2-ep2", "pp2-ep2-1f1b"])
+@pytest.mark.parametrize("layout", ["pp2-ep2", "pp2-ep2-1f1b", "pp2-dp_shard2"])
 def test_pipeline_training_equals_one_process(pool, reference, layout):
     directory, _, records, weights = reference
     for rank_records in pool.run(train_steps, run_config(directory, LAYOUTS[layout], layout)):
@@ -133,7 +169,6 @@ def test_torchrun_pp2_trains_like_one_process(reference):
      "parallel.pp_schedule = 'dualpipev' with parallel.pp=2 needs at least 4 micro-batches per step, got "
      "train.global_batch / train.micro_batch = 6 / 2 = 3"),
     ("parallel.pp=2 parallel.pp_schedule=gpipe", "gpipe"),
-    ("parallel.pp=2 parallel.dp_shard=2 train.micro_batch=2", "parallel.pp > 1 with parallel.dp_shard > 1 is not available yet"),
 ])
 def test_pipeline_config_errors(override, message):
     from moemesh.config import load_config

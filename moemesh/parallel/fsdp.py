@@ -27,18 +27,19 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
-from moemesh.models.transformer import MoECausalLM
+from moemesh.models.transformer import DecoderLayer, MoECausalLM
 from moemesh.parallel.expert import is_expert_parameter
 from moemesh.parallel.mesh import Mesh, ParallelDims
 
 
 def apply_fsdp(model: MoECausalLM, mesh: Mesh, param_dtype: torch.dtype | None = None,
-               reshard_after_forward: bool = True, prefetch: bool = True) -> list[str]:
+               reshard_after_forward: bool = True, prefetch: bool = True, root: nn.Module | None = None) -> list[str]:
     """Shard `model` in place over dp_shard (after `apply_ep`, `apply_tp` and
-    `apply_data_parallel`). `param_dtype`: the dtype weights are gathered and computed in (None:
-    their own). `reshard_after_forward`: free a block's gathered weights after its forward and
-    gather them again for backward (less memory, more communication). Returns the names of the
-    parameters left whole."""
+    `apply_data_parallel`, and a pipeline's cut). `param_dtype`: the dtype weights are gathered and
+    computed in (None: their own). `reshard_after_forward`: free a block's gathered weights after
+    its forward and gather them again for backward (less memory, more communication). `root`: the
+    module whose forward runs the model (default: the model; a pipeline rank's stages module).
+    Returns the names of the parameters left whole."""
     dims = mesh.dims
     if dims.dp_shard == 1:
         return []
@@ -64,17 +65,19 @@ def apply_fsdp(model: MoECausalLM, mesh: Mesh, param_dtype: torch.dtype | None =
 
     units = []  # per block: (its expert bank or None, the block)
     for layer in model.model.layers:
+        if not isinstance(layer, DecoderLayer):  # a layer another pipeline rank holds
+            continue
         experts = shard(layer.mlp.experts, expert_mesh, reshard_after_forward) if layer.is_moe else None
         units.append((experts, shard(layer, dense_mesh, reshard_after_forward)))
-    shard(model, dense_mesh, False)  # the root's weights are needed again first thing in backward
+    root = shard(root or model, dense_mesh, False)  # the root's weights are needed again first thing in backward
 
-    for module in model.modules():
+    for module in root.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             if hasattr(module, "set_force_sum_reduction_for_comms"):  # torch >= 2.12; gloo has no PREMUL_SUM
                 module.set_force_sum_reduction_for_comms(True)
-    if prefetch:
-        _prefetch_one_block_ahead(model, units)
+    if prefetch and dims.pp == 1:  # a pipeline interleaves blocks of different micro-batches
+        _prefetch_one_block_ahead(root, units)
     for name, param in model.named_parameters():
         for key, value in tags[name].items():
             setattr(param, key, value)

@@ -116,7 +116,10 @@ class Trainer:
         # FSDP computes in the training dtype (bf16) from fp32 shards; autocast covers the rest.
         self.kept_whole = apply_fsdp(self.model, self.mesh, param_dtype=self.autocast_dtype,
                                      reshard_after_forward=parallel.fsdp_reshard_after_forward,
-                                     prefetch=parallel.fsdp_prefetch)
+                                     prefetch=parallel.fsdp_prefetch,
+                                     root=self.pipeline.module if self.pipeline is not None else None)
+        if self.pipeline is not None and parallel.dp_shard > 1:
+            self.pipeline.use_fsdp()
         self.optimizer = build_optimizer(self.model, train)  # on the shards: its moments are sharded too
         self.scheduler = build_scheduler(self.optimizer, train)
         self.step = 0

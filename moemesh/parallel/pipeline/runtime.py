@@ -31,7 +31,7 @@ from moemesh.parallel import comm
 from moemesh.parallel.data import rank_loss
 from moemesh.parallel.mesh import Mesh
 from moemesh.parallel.pipeline.schedule import Schedule, messages
-from moemesh.parallel.pipeline.stage import Stage, cut_model, stage_forward
+from moemesh.parallel.pipeline.stage import RankStages, Stage, cut_model
 from moemesh.ops.weight_grad import WeightGradStore
 
 
@@ -46,7 +46,7 @@ class MicroBatch:
 class _Saved:
     inputs: torch.Tensor | None  # the received hidden states (a leaf whose gradient goes back)
     output: torch.Tensor  # hidden states sent on, or the last stage's scaled loss
-    prob_sums: list[torch.Tensor]  # the stage's MoE layers' summed router probabilities
+    prob_sums: torch.Tensor | None  # [layers, E]: the stage's MoE layers' summed router probabilities
     num_tokens: int  # tokens per MoE layer in the micro-batch (all data-parallel ranks)
 
 
@@ -59,6 +59,8 @@ class PipelineRunner:
         self.links = _directed_links(mesh)
         self.data_ranks = mesh.dims.batch_size
         self.stages: dict[int, Stage] = cut_model(model, ranges, list(schedule.stage_rank), self.rank)
+        self.module = RankStages(model, self.stages)  # the root FSDP shards, when it does (`use_fsdp`)
+        self.fsdp = False
         config = model.config
         self.num_experts = max(config.num_experts, 1)
         self.moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
@@ -69,6 +71,22 @@ class PipelineRunner:
         # What each peer sends this rank, in its order (training; evaluation goes stage by stage).
         self.expected = {src: sent for (src, dst), (sent, _) in messages(schedule).items() if dst == self.rank}
         self.device = next(model.parameters()).device
+
+    def use_fsdp(self) -> None:
+        """The model is sharded by FSDP (`apply_fsdp` with `root=self.module`): reduce-scatter each
+        block's gradients once per step, in the backward of its stage's last micro-batch (FSDP
+        accumulates them unsharded before), and the root's in this rank's last backward. Weight
+        gradients are then not deferred: FSDP reduces a block's gradients when its backward ends."""
+        self.fsdp = True
+        backwards = [(j, op.stage if op.kind == "B" else op.b_stage)
+                     for j, op in enumerate(self.schedule.ops[self.rank]) if op.kind in ("B", "FB")]
+        self.last_backward = {stage: j for j, stage in backwards}
+        self.final_backward = backwards[-1][0]
+
+    def _set_gradient_sync(self, s: int, op_index: int) -> None:
+        for i in self.stages[s].layers:
+            self.model.model.layers[i].set_requires_gradient_sync(op_index == self.last_backward[s])
+        self.module.set_requires_gradient_sync(op_index == self.final_backward, recurse=False)
 
     def _peer(self, stage: int) -> tuple[int, dist.ProcessGroup]:
         """The global rank holding `stage`, and the group of messages from this rank to it."""
@@ -116,26 +134,25 @@ class PipelineRunner:
             x.requires_grad_(train)
         positions = torch.arange(tokens.shape[1], device=self.device)
         with self._busy(), self.autocast():
-            h, stats = stage_forward(self.model, stage, x, positions)
-            if stats and train:
-                stats = self.model.reduce_router_stats(stats)
-                counts = counts + torch.stack([st.counts for st in stats]).sum(0).float()
-            num_tokens = stats[0].num_tokens if stats else 0
+            out, layer_counts, prob_sums, num_tokens = self.module(s, x, positions, tokens, reduce_stats=train)
+            if layer_counts is not None:
+                counts = counts + layer_counts.sum(0).float()
             if stage.last:
-                _, ce = self.model.head(self.model.model.norm(h), tokens, return_logits=False)
-                self.ce[m] = ce.detach().float()
+                self.ce[m] = out.detach().float()
                 self.total_counts[m] = counts
-                output = rank_loss(ce, None, micro.local_label_tokens, micro.label_tokens, 0.0,
+                output = rank_loss(out, None, micro.local_label_tokens, micro.label_tokens, 0.0,
                                    self.data_ranks) / len(self.micro)
             else:
-                output = h
-                self._post(("act", s, m), s + 1, [h.detach().float(), counts])
+                output = out
+                self._post(("act", s, m), s + 1, [out.detach().float(), counts])
         if train:
-            self.saved[(s, m)] = _Saved(x if not stage.first else None, output,
-                                        [st.prob_sum for st in stats], num_tokens)
+            self.saved[(s, m)] = _Saved(x if not stage.first else None, output, prob_sums, num_tokens)
 
-    def _backward(self, s: int, m: int, defer_weight: bool) -> None:
+    def _backward(self, s: int, m: int, defer_weight: bool, op_index: int) -> None:
         stage, saved = self.stages[s], self.saved.pop((s, m))  # freed once this backward is done
+        if self.fsdp:
+            self._set_gradient_sync(s, op_index)
+            defer_weight = False
         hidden_shape = (*self.micro[m].tokens.shape, self.model.config.hidden_size)
         if stage.last:
             counts, outputs, grads = self.total_counts.pop(m), [saved.output], [None]
@@ -143,7 +160,7 @@ class PipelineRunner:
             grad, counts = self._take(("grad", s + 1, m), hidden_shape)
             outputs, grads = [saved.output], [grad.to(saved.output.dtype)]
         with self._busy():
-            if saved.prob_sums and self.aux:
+            if saved.prob_sums is not None and self.aux:
                 share = self._aux_share(saved, counts)
                 self.aux_sum += share.detach() / len(self.micro)
                 outputs.append(self.aux_coef * share / self.data_ranks / len(self.micro))
@@ -169,7 +186,7 @@ class PipelineRunner:
     def _aux_share(self, saved: _Saved, counts: torch.Tensor) -> torch.Tensor:
         """This stage's part of the load-balancing loss, given all layers' token counts."""
         pooled = float(saved.num_tokens * self.moe_layers)
-        prob_sum = torch.stack(saved.prob_sums).sum(0).float()
+        prob_sum = saved.prob_sums.sum(0).float()
         return self.num_experts * torch.sum(counts / pooled * prob_sum / pooled)
 
     # ---- a step -----------------------------------------------------------------------------------
@@ -188,14 +205,14 @@ class PipelineRunner:
             raise ValueError(f"the schedule was built for {self.schedule.num_micro} micro-batches, "
                              f"got {len(micro_batches)}")
         self._reset(micro_batches, training=True)
-        for op in self.schedule.ops[self.rank]:
+        for j, op in enumerate(self.schedule.ops[self.rank]):
             if op.kind in ("F", "FB"):
                 self._forward(op.stage, op.micro, train=True)
             if op.kind == "B":
-                self._backward(op.stage, op.micro, op.defer_weight)
+                self._backward(op.stage, op.micro, op.defer_weight, j)
             elif op.kind == "FB":
-                self._backward(op.b_stage, op.b_micro, op.defer_weight)
-            elif op.kind == "W":
+                self._backward(op.b_stage, op.b_micro, op.defer_weight, j)
+            elif op.kind == "W" and not self.fsdp:
                 with self._busy():
                     self.weight_grads.pop()
         self.weight_grads.flush()

@@ -61,3 +61,30 @@ def stage_forward(model: MoECausalLM, stage: Stage, x: torch.Tensor,
         if layer_stats is not None:
             stats.append(layer_stats)
     return h, stats
+
+
+class RankStages(nn.Module):
+    """The stages one pipeline rank holds, as one module: `forward(index, ...)` runs stage `index`.
+    One module per rank gives FSDP a single root, which gathers the embedding and the head for
+    whichever stage uses them (DualPipeV's rank 0 holds both ends)."""
+
+    def __init__(self, model: MoECausalLM, stages: dict[int, Stage]):
+        super().__init__()
+        self.model, self.stages = model, stages
+
+    def forward(self, index: int, x: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor,
+                reduce_stats: bool = True):
+        """-> (hidden states, or the last stage's mean cross-entropy; the MoE layers' token counts
+        and summed router probabilities [layers, E], reduced over the data-parallel ranks, or None
+        without MoE layers; tokens per layer)."""
+        stage = self.stages[index]
+        h, stats = stage_forward(self.model, stage, x, positions)
+        counts = prob_sums = None
+        if stats:
+            if reduce_stats:
+                stats = self.model.reduce_router_stats(stats)
+            counts, prob_sums = torch.stack([st.counts for st in stats]), torch.stack([st.prob_sum for st in stats])
+        num_tokens = stats[0].num_tokens if stats else 0
+        if stage.last:
+            h = self.model.head(self.model.model.norm(h), labels, return_logits=False)[1]
+        return h, counts, prob_sums, num_tokens
