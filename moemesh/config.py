@@ -62,6 +62,7 @@ class TrainConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     grad_clip: float = 1.0  # global gradient-norm limit; 0 turns clipping off
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU (autocast; weights stay fp32)
+    param_dtype: str = "float32"  # weights and AdamW state; "bfloat16": all bf16, half the memory
     device: str = "auto"  # auto: cuda when available, else cpu
     resume: bool = False
     save_every: int = 100  # 0: only the final checkpoint
@@ -220,6 +221,8 @@ def _validate(config: RunConfig) -> None:
          f"train.betas must be two numbers in [0, 1), got {train.betas}")
     need(train.dtype in ("auto", "float32", "bfloat16"),
          f"train.dtype must be 'auto', 'float32' or 'bfloat16', got {train.dtype!r}")
+    need(train.param_dtype in ("float32", "bfloat16"),
+         f"train.param_dtype must be 'float32' or 'bfloat16', got {train.param_dtype!r}")
     need(train.device == "auto" or train.device.split(":")[0] in ("cpu", "cuda"),
          f"train.device must be 'auto', 'cpu' or 'cuda[:N]', got {train.device!r}")
     need(0 < data.val_fraction < 1, f"data.val_fraction must be in (0, 1), got {data.val_fraction}")

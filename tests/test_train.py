@@ -22,6 +22,7 @@ from moemesh.train.metrics import read_metrics
 from moemesh.train.optim import build_optimizer, lr_factor
 from moemesh.train.trainer import train
 
+from numerics import rel_err
 from tiny_run import tiny_config, tiny_raw, write_corpus
 
 COMPARED = ("loss", "aux_loss", "lr", "grad_norm", "val_loss")
@@ -191,6 +192,21 @@ def test_bfloat16_autocast_trains(tmp_path):
     assert result.last_val_loss < result.first_val_loss - 1.0
     model, _ = load_model(result.checkpoint)
     assert model.lm_head.weight.dtype == torch.float32
+
+
+def test_bfloat16_weights_train_and_load(tmp_path):
+    # train.param_dtype = bfloat16: weights and AdamW moments in bf16 (half the memory).
+    write_corpus(tmp_path)
+    trainer = trainer_module.Trainer(tiny_config(tmp_path / "bf16w", tmp_path / "corpus.txt", steps=10,
+                                                 dtype="bfloat16", param_dtype="bfloat16"), stream=io.StringIO())
+    result = trainer.run()
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.bfloat16}
+    assert {t.dtype for state in trainer.optimizer.state.values() for t in state.values() if t.dim()} == {torch.bfloat16}
+    records = read_metrics(result.run_dir / "metrics.jsonl")
+    assert all(math.isfinite(r["loss"]) for r in records[1:])
+    assert result.last_val_loss < result.first_val_loss - 1.0
+    model, _ = load_model(result.checkpoint)  # into fp32, as every checkpoint loads
+    assert rel_err(model.lm_head.weight, trainer.model.lm_head.weight.float()) == 0
 
 
 def test_mfu_is_reported_where_the_peak_is_known(tmp_path, monkeypatch):

@@ -102,7 +102,10 @@ class Trainer:
         torch.manual_seed(train.seed)
         self.dataset, self.tokenizer = load_dataset(config.data, train.seq_len, train.seed, config.model.vocab_size)
         # Every rank builds the full model from the seed, then keeps its part.
-        self.model: MoECausalLM = build(config.model, seed=train.seed, device=self.device)
+        # bf16 weights and AdamW state take half the memory of fp32 master weights, at bf16's
+        # rounding of every update (as transformers trains a bf16 model).
+        self.model: MoECausalLM = build(config.model, seed=train.seed, device=self.device,
+                                        dtype=_DTYPES[train.param_dtype])
         # Counted on the whole model, before this rank drops the experts it does not hold.
         self.flops_per_token = flops_per_token(self.model, train.seq_len)
         self.num_params = (self.model.num_params(), self.model.num_params(active=True))
