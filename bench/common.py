@@ -6,9 +6,19 @@ import json
 import statistics
 import tempfile
 import time
+import tomllib
+from pathlib import Path
 from typing import Callable
 
 import torch
+
+from moemesh.models import ModelConfig
+
+
+def qwen3_30b_a3b(layers: int) -> ModelConfig:
+    """Qwen3-30B-A3B's shape (configs/qwen3_30b_a3b_6l.toml) cut to `layers` decoder layers."""
+    path = Path(__file__).resolve().parent.parent / "configs" / "qwen3_30b_a3b_6l.toml"
+    return ModelConfig(**tomllib.loads(path.read_text())["model"]).replace(num_hidden_layers=layers)
 
 
 def rel_err(ours: torch.Tensor, reference: torch.Tensor) -> float:

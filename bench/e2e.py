@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bench.common import median_ms, print_table
+from bench.common import median_ms, print_table, qwen3_30b_a3b
 from moemesh.config import load_config
 from moemesh.models import ModelConfig, MoECausalLM, build
 from moemesh.parallel.data import (
@@ -70,11 +70,7 @@ def model_config(args) -> ModelConfig:
         overrides = [f"parallel.{args.layout}={WORLD}"] if WORLD > 1 else []
         config = load_config(args.config, overrides).model
     else:
-        config = ModelConfig(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_hidden_layers=args.layers,
-                             num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
-                             num_experts_per_tok=8, moe_intermediate_size=768, tie_word_embeddings=False,
-                             rope_theta=1e6, rms_norm_eps=1e-6, norm_topk_prob=True, output_router_logits=True,
-                             router_aux_loss_coef=0.001, max_position_embeddings=8192)
+        config = qwen3_30b_a3b(args.layers)
     return config.replace(max_position_embeddings=max(config.max_position_embeddings, args.seq))
 
 

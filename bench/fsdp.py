@@ -22,9 +22,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from bench.common import intersection_length, interval_length, kernel_intervals, median_ms, print_table
+from bench.common import intersection_length, interval_length, kernel_intervals, median_ms, print_table, qwen3_30b_a3b
 from moemesh.config import DataConfig, ParallelConfig, RunConfig, TrainConfig, load_config
-from moemesh.models import ModelConfig
 from moemesh.train.trainer import Trainer
 
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
@@ -36,13 +35,6 @@ VARIANTS = {  # the replicated one last: it is the one that may run out of memor
 }
 
 
-def model_config(layers: int) -> ModelConfig:
-    return ModelConfig(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_hidden_layers=layers,
-                       num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
-                       num_experts_per_tok=8, moe_intermediate_size=768, max_position_embeddings=8192,
-                       output_router_logits=True, router_aux_loss_coef=0.001)
-
-
 def comm_overlap(trainer: Trainer) -> tuple[float, float]:
     """Profile one step: (ms in NCCL kernels, fraction of it overlapped by compute kernels)."""
     nccl, compute = kernel_intervals(trainer.train_step)
@@ -52,7 +44,7 @@ def comm_overlap(trainer: Trainer) -> tuple[float, float]:
 
 def run_variant(name: str, parallel: dict, args) -> dict:
     world = WORLD
-    model = load_config(args.config, [f"parallel.dp_shard={WORLD}"]).model if args.config else model_config(args.layers)
+    model = load_config(args.config, [f"parallel.dp_shard={WORLD}"]).model if args.config else qwen3_30b_a3b(args.layers)
     config = RunConfig(model=model, parallel=ParallelConfig(**parallel),
                        train=TrainConfig(global_batch=args.sequences * world, micro_batch=args.sequences * world,
                                          seq_len=args.seq, eval_sequences=world, run_dir="/tmp/bench_fsdp",
