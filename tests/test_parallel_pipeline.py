@@ -3,9 +3,12 @@ with the same global batch and the same 8 micro-batches:
 
 - every gradient after one step's forwards and backwards (gathered whole from the stages and
   shards), and the step's loss and load-balancing loss, for PP 2 × EP 2, PP 2 × TP 2, PP 2 × 2
-  data-parallel replicas and PP 4 (8 DualPipeV stages, some holding only the embedding or head);
-- 5 optimizer steps of the trainer (losses, aux losses, gradient norms) for PP 2 × EP 2 in both
-  schedules, and PP 2 alone through `torchrun ... moemesh train`; their checkpoints load whole.
+  data-parallel replicas, PP 2 × dp_shard 2 and PP 4 (8 DualPipeV stages, some holding only the
+  embedding or head);
+- 5 optimizer steps of the trainer (losses, aux losses, gradient norms: the clipping norm sums
+  parts over the pipeline ranks) for PP 2 × EP 2 in both schedules, PP 2 × TP 2, PP 2 × dp_shard 2,
+  and PP 2 alone through `torchrun ... moemesh train`; their checkpoints load whole;
+- under FSDP, one gradient reduce-scatter per unit per step, not one per micro-batch.
 
 Tolerance 1e-5 relative: the same fp32 terms summed in another order."""
 
@@ -142,7 +145,7 @@ def assert_same_weights(run_dir, weights) -> None:
         assert rel_err(tensor, weights[name]) <= 1e-4, name
 
 
-@pytest.mark.parametrize("layout", ["pp2-ep2", "pp2-ep2-1f1b", "pp2-dp_shard2"])
+@pytest.mark.parametrize("layout", ["pp2-ep2", "pp2-ep2-1f1b", "pp2-tp2", "pp2-dp_shard2"])
 def test_pipeline_training_equals_one_process(pool, reference, layout):
     directory, _, records, weights = reference
     for rank_records in pool.run(train_steps, run_config(directory, LAYOUTS[layout], layout)):

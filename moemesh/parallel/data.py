@@ -6,6 +6,8 @@ expert ones over the ranks that hold the same experts. Parameters that FSDP shar
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -77,18 +79,21 @@ def rank_loss(ce_loss: torch.Tensor, aux_loss: torch.Tensor | None, local_label_
     return loss
 
 
+NORM_AXES = ("pp", "dp_shard", "ep", "tp")  # the axes over which ranks can hold different parts
+
+
 def split_axes(name: str, param: torch.Tensor, mesh: Mesh) -> tuple[str, ...]:
     """The mesh axes over which the ranks hold different parts of `param` (and of its gradient);
     along the other axes they hold the same part."""
-    axes = ["pp"]  # pipeline ranks hold different layers (a no-op without a pipeline)
     expert = is_expert_parameter(name)
+    axes = {"pp"}  # pipeline ranks hold different layers (a no-op without a pipeline)
     if is_fsdp_sharded(param):
-        axes += ["dp_shard"] if expert else ["dp_shard", "ep"]
+        axes |= {"dp_shard"} if expert else {"dp_shard", "ep"}
     if expert:
-        axes.append("ep")
+        axes.add("ep")
     if hasattr(param, "tp_dim"):
-        axes.append("tp")
-    return tuple(dict.fromkeys(axes))
+        axes.add("tp")
+    return tuple(axis for axis in NORM_AXES if axis in axes)
 
 
 def clip_grad_norm_(model: MoECausalLM, max_norm: float, mesh: Mesh) -> torch.Tensor:
@@ -97,18 +102,19 @@ def clip_grad_norm_(model: MoECausalLM, max_norm: float, mesh: Mesh) -> torch.Te
     `reduce_gradients`: a gradient is then the same on every rank that holds the same part of its
     parameter, so each part counts once: the squared norms of the parts are summed over the axes
     that split them (`split_axes`) and not over the others."""
-    squares: dict[tuple[str, ...], torch.Tensor] = {}
-    grads = []
-    for name, param in model.named_parameters():
-        if param.grad is not None:
-            grad = local(param.grad)
-            axes = split_axes(name, param, mesh)
-            squares[axes] = squares.get(axes, 0) + grad.float().pow(2).sum()
-            grads.append(grad)
-    for axis in ("pp", "dp_shard", "ep", "tp"):  # a sum over several axes is a sum over each in turn
+    grads = [(name, param, local(param.grad)) for name, param in model.named_parameters() if param.grad is not None]
+    device = grads[0][2].device if grads else None
+    # One squared norm per combination of axes, every combination on every rank, in one order: a
+    # pipeline rank may hold no parameter of some kind, and the sums over an axis must line up.
+    combinations = [tuple(a for a, keep in zip(NORM_AXES, bits) if keep)
+                    for bits in itertools.product((False, True), repeat=len(NORM_AXES))]
+    squares = {axes: torch.zeros((), device=device) for axes in combinations}
+    for name, param, grad in grads:
+        squares[split_axes(name, param, mesh)] += grad.float().pow(2).sum()
+    for axis in NORM_AXES:  # a sum over several axes is a sum over each in turn
         comm.all_reduce_sum_([s for axes, s in squares.items() if axis in axes], mesh.group(axis), kind="grad_norm")
-    total = sum(squares.values(), torch.zeros((), device=grads[0].device if grads else None)).sqrt()
+    total = sum(squares.values()).sqrt()
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for g in grads:
-        g.mul_(scale)
+    for _, _, grad in grads:
+        grad.mul_(scale)
     return total
