@@ -65,7 +65,7 @@ class TrainConfig:
     param_dtype: str = "float32"  # weights and AdamW state; "bfloat16": all bf16, half the memory
     device: str = "auto"  # auto: cuda when available, else cpu
     resume: bool = False
-    save_every: int = 100  # 0: only the final checkpoint
+    save_every: int = 100  # 0: only the final checkpoint; -1: none (benchmark runs)
     eval_every: int = 50  # 0: evaluate only before the first and after the last step
     eval_sequences: int = 64  # validation sequences per evaluation (always the same ones)
     log_every: int = 10  # steps between plain progress lines when the output is not a terminal
@@ -213,7 +213,8 @@ def _validate(config: RunConfig) -> None:
 
     for name in ["steps", "global_batch", "micro_batch", "seq_len", "eval_sequences", "log_every"]:
         need(getattr(train, name) >= 1, f"train.{name} must be >= 1, got {getattr(train, name)}")
-    for name in ["warmup_steps", "save_every", "eval_every", "seed", "weight_decay", "grad_clip"]:
+    need(train.save_every >= -1, f"train.save_every must be >= -1, got {train.save_every}")
+    for name in ["warmup_steps", "eval_every", "seed", "weight_decay", "grad_clip"]:
         need(getattr(train, name) >= 0, f"train.{name} must be >= 0, got {getattr(train, name)}")
     need(train.lr > 0, f"train.lr must be > 0, got {train.lr}")
     need(0 <= train.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {train.min_lr_ratio}")

@@ -209,6 +209,13 @@ def test_bfloat16_weights_train_and_load(tmp_path):
     assert rel_err(model.lm_head.weight, trainer.model.lm_head.weight.float()) == 0
 
 
+def test_save_every_minus_one_writes_no_checkpoint(tmp_path):
+    write_corpus(tmp_path)
+    result = _run(tmp_path, "nosave", steps=3, save_every=-1)
+    assert result.checkpoint is None and not (result.run_dir / "checkpoints").exists()
+    assert (result.run_dir / "loss.png").is_file()
+
+
 def test_mfu_is_reported_where_the_peak_is_known(tmp_path, monkeypatch):
     monkeypatch.setattr(trainer_module, "peak_flops", lambda device: 1e12)
     stream = io.StringIO()

@@ -305,7 +305,7 @@ class Trainer:
                     val_losses.append(record["val_loss"])
                     progress.message(f"step {self.step}: validation loss {record['val_loss']:.4f}")
                 metrics.write(record)
-                if last or (train.save_every and self.step % train.save_every == 0):
+                if train.save_every >= 0 and (last or (train.save_every and self.step % train.save_every == 0)):
                     checkpoint = self.save()
         finally:
             progress.close()
