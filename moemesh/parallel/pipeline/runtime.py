@@ -4,8 +4,11 @@ A forward of (stage s, micro-batch m) takes the token ids (first stage) or the h
 stage s-1 sent, runs the stage's layers and sends the result on to stage s+1 — a local hand-off when
 this rank holds s+1 too, as DualPipeV's middle stages are. Its backward takes the gradient that
 stage s+1 sent back and sends the input's gradient to stage s-1; the stage's saved tensors are freed
-as soon as its backward is done. Sends do not wait, receives do; a schedule whose ranks send and
-receive in the same order (checked by the schedule tests) therefore cannot deadlock.
+as soon as its backward is done. A backward the schedule marks `defer_weight` leaves its weight
+GEMMs to a later W operation (`ops/weight_grad.py`). Sends do not wait, receives do, and a rank
+takes a peer's messages in the order the peer sent them (`schedule.messages`), keeping those that
+come early for their operation; with a valid schedule nothing can deadlock. Each direction between
+two ranks has its own process group, so that NCCL never queues a receive behind a waiting send.
 
 The load-balancing loss pools token counts and router probabilities over all MoE layers of the
 model, which live on different stages. Its value is Σ_e C_e·P_e·E/N² (C: token counts, P: summed
@@ -27,12 +30,12 @@ import torch
 import torch.distributed as dist
 
 from moemesh.models.transformer import MoECausalLM
+from moemesh.ops.weight_grad import WeightGradStore
 from moemesh.parallel import comm
 from moemesh.parallel.data import rank_loss
 from moemesh.parallel.mesh import Mesh
 from moemesh.parallel.pipeline.schedule import Schedule, messages
 from moemesh.parallel.pipeline.stage import RankStages, Stage, cut_model
-from moemesh.ops.weight_grad import WeightGradStore
 
 
 @dataclass
