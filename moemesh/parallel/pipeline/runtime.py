@@ -102,6 +102,8 @@ class PipelineRunner:
         if to_stage in self.stages:  # a hand-off between two stages of this rank
             self.inbox[key] = tensors
         else:
+            # Drop the sends that are done: their buffers (activations, gradients) can go.
+            self.pending = [(work, sent) for work, sent in self.pending if not work.is_completed()]
             self.pending += comm.send(tensors, *self._peer(to_stage))
 
     def _take(self, key: tuple[str, int, int], hidden_shape) -> list[torch.Tensor]:
