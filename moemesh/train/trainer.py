@@ -316,9 +316,9 @@ class Trainer:
         if self.is_main:
             plot_losses(records, self.run_dir / "loss.png", title=f"{self.config.model.model_type} · {self.run_dir}")
         if val_losses:
+            saved = checkpoint or latest_checkpoint(self.run_dir) or "none (train.save_every=-1)"
             self._say(f"done in {format_duration(seconds)}: validation loss {val_losses[0]:.4f} -> "
-                      f"{val_losses[-1]:.4f}; checkpoint {checkpoint or latest_checkpoint(self.run_dir)}; "
-                      f"plot {self.run_dir / 'loss.png'}")
+                      f"{val_losses[-1]:.4f}; checkpoint {saved}; plot {self.run_dir / 'loss.png'}")
         return TrainResult(self.run_dir, self.step, seconds, val_losses[0] if val_losses else None,
                            val_losses[-1] if val_losses else None, checkpoint or latest_checkpoint(self.run_dir))
 
