@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 from moemesh.errors import CheckpointError, ConfigError
 from moemesh.models import ModelConfig, from_pretrained, save_pretrained
+from hf_oracle import assert_same_gradients, batch, gradients
 from numerics import rel_err
 
 RTOL = 1e-5
@@ -55,12 +56,6 @@ def hf_model(model_type: str, overrides: dict, seed: int = 0):
     return model_cls(config).float().eval()
 
 
-def batch(vocab: int, seed: int):
-    generator = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(0, vocab, (2, 11), generator=generator)
-    labels = input_ids.clone()
-    labels[0, :3] = -100  # ignored positions must not count
-    return input_ids, labels
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -79,12 +74,7 @@ def test_logits_loss_aux_and_every_gradient_match_transformers(case, tmp_path):
 
     ref.loss.backward()
     out.loss.backward()
-    their_grads = {name: p.grad for name, p in theirs.named_parameters()}
-    our_grads = {name: p.grad for name, p in ours.named_parameters()}
-    assert set(our_grads) == set(their_grads)
-    for name, grad in their_grads.items():
-        assert grad is not None and grad.norm() > 0, name
-        assert rel_err(our_grads[name], grad) <= RTOL, name
+    assert_same_gradients(gradients(ours), gradients(theirs), RTOL)
 
 
 def test_router_gradient_comes_from_both_the_loss_and_the_aux_loss(tmp_path):

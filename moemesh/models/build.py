@@ -31,11 +31,13 @@ def build(config: ModelConfig, seed: int = 0, device: torch.device | str | None 
 @torch.no_grad()
 def init_weights(model: MoECausalLM, seed: int) -> None:
     std = model.config.initializer_range
+    for buffer in model.buffers():  # DeepSeek-V3's e_score_correction_bias starts at zero
+        buffer.zero_()
     for name, param in model.named_parameters():
         generator = torch.Generator().manual_seed(parameter_seed(seed, name))
         if name.endswith("norm.weight"):
             values = torch.ones(param.shape)
-        elif name.endswith(".bias"):
+        elif name.endswith((".bias", "_bias")):
             values = torch.zeros(param.shape)
         else:
             values = torch.empty(param.shape).normal_(0.0, std, generator=generator)

@@ -45,6 +45,29 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    # ---- family-specific (written to config.json only by the families that use them) ----------
+    layer_types: list[str] | None = None  # per layer "sliding_attention" | "full_attention" (GPT-OSS)
+    attention_sinks: bool = False  # a learned per-head logit in the softmax denominator (GPT-OSS)
+    router_bias: bool = False  # a bias on the router logits (GPT-OSS)
+    expert_bias: bool = False  # biases on every expert's gate_up and down projections (GPT-OSS)
+    swiglu_alpha: float | None = None  # clamped SwiGLU (GPT-OSS): gate * sigmoid(alpha * gate) * (up + 1)
+    swiglu_limit: float | None = None  # ... with gate <= limit and |up| <= limit
+    # Multi-head latent attention (DeepSeek V2/V3): on when kv_lora_rank is set.
+    q_lora_rank: int | None = None  # None: a full-rank q_proj (V2-Lite)
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    rope_interleave: bool = False  # the rope dims come in (even, odd) pairs
+    n_shared_experts: int = 0  # a dense SwiGLU of n × moe_intermediate_size beside the routed experts
+    first_k_dense_replace: int = 0  # the first k layers are dense
+    scoring_func: str = "softmax"  # router scores: "softmax" or "sigmoid" (V3, chosen with a bias)
+    # DeepSeek's router (moe.GroupLimitedRouter): "greedy" | "group_limited_greedy" (V2) | "noaux_tc"
+    # (V3: groups limited, bias-corrected choice); None: the softmax top-k router (moe.Router).
+    topk_method: str | None = None
+    n_group: int | None = None  # experts are chosen from the best topk_group of n_group groups
+    topk_group: int | None = None
+    routed_scaling_factor: float = 1.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -60,10 +83,23 @@ class ModelConfig:
     def attention_head_dim(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
+    @property
+    def rotary_dim(self) -> int:
+        """The dims RoPE rotates per head: all of them, or the rope part of latent attention."""
+        return self.qk_rope_head_dim if self.kv_lora_rank is not None else self.attention_head_dim
+
+    def layer_sliding_window(self, layer_idx: int) -> int | None:
+        """The window of this layer's attention: `sliding_window` everywhere, or only on the layers
+        that `layer_types` marks as sliding."""
+        if self.layer_types is None or self.layer_types[layer_idx] == "sliding_attention":
+            return self.sliding_window
+        return None
+
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Qwen3-MoE's rule: sparse unless listed in mlp_only_layers or off the sparse step."""
         return (
-            layer_idx not in self.mlp_only_layers
+            layer_idx >= self.first_k_dense_replace
+            and layer_idx not in self.mlp_only_layers
             and self.num_experts > 0
             and (layer_idx + 1) % self.decoder_sparse_step == 0
         )
@@ -94,10 +130,36 @@ class ModelConfig:
         need(self.hidden_act == "silu", f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
         bad_layers = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
         need(not bad_layers, f"mlp_only_layers has indices outside 0..{self.num_hidden_layers - 1}: {bad_layers}")
+        if self.layer_types is not None:
+            need(len(self.layer_types) == self.num_hidden_layers,
+                 f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+            bad_types = sorted(set(self.layer_types) - {"sliding_attention", "full_attention"})
+            need(not bad_types, f"layer_types has unknown types {bad_types}")
+        if self.kv_lora_rank is not None:
+            dims = ["qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"]
+            need(all(isinstance(getattr(self, d), int) and getattr(self, d) > 0 for d in dims),
+                 f"multi-head latent attention needs positive {', '.join(dims)}")
+            need(self.num_key_value_heads == self.num_attention_heads,
+                 "multi-head latent attention has one key/value head per query head "
+                 f"(num_key_value_heads {self.num_key_value_heads} != num_attention_heads {self.num_attention_heads})")
+        need(self.scoring_func in ("softmax", "sigmoid"), f"scoring_func {self.scoring_func!r} is not supported")
+        need(self.topk_method in (None, "greedy", "group_limited_greedy", "noaux_tc"),
+             f"topk_method {self.topk_method!r} is not supported")
+        groups = self.n_group or 1
+        need(self.num_experts % groups == 0, f"n_group ({groups}) must divide num_experts ({self.num_experts})")
+        need(1 <= (self.topk_group or 1) <= groups, f"topk_group ({self.topk_group}) must be in 1..n_group ({groups})")
+        need((self.swiglu_alpha is None) == (self.swiglu_limit is None),
+             "swiglu_alpha and swiglu_limit are given together or not at all")
         if any(not self.is_moe_layer(i) for i in range(self.num_hidden_layers)):
             need(self.intermediate_size > 0, "intermediate_size must be positive when dense layers exist")
 
     # ---- HF translation ---------------------------------------------------------------------
+    @classmethod
+    def family_fields(cls) -> list[str]:
+        """The fields after `pad_token_id`: only some families have them in config.json."""
+        names = cls.field_names()
+        return names[names.index("pad_token_id") + 1:]
+
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls) if f.name != "extra"]

@@ -21,6 +21,7 @@ class Family:
     write_renames: dict[str, str] = field(default_factory=dict)  # ModelConfig field -> config.json name
     fixed: dict[str, Any] = field(default_factory=dict)  # behaviour the family hard-wires
     not_in_hf: tuple[str, ...] = ()  # ModelConfig fields this family's config.json lacks
+    hf_fields: tuple[str, ...] = ()  # the family-specific fields (ModelConfig.family_fields) it has
     hub_moe_prefix: str = "mlp"  # per-expert checkpoints: `layers.N.<prefix>.experts.J...`
     hub_expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     read_hook: Callable[[dict], None] = lambda hf: None  # in-place fix-ups of a config.json dict
@@ -28,6 +29,11 @@ class Family:
     # Tensor-parallel plan of a model with this config: parameter or module path pattern (`*`
     # stands for one path component) -> style; see moemesh/parallel/tensor.py.
     tp_plan: Callable[[ModelConfig], dict[str, str]] = lambda config: {}
+    # Checkpoint tensors whose names or layouts differ from moemesh's (GPT-OSS: transposed,
+    # interleaved experts): state dict in transformers' layout -> moemesh's, and back. None: the
+    # default (per-expert hub names, fused by hf.py).
+    state_from_hf: Callable[[dict, ModelConfig], dict] | None = None
+    state_to_hf: Callable[[dict, ModelConfig], dict] | None = None
 
     def config_from_hf(self, hf: dict[str, Any]) -> ModelConfig:
         hf = dict(hf)
@@ -44,8 +50,9 @@ class Family:
     def config_to_hf(self, config: ModelConfig) -> dict[str, Any]:
         out = {"architectures": [self.architecture], "model_type": self.model_type}
         skip = set(self.fixed) | set(self.not_in_hf) | {"model_type", "qk_norm", "rope_theta"}
+        unused = set(ModelConfig.family_fields()) - set(self.hf_fields)
         for name in ModelConfig.field_names():
-            if name not in skip:
+            if name not in skip | unused:
                 out[self.write_renames.get(name, name)] = getattr(config, name)
         out["head_dim"] = config.attention_head_dim  # some families cannot read null
         # Both spellings: transformers 5 reads rope_parameters, transformers 4 rope_theta.

@@ -80,6 +80,8 @@ def read_safetensors(path: Path, fam: Family, config: ModelConfig) -> dict[str, 
                     tensors[_rename_moe_prefix(key, fam)] = reader.get_tensor(key)
         except Exception as error:  # safetensors raises its own types for truncated/corrupt files
             raise CheckpointError(f"{file}: cannot read safetensors file ({error})") from None
+    if fam.state_from_hf is not None:
+        return fam.state_from_hf(tensors, config)
     return _fuse_experts(tensors, fam, config)
 
 
@@ -135,10 +137,13 @@ def to_hub_layout(model: MoECausalLM) -> dict[str, torch.Tensor]:
     """The model's tensors under the original per-expert Hub names."""
     fam = family(model.config.model_type)
     gate_name, up_name, down_name = fam.hub_expert_names
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    if fam.state_to_hf is not None:
+        return {name: t.detach().cpu().contiguous() for name, t in fam.state_to_hf(state, model.config).items()}
     out = {}
-    for name, tensor in model.state_dict().items():
-        if model.config.tie_word_embeddings and name == "lm_head.weight":
-            continue
+    for name, tensor in state.items():
         in_moe_block = ".mlp.experts." in name or ".mlp.gate." in name
         hub_name = name.replace(".mlp.", f".{fam.hub_moe_prefix}.") if in_moe_block else name
         if name.endswith(".experts.gate_up_proj"):

@@ -81,7 +81,8 @@ def attention_mask(q_positions: torch.Tensor, kv_len: int, sliding_window: int |
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with RoPE and, for Qwen3, an RMSNorm on every query and key head."""
+    """Grouped-query attention with RoPE and, for Qwen3, an RMSNorm on every query and key head;
+    for GPT-OSS, attention sinks and a sliding window on the layers `layer_types` marks."""
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -89,7 +90,7 @@ class Attention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.attention_head_dim
-        self.sliding_window = config.sliding_window
+        self.sliding_window = config.layer_sliding_window(layer_idx)
         hidden, bias = config.hidden_size, config.attention_bias
         self.q_proj = Linear(hidden, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
@@ -100,6 +101,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # One learned logit per head, competing with the keys in the softmax's denominator.
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if config.attention_sinks else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
                 cache: KVCache | None = None) -> torch.Tensor:
@@ -118,9 +121,28 @@ class Attention(nn.Module):
         kv_len = k.shape[2]
         plain_causal = kv_len == seq and (self.sliding_window is None or seq <= self.sliding_window)
         mask = None if plain_causal else attention_mask(positions, kv_len, self.sliding_window)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=plain_causal,
-                                             enable_gqa=self.num_kv_heads != self.num_heads)
+        if self.sinks is not None:
+            if mask is None:
+                mask = attention_mask(positions, kv_len, None)
+            out = sink_attention(q, k, v, mask, self.sinks)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=plain_causal,
+                                                 enable_gqa=self.num_kv_heads != self.num_heads)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                   sinks: torch.Tensor) -> torch.Tensor:
+    """softmax([q·k / sqrt(D), sink]) without the sink's column, times v. The sink only enlarges
+    the denominator, so a head can attend to nothing. q: [B, h, T, D], k/v: [B, h_kv, Tk, D],
+    mask: [T, Tk] boolean. Computed explicitly (scaled_dot_product_attention takes no sinks)."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
+    return probs.to(v.dtype) @ v
 
 
 class DenseMLP(nn.Module):

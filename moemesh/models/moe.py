@@ -12,6 +12,8 @@ all-to-all dispatcher under expert parallelism. Combine ends with the block's `r
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -20,8 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from moemesh.models.config import ModelConfig
+from moemesh.models.layers import DenseMLP
 from moemesh.ops import combine, permute, swiglu
 from moemesh.ops.grouped_mm import grouped_mm
+from moemesh.ops.swiglu import clamped_swiglu
 
 
 @dataclass
@@ -29,6 +33,8 @@ class Routing:
     weights: torch.Tensor  # [T, k] fp32 routing weights of the chosen experts
     expert_ids: torch.Tensor  # [T, k] int64
     stats: RouterStats
+    # The shared experts' output (DeepSeek), added to the routed experts' before the block's reduce.
+    shared: torch.Tensor | None = None
 
 
 @dataclass
@@ -44,23 +50,70 @@ class RouterStats:
 class Router(nn.Module):
     """Softmax over experts in fp32, top-k, optionally renormalised over the k.
 
-    Mixtral's "top-k on logits, then softmax over the k" is the same function as softmax ->
-    top-k -> renormalise, so one router serves both families."""
+    Mixtral's and GPT-OSS's "top-k on logits, then softmax over the k" is the same function as
+    softmax -> top-k -> renormalise, so one router serves these families. GPT-OSS adds a bias to
+    the logits."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        self.bias = nn.Parameter(torch.empty(config.num_experts)) if config.router_bias else None
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
 
     def forward(self, x: torch.Tensor) -> Routing:
-        logits = F.linear(x, self.weight)
+        logits = F.linear(x, self.weight, self.bias)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         with torch.no_grad():
             counts = torch.zeros(probs.shape[-1], device=x.device, dtype=torch.float32)
+            counts.index_add_(0, expert_ids.flatten(), torch.ones(expert_ids.numel(), device=x.device))
+        return Routing(weights, expert_ids, RouterStats(counts, probs.sum(dim=0), x.shape[0]))
+
+
+class GroupLimitedRouter(nn.Module):
+    """DeepSeek's router, in fp32 as transformers computes it. Scores are a softmax (V2) or
+    sigmoids (V3); experts form n_group groups, each token picks its topk_group best groups (V2:
+    by their best score; V3: by the sum of their two best biased scores) and its top-k experts
+    inside them. V3 adds `e_score_correction_bias` for the choice only: the weights are the
+    unbiased scores, renormalised over the k if norm_topk_prob. Then × routed_scaling_factor.
+
+    Load-balancing statistics (transformers computes no auxiliary loss for these families):
+    the Switch loss over the scores normalised to sum to one per token, i.e. the softmax for V2
+    and sigmoid / Σ sigmoid for V3 (DeepSeek-V3's balance loss, pooled over the batch)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        self.top_k = config.num_experts_per_tok
+        self.sigmoid = config.scoring_func == "sigmoid"
+        self.limit_groups = config.topk_method in ("group_limited_greedy", "noaux_tc")
+        self.n_group, self.topk_group = config.n_group or 1, config.topk_group or 1
+        self.norm_topk_prob = config.norm_topk_prob and self.sigmoid  # V2 never renormalises
+        self.scaling = config.routed_scaling_factor
+        if self.sigmoid:  # a buffer: set by the (external) balancing rule, not by gradients
+            self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts))
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.sigmoid() if self.sigmoid else logits.softmax(dim=-1)
+        choice = scores + self.e_score_correction_bias if self.sigmoid else scores
+        if self.limit_groups:
+            grouped = choice.view(-1, self.n_group, choice.shape[-1] // self.n_group)
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1) if self.sigmoid else grouped.max(dim=-1).values
+            chosen = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(self.topk_group, dim=-1).indices, 1)
+            outside = (chosen == 0).repeat_interleave(grouped.shape[-1], dim=1)
+            choice = choice.masked_fill(outside, float("-inf") if self.sigmoid else 0.0)
+        expert_ids = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, expert_ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights * self.scaling
+        probs = scores / scores.sum(dim=-1, keepdim=True) if self.sigmoid else scores
+        with torch.no_grad():
+            counts = torch.zeros(scores.shape[-1], device=x.device, dtype=torch.float32)
             counts.index_add_(0, expert_ids.flatten(), torch.ones(expert_ids.numel(), device=x.device))
         return Routing(weights, expert_ids, RouterStats(counts, probs.sum(dim=0), x.shape[0]))
 
@@ -76,16 +129,38 @@ def load_balancing_loss(stats: list[RouterStats], num_experts: int) -> torch.Ten
 
 class Experts(nn.Module):
     """All experts of one layer, stored fused as transformers does: gate_up_proj [E, 2I, H]
-    (gate rows first, then up rows) and down_proj [E, H, I]."""
+    (gate rows first, then up rows) and down_proj [E, H, I]; with `expert_bias` (GPT-OSS) also
+    gate_up_proj_bias [E, 2I] (same order) and down_proj_bias [E, H]."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         num_experts, hidden, inner = config.num_experts, config.hidden_size, config.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inner, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inner))
+        self.gate_up_proj_bias = self.down_proj_bias = None
+        if config.expert_bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * inner))
+            self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden))
+        self.activation = swiglu
+        if config.swiglu_limit is not None:
+            self.activation = functools.partial(clamped_swiglu, alpha=config.swiglu_alpha, limit=config.swiglu_limit)
+        # The share of down_proj_bias each copy of the output adds. Tensor parallelism makes the
+        # output a partial sum that is reduced once per block, so there every rank adds bias / tp.
+        self.down_bias_share = 1.0
 
     def forward(self, grouped: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-        return grouped_mm(swiglu(grouped_mm(grouped, self.gate_up_proj, group_sizes)), self.down_proj, group_sizes)
+        gate_up = grouped_mm(grouped, self.gate_up_proj, group_sizes)
+        if self.gate_up_proj_bias is not None:
+            gate_up = gate_up + _per_row(self.gate_up_proj_bias, group_sizes, gate_up)
+        out = grouped_mm(self.activation(gate_up), self.down_proj, group_sizes)
+        if self.down_proj_bias is not None:
+            out = out + _per_row(self.down_proj_bias * self.down_bias_share, group_sizes, out)
+        return out
+
+
+def _per_row(bias: torch.Tensor, group_sizes: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Each expert's bias repeated over its rows ([E, D] -> [N, D]); output_size avoids a host sync."""
+    return torch.repeat_interleave(bias.to(rows.dtype), group_sizes, dim=0, output_size=rows.shape[0])
 
 
 @dataclass
@@ -113,15 +188,22 @@ class MoEBlock(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.num_experts = config.num_experts
-        self.gate = Router(config)
+        self.gate = GroupLimitedRouter(config) if config.topk_method is not None else Router(config)
         self.experts = Experts(config)
+        # DeepSeek's shared experts: one dense SwiGLU that every token passes through.
+        self.shared_experts = None
+        if config.n_shared_experts:
+            self.shared_experts = DenseMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
         self.dispatcher = LocalDispatcher()
         # Tensor parallelism replaces this with the block's one all-reduce: the expert outputs are
         # partial sums there, and the weighted top-k sum of combine is linear in them.
         self.reduce_output: Callable[[torch.Tensor], torch.Tensor] = lambda out: out
 
     def route(self, x: torch.Tensor) -> Routing:
-        return self.gate(x)
+        routing = self.gate(x)
+        if self.shared_experts is not None:
+            routing = dataclasses.replace(routing, shared=self.shared_experts(x))
+        return routing
 
     def dispatch(self, x: torch.Tensor, routing: Routing) -> Dispatched:
         return self.dispatcher.dispatch(x, routing, self.num_experts)
@@ -131,7 +213,10 @@ class MoEBlock(nn.Module):
 
     def combine(self, expert_out: torch.Tensor, dispatched: Dispatched, routing: Routing,
                 num_tokens: int) -> torch.Tensor:
-        return self.reduce_output(self.dispatcher.combine(expert_out, dispatched, routing, num_tokens))
+        out = self.dispatcher.combine(expert_out, dispatched, routing, num_tokens)
+        if routing.shared is not None:  # under TP both are partial sums: one reduce for the two
+            out = out + routing.shared
+        return self.reduce_output(out)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
         """x: [T, H] -> ([T, H], router statistics for the load-balancing loss)."""

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moemesh.models.config import ModelConfig
+from moemesh.models.attention_mla import MLAttention
 from moemesh.models.layers import Attention, DenseMLP, KVCache, RMSNorm, RotaryEmbedding
 from moemesh.models.moe import Dispatched, MoEBlock, RouterStats, Routing, load_balancing_loss
 from moemesh.ops import linear_cross_entropy
@@ -34,7 +35,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.is_moe = config.is_moe_layer(layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_idx)
+        latent = config.kv_lora_rank is not None
+        self.self_attn = MLAttention(config, layer_idx) if latent else Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MoEBlock(config) if self.is_moe else DenseMLP(config.hidden_size, config.intermediate_size)
 
@@ -89,7 +91,7 @@ class MoECausalLM(nn.Module):
         self.model = TransformerBody(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
-        self.rotary = RotaryEmbedding(config.attention_head_dim, config.rope_theta)
+        self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta)
         # Data parallelism replaces this so that the load-balancing loss sees the whole
         # micro-batch, as one process would, rather than this rank's slice of it.
         self.reduce_router_stats: Callable[[list[RouterStats]], list[RouterStats]] = lambda stats: stats

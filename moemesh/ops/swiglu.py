@@ -86,3 +86,16 @@ def _swiglu_backward_kernel(gate_up_ptr, grad_out_ptr, grad_gate_up_ptr, inner, 
     dtype = grad_gate_up_ptr.dtype.element_ty
     tl.store(grad_gate_up_ptr + row * 2 * inner + cols, grad_gate.to(dtype), mask=mask)
     tl.store(grad_gate_up_ptr + row * 2 * inner + inner + cols, grad_up.to(dtype), mask=mask)
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS's SwiGLU on the same packed gate | up layout: the gate is clamped from above and the
+    up projection on both sides (bounded activations for low-precision serving), the gate's
+    sigmoid is sharpened by alpha, and the up projection carries a +1 (a residual path through
+    the expert). fp32 math, rounded once; autograd differentiates it (PyTorch only, no kernel)."""
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"clamped_swiglu needs an even last dimension (gate | up), got {tuple(gate_up.shape)}")
+    gate, up = gate_up.to(torch.promote_types(gate_up.dtype, torch.float32)).chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return ((up + 1) * gate * torch.sigmoid(alpha * gate)).to(gate_up.dtype)

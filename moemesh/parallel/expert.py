@@ -82,8 +82,8 @@ def apply_ep(model: MoECausalLM, mesh: Mesh) -> MoECausalLM:
     local = num_experts // ep
     for block in model.modules():
         if isinstance(block, MoEBlock):
-            for name in ("gate_up_proj", "down_proj"):
-                full = getattr(block.experts, name)
+            # Every parameter of the bank is per expert on dim 0 (matrices, biases).
+            for name, full in list(block.experts.named_parameters(recurse=False)):
                 setattr(block.experts, name, nn.Parameter(full.detach()[rank * local:(rank + 1) * local].clone()))
             block.dispatcher = AllToAllDispatcher(mesh.group("ep"), ep, local)
     return model

@@ -6,10 +6,16 @@ every rank, by the model family's plan (module or parameter path pattern -> styl
                      its own heads or columns
     rowwise          Linear split on its input features (o_proj, dense down): the product is a
                      partial sum, all-reduced, then the bias is added once. On the expert bank's
-                     down_proj [E, H, I] (split on I) the partial is not reduced there but at
-                     the end of the MoE block's combine, once per block
-    packed_colwise   the expert bank's fused gate_up_proj [E, 2I, H]: each rank keeps the same
-                     slice of the gate rows and of the up rows, so SwiGLU stays local
+                     down_proj [E, H, I] (split on I) and on the shared experts' down_proj
+                     (DeepSeek) the partial is not reduced there but at the end of the MoE
+                     block's combine, once per block
+    packed_colwise   the expert bank's fused gate_up_proj [E, 2I, H] (and its bias [E, 2I]): each
+                     rank keeps the same slice of the gate rows and of the up rows, so SwiGLU
+                     stays local
+    partial_bias     the expert bank's down_proj_bias [E, H], added to the partial expert outputs
+                     before the block's one reduce: each rank adds bias / tp, so the reduce adds
+                     it once; its gradient (1/tp of the whole on each rank) is tagged like
+                     replicated_with_grad_allreduce's and summed over tp after backward
     vocab            embedding and LM head split on the vocabulary: a masked lookup plus one
                      all-reduce; the loss is a vocabulary-parallel cross-entropy
     replicated       the router: every rank routes its (identical) tokens identically
@@ -37,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moemesh.errors import ConfigError
+from moemesh.models.attention_mla import MLAttention
 from moemesh.models.layers import Attention, DenseMLP
 from moemesh.models.moe import MoEBlock
 from moemesh.models.registry import family
@@ -61,7 +68,7 @@ def apply_tp(model: MoECausalLM, mesh: Mesh, plan: dict[str, str] | None = None)
     targets = _resolve(model, plan)
     _check(model, targets, tp)
     # Regions (attention, dense MLP, MoE block) that the plan shards, i.e. that need a reduce.
-    regions = [region for region, chain in _regions(model, dict(targets)) if place_reduce(chain) is not None]
+    regions = [region for region, chain in _regions(model, dict(targets)) if _reduce_at(region, chain) is not None]
     _check_heads(regions, tp)
     shard = _Sharder(mesh.rank("tp"), tp)
     for name, style in targets:
@@ -80,8 +87,9 @@ def _enter_sharded(region: nn.Module, group, tp: int) -> None:
         region.dispatcher = TensorParallelDispatcher(region.dispatcher, group)
         region.reduce_output = functools.partial(comm.from_partial, group=group)
         return
-    if isinstance(region, Attention):
+    if isinstance(region, (Attention, MLAttention)):
         region.num_heads //= tp
+    if isinstance(region, Attention):
         region.num_kv_heads //= tp
     region.register_forward_pre_hook(functools.partial(_input_to_shards, group=group))
 
@@ -124,10 +132,19 @@ def _check(model: MoECausalLM, targets: list[tuple[str, str]], tp: int) -> None:
                                   f"not divisible into {parts * tp}")
 
 
+def _reduce_at(region: nn.Module, chain: list[Op]) -> int | None:
+    at = place_reduce(chain)
+    if isinstance(region, MoEBlock) and at not in (None, len(chain)):
+        # The block has one place to reduce, after combine.
+        raise ConfigError(f"TP plan: {chain[at].name} ({chain[at].kind}) would need the MoE block's partial "
+                          "outputs reduced before it; the block reduces once, after combine")
+    return at
+
+
 def _check_heads(regions: list[nn.Module], tp: int) -> None:
     for attention in regions:
-        if isinstance(attention, Attention):
-            for heads in ("num_heads", "num_kv_heads"):
+        if isinstance(attention, (Attention, MLAttention)):
+            for heads in ("num_heads", "num_kv_heads") if isinstance(attention, Attention) else ("num_heads",):
                 if getattr(attention, heads) % tp:
                     raise ConfigError(f"parallel.tp={tp} must divide the {getattr(attention, heads)} "
                                       f"{'key/value ' if heads == 'num_kv_heads' else ''}attention heads")
@@ -150,6 +167,12 @@ def _regions(model: nn.Module, styles: dict[str, str]) -> list[tuple[nn.Module, 
                      Op(f"{path}.o_proj", kind(path, "o_proj"))]
             if module.o_proj.bias is not None:
                 chain.append(Op(f"{path}.o_proj.bias", "add_replicated"))
+        elif isinstance(module, MLAttention):  # the latent projections before are replicated
+            queries = "q_proj" if module.q_proj is not None else "q_b_proj"
+            chain = [Op(f"{path}.{queries}/kv_b_proj", kind(path, queries, "kv_b_proj")), Op("attention", "local"),
+                     Op(f"{path}.o_proj", kind(path, "o_proj"))]
+            if module.o_proj.bias is not None:
+                chain.append(Op(f"{path}.o_proj.bias", "add_replicated"))
         elif isinstance(module, DenseMLP):
             chain = [Op(f"{path}.gate/up_proj", kind(path, "gate_proj", "up_proj")), Op("swiglu", "local"),
                      Op(f"{path}.down_proj", kind(path, "down_proj"))]
@@ -157,10 +180,28 @@ def _regions(model: nn.Module, styles: dict[str, str]) -> list[tuple[nn.Module, 
             chain = [Op(f"{path}.experts.gate_up_proj", kind(path, "experts.gate_up_proj")), Op("swiglu", "local"),
                      Op(f"{path}.experts.down_proj", kind(path, "experts.down_proj")),
                      Op("routing-weight multiply", "linear"), Op("top-k sum", "linear")]
+            if module.experts.gate_up_proj_bias is not None:  # read side by side with its matrix
+                chain[0] = Op(chain[0].name, kind(path, "experts.gate_up_proj", "experts.gate_up_proj_bias"))
+            if module.experts.down_proj_bias is not None:  # a partial bias is linear, a whole one is not
+                bias_kind = "linear" if kind(path, "experts.down_proj_bias") == "partial_bias" else "add_replicated"
+                chain.insert(3, Op(f"{path}.experts.down_proj_bias", bias_kind))
+            if module.shared_experts is not None:
+                # A parallel branch whose output joins the routed experts' before the one reduce:
+                # both partial (both sharded) or both whole.
+                shared = _shared_chain(f"{path}.shared_experts", kind)
+                if (place_reduce(shared) is None) != (place_reduce(chain) is None):
+                    raise ConfigError(f"TP plan: {path}.shared_experts and {path}.experts must both be sharded "
+                                      "or both replicated (their outputs are added before the block's reduce)")
+                chain.append(Op(f"{path}.shared_experts (added)", "linear"))
         else:
             continue
         regions.append((module, chain))
     return regions
+
+
+def _shared_chain(path: str, kind) -> list[Op]:
+    return [Op(f"{path}.gate/up_proj", kind(path, "gate_proj", "up_proj")), Op("swiglu", "local"),
+            Op(f"{path}.down_proj", kind(path, "down_proj"))]
 
 
 def _splits(model, name, style) -> list[tuple[torch.Tensor, int, int]]:
@@ -169,8 +210,9 @@ def _splits(model, name, style) -> list[tuple[torch.Tensor, int, int]]:
         return [(p, 0, 1) for p in _params_of(model, name)]
     if style == "rowwise":
         return [(p, -1, 1) for p in _params_of(model, name) if p.dim() >= 2]
-    if style == "packed_colwise":
-        return [(model.get_parameter(name), -2, 2)]
+    if style == "packed_colwise":  # the bank [E, 2I, H] on its rows, its bias [E, 2I] on its columns
+        param = model.get_parameter(name)
+        return [(param, -2 if param.dim() == 3 else -1, 2)]
     return []
 
 
@@ -203,6 +245,10 @@ def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 
 def _colwise(model, name, shard, group):
+    parent, leaf = _parent(model, name)
+    if isinstance(getattr(parent, leaf), nn.Parameter):  # per-head values (attention sinks)
+        setattr(parent, leaf, shard(getattr(parent, leaf), 0))
+        return
     linear = model.get_submodule(name)
     linear.weight = shard(linear.weight, 0)
     if linear.bias is not None:
@@ -214,13 +260,22 @@ def _rowwise(model, name, shard, group):
     target = getattr(parent, leaf)
     if isinstance(target, nn.Parameter):  # an expert bank: reduced by the MoE block
         setattr(parent, leaf, shard(target, -1))
+    elif name.endswith(".shared_experts.down_proj"):  # also reduced by the MoE block, with the routed experts
+        target.weight = shard(target.weight, 1)
     else:
         setattr(parent, leaf, RowwiseLinear(shard(target.weight, 1), target.bias, group))
 
 
 def _packed_colwise(model, name, shard, group):
     experts, leaf = _parent(model, name)
-    setattr(experts, leaf, shard(getattr(experts, leaf), -2, parts=2))
+    param = getattr(experts, leaf)
+    setattr(experts, leaf, shard(param, -2 if param.dim() == 3 else -1, parts=2))
+
+
+def _partial_bias(model, name, shard, group):
+    experts, _ = _parent(model, name)
+    experts.down_bias_share = 1.0 / shard.tp
+    model.get_parameter(name).partial_grad_axis = "tp"
 
 
 def _vocab(model, name, shard, group):
@@ -243,7 +298,8 @@ def _replicated_with_grad_allreduce(model, name, shard, group):
         param.partial_grad_axis = "tp"
 
 
-_APPLY = {"colwise": _colwise, "rowwise": _rowwise, "packed_colwise": _packed_colwise, "vocab": _vocab,
+_APPLY = {"colwise": _colwise, "rowwise": _rowwise, "packed_colwise": _packed_colwise,
+          "partial_bias": _partial_bias, "vocab": _vocab,
           "replicated": lambda *args: None, "replicated_with_grad_allreduce": _replicated_with_grad_allreduce}
 
 
