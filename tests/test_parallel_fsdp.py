@@ -24,7 +24,7 @@ from moemesh.parallel.data import apply_data_parallel, label_tokens, local, rank
 from moemesh.parallel.expert import apply_ep, is_expert_parameter
 from moemesh.parallel.fsdp import apply_fsdp, shard_dim
 from moemesh.parallel.mesh import ParallelDims, init_mesh
-from moemesh.parallel.stored import HALVES, stored_state
+from moemesh.parallel.stored import HALVES, packed_dim, stored_state
 from moemesh.parallel.tensor import apply_tp
 from moemesh.train.checkpoint import load_model
 from moemesh.train.trainer import Trainer
@@ -45,8 +45,8 @@ def whole(state: dict) -> dict:
 
 def presented(name: str, tensor: torch.Tensor) -> dict:
     """A whole tensor under the keys a checkpoint stores it by."""
-    if name.endswith(".experts.gate_up_proj"):
-        return {f"{name}.{half}": part for half, part in zip(HALVES, tensor.chunk(2, dim=-2))}
+    if (dim := packed_dim(name)) is not None:
+        return {f"{name}.{half}": part for half, part in zip(HALVES, tensor.chunk(2, dim=dim))}
     return {name: tensor}
 
 

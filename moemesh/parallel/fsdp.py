@@ -30,6 +30,7 @@ from torch.distributed.tensor import Shard
 from moemesh.models.transformer import DecoderLayer, MoECausalLM
 from moemesh.parallel.expert import is_expert_parameter
 from moemesh.parallel.mesh import Mesh, ParallelDims
+from moemesh.parallel.stored import packed_dim
 
 
 def apply_fsdp(model: MoECausalLM, mesh: Mesh, param_dtype: torch.dtype | None = None,
@@ -91,8 +92,8 @@ def shard_dim(name: str, param: torch.Tensor, dims: ParallelDims) -> int | None:
     taken = set()
     if expert and dims.ep > 1:
         taken.add(0)
-    if name.endswith(".experts.gate_up_proj"):
-        taken.add(param.dim() - 2)  # stored as its gate and up halves along the rows
+    if (halves := packed_dim(name)) is not None:
+        taken.add(halves % param.dim())  # stored as its gate and up halves (`stored.py`)
     if hasattr(param, "tp_dim"):
         taken.add(param.tp_dim)
     return next((d for d in range(param.dim()) if d not in taken and param.shape[d] % parts == 0), None)

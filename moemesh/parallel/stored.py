@@ -6,7 +6,7 @@ checkpoint then writes every part once, under its place in the full tensor, and 
 other layout, one process included.
 
 The fused expert bank gate_up_proj [E, 2I, H] is stored as two tensors [E, I, H], `.gate` and
-`.up`, in every layout: under TP a rank holds a slice of the gate rows and the same slice of the
+`.up`, in every layout (and its bias [E, 2I], where a family has one, as two [E, I]): under TP a rank holds a slice of the gate rows and the same slice of the
 up rows, two separate pieces of the fused tensor that no single `Shard` describes. Both halves
 are views of the local tensor, so a load writes straight into it.
 """
@@ -21,6 +21,13 @@ from moemesh.parallel.expert import is_expert_parameter
 from moemesh.parallel.mesh import AXES, Mesh
 
 HALVES = ("gate", "up")
+# The fused expert tensors stored as their gate and up halves, and the dim the halves are on.
+PACKED_DIMS = {".experts.gate_up_proj": -2, ".experts.gate_up_proj_bias": -1}
+
+
+def packed_dim(name: str) -> int | None:
+    """The dim along which `name` packs its gate and up halves, or None."""
+    return next((dim for suffix, dim in PACKED_DIMS.items() if name.endswith(suffix)), None)
 
 
 def stored_state(state: dict, model: nn.Module | None = None, mesh: Mesh | None = None) -> dict:
@@ -69,6 +76,6 @@ def _stored(key: str, tensor: torch.Tensor, name: str, param: torch.Tensor, mesh
         placements = [Shard(splits[axis]) for axis in axes]
         return DTensor.from_local(part, mesh.device_mesh[tuple(axes)], placements, run_check=False)
 
-    if name.endswith(".experts.gate_up_proj"):
-        return {f"{key}.{half}": full(part) for half, part in zip(HALVES, tensor.chunk(2, dim=-2))}
+    if (dim := packed_dim(name)) is not None:
+        return {f"{key}.{half}": full(part) for half, part in zip(HALVES, tensor.chunk(2, dim=dim))}
     return {key: full(tensor)}
