@@ -38,7 +38,7 @@ def run_layout(layout: str, args) -> tuple[dict, list[float]]:
     trainer = Trainer(config, stream=open(os.devnull, "w"))
     if trainer.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    losses, times, mfu = [], [], []
+    losses, times = [], []
     for _ in range(args.steps):
         start = time.perf_counter()
         record = trainer.train_step()  # returns plain numbers: the step has finished on the device
