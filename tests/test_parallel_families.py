@@ -41,7 +41,18 @@ DEEPSEEK_V3 = ModelConfig(model_type="deepseek_v3", vocab_size=64, hidden_size=3
 # DeepSeek V2-Lite style: a full-rank q_proj, softmax group-limited greedy routing.
 DEEPSEEK_V2 = DEEPSEEK_V3.replace(model_type="deepseek_v2", q_lora_rank=None, topk_method="group_limited_greedy",
                                   attention_bias=False, routed_scaling_factor=1.5)
-CONFIGS = {"gpt_oss": GPT_OSS, "deepseek_v3": DEEPSEEK_V3, "deepseek_v2": DEEPSEEK_V2}
+# Gemma 4: a dense GeGLU MLP beside every expert block, per-head q/k/v norms, a full layer with a
+# wider head and proportional rope, soft-capped logits.
+GEMMA4 = ModelConfig(model_type="gemma4_text", vocab_size=64, hidden_size=32, num_hidden_layers=3,
+                     num_attention_heads=8, num_key_value_heads=4, head_dim=4, global_head_dim=8,
+                     num_experts=8, num_experts_per_tok=3,
+                     moe_intermediate_size=16, intermediate_size=24, hidden_act="gelu_pytorch_tanh", sliding_window=4,
+                     layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                     full_attention_rope={"rope_type": "proportional", "partial_rotary_factor": 0.5,
+                                          "rope_theta": 1000.0},
+                     final_logit_softcapping=5.0, initializer_range=0.2, router_aux_loss_coef=0.05,
+                     output_router_logits=True)
+CONFIGS = {"gpt_oss": GPT_OSS, "deepseek_v3": DEEPSEEK_V3, "deepseek_v2": DEEPSEEK_V2, "gemma4": GEMMA4}
 
 
 def micro_batch(seed=0, batch=4, seq=9):

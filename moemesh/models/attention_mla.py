@@ -17,6 +17,7 @@ from torch import nn
 
 from moemesh.models.config import ModelConfig
 from moemesh.models.layers import KVCache, RMSNorm, apply_rotary
+from moemesh.models.rope import softmax_scale
 from moemesh.ops.linear import Linear
 
 
@@ -40,6 +41,7 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
         self.kv_b_proj = Linear(self.kv_lora_rank, self.num_heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = Linear(self.num_heads * self.v_dim, hidden, bias=bias)
+        self.scale = softmax_scale(qk_dim, config.rope_scaling, config.max_position_embeddings)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.interleave:
@@ -72,5 +74,6 @@ class MLAttention(nn.Module):
         mask = None
         if kv_len != seq:  # decoding: the new queries see every cached key before them
             mask = torch.arange(kv_len, device=x.device)[None, :] <= positions[:, None]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                             scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))

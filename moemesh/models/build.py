@@ -31,11 +31,11 @@ def build(config: ModelConfig, seed: int = 0, device: torch.device | str | None 
 @torch.no_grad()
 def init_weights(model: MoECausalLM, seed: int) -> None:
     std = model.config.initializer_range
-    for buffer in model.buffers():  # DeepSeek-V3's e_score_correction_bias starts at zero
-        buffer.zero_()
+    for name, buffer in model.named_buffers():  # DeepSeek-V3's e_score_correction_bias starts at zero
+        buffer.fill_(1.0 if name.endswith("layer_scalar") else 0.0)  # Gemma 4's layer_scalar at one
     for name, param in model.named_parameters():
         generator = torch.Generator().manual_seed(parameter_seed(seed, name))
-        if name.endswith("norm.weight"):
+        if name.endswith(("norm.weight", "gate.scale", "per_expert_scale")):  # multipliers start at one
             values = torch.ones(param.shape)
         elif name.endswith((".bias", "_bias")):
             values = torch.zeros(param.shape)

@@ -34,6 +34,9 @@ class ModelConfig:
     hidden_act: str = "silu"
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    # The rest of config.json's rope_parameters, for scaled RoPE (rope.py: rope_type "yarn" or
+    # "proportional", factor, ...); None: plain RoPE.
+    rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 32768
     sliding_window: int | None = None
     attention_bias: bool = False
@@ -68,6 +71,13 @@ class ModelConfig:
     n_group: int | None = None  # experts are chosen from the best topk_group of n_group groups
     topk_group: int | None = None
     routed_scaling_factor: float = 1.0
+    # Gemma 4 (text): the full_attention layers have their own head size, key/value heads (with
+    # attention_k_eq_v) and rope_parameters (with rope_theta); logits are soft-capped.
+    global_head_dim: int | None = None
+    num_global_key_value_heads: int | None = None
+    attention_k_eq_v: bool = False  # the full layers' values are their keys before the key norm
+    full_attention_rope: dict[str, Any] | None = None
+    final_logit_softcapping: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -127,7 +137,8 @@ class ModelConfig:
              f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
              f"({self.num_attention_heads}) when head_dim is not given")
         need(self.attention_head_dim % 2 == 0, f"head_dim must be even for RoPE, got {self.attention_head_dim}")
-        need(self.hidden_act == "silu", f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
+        need(self.hidden_act in ("silu", "gelu_pytorch_tanh"),
+             f"hidden_act {self.hidden_act!r} is not supported (only 'silu' and 'gelu_pytorch_tanh')")
         bad_layers = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
         need(not bad_layers, f"mlp_only_layers has indices outside 0..{self.num_hidden_layers - 1}: {bad_layers}")
         if self.layer_types is not None:
@@ -142,6 +153,14 @@ class ModelConfig:
             need(self.num_key_value_heads == self.num_attention_heads,
                  "multi-head latent attention has one key/value head per query head "
                  f"(num_key_value_heads {self.num_key_value_heads} != num_attention_heads {self.num_attention_heads})")
+        if self.rope_scaling is not None:
+            self._validate_rope_scaling(need, self.rope_scaling)
+        if self.full_attention_rope is not None:
+            need(isinstance(self.full_attention_rope.get("rope_theta"), (int, float)),
+                 "full_attention_rope needs a rope_theta")
+            scaling = {k: v for k, v in self.full_attention_rope.items() if k != "rope_theta"}
+            if scaling.get("rope_type", "default") != "default":
+                self._validate_rope_scaling(need, scaling)
         need(self.scoring_func in ("softmax", "sigmoid"), f"scoring_func {self.scoring_func!r} is not supported")
         need(self.topk_method in (None, "greedy", "group_limited_greedy", "noaux_tc"),
              f"topk_method {self.topk_method!r} is not supported")
@@ -152,6 +171,27 @@ class ModelConfig:
              "swiglu_alpha and swiglu_limit are given together or not at all")
         if any(not self.is_moe_layer(i) for i in range(self.num_hidden_layers)):
             need(self.intermediate_size > 0, "intermediate_size must be positive when dense layers exist")
+
+    @staticmethod
+    def _validate_rope_scaling(need, scaling: dict[str, Any]) -> None:
+        from moemesh.models.rope import KEYS
+
+        rope_type = scaling.get("rope_type")
+        need(rope_type in KEYS,
+             f"rope_type {rope_type!r} is not supported (only 'default', {', '.join(map(repr, KEYS))})")
+        unknown = sorted(set(scaling) - KEYS[rope_type])
+        need(not unknown, f"{rope_type} rope parameters {unknown} are not supported")
+        factor = scaling.get("factor")
+        need(factor is None or (isinstance(factor, (int, float)) and factor >= 1),
+             f"rope factor must be a number >= 1, got {factor!r}")
+        if rope_type == "yarn":
+            original = scaling.get("original_max_position_embeddings")
+            need(isinstance(original, int) and original > 0,
+                 f"yarn needs a positive original_max_position_embeddings, got {original!r}")
+        else:
+            fraction = scaling.get("partial_rotary_factor", 1.0)
+            need(isinstance(fraction, (int, float)) and 0 <= fraction <= 1,
+                 f"partial_rotary_factor must be in [0, 1], got {fraction!r}")
 
     # ---- HF translation ---------------------------------------------------------------------
     @classmethod

@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from moemesh.errors import ConfigError
 from moemesh.models.config import ModelConfig
 
 # config.json keys that describe the file rather than the model.
@@ -34,6 +33,10 @@ class Family:
     # default (per-expert hub names, fused by hf.py).
     state_from_hf: Callable[[dict, ModelConfig], dict] | None = None
     state_to_hf: Callable[[dict, ModelConfig], dict] | None = None
+    # Network parts that differ (Gemma 4): (config, layer index) -> decoder layer, and config ->
+    # rotary tables (positions, dtype -> what the layers' attention reads). None: transformer.py's.
+    decoder_layer: Callable[[ModelConfig, int], Any] | None = None
+    rotary: Callable[[ModelConfig], Any] | None = None
 
     def config_from_hf(self, hf: dict[str, Any]) -> ModelConfig:
         hf = dict(hf)
@@ -49,7 +52,7 @@ class Family:
 
     def config_to_hf(self, config: ModelConfig) -> dict[str, Any]:
         out = {"architectures": [self.architecture], "model_type": self.model_type}
-        skip = set(self.fixed) | set(self.not_in_hf) | {"model_type", "qk_norm", "rope_theta"}
+        skip = set(self.fixed) | set(self.not_in_hf) | {"model_type", "qk_norm", "rope_theta", "rope_scaling"}
         unused = set(ModelConfig.family_fields()) - set(self.hf_fields)
         for name in ModelConfig.field_names():
             if name not in skip | unused:
@@ -57,17 +60,26 @@ class Family:
         out["head_dim"] = config.attention_head_dim  # some families cannot read null
         # Both spellings: transformers 5 reads rope_parameters, transformers 4 rope_theta.
         out["rope_theta"] = config.rope_theta
-        out["rope_parameters"] = {"rope_type": "default", "rope_theta": config.rope_theta}
+        out["rope_parameters"] = {**(config.rope_scaling or {"rope_type": "default"}), "rope_theta": config.rope_theta}
         out.update(config.extra)
         self.write_hook(out, config)
         return out
 
 
 def _read_rope(hf: dict[str, Any]) -> None:
-    rope = hf.pop("rope_parameters", None) or hf.pop("rope_scaling", None) or {}
+    """rope_parameters (transformers 5) or rope_scaling (4) -> rope_theta and, unless plain, rope_scaling
+    (ModelConfig.validate rejects the types moemesh lacks)."""
+    rope = dict(hf.pop("rope_parameters", None) or hf.pop("rope_scaling", None) or {})
     hf.pop("rope_scaling", None)
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ConfigError(f"model config: rope_type {rope_type!r} is not supported (only 'default')")
+    rope["rope_type"] = rope.pop("type", None) or rope.get("rope_type", "default")  # "type": the old spelling
     if "rope_theta" in rope:
-        hf["rope_theta"] = rope["rope_theta"]
+        hf["rope_theta"] = rope.pop("rope_theta")
+    if rope["rope_type"] == "yarn":
+        # As transformers' standardize_rope_params: a top-level original_max_position_embeddings
+        # wins, else the pretraining length defaults to max_position_embeddings.
+        if "original_max_position_embeddings" in hf:
+            rope["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
+        rope.setdefault("original_max_position_embeddings",
+                        hf.get("max_position_embeddings", ModelConfig.max_position_embeddings))
+    if rope["rope_type"] != "default":
+        hf["rope_scaling"] = rope

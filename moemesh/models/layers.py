@@ -1,4 +1,4 @@
-"""The dense building blocks: RMSNorm, rotary embeddings, grouped-query attention, the SwiGLU MLP,
+"""The dense building blocks: RMSNorm, rotary application, grouped-query attention, the gated MLP,
 and the KV cache used for generation. Numerics follow Hugging Face `transformers` so that logits
 match it to float32 rounding."""
 
@@ -23,24 +23,6 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
-
-
-class RotaryEmbedding:
-    """cos/sin tables for given positions. Not a module: it holds no state worth saving, and the
-    inverse frequencies are computed on the CPU in fp32 (like transformers) so every device agrees."""
-
-    def __init__(self, head_dim: int, theta: float):
-        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
-        self.inv_freq = 1.0 / (theta**exponent)
-        self._on_device: dict[torch.device, torch.Tensor] = {}
-
-    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = self._on_device.get(positions.device)
-        if inv_freq is None:
-            inv_freq = self._on_device.setdefault(positions.device, self.inv_freq.to(positions.device))
-        freqs = positions[:, None].float() * inv_freq[None, :]
-        angles = torch.cat([freqs, freqs], dim=-1)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -145,14 +127,19 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     return probs.to(v.dtype) @ v
 
 
-class DenseMLP(nn.Module):
-    """SwiGLU feed-forward of the dense (non-MoE) layers."""
+# hidden_act -> the gate's activation, as transformers' ACT2FN computes it.
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+
+class DenseMLP(nn.Module):
+    """Gated feed-forward (SwiGLU, or GeGLU for Gemma) of the dense (non-MoE) layers."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu"):
         super().__init__()
         self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+        self.act = ACTIVATIONS[hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

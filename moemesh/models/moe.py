@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moemesh.models.config import ModelConfig
-from moemesh.models.layers import DenseMLP
+from moemesh.models.layers import ACTIVATIONS, DenseMLP
 from moemesh.ops import combine, permute, swiglu
 from moemesh.ops.grouped_mm import grouped_mm
 from moemesh.ops.swiglu import clamped_swiglu
@@ -142,6 +142,8 @@ class Experts(nn.Module):
             self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * inner))
             self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden))
         self.activation = swiglu
+        if config.hidden_act != "silu":  # GeGLU (Gemma)
+            self.activation = functools.partial(_glu, ACTIVATIONS[config.hidden_act])
         if config.swiglu_limit is not None:
             self.activation = functools.partial(clamped_swiglu, alpha=config.swiglu_alpha, limit=config.swiglu_limit)
         # The share of down_proj_bias each copy of the output adds. Tensor parallelism makes the
@@ -156,6 +158,12 @@ class Experts(nn.Module):
         if self.down_proj_bias is not None:
             out = out + _per_row(self.down_proj_bias * self.down_bias_share, group_sizes, out)
         return out
+
+
+def _glu(act, gate_up: torch.Tensor) -> torch.Tensor:
+    """act(gate) * up of a [rows, gate | up] tensor, in fp32 like swiglu."""
+    gate, up = gate_up.to(torch.promote_types(gate_up.dtype, torch.float32)).chunk(2, dim=-1)
+    return (act(gate) * up).to(gate_up.dtype)
 
 
 def _per_row(bias: torch.Tensor, group_sizes: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -193,7 +201,8 @@ class MoEBlock(nn.Module):
         # DeepSeek's shared experts: one dense SwiGLU that every token passes through.
         self.shared_experts = None
         if config.n_shared_experts:
-            self.shared_experts = DenseMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+            self.shared_experts = DenseMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
+                                           config.hidden_act)
         self.dispatcher = LocalDispatcher()
         # Tensor parallelism replaces this with the block's one all-reduce: the expert outputs are
         # partial sums there, and the weighted top-k sum of combine is linear in them.

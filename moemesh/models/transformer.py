@@ -16,8 +16,9 @@ from torch import nn
 
 from moemesh.models.config import ModelConfig
 from moemesh.models.attention_mla import MLAttention
-from moemesh.models.layers import Attention, DenseMLP, KVCache, RMSNorm, RotaryEmbedding
+from moemesh.models.layers import Attention, DenseMLP, KVCache, RMSNorm
 from moemesh.models.moe import Dispatched, MoEBlock, RouterStats, Routing, load_balancing_loss
+from moemesh.models.rope import RotaryEmbedding
 from moemesh.ops import linear_cross_entropy
 from moemesh.ops.backend import autocast_inputs
 
@@ -38,7 +39,8 @@ class DecoderLayer(nn.Module):
         latent = config.kv_lora_rank is not None
         self.self_attn = MLAttention(config, layer_idx) if latent else Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MoEBlock(config) if self.is_moe else DenseMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = MoEBlock(config) if self.is_moe else DenseMLP(config.hidden_size, config.intermediate_size,
+                                                                 config.hidden_act)
 
     # ---- stages ---------------------------------------------------------------------------------
     def attention(self, h: torch.Tensor, rope, positions: torch.Tensor, cache: KVCache | None = None):
@@ -78,20 +80,27 @@ class TransformerBody(nn.Module):
     """Embedding, decoder layers and final norm (transformers' `model.` prefix)."""
 
     def __init__(self, config: ModelConfig):
+        from moemesh.models.registry import family
+
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        layer = family(config.model_type).decoder_layer or DecoderLayer
+        self.layers = nn.ModuleList(layer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class MoECausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
+        from moemesh.models.registry import family
+
         super().__init__()
         self.config = config
         self.model = TransformerBody(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
-        self.rotary = RotaryEmbedding(config.rotary_dim, config.rope_theta)
+        rotary = family(config.model_type).rotary
+        self.rotary = rotary(config) if rotary is not None else RotaryEmbedding(
+            config.rotary_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings)
         # Data parallelism replaces this so that the load-balancing loss sees the whole
         # micro-batch, as one process would, rather than this rank's slice of it.
         self.reduce_router_stats: Callable[[list[RouterStats]], list[RouterStats]] = lambda stats: stats
@@ -138,9 +147,12 @@ class MoECausalLM(nn.Module):
     def head(self, h: torch.Tensor, labels: torch.Tensor | None = None,
              return_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Normalised hidden states -> (logits or None, next-token loss or None)."""
-        if labels is not None and not return_logits and self.vocab_parallel_loss is None:
+        cap = self.config.final_logit_softcapping
+        if labels is not None and not return_logits and self.vocab_parallel_loss is None and cap is None:
             return None, linear_cross_entropy(*autocast_inputs(h, self.lm_head.weight), shift_labels(labels))
         logits = self.lm_head(h)
+        if cap is not None:  # Gemma: cap · tanh(logits / cap), elementwise (so per vocabulary slice too)
+            logits = torch.tanh(logits / cap) * cap
         if labels is None:
             return logits, None
         return logits, (self.vocab_parallel_loss or next_token_loss)(logits, labels)
