@@ -3,6 +3,7 @@ and the every-gradient comparison."""
 
 import torch
 
+from moemesh.models import from_pretrained
 from numerics import rel_err
 
 
@@ -25,3 +26,18 @@ def assert_same_gradients(ours: dict[str, torch.Tensor], theirs: dict[str, torch
     for name, grad in theirs.items():
         assert grad is not None and grad.norm() > 0, name
         assert rel_err(ours[name], grad) <= rtol, name
+
+
+def compare_with_transformers(theirs: torch.nn.Module, directory, seed: int, rtol: float, aux: bool = False):
+    """Save `theirs`, load it into moemesh, run both on one `batch`: the logits and the loss (and
+    with `aux` the load-balancing loss) must agree. Returns (ours, our output, their output)."""
+    theirs.save_pretrained(directory)
+    ours = from_pretrained(directory)
+    input_ids, labels = batch(theirs.config.vocab_size, seed)
+    ref = theirs(input_ids=input_ids, labels=labels, **({"output_router_logits": True} if aux else {}))
+    out = ours(input_ids, labels=labels, output_router_logits=aux)
+    assert rel_err(out.logits, ref.logits) <= rtol
+    assert abs(out.loss.item() - ref.loss.item()) <= rtol * abs(ref.loss.item())
+    if aux:
+        assert abs(out.aux_loss.item() - ref.aux_loss.item()) <= rtol * abs(ref.aux_loss.item())
+    return ours, out, ref

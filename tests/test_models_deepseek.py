@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from moemesh.models import from_pretrained, save_pretrained
-from hf_oracle import assert_same_gradients, batch, gradients
+from hf_oracle import assert_same_gradients, batch, compare_with_transformers, gradients
 from numerics import rel_err
 
 RTOL = 1e-5
@@ -65,14 +65,7 @@ def hf_model(model_type: str, overrides: dict, seed: int = 0):
 def test_logits_loss_and_every_gradient_match_transformers(case, tmp_path):
     model_type, overrides = CASES[case]
     theirs = hf_model(model_type, overrides, seed=len(case))
-    theirs.save_pretrained(tmp_path)
-    ours = from_pretrained(tmp_path)
-    input_ids, labels = batch(theirs.config.vocab_size, seed=len(case) + 1)
-
-    ref = theirs(input_ids=input_ids, labels=labels)
-    out = ours(input_ids, labels=labels, output_router_logits=False)
-    assert rel_err(out.logits, ref.logits) <= RTOL
-    assert abs(out.loss.item() - ref.loss.item()) <= RTOL * abs(ref.loss.item())
+    ours, out, ref = compare_with_transformers(theirs, tmp_path, len(case) + 1, RTOL)
 
     ref.loss.backward()
     out.loss.backward()

@@ -20,7 +20,7 @@ from moemesh.parallel import comm
 from moemesh.parallel.data import apply_data_parallel, reduce_gradients
 from moemesh.parallel.mesh import ParallelDims, init_mesh
 from moemesh.parallel.tensor import apply_tp
-from hf_oracle import assert_same_gradients, batch, gradients
+from hf_oracle import assert_same_gradients, batch, compare_with_transformers, gradients
 from numerics import rel_err
 from test_parallel_families import GEMMA4
 
@@ -62,14 +62,8 @@ def as_ours(tensors: dict, config) -> dict:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_logits_loss_and_every_gradient_match_transformers(case, tmp_path):
     theirs = hf_model(CASES[case], seed=len(case))
-    theirs.save_pretrained(tmp_path)
-    ours = from_pretrained(tmp_path)
-    input_ids, labels = batch(theirs.config.vocab_size, seed=len(case) + 1)
-
-    ref = theirs(input_ids=input_ids, labels=labels)
-    out = ours(input_ids, labels=labels, output_router_logits=False)
-    assert rel_err(out.logits, ref.logits) <= RTOL
-    assert abs(out.loss.item() - ref.loss.item()) <= RTOL * abs(ref.loss.item())
+    ours, out, ref = compare_with_transformers(theirs, tmp_path, len(case) + 1, RTOL)
+    input_ids, labels = batch(theirs.config.vocab_size, len(case) + 1)
     # the training path (no logits returned) gives the same loss
     assert rel_err(ours(input_ids, labels=labels, return_logits=False).loss, ref.loss) <= RTOL
 

@@ -15,7 +15,7 @@ import transformers
 
 from moemesh.models import from_pretrained, save_pretrained
 from moemesh.models.registry import family
-from hf_oracle import assert_same_gradients, batch, gradients
+from hf_oracle import assert_same_gradients, batch, compare_with_transformers, gradients
 from numerics import rel_err
 
 RTOL = 1e-5
@@ -53,15 +53,7 @@ def as_ours(tensors: dict, config) -> dict:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_logits_loss_aux_and_every_gradient_match_transformers(case, tmp_path):
     theirs = hf_model(CASES[case], seed=len(case))
-    theirs.save_pretrained(tmp_path)
-    ours = from_pretrained(tmp_path)
-    input_ids, labels = batch(theirs.config.vocab_size, seed=len(case) + 1)
-
-    ref = theirs(input_ids=input_ids, labels=labels, output_router_logits=True)
-    out = ours(input_ids, labels=labels, output_router_logits=True)
-    assert rel_err(out.logits, ref.logits) <= RTOL
-    assert abs(out.loss.item() - ref.loss.item()) <= RTOL * abs(ref.loss.item())
-    assert abs(out.aux_loss.item() - ref.aux_loss.item()) <= RTOL * abs(ref.aux_loss.item())
+    ours, out, ref = compare_with_transformers(theirs, tmp_path, len(case) + 1, RTOL, aux=True)
 
     ref.loss.backward()
     out.loss.backward()

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from moemesh.errors import CheckpointError, ConfigError
 from moemesh.models import ModelConfig, from_pretrained, save_pretrained
-from hf_oracle import assert_same_gradients, batch, gradients
+from hf_oracle import assert_same_gradients, batch, compare_with_transformers, gradients
 from numerics import rel_err
 
 RTOL = 1e-5
@@ -62,15 +62,7 @@ def hf_model(model_type: str, overrides: dict, seed: int = 0):
 def test_logits_loss_aux_and_every_gradient_match_transformers(case, tmp_path):
     model_type, overrides = CASES[case]
     theirs = hf_model(model_type, overrides, seed=len(case))
-    theirs.save_pretrained(tmp_path)
-    ours = from_pretrained(tmp_path)
-    input_ids, labels = batch(theirs.config.vocab_size, seed=len(case) + 1)
-
-    ref = theirs(input_ids=input_ids, labels=labels, output_router_logits=True)
-    out = ours(input_ids, labels=labels, output_router_logits=True)
-    assert rel_err(out.logits, ref.logits) <= RTOL
-    assert abs(out.loss.item() - ref.loss.item()) <= RTOL * abs(ref.loss.item())
-    assert abs(out.aux_loss.item() - ref.aux_loss.item()) <= RTOL * abs(ref.aux_loss.item())
+    ours, out, ref = compare_with_transformers(theirs, tmp_path, len(case) + 1, RTOL, aux=True)
 
     ref.loss.backward()
     out.loss.backward()
