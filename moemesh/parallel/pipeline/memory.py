@@ -30,9 +30,10 @@ I the expert (or dense MLP) width, V the vocabulary:
                 T*H*b and of the head weight V*H*b (never the logits)
 
 Off the kernel path (PyTorch reference ops, the default on CPU) the saved tensors differ: the
-reference cross-entropy keeps full logits, for one. Under autocast, the bf16 copies of weights
-that matmuls save are activations too (they do not share a parameter's storage); the formula
-leaves them out.
+reference cross-entropy keeps full logits, for one. Under autocast the projections and expert
+GEMMs save their weights as they are and cast them again in backward (`ops/linear.py`,
+`ops/grouped_mm.py`), so no bf16 weight copy is held per micro-batch; the router's small bf16
+copy is left out of the formula.
 
 Time is forward + backward FLOPs: 6 per multiplying parameter per token, plus attention.
 """
