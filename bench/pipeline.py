@@ -82,8 +82,9 @@ def run_variant(name: str, overrides: list[str], args) -> dict:
         row["GPU idle per rank"] = " / ".join(f"{p:.0%}" for p in peaks[1].tolist())
         if trainer.pipeline is not None:
             schedule = trainer.pipeline.schedule
-            estimate = estimate_rank_memory(run_costs(config), stage_ranges(schedule, run_costs(config)),
-                                            peak_in_flight(schedule), list(schedule.stage_rank))
+            costs = run_costs(config)
+            estimate = estimate_rank_memory(costs, stage_ranges(schedule, costs), peak_in_flight(schedule),
+                                            list(schedule.stage_rank))
             row["estimate GiB per rank"] = " / ".join(f"{e / 2**30:.1f}" for e in estimate)
             row["measured bubble per rank"] = " / ".join(f"{p:.0%}" for p in peaks[2].tolist())
             timeline = simulate(schedule, f=1.0, b=1.0, w=1.0)  # backward = input + weight gradient = 2F
