@@ -8,7 +8,7 @@ that a pipeline runtime can interleave them; `forward` runs them in order.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -126,13 +126,7 @@ class MoECausalLM(nn.Module):
             output_router_logits = self.config.output_router_logits
         start = cache.seq_length() if cache is not None else 0
         positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
-        h = self.model.embed_tokens(input_ids)
-        rope = self.rotary(positions, h.dtype)
-        router_stats = []
-        for layer in self.model.layers:
-            h, stats = layer(h, rope, positions, cache)
-            if stats is not None:
-                router_stats.append(stats)
+        h, router_stats = self.run_layers(self.model.embed_tokens(input_ids), positions, cache=cache)
         h = self.model.norm(h)
 
         aux_loss = None
@@ -143,6 +137,18 @@ class MoECausalLM(nn.Module):
         if loss is not None and aux_loss is not None:
             loss = ce_loss + self.config.router_aux_loss_coef * aux_loss
         return CausalLMOutput(logits=logits, loss=loss, aux_loss=aux_loss, ce_loss=ce_loss)
+
+    def run_layers(self, h: torch.Tensor, positions: torch.Tensor, layers: Iterable[int] | None = None,
+                   cache: KVCache | None = None) -> tuple[torch.Tensor, list[RouterStats]]:
+        """Hidden states through the decoder layers (all, or those indexed: a pipeline stage's),
+        with the router statistics of the MoE layers among them."""
+        rope = self.rotary(positions, h.dtype)
+        router_stats = []
+        for i in range(len(self.model.layers)) if layers is None else layers:
+            h, stats = self.model.layers[i](h, rope, positions, cache)
+            if stats is not None:
+                router_stats.append(stats)
+        return h, router_stats
 
     def head(self, h: torch.Tensor, labels: torch.Tensor | None = None,
              return_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:

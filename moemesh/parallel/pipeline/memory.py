@@ -48,9 +48,7 @@ import torch
 
 from moemesh.config import RunConfig
 from moemesh.models.config import ModelConfig
-from moemesh.models.transformer import MoECausalLM, shift_labels
-from moemesh.ops import linear_cross_entropy
-from moemesh.ops.backend import autocast_inputs
+from moemesh.models.transformer import MoECausalLM
 from moemesh.parallel.pipeline.schedule import Schedule, build_schedule, peak_in_flight
 from moemesh.parallel.pipeline.partition import (
     LayerCost,
@@ -73,17 +71,10 @@ def profile_layers(model: MoECausalLM, input_ids: torch.Tensor, labels: torch.Te
     """One forward and backward of `model` on one micro-batch, measured item by item."""
     parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-    targets = shift_labels(labels)
-
-    def head(h: torch.Tensor) -> torch.Tensor:
-        h = model.model.norm(h)
-        return linear_cross_entropy(*autocast_inputs(h, model.lm_head.weight), targets)
-
-    rope = None  # set once the embedding has run, as the model does: it takes the hidden dtype
     items: list[tuple[str, Callable]] = [("embedding", model.model.embed_tokens)]
-    items += [(f"layer {i}", lambda h, layer=layer: layer(h, rope, positions)[0])
-              for i, layer in enumerate(model.model.layers)]
-    items.append(("head", head))
+    items += [(f"layer {i}", lambda h, i=i: model.run_layers(h, positions, [i])[0])
+              for i in range(len(model.model.layers))]
+    items.append(("head", lambda h: model.head(model.model.norm(h), labels, return_logits=False)[1]))
 
     # Forward, item by item, each input a fresh leaf.
     runs = []  # (input leaf or None, output, saved bytes by kind, forward seconds)
@@ -95,8 +86,6 @@ def profile_layers(model: MoECausalLM, input_ids: torch.Tensor, labels: torch.Te
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda x: x):
             out = forward(leaf)
         seconds = _clock(h) - start
-        if name == "embedding":
-            rope = model.rotary(positions, out.dtype)
         runs.append((leaf, out, saved, seconds))
         h = out
 

@@ -53,14 +53,7 @@ def stage_forward(model: MoECausalLM, stage: Stage, x: torch.Tensor,
                   positions: torch.Tensor) -> tuple[torch.Tensor, list[RouterStats]]:
     """Token ids (first stage) or hidden states -> hidden states after the stage's layers (before
     the head), with the router statistics of its MoE layers."""
-    h = model.model.embed_tokens(x) if stage.first else x
-    rope = model.rotary(positions, h.dtype)
-    stats = []
-    for i in stage.layers:
-        h, layer_stats = model.model.layers[i](h, rope, positions)
-        if layer_stats is not None:
-            stats.append(layer_stats)
-    return h, stats
+    return model.run_layers(model.model.embed_tokens(x) if stage.first else x, positions, stage.layers)
 
 
 class RankStages(nn.Module):
