@@ -91,12 +91,12 @@ def all_to_all(tensors: list[torch.Tensor], output_splits: list[int], input_spli
 
 
 def exchange_sizes(sizes: torch.Tensor, group) -> torch.Tensor:
-    """sizes[p] (a row of counts) goes to rank p; returns what every rank sent here, on the CPU,
-    because the all-to-all that follows needs its split sizes on the host."""
+    """sizes[p] (a row of counts) goes to rank p; returns what every rank sent here, on the
+    device: the caller copies it to the host together with its own counts, in one sync."""
     out = torch.empty_like(sizes)
     _count("exchange_sizes", "forward", sizes.numel() * sizes.element_size())
     dist.all_to_all_single(out, sizes.contiguous(), group=group)
-    return out.cpu()
+    return out
 
 
 # ---- all-reduce -----------------------------------------------------------------------------------

@@ -33,20 +33,28 @@ class AllToAllDispatcher:
         dest = routing.expert_ids // local  # [T, k] rank holding each chosen expert
         goes_to = torch.zeros(num_tokens, self.ep_size, dtype=torch.bool, device=x.device)
         goes_to.scatter_(1, dest, True)
-        # One row per (rank, token) pair, ordered by rank and then token.
-        row_rank, row_token = goes_to.T.nonzero(as_tuple=True)
+        # Per destination rank: the rows (tokens) it gets and the expert slots they carry. Each
+        # rank learns what it receives; one host copy of both is the layer's only device sync.
+        slots = torch.zeros(self.ep_size, dtype=torch.long, device=x.device)
+        slots.index_add_(0, dest.flatten(), torch.ones_like(dest.flatten()))
+        sending = torch.stack([goes_to.sum(0), slots], dim=1)  # [ep, 2]
+        host = torch.cat([sending, comm.exchange_sizes(sending, self.group)]).tolist()
+        send_splits = [rows for rows, _ in host[:self.ep_size]]
+        recv_splits = [rows for rows, _ in host[self.ep_size:]]
+        real = sum(slots for _, slots in host[self.ep_size:])  # expert rows to compute here
+        # One row per (rank, token) pair, ordered by rank and then token: the set entries of
+        # goes_to.T, found by a stable sort (their number is known, so no sync as nonzero has).
+        pairs = torch.argsort((~goes_to.T).flatten().to(torch.uint8), stable=True)[:sum(send_splits)]
+        row_rank, row_token = pairs // num_tokens, pairs % num_tokens
         on_rank = dest[row_token] == row_rank[:, None]  # [rows, k]: which slots this row serves
         local_ids = torch.where(on_rank, routing.expert_ids[row_token] % local, local)  # `local`: not here
         weights = torch.where(on_rank, routing.weights[row_token], 0.0)
 
-        sizes = goes_to.sum(0)
-        send_splits, recv_splits = sizes.tolist(), comm.exchange_sizes(sizes, self.group).tolist()
         x_in, weights_in, ids_in = comm.all_to_all([x[row_token], weights, local_ids], recv_splits, send_splits,
                                                    self.group)
         # Expand each received row to its experts here; slots served elsewhere form a last group
         # that no expert computes, and in the combine they read one shared zero row, with weight 0.
         permuted = permute(x_in, ids_in, local + 1)
-        real = permuted.host_offsets[local]
         position = torch.where(ids_in == local, real, permuted.position)
         # Where each returning row goes: source[t, p] is the row of (rank p, token t), or the zero row.
         source = torch.full((num_tokens, self.ep_size), len(row_token), dtype=torch.long, device=x.device)
