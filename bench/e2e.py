@@ -37,6 +37,7 @@ import argparse
 import collections
 import contextlib
 import gc
+import gzip
 import json
 import os
 import tempfile
@@ -46,7 +47,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bench.common import median_ms, print_table, qwen3_30b_a3b
+from bench.common import interval_length, median_ms, merged, print_table, qwen3_30b_a3b
 from moemesh.config import load_config
 from moemesh.models import ModelConfig, MoECausalLM, build
 from moemesh.parallel.data import (
@@ -105,9 +106,10 @@ def transformers_model(config: ModelConfig, device: torch.device) -> tuple[torch
     return model, f"transformers {transformers.__version__} (attn {model.config._attn_implementation}, experts {experts})"
 
 
-def kernel_summary(step) -> tuple[list[dict], dict[str, float]]:
+def kernel_summary(step, trace: Path | None = None) -> tuple[list[dict], dict[str, float]]:
     """Profile one step: the top 10 kernels by total time, and the shares of kernel time in GEMMs,
-    NCCL and the rest (summed kernel durations, overlaps counted twice)."""
+    NCCL and the rest (summed kernel durations, overlaps counted twice), and of the step's span
+    in which no kernel ran ("GPU idle"). `trace`: also keep the step's Chrome trace (gzipped)."""
     with warnings.catch_warnings():  # "Profiler clears events at the end of each cycle": one cycle here
         warnings.simplefilter("ignore", UserWarning)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -115,12 +117,17 @@ def kernel_summary(step) -> tuple[list[dict], dict[str, float]]:
             torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:  # the trace format is stable across versions
         prof.export_chrome_trace(f.name)
-        events = json.loads(Path(f.name).read_text())["traceEvents"]
+        text = Path(f.name).read_text()
+    if trace is not None:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        with gzip.open(trace, "wt") as out:
+            out.write(text)
+    events = json.loads(text)["traceEvents"]
     total, count = collections.Counter(), collections.Counter()
-    for e in events:
-        if e.get("cat") == "kernel":
-            total[e["name"]] += e["dur"]
-            count[e["name"]] += 1
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    for e in kernels:
+        total[e["name"]] += e["dur"]
+        count[e["name"]] += 1
     all_us = sum(total.values()) or 1.0
     shares = collections.Counter()
     for name, us in total.items():
@@ -129,7 +136,9 @@ def kernel_summary(step) -> tuple[list[dict], dict[str, float]]:
         shares[kind] += us / all_us
     top = [{"kernel": (name[:90] + "…") if len(name) > 90 else name, "calls": count[name], "ms": f"{us / 1e3:.2f}",
             "share": f"{us / all_us:.1%}"} for name, us in total.most_common(10)]
-    return top, {k: shares[k] for k in ("GEMM", "NCCL", "other")}
+    busy = merged([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
+    shares["GPU idle"] = 1 - interval_length(busy) / (busy[-1][1] - busy[0][0]) if busy else 0.0
+    return top, {k: shares[k] for k in ("GEMM", "NCCL", "other", "GPU idle")}
 
 
 def count_syncs(step) -> int:
@@ -189,7 +198,11 @@ def run_variant(name: str, model, forward, args, config: ModelConfig, device, fl
         if extra.get("moemesh"):
             row["syncs/step"] = str(count_syncs(step))
             if extra.get("profile"):
-                row["_profile"] = kernel_summary(step)
+                trace = None
+                if args.trace_dir:
+                    layout = f"{args.layout}{WORLD}" if WORLD > 1 else "1gpu"
+                    trace = Path(args.trace_dir) / f"e2e_{layout}_rank{RANK}.json.gz"
+                row["_profile"] = kernel_summary(step, trace)
     return row
 
 
@@ -228,6 +241,7 @@ def main():
     parser.add_argument("--moemesh-fp32-master", action="store_true",
                         help="add a row (one GPU) or use (ep) fp32 weights and AdamW state under bf16 autocast")
     parser.add_argument("--layout", choices=["ep", "dp_shard"], default="ep", help="the two-GPU layout (torchrun)")
+    parser.add_argument("--trace-dir", help="keep each rank's Chrome trace of the profiled step here (gzipped)")
     parser.add_argument("--single-gpu-baseline", type=float, help="moemesh tokens/s on one GPU: print the scaling")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True  # only the fp32 leftovers; GEMMs run in bf16
@@ -279,7 +293,8 @@ def main():
                     f"Training step (forward, backward, AdamW), {WORLD} {'GPU' if WORLD == 1 else 'GPUs'}")
         for variant, (top, shares) in profiles:
             print_table(top, f"Top kernels of one step, {variant} (rank 0): GEMM {shares['GEMM']:.0%}, "
-                             f"NCCL {shares['NCCL']:.0%}, other {shares['other']:.0%} of kernel time")
+                             f"NCCL {shares['NCCL']:.0%}, other {shares['other']:.0%} of kernel time; "
+                             f"GPU idle {shares['GPU idle']:.0%} of the step")
         if not profiles:
             print("\nprofiler summary: n/a (no GPU)")
     if WORLD > 1:

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -57,6 +59,49 @@ def bubble_share(trainer: Trainer) -> float:
     return 1 - busy / start.elapsed_time(end)
 
 
+def state_bytes(trainer: Trainer) -> int:
+    """Bytes of this rank's parameter state during a step: parameters, their gradients (as large
+    as the parameters) and the optimizer state."""
+    params = sum(2 * p.numel() * p.element_size() for p in trainer.model.parameters())
+    return params + sum(v.numel() * v.element_size() for state in trainer.optimizer.state.values()
+                        for v in state.values() if torch.is_tensor(v))
+
+
+def op_trace(trainer: Trainer) -> list[dict]:
+    """One step with every pipeline operation's memory recorded: allocated before it, the peak
+    while it ran and allocated after it (host-side allocator counters, exact without a sync), and
+    CUDA events at its start (before its receive) and end. The step's peak is the largest 'peak'."""
+    runner, records = trainer.pipeline, []
+
+    def wrap(name, method):
+        def traced(*args, **kwargs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            start.record()
+            method(*args, **kwargs)
+            end.record()
+            records.append({"op": name, "args": list(args[:2]), "before": before,
+                            "peak": torch.cuda.max_memory_allocated(), "after": torch.cuda.memory_allocated(),
+                            "_events": (start, end)})
+        return traced
+
+    runner._forward, runner._backward = wrap("F", runner._forward), wrap("B", runner._backward)
+    runner.weight_grads.pop = wrap("W", runner.weight_grads.pop)
+    step_start = torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    step_start.record()
+    trainer.train_step()
+    torch.cuda.synchronize()
+    for name in ("_forward", "_backward"):
+        delattr(runner, name)
+    del runner.weight_grads.pop
+    for r in records:
+        start, end = r.pop("_events")
+        r["start ms"], r["end ms"] = step_start.elapsed_time(start), step_start.elapsed_time(end)
+    return records
+
+
 def run_variant(name: str, overrides: list[str], args) -> dict:
     config = load_config(args.config, [*overrides, f"train.seq_len={args.seq}", f"train.global_batch={args.micro * 8}",
                                        f"train.micro_batch={args.micro}", "train.eval_sequences=8"])
@@ -89,7 +134,23 @@ def run_variant(name: str, overrides: list[str], args) -> dict:
             row["measured bubble per rank"] = " / ".join(f"{p:.0%}" for p in peaks[2].tolist())
             timeline = simulate(schedule, f=1.0, b=1.0, w=1.0)  # backward = input + weight gradient = 2F
             row["simulated bubble per rank"] = " / ".join(f"{b / timeline.makespan:.0%}" for b in timeline.bubble)
+            if args.trace_dir:
+                save_trace(trainer, name, args.trace_dir)
     return row
+
+
+def save_trace(trainer: Trainer, name: str, trace_dir: str) -> None:
+    """Write this rank's operation trace (`op_trace`) and parameter-state bytes as JSON, and print
+    each rank's peak operation."""
+    records = op_trace(trainer)
+    state = state_bytes(trainer)
+    path = Path(trace_dir) / f"pipeline_{name.split()[0]}_rank{dist.get_rank()}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"state_bytes": state, "ops": records}))
+    top = max(records, key=lambda r: r["peak"])
+    print(f"[{name} rank {dist.get_rank()}] parameter state {state / 2**30:.2f} GiB; peak {top['peak'] / 2**30:.2f} GiB "
+          f"in {top['op']}{top['args']} (allocated before it {top['before'] / 2**30:.2f} GiB, after "
+          f"{top['after'] / 2**30:.2f}); {len(records)} operations; step {records[-1]['end ms']:.0f} ms", flush=True)
 
 
 def main():
@@ -99,6 +160,7 @@ def main():
     parser.add_argument("--micro", type=int, default=4, help="sequences per micro-batch (8 micro-batches per step)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--trace-dir", help="write each rank's per-operation memory and time trace here (GPU)")
     args = parser.parse_args()
     rows = []
     for name, overrides in VARIANTS.items():
