@@ -61,6 +61,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     grad_clip: float = 1.0  # global gradient-norm limit; 0 turns clipping off
+    router_bias_update_rate: float = 0.001  # DeepSeek-V3's expert-bias step per optimizer step; 0: off
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU (autocast; weights stay fp32)
     param_dtype: str = "float32"  # weights and AdamW state; "bfloat16": all bf16, half the memory
     device: str = "auto"  # auto: cuda when available, else cpu
@@ -214,7 +215,7 @@ def _validate(config: RunConfig) -> None:
     for name in ["steps", "global_batch", "micro_batch", "seq_len", "eval_sequences", "log_every"]:
         need(getattr(train, name) >= 1, f"train.{name} must be >= 1, got {getattr(train, name)}")
     need(train.save_every >= -1, f"train.save_every must be >= -1, got {train.save_every}")
-    for name in ["warmup_steps", "eval_every", "seed", "weight_decay", "grad_clip"]:
+    for name in ["warmup_steps", "eval_every", "seed", "weight_decay", "grad_clip", "router_bias_update_rate"]:
         need(getattr(train, name) >= 0, f"train.{name} must be >= 0, got {getattr(train, name)}")
     need(train.lr > 0, f"train.lr must be > 0, got {train.lr}")
     need(0 <= train.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {train.min_lr_ratio}")

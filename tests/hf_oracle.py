@@ -33,7 +33,7 @@ def compare_with_transformers(theirs: torch.nn.Module, directory, seed: int, rto
     with `aux` the load-balancing loss) must agree. Returns (ours, our output, their output)."""
     theirs.save_pretrained(directory)
     ours = from_pretrained(directory)
-    input_ids, labels = batch(theirs.config.vocab_size, seed)
+    input_ids, labels = batch(theirs.config.get_text_config().vocab_size, seed)  # multimodal: its text model's
     ref = theirs(input_ids=input_ids, labels=labels, **({"output_router_logits": True} if aux else {}))
     out = ours(input_ids, labels=labels, output_router_logits=aux)
     assert rel_err(out.logits, ref.logits) <= rtol

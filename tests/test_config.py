@@ -69,6 +69,7 @@ def test_a_key_outside_any_section_finds_its_section(tmp_path):
     ("train.resume=1", "train.resume must be of type bool, got 1"),
     ("train.steps=0", "train.steps must be >= 1, got 0"),
     ("train.save_every=-2", "train.save_every must be >= -1, got -2"),
+    ("train.router_bias_update_rate=-0.001", "train.router_bias_update_rate must be >= 0, got -0.001"),
     ("train.dtype=float16", "train.dtype must be 'auto', 'float32' or 'bfloat16'"),
     ("model.num_experts_per_tok=9", "num_experts_per_tok (9) must be <= num_experts (8)"),
     ("train.global_batch=12", "train.global_batch (12) must be divisible by train.micro_batch (8)"),

@@ -46,7 +46,11 @@ CASES = {
 
 def hf_model(overrides: dict, seed: int = 0):
     torch.manual_seed(seed)
-    model = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**TINY, **overrides)).float().eval()
+    return randomise_scales(transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**TINY, **overrides)))
+
+
+def randomise_scales(model):
+    model = model.float().eval()
     with torch.no_grad():
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
             if name.endswith(("norm.weight", "norm_1.weight", "norm_2.weight", "router.scale", "per_expert_scale",
@@ -130,6 +134,71 @@ def test_unsupported_features_raise_a_config_error(change, message, tmp_path):
     hf = hf_model(CASES["e4_k2_capped"]).config.to_dict()
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_hf_dict({**hf, **change})
+
+
+# ---- the hub's multimodal checkpoints (Gemma4ForConditionalGeneration) -------------------------
+needs_multimodal = pytest.mark.skipif(not hasattr(transformers, "Gemma4ForConditionalGeneration"),
+                                      reason="this transformers has no Gemma4ForConditionalGeneration")
+
+
+def hf_multimodal(overrides: dict, seed: int = 0):
+    """A tiny Gemma4ForConditionalGeneration: the text model of `overrides` and a one-layer vision
+    tower (no audio), tied as the text config says (transformers ties by the outer flag)."""
+    torch.manual_seed(seed)
+    vision = transformers.Gemma4VisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=2, head_dim=8)
+    config = transformers.Gemma4Config(text_config=transformers.Gemma4TextConfig(**TINY, **overrides),
+                                       vision_config=vision,
+                                       tie_word_embeddings=overrides.get("tie_word_embeddings", True))
+    return randomise_scales(transformers.Gemma4ForConditionalGeneration(config))
+
+
+@needs_multimodal
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_multimodal_checkpoint_loads_its_language_model(case, tmp_path, caplog):
+    """Logits, loss and every language-model gradient equal transformers' multimodal model on
+    text; the vision tower is skipped with one log line; we save the text model alone."""
+    theirs = hf_multimodal(CASES[case], seed=len(case))
+    vision_tensors = sum(name.startswith(("model.vision_tower.", "model.embed_vision."))
+                         for name in theirs.state_dict())
+    with caplog.at_level("WARNING", logger="moemesh.models.hf"):
+        ours, out, ref = compare_with_transformers(theirs, tmp_path / "hf", len(case) + 1, RTOL)
+    assert [r.getMessage() for r in caplog.records if f"skipped {vision_tensors} tensors" in r.getMessage()]
+    assert ours.config.tie_word_embeddings == theirs.config.tie_word_embeddings
+
+    ref.loss.backward()
+    out.loss.backward()
+    prefix = "model.language_model."
+    text_grads = {name.replace(prefix, "model."): grad for name, grad in gradients(theirs).items()
+                  if name.startswith(prefix) or name == "lm_head.weight"}
+    assert_same_gradients(gradients(ours), as_ours(text_grads, ours.config), RTOL)
+
+    save_pretrained(ours, tmp_path / "ours")
+    assert json.loads((tmp_path / "ours" / "config.json").read_text())["architectures"] == ["Gemma4ForCausalLM"]
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
+    input_ids, _ = batch(96, 2)
+    with torch.no_grad():
+        assert rel_err(reloaded(input_ids=input_ids).logits, theirs(input_ids=input_ids).logits) <= RTOL
+
+
+@needs_multimodal
+def test_multimodal_checkpoint_with_an_unknown_part_or_text_model_is_an_error(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from moemesh.errors import CheckpointError
+
+    hf_multimodal(CASES["e4_k2_capped"]).save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    tensors = load_file(weights)
+    save_file({**tensors, "model.multi_modal_projector.weight": torch.zeros(2, 2)}, weights)
+    with pytest.raises(CheckpointError, match="unexpected weight 'model.multi_modal_projector.weight' in a "
+                                              "Gemma4ForConditionalGeneration checkpoint"):
+        from_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["text_config"]["model_type"] = "gemma3_text"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="needs a text_config of model_type 'gemma4_text', got 'gemma3_text'"):
+        from_pretrained(tmp_path)
 
 
 # ---- tensor parallelism of the expert block, with per_expert_scale away from one --------------

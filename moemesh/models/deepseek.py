@@ -5,8 +5,9 @@ routed ones, dense first layers (first_k_dense_replace), group-limited routing
 
 Load-balancing loss: transformers computes none for these families. With output_router_logits,
 moemesh trains the Switch loss of the other families over the per-token normalised scores (see
-GroupLimitedRouter). V3's `e_score_correction_bias` is loaded and saved but not updated by training
-(DeepSeek's auxiliary-loss-free rule is not implemented).
+GroupLimitedRouter). V3's `e_score_correction_bias` (kept in fp32) is loaded and saved, and training
+moves it by DeepSeek's auxiliary-loss-free rule after every optimizer step, from the expert loads of
+the whole global batch (train/router_bias.py, `train.router_bias_update_rate`; 0 turns it off).
 
 Checkpoints: transformers reads and writes the per-expert layout
 (`mlp.experts.J.gate_proj.weight`), which hf.py fuses and splits like Qwen3's; the shared experts

@@ -18,6 +18,9 @@ transformers names the dense MLP `mlp` and the expert block's parts `router` / `
 layer; moemesh keeps the expert block at `mlp` (a MoEBlock, as in every family, which tensor
 parallelism reduces once after combine) and the dense MLP at `dense_mlp`, renamed at load and save.
 Load-balancing loss: transformers computes none; moemesh's is the Switch loss of the others.
+
+The hub's multimodal checkpoints (Gemma4ForConditionalGeneration, model_type "gemma4") load their
+language model, skipping the vision and audio parts (multimodal.py); moemesh saves Gemma4ForCausalLM.
 """
 
 from __future__ import annotations

@@ -4,12 +4,13 @@ shards with `model.safetensors.index.json`).
 Two expert layouts are read: the fused one of transformers 5 (`mlp.experts.gate_up_proj`) and
 the per-expert one of the original Hub checkpoints (`mlp.experts.3.gate_proj.weight`, Mixtral's
 `block_sparse_moe.experts.3.w1.weight`). We write the per-expert one, which every transformers
-version loads.
+version loads. Multimodal checkpoints (Gemma-4's) load their language model (`multimodal.py`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections import defaultdict
@@ -22,14 +23,21 @@ from safetensors.torch import save_file
 from moemesh.errors import CheckpointError
 from moemesh.models.config import ModelConfig
 from moemesh.models.family import Family
+from moemesh.models.multimodal import WRAPPERS, Multimodal
 from moemesh.models.registry import family
 from moemesh.models.transformer import MoECausalLM
 
 INDEX_FILE = "model.safetensors.index.json"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_log = logging.getLogger(__name__)
 
 
 def read_config(path: str | os.PathLike) -> ModelConfig:
+    return _read_config(path)[0]
+
+
+def _read_config(path: str | os.PathLike) -> tuple[ModelConfig, Multimodal | None]:
+    """The model config and, for a multimodal checkpoint, what wraps its language model."""
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{path}: no config.json (not a Hugging Face model directory)")
@@ -37,19 +45,20 @@ def read_config(path: str | os.PathLike) -> ModelConfig:
         hf = json.loads(config_file.read_text())
     except json.JSONDecodeError as error:
         raise CheckpointError(f"{config_file}: not valid JSON ({error})") from None
-    return ModelConfig.from_hf_dict(hf)
+    wrapper = WRAPPERS.get(hf.get("model_type"))
+    return ModelConfig.from_hf_dict(wrapper.text_config(hf) if wrapper else hf), wrapper
 
 
 def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None,
                     device: torch.device | str | None = None) -> MoECausalLM:
     """Load a model directory written by transformers' `save_pretrained` (or by ours). With
     dtype=None the weights keep the dtype named in config.json (float32 if none is named)."""
-    config = read_config(path)
+    config, wrapper = _read_config(path)
     if dtype is None:
         dtype = _DTYPES.get(config.extra.get("dtype") or config.extra.get("torch_dtype"), torch.float32)
     with torch.device("meta"):
         model = MoECausalLM(config)
-    tensors = read_safetensors(Path(path), family(config.model_type), config)
+    tensors = read_safetensors(Path(path), family(config.model_type), config, wrapper)
     expected = model.state_dict()
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight")
@@ -64,22 +73,35 @@ def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None,
     if unexpected:
         raise CheckpointError(f"{path}: unexpected weight {unexpected[0]!r} (not in a {config.model_type} "
                               f"model with this config; {len(unexpected)} such weights)")
-    state = {name: t.to(device=device or "cpu", dtype=dtype) for name, t in tensors.items()}
+    # DeepSeek-V3's correction bias stays fp32, as in transformers (see GroupLimitedRouter)
+    state = {name: t.to(device=device or "cpu", dtype=torch.float32 if name.endswith("e_score_correction_bias")
+                        else dtype) for name, t in tensors.items()}
     model.load_state_dict(state, assign=True, strict=False)
     model.tie_weights()
     return model
 
 
-def read_safetensors(path: Path, fam: Family, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """All tensors of the directory under moemesh's (= transformers 5's) names, experts fused."""
-    tensors = {}
+def read_safetensors(path: Path, fam: Family, config: ModelConfig,
+                     wrapper: Multimodal | None = None) -> dict[str, torch.Tensor]:
+    """All tensors of the directory under moemesh's (= transformers 5's) names, experts fused; of a
+    multimodal checkpoint (`wrapper`), those of its language model."""
+    tensors, skipped = {}, 0
     for file in _weight_files(path):
         try:
             with safe_open(file, framework="pt") as reader:
                 for key in reader.keys():
-                    tensors[_rename_moe_prefix(key, fam)] = reader.get_tensor(key)
+                    name = key if wrapper is None else wrapper.text_name(key)
+                    if name is None:
+                        skipped += 1
+                        continue
+                    tensors[_rename_moe_prefix(name, fam)] = reader.get_tensor(key)
+        except CheckpointError as error:  # a weight that belongs nowhere
+            raise CheckpointError(f"{file}: {error}") from None
         except Exception as error:  # safetensors raises its own types for truncated/corrupt files
             raise CheckpointError(f"{file}: cannot read safetensors file ({error})") from None
+    if skipped:
+        _log.warning(f"{path}: loading the language model of a {wrapper.architecture} checkpoint; skipped {skipped} "
+                     f"tensors of its parts moemesh does not model ({', '.join(wrapper.skipped_prefixes)})")
     if fam.state_from_hf is not None:
         return fam.state_from_hf(tensors, config)
     return _fuse_experts(tensors, fam, config)

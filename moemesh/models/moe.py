@@ -82,7 +82,12 @@ class GroupLimitedRouter(nn.Module):
 
     Load-balancing statistics (transformers computes no auxiliary loss for these families):
     the Switch loss over the scores normalised to sum to one per token, i.e. the softmax for V2
-    and sigmoid / Σ sigmoid for V3 (DeepSeek-V3's balance loss, pooled over the batch)."""
+    and sigmoid / Σ sigmoid for V3 (DeepSeek-V3's balance loss, pooled over the batch).
+
+    V3's bias is moved by DeepSeek's auxiliary-loss-free rule after each optimizer step
+    (train/router_bias.py), from `expert_load`: the (token, slot) choices of each expert, added
+    up over the training forwards (grad enabled) since the last update. The bias stays fp32
+    whatever the model's dtype, as in transformers: bf16 could not hold its small steps."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -93,8 +98,11 @@ class GroupLimitedRouter(nn.Module):
         self.n_group, self.topk_group = config.n_group or 1, config.topk_group or 1
         self.norm_topk_prob = config.norm_topk_prob and self.sigmoid  # V2 never renormalises
         self.scaling = config.routed_scaling_factor
-        if self.sigmoid:  # a buffer: set by the (external) balancing rule, not by gradients
+        if self.sigmoid:  # a buffer: set by the balancing rule, not by gradients
             self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts))
+        # Not a buffer: no part of the model's state (checkpoints, dtype and meta-device loading
+        # leave it alone); int64 so that the counts add up exactly.
+        self.expert_load: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> Routing:
         logits = F.linear(x.float(), self.weight.float())
@@ -107,6 +115,9 @@ class GroupLimitedRouter(nn.Module):
             outside = (chosen == 0).repeat_interleave(grouped.shape[-1], dim=1)
             choice = choice.masked_fill(outside, float("-inf") if self.sigmoid else 0.0)
         expert_ids = choice.topk(self.top_k, dim=-1).indices
+        if self.sigmoid and self.training and torch.is_grad_enabled():  # not in evaluation or generation
+            load = torch.bincount(expert_ids.flatten(), minlength=scores.shape[-1])
+            self.expert_load = load if self.expert_load is None else self.expert_load + load
         weights = scores.gather(1, expert_ids)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -116,6 +127,17 @@ class GroupLimitedRouter(nn.Module):
             counts = torch.zeros(scores.shape[-1], device=x.device, dtype=torch.float32)
             counts.index_add_(0, expert_ids.flatten(), torch.ones(expert_ids.numel(), device=x.device))
         return Routing(weights, expert_ids, RouterStats(counts, probs.sum(dim=0), x.shape[0]))
+
+    def _apply(self, fn, recurse=True):
+        """Moves (`to`, `to_empty`, `cuda`) keep the correction bias fp32."""
+        bias = self._buffers.pop("e_score_correction_bias", None)
+        super()._apply(fn, recurse)
+        if bias is not None:
+            moved = fn(bias)
+            if moved.dtype != torch.float32:  # a cast: move the fp32 values instead
+                moved = bias.to(device=moved.device, dtype=torch.float32)
+            self._buffers["e_score_correction_bias"] = moved
+        return self
 
 
 def load_balancing_loss(stats: list[RouterStats], num_experts: int) -> torch.Tensor:

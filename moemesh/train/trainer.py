@@ -43,6 +43,7 @@ from moemesh.train.metrics import METRICS_FILE, MetricsLog, read_metrics
 from moemesh.train.optim import build_optimizer, build_scheduler
 from moemesh.train.plot import plot_losses
 from moemesh.train.progress import Progress, format_count, format_duration
+from moemesh.train.router_bias import update_router_bias
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -160,6 +161,8 @@ class Trainer:
         comm.all_reduce_sum_([ce_sum], self.mesh.group("batch"), kind="metrics")
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
+        # DeepSeek-V3's expert-choice bias, from the loads of the whole global batch
+        update_router_bias(self.model, train.router_bias_update_rate, self.mesh.group("batch"))
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
