@@ -87,3 +87,25 @@ def test_roundtrip_with_permute(triton_kernels):
     weights = torch.softmax(torch.randn(17, 2), dim=1)
     layout_ = permute(x, topk_ids, 6, align=8)
     assert rel_err(combine(layout_.grouped, layout_.position, weights), x) <= 1e-6
+
+
+@pytest.mark.parametrize("hidden", [1, 130])
+def test_skipped_slots(triton_kernels, hidden):
+    """With skip, a position of -1 adds nothing and gets no gradient: the same as pointing it at an
+    extra zero row, the float64 oracle here, for the kernel and the reference alike."""
+    grouped, position, weights = layout(23, 8, 3, 1, hidden)
+    skipped = torch.rand(position.shape) < 0.4
+    with_skips = torch.where(skipped, -1, position)
+    padded = torch.cat([grouped, grouped.new_zeros(1, hidden)]).double()  # row N: the zero row
+    want = combine_reference(padded, torch.where(skipped, grouped.shape[0], position), weights.double())
+    grad_out = torch.randn(23, hidden)
+    want_grouped, want_weights = torch.autograd.grad(want, (grouped, weights), grad_out.double())
+    for op in (combine, combine_reference):
+        got = op(grouped, with_skips, weights, skip=True)
+        got_grouped, got_weights = torch.autograd.grad(got, (grouped, weights), grad_out)
+        assert rel_err(got, want) <= 1e-6
+        assert rel_err(got_grouped, want_grouped) <= 1e-6 and rel_err(got_weights, want_weights) <= 1e-6
+        assert torch.all(got_weights[skipped] == 0)
+        unread = torch.ones(grouped.shape[0], dtype=torch.bool)
+        unread[with_skips[~skipped]] = False
+        assert unread.any() and torch.all(got_grouped[unread] == 0)  # rows no slot reads: exact zeros

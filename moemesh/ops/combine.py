@@ -2,7 +2,9 @@
 
     out[t] = sum_j weights[t, j] * grouped[position[t, j]]       (fp32 accumulation)
 
-`position` comes from `permute` and must map distinct (token, slot) pairs to distinct rows.
+`position` comes from `permute` and must map distinct (token, slot) pairs to distinct rows. With
+`skip`, a position of -1 marks a slot that reads no row: it adds nothing and gets a zero weight
+gradient (expert parallelism's slots served on another rank), with no zero row to point at.
 
 The backward is a fan-out: one program per token reads its `grad_out` row k times (from cache),
 writes `weights[t, j] * grad_out[t]` to row position[t, j] of the gradient of `grouped`, and in the
@@ -16,41 +18,46 @@ from moemesh.ops.backend import block_size, tl, triton, use_triton
 from moemesh.ops.permute import padding_rows
 
 
-def combine(grouped: torch.Tensor, position: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """`grouped [N, H]`, `position [T, k]`, `weights [T, k]` -> `out [T, H]` in grouped.dtype."""
+def combine(grouped: torch.Tensor, position: torch.Tensor, weights: torch.Tensor, skip: bool = False) -> torch.Tensor:
+    """`grouped [N, H]`, `position [T, k]`, `weights [T, k]` -> `out [T, H]` in grouped.dtype;
+    `skip`: positions of -1 read nothing."""
     if grouped.dim() != 2 or position.dim() != 2 or weights.shape != position.shape:
         raise ValueError(
             f"need grouped [N, H], position [T, k], weights [T, k]; got {tuple(grouped.shape)}, "
             f"{tuple(position.shape)}, {tuple(weights.shape)}"
         )
     if use_triton(grouped):
-        return _Combine.apply(grouped, position, weights)
-    return combine_reference(grouped, position, weights)
+        return _Combine.apply(grouped, position, weights, skip)
+    return combine_reference(grouped, position, weights, skip)
 
 
-def combine_reference(grouped: torch.Tensor, position: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def combine_reference(grouped: torch.Tensor, position: torch.Tensor, weights: torch.Tensor,
+                      skip: bool = False) -> torch.Tensor:
     num_tokens, k = position.shape
     compute = torch.promote_types(grouped.dtype, torch.float32)  # fp32, or fp64 for gradcheck
+    if skip:  # a skipped slot reads row 0 with weight 0 (and row 0's gradient gets 0 from it)
+        weights = torch.where(position < 0, 0.0, weights)
+        position = position.clamp(min=0)
     rows = grouped[position.reshape(-1)].to(compute).view(num_tokens, k, grouped.shape[1])
     return (weights.to(compute).unsqueeze(-1) * rows).sum(dim=1).to(grouped.dtype)
 
 
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, grouped, position, weights):
+    def forward(ctx, grouped, position, weights, skip):
         grouped, position, weights = grouped.contiguous(), position.contiguous(), weights.contiguous()
         # The expert outputs are kept only for the routing-weight gradient.
         ctx.save_for_backward(grouped if ctx.needs_input_grad[2] else None, position, weights)
-        ctx.num_rows = grouped.shape[0]
+        ctx.num_rows, ctx.skip = grouped.shape[0], skip
         return combine_triton(grouped, position, weights)
 
     @staticmethod
     def backward(ctx, grad_out):
         grouped, position, weights = ctx.saved_tensors
         grad_grouped, grad_weights = combine_backward_triton(
-            grad_out, position, weights, ctx.num_rows, grouped, need_grouped=ctx.needs_input_grad[0]
+            grad_out, position, weights, ctx.num_rows, grouped, need_grouped=ctx.needs_input_grad[0], skip=ctx.skip
         )
-        return grad_grouped, None, grad_weights
+        return grad_grouped, None, grad_weights, None
 
 
 def combine_triton(grouped: torch.Tensor, position: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -67,16 +74,19 @@ def combine_triton(grouped: torch.Tensor, position: torch.Tensor, weights: torch
     return out
 
 
-def combine_backward_triton(grad_out, position, weights, num_rows, grouped=None, need_grouped=True):
+def combine_backward_triton(grad_out, position, weights, num_rows, grouped=None, need_grouped=True, skip=False):
     """Gradients of combine for `grad_out [T, H]`: of `grouped` ([num_rows, H]; None unless
-    need_grouped) and of `weights` (None unless the forward's `grouped` is given)."""
+    need_grouped) and of `weights` (None unless the forward's `grouped` is given). With `skip`
+    the rows no slot reads are unknown on the host, so the whole gradient starts at zero."""
     grad_out = grad_out.contiguous()
     num_tokens, k = position.shape
     hidden = grad_out.shape[1]
     need_weights = grouped is not None
-    grad_grouped = grad_out.new_empty(num_rows, hidden) if need_grouped else None
+    grad_grouped = None
+    if need_grouped:
+        grad_grouped = grad_out.new_zeros(num_rows, hidden) if skip else grad_out.new_empty(num_rows, hidden)
     grad_weights = torch.zeros_like(weights) if need_weights else None
-    if need_grouped and num_rows > position.numel():
+    if need_grouped and not skip and num_rows > position.numel():
         grad_grouped.index_fill_(0, padding_rows(position, num_rows), 0)
     if (need_grouped or need_weights) and num_tokens * k * hidden > 0:
         block = block_size(hidden)
@@ -98,7 +108,8 @@ def _combine_kernel(grouped_ptr, position_ptr, weights_ptr, out_ptr, hidden, k, 
     for j in range(k):
         row = tl.load(position_ptr + token * k + j).to(tl.int64)
         weight = tl.load(weights_ptr + token * k + j).to(tl.float32)
-        acc += weight * tl.load(grouped_ptr + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+        read = mask & (cols * 0 + row >= 0)  # -1: skipped (the test as a block: a scalar mask is not accepted everywhere)
+        acc += weight * tl.load(grouped_ptr + row * hidden + cols, mask=read, other=0.0).to(tl.float32)
     tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -116,7 +127,7 @@ def _combine_backward_kernel(
         dot = tl.zeros([BLOCK_H], dtype=tl.float32)
         for start in range(0, hidden, BLOCK_H):
             cols = start + tl.arange(0, BLOCK_H)
-            mask = cols < hidden
+            mask = (cols < hidden) & (cols * 0 + row >= 0)  # -1: skipped
             grad = tl.load(grad_out_ptr + token * hidden + cols, mask=mask, other=0.0).to(tl.float32)
             if NEED_GROUPED:
                 value = (weight * grad).to(grad_grouped_ptr.dtype.element_ty)

@@ -30,8 +30,8 @@ def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Rows of several tensors (any dtypes, same row count) side by side as one byte matrix, so
     that one all-to-all carries them all."""
     rows = tensors[0].shape[0]
-    return torch.cat([t.reshape(rows, _row_bytes(t) // t.element_size()).contiguous().view(torch.uint8)
-                      for t in tensors], dim=1)
+    # Flattened first: a [rows, 1] tensor can count as contiguous with a stride of 0, which a byte view refuses.
+    return torch.cat([t.contiguous().view(-1).view(torch.uint8).view(rows, _row_bytes(t)) for t in tensors], dim=1)
 
 
 def _unpack(packed: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:

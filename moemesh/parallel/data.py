@@ -109,12 +109,12 @@ def clip_grad_norm_(model: MoECausalLM, max_norm: float, mesh: Mesh) -> torch.Te
     combinations = [tuple(a for a, keep in zip(NORM_AXES, bits) if keep)
                     for bits in itertools.product((False, True), repeat=len(NORM_AXES))]
     squares = {axes: torch.zeros((), device=device) for axes in combinations}
-    for name, param, grad in grads:
-        squares[split_axes(name, param, mesh)] += grad.float().pow(2).sum()
+    for name, param, grad in grads:  # fp32 accumulation without an fp32 copy of a bf16 gradient
+        squares[split_axes(name, param, mesh)] += torch.linalg.vector_norm(grad, dtype=torch.float32).square()
     for axis in NORM_AXES:  # a sum over several axes is a sum over each in turn
         comm.all_reduce_sum_([s for axes, s in squares.items() if axis in axes], mesh.group(axis), kind="grad_norm")
     total = sum(squares.values()).sqrt()
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for _, _, grad in grads:
-        grad.mul_(scale)
+    if grads:
+        torch._foreach_mul_([grad for _, _, grad in grads], scale)
     return total

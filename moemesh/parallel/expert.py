@@ -53,11 +53,11 @@ class AllToAllDispatcher:
         x_in, weights_in, ids_in = comm.all_to_all([x[row_token], weights, local_ids], recv_splits, send_splits,
                                                    self.group)
         # Expand each received row to its experts here; slots served elsewhere form a last group
-        # that no expert computes, and in the combine they read one shared zero row, with weight 0.
+        # that no expert computes, and that the combine skips (-1).
         permuted = permute(x_in, ids_in, local + 1)
-        position = torch.where(ids_in == local, real, permuted.position)
-        # Where each returning row goes: source[t, p] is the row of (rank p, token t), or the zero row.
-        source = torch.full((num_tokens, self.ep_size), len(row_token), dtype=torch.long, device=x.device)
+        position = torch.where(ids_in == local, -1, permuted.position)
+        # Where each returning row goes: source[t, p] is the row of (rank p, token t), or -1.
+        source = torch.full((num_tokens, self.ep_size), -1, dtype=torch.long, device=x.device)
         source[row_token, row_rank] = torch.arange(len(row_token), device=x.device)
         state = (position, weights_in, source, send_splits, recv_splits)
         return Dispatched(permuted.grouped[:real], permuted.offsets.diff()[:local], state)
@@ -65,17 +65,10 @@ class AllToAllDispatcher:
     def combine(self, expert_out: torch.Tensor, dispatched: Dispatched, routing: Routing,
                 num_tokens: int) -> torch.Tensor:
         position, weights_in, source, send_splits, recv_splits = dispatched.state
-        rows = combine(_with_zero_row(expert_out), position, weights_in)  # per row: Σ weight · expert output
+        rows = combine(expert_out, position, weights_in, skip=True)  # per row: Σ weight · expert output
         (back,) = comm.all_to_all([rows], send_splits, recv_splits, self.group)
         ones = torch.ones(source.shape, device=back.device)
-        return combine(_with_zero_row(back), source, ones)  # per token: Σ over ranks
-
-
-def _with_zero_row(t: torch.Tensor) -> torch.Tensor:
-    # Slots with nothing to read (served on another rank, or a rank a token does not visit) point
-    # at this row. combine's backward may write this row's gradient from several slots at once;
-    # that gradient belongs to a constant and is dropped, so the race is harmless.
-    return torch.cat([t, t.new_zeros(1, t.shape[1])])
+        return combine(back, source, ones, skip=True)  # per token: Σ over the ranks it visited
 
 
 def apply_ep(model: MoECausalLM, mesh: Mesh) -> MoECausalLM:

@@ -19,7 +19,10 @@ def build_optimizer(model: nn.Module, train: TrainConfig) -> torch.optim.AdamW:
             (decay if param.ndim >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": train.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=train.lr, betas=tuple(train.betas), eps=1e-8)
+    # On a GPU the fused kernel: one pass over all parameters instead of a pass per arithmetic
+    # step, which for a bf16 model of billions of parameters is tens of milliseconds a step.
+    fused = all(p.is_cuda for p in decay + no_decay)
+    return torch.optim.AdamW(groups, lr=train.lr, betas=tuple(train.betas), eps=1e-8, fused=fused or None)
 
 
 def lr_factor(step: int, train: TrainConfig) -> float:
