@@ -16,9 +16,10 @@ Variants on one GPU (transformers first, each freed before the next so peaks are
   moemesh:      bf16 weights and AdamW state, `build(..., dtype=bf16)`, fused linear cross-entropy.
   moemesh fp32-master (--moemesh-fp32-master): fp32 weights and AdamW state under
                 torch.autocast(bf16), as `moemesh train` runs today.
-Two GPUs (torchrun, moemesh only, --batch sequences per GPU): ep=2 (bf16 weights, or fp32 under
-autocast with --moemesh-fp32-master) or dp_shard=2 (FSDP2: fp32 shards gathered in bf16, autocast
-for the rest), data parallel over both ranks, loss = rank_loss(...), reduce_gradients, AdamW.
+Two GPUs (torchrun, moemesh only, --batch sequences per GPU): ep=2 or dp_shard=2 (FSDP2: the shards
+gathered before each block, gradients reduce-scattered), bf16 weights and AdamW state as on one
+GPU (or fp32 weights under autocast, FSDP gathering them in bf16, with --moemesh-fp32-master), data
+parallel over both ranks, loss = rank_loss(...), reduce_gradients, AdamW.
 
 Reported: tokens/s (median step time of --steps after --warmup), MFU, peak memory (max allocated
 after the first step, so weights, gradients and AdamW state are in it; max over ranks), final loss,
@@ -269,7 +270,7 @@ def main():
             free()
     else:
         mesh = init_mesh(ParallelDims(**{args.layout: WORLD}))
-        fp32 = args.layout == "dp_shard" or args.moemesh_fp32_master  # FSDP keeps fp32 shards, gathers bf16
+        fp32 = args.moemesh_fp32_master  # fp32 weights (FSDP: fp32 shards gathered in bf16) under autocast
         model = build(config, seed=args.seed, device=device, dtype=None if fp32 else torch.bfloat16)
         apply_data_parallel(apply_ep(model, mesh), mesh)
         apply_fsdp(model, mesh, param_dtype=torch.bfloat16)  # a no-op unless dp_shard > 1

@@ -8,8 +8,8 @@ The optimizer then keeps its moments for the shard only.
 
 Units: every decoder block, its expert bank apart (it lives on a different group of ranks), and
 the root (embedding, final norm, LM head). Before a unit runs, its weights are all-gathered (in
-`param_dtype`, bf16 on GPU); after backward, its gradients are reduce-scattered in fp32 and summed,
-not averaged: each rank's loss is already its share of the global one (`rank_loss`). With
+`param_dtype`, bf16 on GPU); after backward, its gradients are reduce-scattered in fp32 (in the
+weights' own dtype when they are stored in bf16) and summed, not averaged: each rank's loss is already its share of the global one (`rank_loss`). With
 `prefetch`, block i's forward issues the all-gathers of block i+1 and of its experts (two buffers,
 one block ahead), and block i's backward those of block i-1.
 
@@ -57,7 +57,11 @@ def apply_fsdp(model: MoECausalLM, mesh: Mesh, param_dtype: torch.dtype | None =
 
     dense_mesh = mesh.fsdp_dense_mesh[_data_axes(dims, "dp_shard_ep")]
     expert_mesh = mesh.device_mesh[_data_axes(dims, "dp_shard")]
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    # Gradients are summed in fp32, unless the weights themselves are stored in a narrower type
+    # (bf16 weights and AdamW state): that run computes and keeps its gradients in it anyway.
+    storage = next(model.parameters()).dtype
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype,
+                                  reduce_dtype=storage if storage.itemsize < 4 else torch.float32)
 
     def shard(module: nn.Module, on, reshard: bool) -> FSDPModule:
         fully_shard(module, mesh=on, reshard_after_forward=reshard, mp_policy=policy, ignored_params=ignored,
