@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import statistics
 import tempfile
@@ -75,15 +76,24 @@ def print_table(rows: list[dict], title: str) -> None:
 # ---- GPU timelines from the profiler -----------------------------------------------------------
 
 
-def kernel_intervals(fn: Callable[[], object]) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+def kernel_intervals(fn: Callable[[], object], trace: Path | None = None) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
     """Run fn() under the profiler; returns the merged [start, end) intervals (µs) of the NCCL
-    kernels and of all other kernels."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    kernels and of all other kernels. `trace`: also keep the Chrome trace there (gzipped), with
+    the host's side (operators, CUDA API calls) recorded too."""
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    if trace is not None:
+        activities.append(torch.profiler.ProfilerActivity.CPU)
+    with torch.profiler.profile(activities=activities) as prof:
         fn()
         torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
+        text = Path(f.name).read_text()
+    if trace is not None:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        with gzip.open(trace, "wt") as out:
+            out.write(text)
+    events = json.loads(text)["traceEvents"]
     kernels = [e for e in events if e.get("cat") == "kernel"]
     nccl = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" in e["name"].lower()]
     other = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" not in e["name"].lower()]
