@@ -33,6 +33,10 @@ WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 VARIANTS = {"dualpipev": ["parallel.pp_schedule=dualpipev", f"parallel.pp={WORLD}"],
             "1f1b": ["parallel.pp_schedule=1f1b", f"parallel.pp={WORLD}"],
             "ep (no pipeline)": [f"parallel.ep={WORLD}"]}
+if WORLD >= 4 and WORLD % 2 == 0:  # pp × ep=2: DualPipeV's paired chunks overlapped (EP all-to-alls hidden) or not
+    VARIANTS.update({f"dualpipev-ep2-{mode}": ["parallel.pp_schedule=dualpipev", f"parallel.pp={WORLD // 2}",
+                                                "parallel.ep=2", f"parallel.pp_overlap={str(on).lower()}"]
+                     for mode, on in (("overlap", True), ("sequential", False))})
 
 
 def idle_share(trainer: Trainer) -> float:

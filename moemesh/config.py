@@ -33,6 +33,7 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     pp_schedule: str = "dualpipev"  # or "1f1b"; train.global_batch / train.micro_batch micro-batches
+    pp_overlap: bool = True  # DualPipeV: a forward's compute hides a backward's EP all-to-alls, and vice versa
     fsdp_reshard_after_forward: bool = True  # free gathered weights after forward (less memory)
     fsdp_prefetch: bool = True  # gather the next block's weights during this block's compute
 

@@ -83,6 +83,7 @@ def test_a_key_outside_any_section_finds_its_section(tmp_path):
     ("parallel.pp=2", "parallel.pp_schedule = 'dualpipev' with parallel.pp=2 needs at least 4 micro-batches per "
                       "step, got train.global_batch / train.micro_batch = 16 / 8 = 2"),
     ("parallel.pp=2 parallel.pp_schedule=zb", "unknown pipeline schedule 'zb'; known: dualpipev, 1f1b"),
+    ("parallel.pp_overlap=yes", "parallel.pp_overlap must be of type bool, got 'yes'"),
     ("data.val_fraction=1.5", "data.val_fraction must be in (0, 1)"),
 ])
 def test_invalid_values_are_named(override, message):

@@ -8,13 +8,18 @@ with the same global batch and the same 8 micro-batches:
 - 5 optimizer steps of the trainer (losses, aux losses, gradient norms: the clipping norm sums
   parts over the pipeline ranks) for PP 2 × EP 2 in both schedules, PP 2 × TP 2, PP 2 × dp_shard 2,
   and PP 2 alone through `torchrun ... moemesh train`; their checkpoints load whole;
-- under FSDP, one gradient reduce-scatter per unit per step, not one per micro-batch.
+- under FSDP, one gradient reduce-scatter per unit per step, not one per micro-batch;
+- PP 2 × EP 2 with DualPipeV's overlapped FB ops (`parallel.pp_overlap`, on in the runs above): the
+  forward chunk computes while the backward chunk's all-to-all is in flight and vice versa, and the
+  step's gradients are bitwise those of the same FB ops run one chunk after the other.
 
 Tolerance 1e-5 relative: the same fp32 terms summed in another order."""
 
 import io
 
 import pytest
+import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from moemesh.config import config_from_dict
@@ -163,3 +168,120 @@ def test_pipeline_config_errors(override, message):
     with pytest.raises(ConfigError, match=None) as error:
         load_config(None, override.split())
     assert message in str(error.value)
+
+
+def traced_step(rank, raw: dict, overlap: bool):
+    """One step's forwards and backwards with parallel.pp_overlap = `overlap`: (ce, aux, this rank's
+    gradients, the FB ops' pieces in order). A piece is ("launch" | "wait", "forward" | "backward")
+    of an all-to-all of tokens, or ("compute", "forward" | "backward") when a decoder layer's
+    attention or experts start their forward or backward; ("FB", op index) opens each FB op."""
+    trainer = Trainer(config_from_dict({**raw, "parallel": {**raw["parallel"], "pp_overlap": overlap}}),
+                      io.StringIO())
+    runner = trainer.pipeline
+    batch = trainer.dataset.train_sequences(0, trainer.train_config.global_batch)
+    micro = [trainer._micro_batch(m) for m in batch.split(trainer.train_config.micro_batch)]
+    pieces, in_fb, phase = [], [False], [None]
+
+    class Work:  # the all-to-all's handle, noting when it is waited for
+        def __init__(self, work, direction):
+            self.work, self.direction = work, direction
+
+        def wait(self):
+            if in_fb[0]:
+                pieces.append(("wait", self.direction))
+            return self.work.wait()
+
+    def all_to_all_single(out, packed, *args, async_op=False, **kwargs):
+        work = original_all_to_all(out, packed, *args, async_op=async_op, **kwargs)
+        if packed.dtype != torch.uint8:  # the split sizes' exchange
+            return work
+        if in_fb[0]:
+            pieces.append(("launch", phase[0]))
+        return Work(work, phase[0])
+
+    def count(kind, direction, nbytes):
+        phase[0] = direction
+        original_count(kind, direction, nbytes)
+
+    def traced_op(method):
+        def run(op, op_index):
+            in_fb[0] = True
+            pieces.append(("FB", op_index))
+            method(op, op_index)
+            in_fb[0] = False
+        return run
+
+    def starts(direction):
+        def hook(module, args):
+            if in_fb[0]:
+                pieces.append(("compute", direction))
+        return hook
+
+    for i in sorted(i for stage in runner.stages.values() for i in stage.layers):
+        layer = trainer.model.model.layers[i]
+        for module in (layer.self_attn, getattr(layer.mlp, "experts", None)):
+            if module is not None:
+                module.register_forward_pre_hook(starts("forward"))
+                module.register_full_backward_pre_hook(starts("backward"))
+    original_all_to_all, original_count = dist.all_to_all_single, comm._count
+    dist.all_to_all_single, comm._count = all_to_all_single, count
+    if overlap:
+        runner._forward_backward = traced_op(runner._forward_backward)
+    else:  # every op, all of them sequential
+        in_fb[0] = True
+    try:
+        ce, aux = runner.train(micro)
+    finally:
+        dist.all_to_all_single, comm._count = original_all_to_all, original_count
+    grads = {name: p.grad for name, p in trainer.model.named_parameters() if p.grad is not None}
+    return ce.item(), aux.item(), grads, pieces
+
+
+def test_pipeline_overlap_interleaves_chunks_exactly(pool, reference):
+    """PP 2 × EP 2, DualPipeV, 8 micro-batches: in each overlapped FB op, the forward chunk's
+    compute runs between a backward all-to-all's launch and its wait, and the backward runs on
+    while a forward all-to-all is in flight; the gradients, loss and load-balancing loss are
+    exactly those of the same step with each FB op's chunks run one after the other."""
+    raw = run_config(reference[0], LAYOUTS["pp2-ep2"], "overlap")
+    sequential = pool.run(traced_step, raw, False)
+    overlapped = pool.run(traced_step, raw, True)
+    for (ce, aux, grads, pieces), (ce_o, aux_o, grads_o, pieces_o) in zip(sequential, overlapped):
+        assert (ce, aux) == (ce_o, aux_o)
+        assert grads.keys() == grads_o.keys()
+        assert all(torch.equal(grads[name], grads_o[name]) for name in grads)
+        # One chunk after the other: every all-to-all is waited for right after its launch.
+        assert ("launch", "backward") in pieces
+        assert all(b == ("wait", a[1]) for a, b in zip(pieces, pieces[1:]) if a[0] == "launch")
+        ops = _split_ops(pieces_o)
+        assert len(ops) >= 4
+        for pieces_of_op in ops:
+            flights = _in_flight(pieces_of_op)
+            # While one chunk's all-to-alls are in flight, the other chunk computes, in every FB op
+            # (a stage without MoE layers has none: the other chunk's then hide it all).
+            for direction, other in (("forward", "backward"), ("backward", "forward")):
+                if any(d == direction for d, _ in flights):
+                    assert any(("compute", other) in inside for d, inside in flights if d == direction)
+            # And the two interleave, when both have all-to-alls: the backward launches its next
+            # all-to-all while the forward's is in flight.
+            if {d for d, _ in flights} == {"forward", "backward"}:
+                assert any(("launch", "backward") in inside for d, inside in flights if d == "forward")
+
+
+def _split_ops(pieces: list) -> list[list]:
+    ops = []
+    for piece in pieces:
+        if piece[0] == "FB":
+            ops.append([])
+        else:
+            ops[-1].append(piece)
+    return ops
+
+
+def _in_flight(pieces: list) -> list[tuple[str, list]]:
+    """(direction, the pieces between launch and wait) of each all-to-all of one FB op."""
+    flights = []
+    for i, (kind, direction) in enumerate(pieces):
+        if kind == "launch":
+            end = pieces.index(("wait", direction), i + 1)
+            flights.append((direction, pieces[i + 1:end]))
+    return flights

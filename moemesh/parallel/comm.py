@@ -4,7 +4,9 @@ layer communicates, forward and backward."""
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -50,11 +52,32 @@ def _row_bytes(t: torch.Tensor) -> int:
     return t.element_size() * int(torch.Size(t.shape[1:]).numel())
 
 
+_in_flight: Callable[[], None] | None = None  # see `while_in_flight`
+
+
+@contextlib.contextmanager
+def while_in_flight(hook: Callable[[], None]):
+    """Call `hook()` between launching each all-to-all (forward or backward direction) and
+    waiting for it: the pipeline runs another chunk's work there (`pipeline/runtime.py`). A
+    module global, not a thread-local: autograd may run backward functions on its own threads."""
+    global _in_flight
+    previous, _in_flight = _in_flight, hook
+    try:
+        yield
+    finally:
+        _in_flight = previous
+
+
 def _all_to_all_bytes(packed: torch.Tensor, output_splits: list[int], input_splits: list[int],
                       group, phase: str) -> torch.Tensor:
     out = packed.new_empty(sum(output_splits), packed.shape[1])
     _count("all_to_all", phase, packed.numel())
-    dist.all_to_all_single(out, packed, output_splits, input_splits, group=group)
+    # Asynchronous: NCCL runs it on its own stream; the compute stream waits at `wait`, right
+    # before the result is used, and whatever `_in_flight` queues meanwhile overlaps it.
+    work = dist.all_to_all_single(out, packed, output_splits, input_splits, group=group, async_op=True)
+    if _in_flight is not None:
+        _in_flight()
+    work.wait()
     return out
 
 

@@ -116,7 +116,8 @@ class Trainer:
         if parallel.pp > 1:  # this rank keeps its stages only
             schedule = build_schedule(parallel.pp_schedule, parallel.pp, train.global_batch // train.micro_batch)
             ranges = stage_ranges(schedule, run_costs(config))  # partitioned by estimated memory and time
-            self.pipeline = PipelineRunner(self.model, self.mesh, schedule, ranges, self._autocast)
+            self.pipeline = PipelineRunner(self.model, self.mesh, schedule, ranges, self._autocast,
+                                           overlap=parallel.pp_overlap)
         # FSDP computes in the training dtype (bf16) from fp32 shards; autocast covers the rest.
         self.kept_whole = apply_fsdp(self.model, self.mesh, param_dtype=self.autocast_dtype,
                                      reshard_after_forward=parallel.fsdp_reshard_after_forward,

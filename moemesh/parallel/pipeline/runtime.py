@@ -18,11 +18,48 @@ so that each stage adds the gradient of its own share Σ_e C_e·P_stage,e·E/N²
 
 A rank's loss is its share of the micro-batch loss (`rank_loss`) / the number of micro-batches, as
 without a pipeline, so the gradients after a step are those of one process.
+
+Overlapped FB ops (`overlap`, `parallel.pp_overlap`, under EP). An FB op pairs the forward of one
+(stage, micro-batch) with the backward of another; each decoder layer runs attention, route,
+dispatch all-to-all, experts, combine all-to-all, aggregate, and its backward the same in reverse.
+The two chunks run as coroutines: the backward on this thread (its backward functions on
+autograd's threads), the forward on a worker thread, exactly one of them at any moment. Every EP
+all-to-all, of either chunk and either direction, is launched asynchronously (`async_op=True`:
+NCCL runs it on its own stream) and, between its launch and its `wait`, hands control to the other
+chunk (`comm.while_in_flight`), which queues its compute until it launches an all-to-all of its
+own and hands back. So one chunk's compute runs while the other's tokens travel, in DualPipe's
+order: B combine⁻¹ launch | F attention, route, dispatch launch | B experts⁻¹, dispatch⁻¹ launch |
+F experts, combine launch | B route⁻¹, attention⁻¹, next combine⁻¹ launch | ... The backward goes
+first (the forward first when the backward's stage has no MoE layer); once one chunk is done the
+other runs to its end. The compute stream waits for an all-to-all only at its `wait`. Control
+passes only at all-to-alls, so a rank issues its collectives in one fixed order, the same on
+every rank of a group (EP, TP and data-parallel peers run the same ops), and each chunk computes
+exactly what it computes alone: the gradients are bitwise those of the sequential FB op. The op
+takes both inputs first and posts its outputs after both chunks, the forward's first, the order
+`schedule.messages` assumes; `simulate` treats an FB op as a unit, so this cannot deadlock either.
+A thread rather than a generator carries the forward so that it runs the same code as any other
+forward — `RankStages`, the decoder layers of every family, the dispatchers and their TP wrapper,
+with no stepwise twins of them — keeping its own grad mode, autocast, device and stream, which
+are per thread (autograd runs backward functions with grad mode off, on a thread of its own). A
+hand-over costs the host some 15 µs.
+
+Limits. The EP dispatch copies its split sizes to the host, once per MoE layer (`expert.py`): that
+blocks the CPU until everything queued before it on the device has run — the forward's attention
+and routing, and, as collectives of one communicator run in order, the backward's all-to-all then
+in flight. So the backward's all-to-all overlaps the forward's attention and routing; then the CPU
+waits, and the GPU idles for the time the CPU takes to launch the dispatch and the backward's next
+kernels. The backward has no host sync (its splits come from the forward), so while the forward's
+dispatch and combine fly, the backward's kernels are queued ahead freely. The chunks share one
+compute stream: compute overlaps communication, never other compute. When the two stages hold
+unequal numbers of MoE layers, the chunk with more all-to-alls finishes alone. Without EP (nothing
+to overlap) and under FSDP (whose per-module unshard/reshard state cannot take a forward in the
+middle of a backward: the backward's end reshards every module) FB ops run forward, then backward.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -34,7 +71,7 @@ from moemesh.ops.weight_grad import WeightGradStore
 from moemesh.parallel import comm
 from moemesh.parallel.data import rank_loss
 from moemesh.parallel.mesh import Mesh
-from moemesh.parallel.pipeline.schedule import Schedule, messages
+from moemesh.parallel.pipeline.schedule import Op, Schedule, messages
 from moemesh.parallel.pipeline.stage import RankStages, Stage, cut_model
 
 
@@ -55,8 +92,11 @@ class _Saved:
 
 class PipelineRunner:
     def __init__(self, model: MoECausalLM, mesh: Mesh, schedule: Schedule, ranges: list[range],
-                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 overlap: bool = True):
         self.model, self.schedule, self.autocast = model, schedule, autocast
+        # FB ops overlap their chunks where there are all-to-alls to hide (and not under FSDP).
+        self.overlap = overlap and mesh.dims.ep > 1
         self.group = mesh.group("pp")
         self.rank = mesh.rank("pp")
         self.links = _directed_links(mesh)
@@ -128,17 +168,27 @@ class PipelineRunner:
             self.inbox[arrived] = tensors
 
     # ---- one stage, one micro-batch -------------------------------------------------------------
+    # A forward or backward is: take its input message, compute, post its output message. The
+    # overlapped FB op takes both inputs, computes both chunks interleaved, then posts both.
     def _forward(self, s: int, m: int, train: bool) -> None:
+        x, counts = self._forward_input(s, m, train)
+        with self._busy():
+            message = self._forward_compute(s, m, x, counts, train)
+        if message:
+            self._post(*message)
+
+    def _forward_input(self, s: int, m: int, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.stages[s].first:
+            return self.micro[m].tokens, torch.zeros(self.num_experts, device=self.device)
+        x, counts = self._take(("act", s - 1, m), self._hidden_shape(m))
+        return x.requires_grad_(train), counts
+
+    def _forward_compute(self, s: int, m: int, x: torch.Tensor, counts: torch.Tensor, train: bool):
+        """Runs the stage; returns the message to post (None from the last stage)."""
         stage, micro = self.stages[s], self.micro[m]
-        tokens = micro.tokens
-        hidden_shape = (*tokens.shape, self.model.config.hidden_size)
-        if stage.first:
-            x, counts = tokens, torch.zeros(self.num_experts, device=self.device)
-        else:
-            x, counts = self._take(("act", s - 1, m), hidden_shape)
-            x.requires_grad_(train)
+        tokens, message = micro.tokens, None
         positions = torch.arange(tokens.shape[1], device=self.device)
-        with self._busy(), self.autocast():
+        with self.autocast():
             out, layer_counts, prob_sums, num_tokens = self.module(s, x, positions, tokens, reduce_stats=train)
             if layer_counts is not None:
                 counts = counts + layer_counts.sum(0).float()
@@ -149,31 +199,87 @@ class PipelineRunner:
                                    self.data_ranks) / len(self.micro)
             else:
                 output = out
-                self._post(("act", s, m), s + 1, [out.detach().float(), counts])
+                message = (("act", s, m), s + 1, [out.detach().float(), counts])
         if train:
             self.saved[(s, m)] = _Saved(x if not stage.first else None, output, prob_sums, num_tokens)
+        return message
 
     def _backward(self, s: int, m: int, defer_weight: bool, op_index: int) -> None:
+        grad, counts = self._backward_input(s, m)
+        with self._busy():
+            message = self._backward_compute(s, m, grad, counts, defer_weight, op_index)
+        if message:
+            self._post(*message)
+
+    def _backward_input(self, s: int, m: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        if self.stages[s].last:
+            return None, self.total_counts.pop(m)
+        return self._take(("grad", s + 1, m), self._hidden_shape(m))
+
+    def _backward_compute(self, s: int, m: int, grad: torch.Tensor | None, counts: torch.Tensor,
+                          defer_weight: bool, op_index: int):
+        """Backward of the stage; returns the message to post (None from the first stage)."""
         stage, saved = self.stages[s], self.saved.pop((s, m))  # freed once this backward is done
         if self.fsdp:
             self._set_gradient_sync(s, op_index)
             defer_weight = False
-        hidden_shape = (*self.micro[m].tokens.shape, self.model.config.hidden_size)
-        if stage.last:
-            counts, outputs, grads = self.total_counts.pop(m), [saved.output], [None]
-        else:
-            grad, counts = self._take(("grad", s + 1, m), hidden_shape)
-            outputs, grads = [saved.output], [grad.to(saved.output.dtype)]
-        with self._busy():
-            if saved.prob_sums is not None and self.aux:
-                share = self._aux_share(saved, counts)
-                self.aux_sum += share.detach() / len(self.micro)
-                outputs.append(self.aux_coef * share / self.data_ranks / len(self.micro))
-                grads.append(None)
-            with self.weight_grads.deferring(defer_weight):
-                torch.autograd.backward(outputs, grads)
-        if not stage.first:
-            self._post(("grad", s, m), s - 1, [saved.inputs.grad, counts])
+        outputs, grads = [saved.output], [None if grad is None else grad.to(saved.output.dtype)]
+        if saved.prob_sums is not None and self.aux:
+            share = self._aux_share(saved, counts)
+            self.aux_sum += share.detach() / len(self.micro)
+            outputs.append(self.aux_coef * share / self.data_ranks / len(self.micro))
+            grads.append(None)
+        with self.weight_grads.deferring(defer_weight):
+            torch.autograd.backward(outputs, grads)
+        return None if stage.first else (("grad", s, m), s - 1, [saved.inputs.grad, counts])
+
+    def _forward_backward(self, op: Op, op_index: int) -> None:
+        """An FB op with its chunks overlapped: the backward runs on this thread (and autograd's),
+        the forward on a worker thread, one of them at a time; each all-to-all hands over to the
+        other chunk between its launch and its wait (`_Overlap`). Inputs are taken and outputs
+        posted in the order of the sequential FB op's messages: the forward's, then the backward's."""
+        f_input = self._forward_input(op.stage, op.micro, True)
+        b_input = self._backward_input(op.b_stage, op.b_micro)
+        # The backward starts, unless it has no all-to-all for the forward's compute to hide.
+        overlap, f_result = _Overlap(first="B" if self._exchanges(op.b_stage) else "F"), []
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+
+        def forward() -> None:
+            overlap.wait_turn("F")
+            try:
+                with contextlib.ExitStack() as context:
+                    context.enter_context(torch.enable_grad())
+                    if stream is not None:  # the device and stream are per thread
+                        torch.cuda.set_device(self.device)
+                        context.enter_context(torch.cuda.stream(stream))
+                    f_result.append(self._forward_compute(op.stage, op.micro, *f_input, train=True))
+            except BaseException as error:
+                f_result.append(error)
+            finally:
+                overlap.finish("F")
+
+        worker = threading.Thread(target=forward, name="moemesh-pp-forward", daemon=True)
+        overlap.forward_thread = worker
+        with self._busy(), comm.while_in_flight(overlap.switch):
+            worker.start()
+            try:
+                overlap.wait_turn("B")
+                b_message = self._backward_compute(op.b_stage, op.b_micro, *b_input, op.defer_weight, op_index)
+            finally:
+                overlap.finish("B")  # the forward runs to its end
+                worker.join()
+        if isinstance(f_result[0], BaseException):
+            raise f_result[0]
+        for message in (f_result[0], b_message):
+            if message:
+                self._post(*message)
+
+    def _exchanges(self, s: int) -> bool:
+        """Whether stage s has MoE layers (whose all-to-alls an overlapped chunk can hide behind)."""
+        return any(getattr(self.model.model.layers[i], "is_moe", False) for i in self.stages[s].layers)
+
+    def _hidden_shape(self, m: int) -> tuple[int, ...]:
+        return (*self.micro[m].tokens.shape, self.model.config.hidden_size)
 
     @contextlib.contextmanager
     def _busy(self):
@@ -211,6 +317,9 @@ class PipelineRunner:
                              f"got {len(micro_batches)}")
         self._reset(micro_batches, training=True)
         for j, op in enumerate(self.schedule.ops[self.rank]):
+            if op.kind == "FB" and self.overlap and not self.fsdp:
+                self._forward_backward(op, j)
+                continue
             if op.kind in ("F", "FB"):
                 self._forward(op.stage, op.micro, train=True)
             if op.kind == "B":
@@ -245,6 +354,41 @@ class PipelineRunner:
         comm.all_reduce_sum_(totals, self.group, kind="metrics")
         self.pending, self.saved, self.inbox = [], {}, {}
         return totals
+
+
+class _Overlap:
+    """The two chunks of an overlapped FB op take turns, as coroutines: exactly one runs at any
+    moment, and control passes only in `switch`, which an all-to-all calls between its launch and
+    its wait. So every rank issues its collectives in one fixed order, the same on all the ranks
+    of a group. Chunk `first` ("F" or "B") starts; once a chunk is done, the other runs to its end."""
+
+    def __init__(self, first: str):
+        self.turn, self.done = first, set()
+        self.changed = threading.Condition()
+        self.forward_thread: threading.Thread | None = None
+
+    def _mine(self) -> tuple[str, str]:
+        forward = threading.current_thread() is self.forward_thread  # else this thread or autograd's
+        return ("F", "B") if forward else ("B", "F")
+
+    def wait_turn(self, me: str) -> None:
+        with self.changed:
+            self.changed.wait_for(lambda: self.turn == me)
+
+    def switch(self) -> None:
+        me, other = self._mine()
+        with self.changed:
+            if other in self.done:
+                return
+            self.turn = other
+            self.changed.notify_all()
+            self.changed.wait_for(lambda: self.turn == me)
+
+    def finish(self, me: str) -> None:
+        with self.changed:
+            self.done.add(me)
+            self.turn = "B" if me == "F" else "F"
+            self.changed.notify_all()
 
 
 def _directed_links(mesh: Mesh) -> dict[tuple[int, int], dist.ProcessGroup]:
