@@ -1,4 +1,5 @@
-"""The whole training step — forward, backward, AdamW step, zero_grad — of moemesh against
+"""The whole training step — forward, backward, gradient clipping to norm 1 (as transformers' Trainer
+does by default and `moemesh train` does), AdamW step, zero_grad — of moemesh against
 transformers' own Qwen3-MoE, side by side in one run, on one GPU; and moemesh alone over two GPUs.
 
     PYTHONPATH=. python3 bench/e2e.py [--layers 6] [--seq 4096] [--batch 4] [--moemesh-fp32-master]
@@ -53,6 +54,7 @@ from moemesh.config import load_config
 from moemesh.models import ModelConfig, MoECausalLM, build
 from moemesh.parallel.data import (
     apply_data_parallel,
+    clip_grad_norm_,
     label_tokens,
     rank_loss,
     reduce_gradients,
@@ -169,8 +171,11 @@ def run_variant(name: str, model, forward, args, config: ModelConfig, device, fl
     def step():
         loss = forward(ids, local, batch)
         loss.backward()
-        if extra.get("mesh") is not None:
+        if extra.get("moemesh"):
             reduce_gradients(model, extra["mesh"])
+            clip_grad_norm_(model, 1.0, extra["mesh"])
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.detach())  # no .item() here: that would sync inside the step
@@ -243,6 +248,8 @@ def main():
                         help="add a row (one GPU) or use (ep) fp32 weights and AdamW state under bf16 autocast")
     parser.add_argument("--layout", choices=["ep", "dp_shard"], default="ep", help="the two-GPU layout (torchrun)")
     parser.add_argument("--trace-dir", help="keep each rank's Chrome trace of the profiled step here (gzipped)")
+    parser.add_argument("--no-reshard", action="store_true",
+                        help="dp_shard: keep each block's gathered weights from forward to backward (one all-gather per step)")
     parser.add_argument("--single-gpu-baseline", type=float, help="moemesh tokens/s on one GPU: print the scaling")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True  # only the fp32 leftovers; GEMMs run in bf16
@@ -265,7 +272,7 @@ def main():
         for name, dtype, autocast in variants:
             model = build(config, seed=args.seed, device=device, dtype=dtype)
             rows.append(run_variant(name, model, moemesh_forward(model, config, autocast), args, config, device, flops,
-                                    {"moemesh": True, "profile": len(rows) == 1}))
+                                    {"moemesh": True, "profile": len(rows) == 1, "mesh": init_mesh(ParallelDims())}))
             del model
             free()
     else:
@@ -273,8 +280,9 @@ def main():
         fp32 = args.moemesh_fp32_master  # fp32 weights (FSDP: fp32 shards gathered in bf16) under autocast
         model = build(config, seed=args.seed, device=device, dtype=None if fp32 else torch.bfloat16)
         apply_data_parallel(apply_ep(model, mesh), mesh)
-        apply_fsdp(model, mesh, param_dtype=torch.bfloat16)  # a no-op unless dp_shard > 1
-        name = f"moemesh {args.layout}={WORLD} ({'fp32 master, bf16 autocast' if fp32 else 'bf16'})"
+        apply_fsdp(model, mesh, param_dtype=torch.bfloat16, reshard_after_forward=not args.no_reshard)  # dp_shard only
+        keep = ", gathered weights kept for backward" if args.no_reshard and args.layout == "dp_shard" else ""
+        name = f"moemesh {args.layout}={WORLD} ({'fp32 master, bf16 autocast' if fp32 else 'bf16'}{keep})"
         rows.append(run_variant(name, model, moemesh_forward(model, config, fp32, mesh), args, config, device, flops,
                                 {"moemesh": True, "profile": True, "mesh": mesh}))
         if args.single_gpu_baseline:
@@ -291,7 +299,7 @@ def main():
               f"{args.batch}×{args.seq} tokens per GPU, {flops / 1e9:.3g} GFLOP per token")
         profiles = [(row["variant"], row.pop("_profile")) for row in rows if "_profile" in row]
         print_table([{k: v for k, v in row.items() if not k.startswith("_")} for row in rows],
-                    f"Training step (forward, backward, AdamW), {WORLD} {'GPU' if WORLD == 1 else 'GPUs'}")
+                    f"Training step (forward, backward, clipping, AdamW), {WORLD} {'GPU' if WORLD == 1 else 'GPUs'}")
         for variant, (top, shares) in profiles:
             print_table(top, f"Top kernels of one step, {variant} (rank 0): GEMM {shares['GEMM']:.0%}, "
                              f"NCCL {shares['NCCL']:.0%}, other {shares['other']:.0%} of kernel time; "

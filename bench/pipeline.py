@@ -39,10 +39,11 @@ if WORLD >= 4 and WORLD % 2 == 0:  # pp × ep=2: DualPipeV's paired chunks overl
                      for mode, on in (("overlap", True), ("sequential", False))})
 
 
-def idle_share(trainer: Trainer) -> float:
-    """The share of one step's GPU time during which no compute kernel ran."""
+def idle_share(trainer: Trainer, trace: Path | None = None) -> float:
+    """The share of one step's GPU time during which no compute kernel ran (`trace`: keep the
+    step's Chrome trace, host side included)."""
     torch.cuda.synchronize()
-    _, compute = kernel_intervals(trainer.train_step)
+    _, compute = kernel_intervals(trainer.train_step, trace)
     span = compute[-1][1] - compute[0][0]
     return 1 - interval_length(compute) / span
 
@@ -85,19 +86,23 @@ def op_trace(trainer: Trainer) -> list[dict]:
             start.record()
             method(*args, **kwargs)
             end.record()
-            records.append({"op": name, "args": list(args[:2]), "before": before,
+            ids = list(args[:2])
+            if name == "FB":  # an FB operation passes its Op: name both of its chunks
+                ids = [args[0].stage, args[0].micro, args[0].b_stage, args[0].b_micro]
+            records.append({"op": name, "args": ids, "before": before,
                             "peak": torch.cuda.max_memory_allocated(), "after": torch.cuda.memory_allocated(),
                             "_events": (start, end)})
         return traced
 
     runner._forward, runner._backward = wrap("F", runner._forward), wrap("B", runner._backward)
+    runner._forward_backward = wrap("FB", runner._forward_backward)
     runner.weight_grads.pop = wrap("W", runner.weight_grads.pop)
     step_start = torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     step_start.record()
     trainer.train_step()
     torch.cuda.synchronize()
-    for name in ("_forward", "_backward"):
+    for name in ("_forward", "_backward", "_forward_backward"):
         delattr(runner, name)
     del runner.weight_grads.pop
     for r in records:
@@ -122,7 +127,8 @@ def run_variant(name: str, overrides: list[str], args) -> dict:
     if on_gpu:
         peaks = [torch.zeros(WORLD, device=trainer.device) for _ in range(3)]
         peaks[0][dist.get_rank()] = torch.cuda.max_memory_allocated(trainer.device) / 2**30
-        peaks[1][dist.get_rank()] = idle_share(trainer)
+        trace = Path(args.trace_dir) / f"profile_{name.split()[0]}_rank{dist.get_rank()}.json.gz" if args.trace_dir else None
+        peaks[1][dist.get_rank()] = idle_share(trainer, trace if name == "dualpipev" else None)
         if trainer.pipeline is not None:
             peaks[2][dist.get_rank()] = bubble_share(trainer)
         for t in peaks:

@@ -6,8 +6,9 @@ processed in chunks (as Liger-Kernel's fused linear cross-entropy does): for eac
 are computed in the hidden dtype, a kernel turns them *in place* into d loss / d logits and the
 per-token loss, and two matmuls fold that into the gradients of `hidden` and `weight`. The forward
 thus computes the gradients and stores them; the backward only scales them by the incoming
-gradient. Peak extra memory: one logits chunk, grad_hidden [T, H], an fp32 [V, H] accumulator and
-(for bf16 weights) one bf16 [V, H] chunk product. Where the reference runs (CPU, MOEMESH_KERNELS=torch)
+gradient. Peak extra memory: one logits chunk, grad_hidden [T, H] and an fp32 [V, H] accumulator,
+which on a GPU the weight-gradient GEMM adds into directly (elsewhere, for bf16 weights, through one
+bf16 [V, H] chunk product). Where the reference runs (CPU, MOEMESH_KERNELS=torch)
 the full logits are materialised. The whole vocabulary must be on this rank (no vocab parallelism).
 
 Choices:
@@ -125,13 +126,26 @@ def _loss_and_gradients(
         if need_hidden:
             torch.mm(logits, weight, out=grad_hidden[start:end])
         if need_weight:
-            if logits.dtype == grad_weight.dtype:
-                grad_weight.addmm_(logits.T, chunk)
-            else:
-                grad_weight += logits.T @ chunk
+            _add_product(grad_weight, logits.T, chunk)
     if need_weight:
         grad_weight = grad_weight.to(weight.dtype)
     return row_loss.sum() * scale[0], grad_hidden, grad_weight
+
+
+def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b, with acc fp32 and a, b possibly bf16. On a GPU the GEMM adds into acc itself
+    (fp32 output, beta 1): no [V, H] bf16 product written and read back by a separate add, which
+    at a 150k vocabulary costs a millisecond per chunk."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+        return
+    if acc.is_cuda:
+        try:
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+            return
+        except (TypeError, RuntimeError, NotImplementedError):  # a torch without GEMMs of a wider output
+            pass
+    acc += a @ b
 
 
 def cross_entropy_step_torch(logits, labels, row_loss, scale, ignore_index, z_loss):

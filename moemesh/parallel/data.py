@@ -108,9 +108,12 @@ def clip_grad_norm_(model: MoECausalLM, max_norm: float, mesh: Mesh) -> torch.Te
     # pipeline rank may hold no parameter of some kind, and the sums over an axis must line up.
     combinations = [tuple(a for a, keep in zip(NORM_AXES, bits) if keep)
                     for bits in itertools.product((False, True), repeat=len(NORM_AXES))]
-    squares = {axes: torch.zeros((), device=device) for axes in combinations}
-    for name, param, grad in grads:  # fp32 accumulation without an fp32 copy of a bf16 gradient
-        squares[split_axes(name, param, mesh)] += torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+    by_axes = {axes: [] for axes in combinations}
+    for name, param, grad in grads:
+        by_axes[split_axes(name, param, mesh)].append(grad)
+    # One multi-tensor kernel per kind, accumulating in fp32 without an fp32 copy of a bf16 gradient.
+    squares = {axes: torch.stack(torch._foreach_norm(group, 2, dtype=torch.float32)).square().sum() if group
+               else torch.zeros((), device=device) for axes, group in by_axes.items()}
     for axis in NORM_AXES:  # a sum over several axes is a sum over each in turn
         comm.all_reduce_sum_([s for axes, s in squares.items() if axis in axes], mesh.group(axis), kind="grad_norm")
     total = sum(squares.values()).sqrt()
