@@ -22,19 +22,29 @@ def _tiny_model_config(**changes):
     return load_config(None, ["model.num_hidden_layers=2"]).model.replace(**changes)
 
 
+# (weights' dtype, autocast to bf16): fp32 throughout; fp32 weights under bf16 autocast, as `moemesh
+# train` runs on a GPU (an fp32 residual stream, bf16 matmuls); bf16 weights (train.param_dtype).
+PRECISIONS = {"fp32": (None, False), "fp32-weights-bf16-autocast": (None, True), "bf16-weights": (torch.bfloat16, False)}
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("changes", [{}, {"mlp_only_layers": [0], "intermediate_size": 96, "qk_norm": False,
                                           "norm_topk_prob": False}], ids=["moe", "dense-first"])
-def test_analytical_activations_match_profile(triton_kernels, changes):
-    """On the kernel path (here Triton's interpreter on CPU, fp32) the formula counts the very
-    tensors autograd saves, so it agrees to the byte; the 1% tolerance (tighter than the 10% the
-    estimate needs) is there only so that a stray small tensor is not a failure — anything that
-    changes what a layer saves moves a layer by more than that."""
+def test_analytical_activations_match_profile(triton_kernels, changes, precision):
+    """On the kernel path (here Triton's interpreter on CPU) the formula counts the very tensors
+    autograd saves, so it agrees to the byte, in each precision a run uses; the 1% tolerance
+    (tighter than the 10% the estimate needs) is there only so that a stray small tensor is not a
+    failure — anything that changes what a layer saves moves a layer by more than that."""
+    weights, autocast = PRECISIONS[precision]
     config = _tiny_model_config(**changes)
-    model = build(config, seed=0, device="cpu")
+    model = build(config, seed=0, device="cpu", dtype=weights)
     batch, seq = torch.randint(1, 3, ()).item(), 8
     ids = torch.randint(config.vocab_size, (batch, seq))
-    profiles = profile_layers(model, ids, ids)
-    estimates = estimate_layer_costs(config, batch * seq, dtype_bytes=4, state_bytes_per_param=1, seq_len=seq)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        profiles = profile_layers(model, ids, ids)
+    dtype_bytes = 2 if autocast or weights is not None else 4
+    estimates = estimate_layer_costs(config, batch * seq, dtype_bytes=dtype_bytes, state_bytes_per_param=1,
+                                     seq_len=seq, residual_bytes=2 if weights is not None else 4)
 
     assert [p.name for p in profiles] == ["embedding", "layer 0", "layer 1", "head"]
     assert [e.name for e in estimates] == [p.name for p in profiles]
@@ -62,7 +72,9 @@ def test_profile_on_reference_ops_and_costs():
     memory = estimate_rank_memory(costs, [range(2), range(2, 4)], in_flight, stage_rank)
     expected = sum(c.param_bytes for c in costs) + sum(c.activation_bytes * (3 if i < 2 else 1)
                                                        for i, c in enumerate(costs))
-    assert memory == [pytest.approx(expected)]
+    hidden_states = 2 * 16 * config.hidden_size * 4  # the first stage's output, fp32, per micro-batch in flight
+    assert profiles[1].output_bytes == hidden_states and profiles[-1].output_bytes == 4  # the loss
+    assert memory == [pytest.approx(expected + 3 * hidden_states)]
 
 
 def test_estimate_scales_with_tokens_and_shard():

@@ -10,30 +10,36 @@ storage counts once per item, at its full size (a saved view keeps its whole sto
 
 Estimated (`estimate_layer_costs`): the same bytes from the shapes, following what moemesh saves
 on the kernel path (Triton ops, flash-style attention). With T tokens, activation dtype size b,
+residual-stream dtype size r (the weights' dtype: 4 for fp32 weights under bf16 autocast, else b),
 H hidden, Q = heads x head_dim, K = kv heads x head_dim, k = experts per token, E experts,
 I the expert (or dense MLP) width, V the vocabulary:
 
-    RMSNorm     n*w*(4 + b) + 4n over n rows of width w: its input in fp32, the normalised
-                copy in the activation dtype, the fp32 rsqrt (the output is counted where a
-                consumer saves it)
-    attention   norm(T, H) + its output, which q/k/v save, T*H*b + with qk-norm norm(T*heads, D)
-                + norm(T*kv heads, D) + cos and sin 2*seq_len*D*b + SDPA's rotated q and k, v and
-                output T*(2Q + 2K)*b and log-sum-exp 4*T*heads (RoPE's products save only cos and
-                sin; o_proj's input is a view of SDPA's output)
+    RMSNorm     n*w*(4 + c) + 4n over n rows of width w: its input in fp32, the normalised
+                copy in its input's dtype c (r for the norms of the residual stream, b for the
+                q/k norms), the fp32 rsqrt (the output is counted where a consumer saves it)
+    attention   norm(T, H) + its output, which q/k/v save, T*H*b (three copies when r != b: each
+                projection casts it for itself) + with qk-norm norm(T*heads, D) + norm(T*kv
+                heads, D) + cos and sin 2*seq_len*D*r + SDPA's rotated q and k, v and output
+                T*(2Q + 2K)*b and log-sum-exp 4*T*heads (RoPE's products save only cos and sin;
+                o_proj's input is a view of SDPA's output)
     MoE         norm(T, H) + its output T*H*b + router probabilities 4*T*E + top-k ids 8*T*k and
                 values 4*T*k (+ with norm_topk_prob their sum 4*T and the normalised values 4*T*k)
                 + permute positions 8*T*k + expert input, gate|up output, SwiGLU output and
-                expert output T*k*(2H + 3I)*b
-    dense MLP   norm(T, H) + its output T*H*b + gate, up, silu(gate), product 4*T*I*b
+                expert output T*k*(2H + 3I)*b + group sizes 8*E (+ when r != b the router
+                weight's cast copy E*H*b)
+    dense MLP   norm(T, H) + its output T*H*b (two copies when r != b) + gate, up, silu(gate),
+                product 4*T*I*b
     embedding   the token ids, 8*T
     head        norm(T, H) + the fused cross-entropy's precomputed gradients of the hidden states
                 T*H*b and of the head weight V*H*b (never the logits)
 
+Beside the items' saved tensors a stage keeps, per micro-batch in flight, its output T*H*r until
+its backward (`LayerCost.output_bytes`, counted for a stage that does not end with the head).
+
 Off the kernel path (PyTorch reference ops, the default on CPU) the saved tensors differ: the
 reference cross-entropy keeps full logits, for one. Under autocast the projections and expert
 GEMMs save their weights as they are and cast them again in backward (`ops/linear.py`,
-`ops/grouped_mm.py`), so no bf16 weight copy is held per micro-batch; the router's small bf16
-copy is left out of the formula.
+`ops/grouped_mm.py`), so no bf16 weight copy is held per micro-batch but the router's small one.
 
 Time is forward + backward FLOPs: 6 per multiplying parameter per token, plus attention.
 """
@@ -65,6 +71,7 @@ class LayerProfile:
     weight_bytes: int  # saved tensors that are parameters
     activation_bytes: int  # everything else saved for backward
     seconds: float  # forward + backward wall clock
+    output_bytes: int  # the item's output (a stage ending here keeps it per micro-batch in flight)
 
 
 def profile_layers(model: MoECausalLM, input_ids: torch.Tensor, labels: torch.Tensor) -> list[LayerProfile]:
@@ -96,8 +103,9 @@ def profile_layers(model: MoECausalLM, input_ids: torch.Tensor, labels: torch.Te
         out.backward(grad)
         backward_seconds.insert(0, _clock(out) - start)
         grad = leaf.grad if leaf.is_floating_point() else None
-    return [LayerProfile(name, params, saved.weight_bytes, saved.activation_bytes, forward + backward)
-            for (name, _), params, (_, _, saved, forward), backward
+    return [LayerProfile(name, params, saved.weight_bytes, saved.activation_bytes, forward + backward,
+                         out.numel() * out.element_size())
+            for (name, _), params, (_, out, saved, forward), backward
             in zip(items, _item_params(model), runs, backward_seconds)]
 
 
@@ -117,37 +125,43 @@ def _item_params(model: MoECausalLM) -> list[int]:
 def profile_costs(profiles: list[LayerProfile], state_bytes_per_param: int = 16, shard: int = 1) -> list[LayerCost]:
     """LayerCosts from measured profiles, each parameter keeping `state_bytes_per_param` bytes
     (weight, gradient and optimizer state; 16 for fp32 AdamW) split over `shard` ranks."""
-    return [LayerCost(p.name, p.params * state_bytes_per_param / shard, p.activation_bytes, p.seconds)
+    return [LayerCost(p.name, p.params * state_bytes_per_param / shard, p.activation_bytes, p.seconds, p.output_bytes)
             for p in profiles]
 
 
 def estimate_layer_costs(config: ModelConfig, tokens: int, dtype_bytes: int = 2, state_bytes_per_param: int = 16,
-                         shard: int = 1, seq_len: int | None = None) -> list[LayerCost]:
+                         shard: int = 1, seq_len: int | None = None, residual_bytes: int | None = None) -> list[LayerCost]:
     """Analytical LayerCosts for micro-batches of `tokens` tokens in sequences of `seq_len`
-    (default: one sequence); time is forward + backward FLOPs. See the module docstring."""
-    return [LayerCost(name, params * state_bytes_per_param / shard, activations, flops)
-            for name, params, activations, flops in estimate_layers(config, tokens, dtype_bytes, seq_len)]
+    (default: one sequence); time is forward + backward FLOPs. `residual_bytes`: the weights'
+    dtype size (default: dtype_bytes). See the module docstring."""
+    r = residual_bytes or dtype_bytes
+    rows = estimate_layers(config, tokens, dtype_bytes, seq_len, r)
+    return [LayerCost(name, params * state_bytes_per_param / shard, activations, flops,
+                      0.0 if name == "head" else tokens * config.hidden_size * r)
+            for name, params, activations, flops in rows]
 
 
-def estimate_layers(config: ModelConfig, tokens: int, dtype_bytes: int = 2,
-                    seq_len: int | None = None) -> list[tuple[str, int, float, float]]:
+def estimate_layers(config: ModelConfig, tokens: int, dtype_bytes: int = 2, seq_len: int | None = None,
+                    residual_bytes: int | None = None) -> list[tuple[str, int, float, float]]:
     """(name, parameters, activation bytes per micro-batch, forward + backward FLOPs) per item."""
     T, b, H, V = tokens, dtype_bytes, config.hidden_size, config.vocab_size
+    r = residual_bytes or dtype_bytes
     D, heads, kv_heads = config.attention_head_dim, config.num_attention_heads, config.num_key_value_heads
     Q, K = heads * D, kv_heads * D
     k, E = config.num_experts_per_tok, config.num_experts
     seq = seq_len or T
     context = min(seq, config.sliding_window or seq)
 
-    def norm(rows: int, width: int) -> float:
-        return rows * width * (4 + b) + 4 * rows
+    def norm(rows: int, width: int, copy_bytes: int = r) -> float:
+        return rows * width * (4 + copy_bytes) + 4 * rows
 
     attention_matmul = H * (Q + 2 * K) + Q * H  # q, k, v, o
     attention_params = attention_matmul + 2 * H  # and the two layer norms
-    attention_acts = norm(T, H) + T * H * b + 2 * seq * D * b + T * (2 * Q + 2 * K) * b + 4 * T * heads
+    projection_inputs = (3 if r != b else 1) * T * H * b
+    attention_acts = norm(T, H) + projection_inputs + 2 * seq * D * r + T * (2 * Q + 2 * K) * b + 4 * T * heads
     if config.qk_norm:
         attention_params += 2 * D
-        attention_acts += norm(T * heads, D) + norm(T * kv_heads, D)
+        attention_acts += norm(T * heads, D, b) + norm(T * kv_heads, D, b)
     if config.attention_bias:
         attention_params += Q + 2 * K + H
     attention_flops = 6 * T * attention_matmul + 6 * T * context * Q  # scores and values, causal: half of 12
@@ -159,13 +173,14 @@ def estimate_layers(config: ModelConfig, tokens: int, dtype_bytes: int = 2,
             mlp_params = E * 3 * H * I + E * H
             mlp_flops = 6 * T * (k * 3 * H * I + E * H)
             mlp_acts = norm(T, H) + T * H * b + 4 * T * E + 12 * T * k + 8 * T * k + T * k * (2 * H + 3 * I) * b
+            mlp_acts += 8 * E + (E * H * b if r != b else 0)  # group sizes; the router weight's cast copy
             if config.norm_topk_prob:
                 mlp_acts += 4 * T + 4 * T * k
         else:
             I = config.intermediate_size
             mlp_params = 3 * H * I
             mlp_flops = 6 * T * mlp_params
-            mlp_acts = norm(T, H) + T * H * b + 4 * T * I * b
+            mlp_acts = norm(T, H) + (2 if r != b else 1) * T * H * b + 4 * T * I * b  # gate and up cast apart
         rows.append((f"layer {i}", attention_params + mlp_params, attention_acts + mlp_acts,
                      attention_flops + mlp_flops))
     head_params = H + (0 if config.tie_word_embeddings else V * H)
@@ -216,12 +231,18 @@ def rank_tokens(config: RunConfig) -> int:
     return config.train.micro_batch * config.train.seq_len // config.parallel.batch_ranks
 
 
+def state_bytes_per_param(config: RunConfig) -> int:
+    """Weight, gradient and AdamW's two moments: fp32 (16 B), or bf16 with train.param_dtype (8 B)."""
+    return ADAMW_STATE_BYTES // 2 if config.train.param_dtype == "bfloat16" else ADAMW_STATE_BYTES
+
+
 def run_costs(config: RunConfig) -> list[LayerCost]:
     """The analytical per-item costs of a run (`train.dtype` resolved): parameter state as AdamW
     keeps it, sharded over dp_shard."""
     dtype_bytes = 2 if config.train.dtype == "bfloat16" else 4
-    return estimate_layer_costs(config.model, rank_tokens(config), dtype_bytes, ADAMW_STATE_BYTES,
-                                config.parallel.dp_shard, seq_len=config.train.seq_len)
+    residual_bytes = 2 if config.train.param_dtype == "bfloat16" else 4
+    return estimate_layer_costs(config.model, rank_tokens(config), dtype_bytes, state_bytes_per_param(config),
+                                config.parallel.dp_shard, seq_len=config.train.seq_len, residual_bytes=residual_bytes)
 
 
 def stage_ranges(schedule: Schedule, costs: list[LayerCost]) -> list[range]:
@@ -248,7 +269,7 @@ def estimate_run(config: RunConfig, pp: int | None = None, schedule_name: str | 
         ids = torch.randint(config.model.vocab_size, (train.micro_batch // parallel.batch_ranks, train.seq_len),
                             device=device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=train.dtype == "bfloat16"):
-            costs = profile_costs(profile_layers(model, ids, ids), ADAMW_STATE_BYTES, parallel.dp_shard)
+            costs = profile_costs(profile_layers(model, ids, ids), state_bytes_per_param(config), parallel.dp_shard)
         time_unit, time_scale = "ms", 1e3
     else:
         costs = run_costs(config)
@@ -257,7 +278,7 @@ def estimate_run(config: RunConfig, pp: int | None = None, schedule_name: str | 
 
     how = f"measured on {train.device}" if profile else "analytical"
     lines = [(f"per layer ({how}; {tokens} tokens per micro-batch, {train.dtype}; "
-              f"parameter state {ADAMW_STATE_BYTES} B/parameter over dp_shard={parallel.dp_shard}):"),
+              f"parameter state {state_bytes_per_param(config)} B/parameter over dp_shard={parallel.dp_shard}):"),
              f"  {'layer':<10} {'param state':>12} {'activations':>12} {'time ' + time_unit:>12}"]
     lines += [f"  {c.name:<10} {_bytes(c.param_bytes):>12} {_bytes(c.activation_bytes):>12} "
               f"{c.time * time_scale:>12.3f}" for c in costs]

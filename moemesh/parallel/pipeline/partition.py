@@ -3,9 +3,9 @@
 Cost model. Each item has a parameter footprint (weights, gradients and optimizer state a rank
 keeps), the activations one micro-batch saves for its backward, and a forward + backward time.
 At its peak, stage s holds the activations of `in_flight[s]` micro-batches (the schedule decides
-how many), so its memory is
+how many) and, unless it ends with the head, their outputs (those of its last item), so its memory is
 
-    params(stage) + in_flight[s] * activations(stage),
+    params(stage) + in_flight[s] * (activations(stage) + output(last item)),
 
 and a rank's memory is the sum over the stages it runs (`stage_rank[s] == rank`; DualPipeV gives
 each rank two stages, 1F1B one).
@@ -36,6 +36,7 @@ class LayerCost:
     param_bytes: float  # weights + gradients + optimizer state this rank keeps for it
     activation_bytes: float  # saved for backward per micro-batch
     time: float  # forward + backward time (any unit)
+    output_bytes: float = 0.0  # its output, kept per micro-batch in flight by a stage that ends with it
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,14 @@ def describe(costs: list[LayerCost], ranges: list[range], in_flight: list[int],
 
 
 def _stage_memory(costs: list[LayerCost], items: range, in_flight: int) -> float:
-    return _sum(costs, items, "param_bytes") + in_flight * _sum(costs, items, "activation_bytes")
+    return _sum(costs, items, "param_bytes") + in_flight * (_sum(costs, items, "activation_bytes")
+                                                            + _kept_output(costs, items.stop))
+
+
+def _kept_output(costs: list[LayerCost], end: int) -> float:
+    """What a stage ending before item `end` keeps per micro-batch beside its saved tensors: its
+    output, until its backward (the last stage's is the loss)."""
+    return costs[end - 1].output_bytes if end < len(costs) else 0.0
 
 
 def _sum(costs: list[LayerCost], items: range, field: str) -> float:
@@ -134,8 +142,9 @@ def _sum(costs: list[LayerCost], items: range, field: str) -> float:
 
 
 class _StageTables:
-    """params / activations / time of items [i, j), for every i < j, summed in item order (the
-    same floats as `_sum`, so that the search and `rank_memory` agree exactly)."""
+    """params / activations (with the kept output) / time of items [i, j), for every i < j,
+    summed in item order (the same floats as `_stage_memory`, so that the search and
+    `rank_memory` agree exactly)."""
 
     def __init__(self, costs: list[LayerCost]):
         n = len(costs)
@@ -144,7 +153,8 @@ class _StageTables:
             p = a = t = 0
             for j in range(i, n):
                 p, a, t = p + costs[j].param_bytes, a + costs[j].activation_bytes, t + costs[j].time
-                self.params[i][j + 1], self.activations[i][j + 1], self.time[i][j + 1] = p, a, t
+                self.params[i][j + 1], self.activations[i][j + 1], self.time[i][j + 1] = \
+                    p, a + _kept_output(costs, j + 1), t
 
 
 def _add_pareto(labels: list[_Label], candidate: _Label) -> None:
