@@ -2,6 +2,8 @@
 own step:
 
     PYTHONPATH=. torchrun --nproc-per-node 2 bench/pipeline.py [--config configs/gpu_small.toml]
+    PYTHONPATH=. torchrun --nproc-per-node 2 bench/pipeline.py --config configs/qwen3_30b_a3b_6l.toml --seq 4096 \
+        --micro 1 --set train.param_dtype=bfloat16 --variants dualpipev,1f1b   (a GPU-bound model)
     PYTHONPATH=. torchrun --nproc-per-node 2 bench/pipeline.py --config configs/tiny.toml --seq 128  (CPU smoke)
 
 Variants: DualPipeV (pp=2), 1F1B (pp=2), no pipeline (ep=2), each with 8 micro-batches per step.
@@ -113,7 +115,7 @@ def op_trace(trainer: Trainer) -> list[dict]:
 
 def run_variant(name: str, overrides: list[str], args) -> dict:
     config = load_config(args.config, [*overrides, f"train.seq_len={args.seq}", f"train.global_batch={args.micro * 8}",
-                                       f"train.micro_batch={args.micro}", "train.eval_sequences=8"])
+                                       f"train.micro_batch={args.micro}", "train.eval_sequences=8", *args.set])
     trainer = Trainer(config, stream=open(os.devnull, "w"))
     records = []
     on_gpu = trainer.device.type == "cuda"
@@ -170,10 +172,13 @@ def main():
     parser.add_argument("--micro", type=int, default=4, help="sequences per micro-batch (8 micro-batches per step)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for every variant")
+    parser.add_argument("--variants", help="comma-separated subset of the variants to run")
     parser.add_argument("--trace-dir", help="write each rank's per-operation memory and time trace here (GPU)")
     args = parser.parse_args()
     rows = []
-    for name, overrides in VARIANTS.items():
+    chosen = args.variants.split(",") if args.variants else list(VARIANTS)
+    for name, overrides in ((name, VARIANTS[name]) for name in chosen):
         rows.append(run_variant(name, overrides, args))
         gc.collect()
         if torch.cuda.is_available():

@@ -114,6 +114,10 @@ class PipelineRunner:
         # What each peer sends this rank, in its order (training; evaluation goes stage by stage).
         self.expected = {src: sent for (src, dst), (sent, _) in messages(schedule).items() if dst == self.rank}
         self.device = next(model.parameters()).device
+        # Messages travel in fp32. Weights stored in bf16 keep the residual stream in bf16, which
+        # a received hidden state is cast back to (exactly), as one process would have it.
+        storage = next(model.parameters()).dtype
+        self.narrow_dtype = storage if storage.itemsize < 4 else None
 
     def use_fsdp(self) -> None:
         """The model is sharded by FSDP (`apply_fsdp` with `root=self.module`): reduce-scatter each
@@ -181,6 +185,8 @@ class PipelineRunner:
         if self.stages[s].first:
             return self.micro[m].tokens, torch.zeros(self.num_experts, device=self.device)
         x, counts = self._take(("act", s - 1, m), self._hidden_shape(m))
+        if self.narrow_dtype is not None:  # back to the residual stream's dtype (the message is fp32)
+            x = x.to(self.narrow_dtype)
         return x.requires_grad_(train), counts
 
     def _forward_compute(self, s: int, m: int, x: torch.Tensor, counts: torch.Tensor, train: bool):
@@ -231,7 +237,7 @@ class PipelineRunner:
             grads.append(None)
         with self.weight_grads.deferring(defer_weight):
             torch.autograd.backward(outputs, grads)
-        return None if stage.first else (("grad", s, m), s - 1, [saved.inputs.grad, counts])
+        return None if stage.first else (("grad", s, m), s - 1, [saved.inputs.grad.float(), counts])
 
     def _forward_backward(self, op: Op, op_index: int) -> None:
         """An FB op with its chunks overlapped: the backward runs on this thread (and autograd's),
