@@ -7,6 +7,7 @@ import json
 import statistics
 import tempfile
 import time
+import warnings
 import tomllib
 from pathlib import Path
 from typing import Callable
@@ -76,25 +77,30 @@ def print_table(rows: list[dict], title: str) -> None:
 # ---- GPU timelines from the profiler -----------------------------------------------------------
 
 
-def kernel_intervals(fn: Callable[[], object], trace: Path | None = None) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
-    """Run fn() under the profiler; returns the merged [start, end) intervals (µs) of the NCCL
-    kernels and of all other kernels. `trace`: also keep the Chrome trace there (gzipped), with
-    the host's side (operators, CUDA API calls) recorded too."""
-    activities = [torch.profiler.ProfilerActivity.CUDA]
-    if trace is not None:
-        activities.append(torch.profiler.ProfilerActivity.CPU)
-    with torch.profiler.profile(activities=activities) as prof:
-        fn()
-        torch.cuda.synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+def profiled_kernels(fn: Callable[[], object], trace: Path | None = None, host: bool = False) -> list[dict]:
+    """Run fn() under the profiler; returns its GPU kernels as Chrome-trace events (name, ts and
+    dur in µs). `trace`: also keep the whole trace there, gzipped; `host`: record the host's side
+    in it too (operators, CUDA API calls)."""
+    activities = [torch.profiler.ProfilerActivity.CUDA] + ([torch.profiler.ProfilerActivity.CPU] if host else [])
+    with warnings.catch_warnings():  # "Profiler clears events at the end of each cycle": one cycle here
+        warnings.simplefilter("ignore", UserWarning)
+        with torch.profiler.profile(activities=activities) as prof:
+            fn()
+            torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:  # the trace format is stable across versions
         prof.export_chrome_trace(f.name)
         text = Path(f.name).read_text()
     if trace is not None:
         trace.parent.mkdir(parents=True, exist_ok=True)
         with gzip.open(trace, "wt") as out:
             out.write(text)
-    events = json.loads(text)["traceEvents"]
-    kernels = [e for e in events if e.get("cat") == "kernel"]
+    return [e for e in json.loads(text)["traceEvents"] if e.get("cat") == "kernel"]
+
+
+def kernel_intervals(fn: Callable[[], object], trace: Path | None = None) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """Run fn() under the profiler; returns the merged [start, end) intervals (µs) of the NCCL
+    kernels and of all other kernels. `trace`: also keep the Chrome trace there, host side included."""
+    kernels = profiled_kernels(fn, trace, host=trace is not None)
     nccl = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" in e["name"].lower()]
     other = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" not in e["name"].lower()]
     return merged(nccl), merged(other)

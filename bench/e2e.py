@@ -39,17 +39,14 @@ import argparse
 import collections
 import contextlib
 import gc
-import gzip
-import json
 import os
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from bench.common import interval_length, median_ms, merged, print_table, qwen3_30b_a3b
+from bench.common import interval_length, median_ms, merged, print_table, profiled_kernels, qwen3_30b_a3b
 from moemesh.config import load_config
 from moemesh.models import ModelConfig, MoECausalLM, build
 from moemesh.parallel.data import (
@@ -113,21 +110,8 @@ def kernel_summary(step, trace: Path | None = None) -> tuple[list[dict], dict[st
     """Profile one step: the top 10 kernels by total time, and the shares of kernel time in GEMMs,
     NCCL and the rest (summed kernel durations, overlaps counted twice), and of the step's span
     in which no kernel ran ("GPU idle"). `trace`: also keep the step's Chrome trace (gzipped)."""
-    with warnings.catch_warnings():  # "Profiler clears events at the end of each cycle": one cycle here
-        warnings.simplefilter("ignore", UserWarning)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            step()
-            torch.cuda.synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:  # the trace format is stable across versions
-        prof.export_chrome_trace(f.name)
-        text = Path(f.name).read_text()
-    if trace is not None:
-        trace.parent.mkdir(parents=True, exist_ok=True)
-        with gzip.open(trace, "wt") as out:
-            out.write(text)
-    events = json.loads(text)["traceEvents"]
+    kernels = profiled_kernels(step, trace)
     total, count = collections.Counter(), collections.Counter()
-    kernels = [e for e in events if e.get("cat") == "kernel"]
     for e in kernels:
         total[e["name"]] += e["dur"]
         count[e["name"]] += 1
