@@ -193,7 +193,7 @@ def test_invalid_config_values(field, value, message):
 
 @pytest.mark.parametrize("case", ["qwen3_e6_k2_headdim_dense", "mixtral_e6_k3_tied"])
 def test_triton_kernels_and_fused_loss_match_transformers(case, tmp_path, monkeypatch):
-    """The training path: Triton permute/SwiGLU/combine (interpreted on CPU) and the fused linear
+    """The training path: Triton permute/SwiGLU/combine/RMSNorm (interpreted on CPU) and the fused linear
     cross-entropy that never builds the logits."""
     monkeypatch.setenv("MOEMESH_KERNELS", "triton")
     model_type, overrides = CASES[case]

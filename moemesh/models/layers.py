@@ -10,6 +10,7 @@ from torch import nn
 
 from moemesh.models.config import ModelConfig
 from moemesh.ops.linear import Linear
+from moemesh.ops.rms_norm import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -19,10 +20,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32, cast back before the scale, as transformers does.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        # Normalised in fp32, cast back before the scale, as transformers does (ops/rms_norm.py).
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

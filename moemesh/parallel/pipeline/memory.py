@@ -14,9 +14,10 @@ residual-stream dtype size r (the weights' dtype: 4 for fp32 weights under bf16 
 H hidden, Q = heads x head_dim, K = kv heads x head_dim, k = experts per token, E experts,
 I the expert (or dense MLP) width, V the vocabulary:
 
-    RMSNorm     n*w*(4 + c) + 4n over n rows of width w: its input in fp32, the normalised
-                copy in its input's dtype c (r for the norms of the residual stream, b for the
-                q/k norms), the fp32 rsqrt (the output is counted where a consumer saves it)
+    RMSNorm     n*w*c + 4n over n rows of width w: its input as given, in its dtype c (r for the
+                norms of the residual stream, b for the q/k norms), and the fp32 rsqrt per row
+                (the fused op recomputes the normalised rows; the output is counted where a
+                consumer saves it)
     attention   norm(T, H) + its output, which q/k/v save, T*H*b (three copies when r != b: each
                 projection casts it for itself) + with qk-norm norm(T*heads, D) + norm(T*kv
                 heads, D) + cos and sin 2*seq_len*D*r + SDPA's rotated q and k, v and output
@@ -152,8 +153,8 @@ def estimate_layers(config: ModelConfig, tokens: int, dtype_bytes: int = 2, seq_
     seq = seq_len or T
     context = min(seq, config.sliding_window or seq)
 
-    def norm(rows: int, width: int, copy_bytes: int = r) -> float:
-        return rows * width * (4 + copy_bytes) + 4 * rows
+    def norm(rows: int, width: int, input_bytes: int = r) -> float:
+        return rows * width * input_bytes + 4 * rows
 
     attention_matmul = H * (Q + 2 * K) + Q * H  # q, k, v, o
     attention_params = attention_matmul + 2 * H  # and the two layer norms

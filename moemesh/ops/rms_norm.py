@@ -1,0 +1,130 @@
+"""RMSNorm over the last dimension, with transformers' numerics:
+
+    h = x.float();  h = h * rsqrt(mean(h**2) + eps);  out = weight * h.to(x.dtype)
+
+so the output's dtype is promote(weight.dtype, x.dtype), and the weight multiplies the rounded h.
+Rows are all the leading dimensions. The forward kernel runs one program per block of rows (each
+row whole in one tile, normalised in fp32) and writes the output and each row's fp32 rsqrt. For
+the backward the autograd Function keeps only x as given (in its dtype), that rsqrt and the
+weight -- never a normalised copy: h is recomputed. One backward kernel writes the gradient of x
+and, per program, an fp32 partial sum over its rows of the weight gradient; torch sums the
+partials (a fixed number for a given row count, whatever the device: deterministic).
+"""
+
+import torch
+
+from moemesh.ops.backend import block_size, tl, triton, use_triton
+
+TILE = 4096  # elements per program and step: rows of one block x the row width (a power of two)
+PARTIAL_SUMS = 512  # at most this many backward programs, each one partial weight-gradient row
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of `x [..., w]` scaled by `weight [w]`."""
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(f"rms_norm: weight {tuple(weight.shape)} does not match the last dimension of {tuple(x.shape)}")
+    if use_triton(x):
+        return _RMSNorm.apply(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in fp32, cast back before the scale, as transformers does.
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        rows = x.contiguous().view(-1, x.shape[-1])  # a view of x itself when x is contiguous
+        out, rstd = rms_norm_triton(rows, weight, eps)
+        ctx.save_for_backward(rows, weight, rstd)
+        return out.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        rows, weight, rstd = ctx.saved_tensors
+        grad_x, grad_weight = rms_norm_backward_triton(grad_out.reshape(rows.shape), rows, weight, rstd)
+        return grad_x.view(grad_out.shape), grad_weight, None
+
+
+def _blocks(width: int) -> tuple[int, int, int]:
+    """(rows per block, tile width, warps): whole rows in a tile of about TILE elements."""
+    block_w = block_size(width, largest=1 << 20)
+    block_rows = max(1, TILE // block_w)
+    return block_rows, block_w, min(16, max(4, block_rows * block_w // 512))
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x [n, w]` contiguous -> (output [n, w], fp32 rsqrt per row [n])."""
+    n, width = x.shape
+    out = x.new_empty(n, width, dtype=torch.promote_types(weight.dtype, x.dtype))
+    rstd = x.new_empty(n, dtype=torch.float32)
+    if n:
+        block_rows, block_w, warps = _blocks(width)
+        _rms_norm_kernel[(triton.cdiv(n, block_rows),)](
+            x, weight.contiguous(), out, rstd, n, width, eps, BLOCK_ROWS=block_rows, BLOCK_W=block_w, num_warps=warps
+        )
+    return out, rstd
+
+
+def rms_norm_backward_triton(grad_out, x, weight, rstd):
+    """Gradients of x (in x's dtype) and of weight (in its dtype) for `grad_out [n, w]`."""
+    n, width = x.shape
+    grad_x = torch.empty_like(x)
+    if n == 0:
+        return grad_x, torch.zeros_like(weight)
+    block_rows, block_w, warps = _blocks(width)
+    rows_per_program = triton.cdiv(triton.cdiv(n, block_rows), PARTIAL_SUMS) * block_rows
+    programs = triton.cdiv(n, rows_per_program)
+    partials = x.new_empty(programs, width, dtype=torch.float32)
+    _rms_norm_backward_kernel[(programs,)](
+        grad_out.contiguous(), x, weight.contiguous(), rstd, grad_x, partials, n, width, rows_per_program,
+        BLOCK_ROWS=block_rows, BLOCK_W=block_w, num_warps=warps,
+    )  # fmt: skip
+    return grad_x, partials.sum(0).to(weight.dtype)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, rstd_ptr, n, width, eps,
+                     BLOCK_ROWS: tl.constexpr, BLOCK_W: tl.constexpr):  # fmt: skip
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # 64-bit: rows * width
+    cols = tl.arange(0, BLOCK_W)
+    row_mask = rows < n
+    mask = row_mask[:, None] & (cols < width)[None, :]
+    offsets = rows[:, None] * width + cols[None, :]
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / width + eps)
+    h = (x * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)  # rounded to x's dtype first
+    weight = tl.load(weight_ptr + cols, mask=cols < width, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offsets, (weight[None, :] * h).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _rms_norm_backward_kernel(grad_out_ptr, x_ptr, weight_ptr, rstd_ptr, grad_x_ptr, partials_ptr, n, width,
+                              rows_per_program, BLOCK_ROWS: tl.constexpr, BLOCK_W: tl.constexpr):  # fmt: skip
+    # out = weight * h, h = x * rstd, rstd = (mean(x**2) + eps)**-0.5, so with g = grad_out * weight:
+    #   grad_x = rstd * (g - x * rstd**2 * mean(g * x)),  grad_weight = sum over rows of grad_out * h.
+    program = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_W)
+    col_mask = cols < width
+    weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    grad_weight = tl.zeros([BLOCK_W], dtype=tl.float32)
+    for start in range(0, rows_per_program, BLOCK_ROWS):
+        rows = program * rows_per_program + start + tl.arange(0, BLOCK_ROWS)
+        row_mask = rows < n
+        mask = row_mask[:, None] & col_mask[None, :]
+        offsets = rows[:, None] * width + cols[None, :]
+        x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        grad = tl.load(grad_out_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+        h = (x * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)  # as the forward rounded it
+        grad_weight += tl.sum(grad * h, axis=0)
+        g = grad * weight[None, :]
+        mean_gx = tl.sum(g * x, axis=1) / width
+        grad_x = rstd[:, None] * (g - x * (rstd * rstd * mean_gx)[:, None])
+        tl.store(grad_x_ptr + offsets, grad_x.to(grad_x_ptr.dtype.element_ty), mask=mask)
+    tl.store(partials_ptr + program * width + cols, grad_weight, mask=col_mask)

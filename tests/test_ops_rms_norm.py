@@ -1,0 +1,98 @@
+"""rms_norm: Triton kernel vs reference (transformers' RMSNorm), and what the kernel path saves.
+
+Tolerances (relative Frobenius error, numerics.rel_err). fp32: the same formula in both; the sum of
+squares is reduced in another order and rsqrt may differ by an ulp, so output, input gradient and
+weight gradient agree to <= 1e-6 (measured ~1e-7). bf16 x: both round h = x * rsqrt to bf16
+before the weight multiplies it, and a bf16 output once more. Compiled on a GPU, Triton rounds to
+nearest even as torch does, and outputs differ only where a last-ulp difference of the rsqrt flips
+a rounding; Triton's CPU interpreter truncates fp32 -> bf16 instead, up to one bf16 ulp (2**-8 to
+2**-7 relative) per rounding: measured ~4e-3 with an fp32 weight, ~7e-3 with a bf16 weight (two
+roundings). The gradients: the reference rounds grad_out * weight to bf16 before its fp32 backward
+and forms the weight gradient from bf16 products, the kernel stays in fp32 and rounds once:
+measured ~4e-3 and ~5e-3. Every bf16 check: <= 1e-2.
+"""
+
+import importlib
+
+import pytest
+import torch
+
+from moemesh.models.layers import RMSNorm
+from moemesh.ops import rms_norm
+from moemesh.ops.rms_norm import rms_norm_reference
+from numerics import rel_err
+
+EPS = 1e-6
+
+
+def _compare(x, weight, tolerance):
+    x, weight = x.requires_grad_(), weight.requires_grad_()
+    got, want = rms_norm(x, weight, EPS), rms_norm_reference(x, weight, EPS)
+    assert got.shape == x.shape and got.dtype == want.dtype == torch.promote_types(x.dtype, weight.dtype)
+    assert rel_err(got, want) <= tolerance
+    grad_out = torch.randn_like(want)
+    got_grads = torch.autograd.grad(got, (x, weight), grad_out)
+    want_grads = torch.autograd.grad(want, (x, weight), grad_out)
+    for got_grad, want_grad in zip(got_grads, want_grads):
+        assert got_grad.dtype == want_grad.dtype
+        if x.shape[-1] == 1 and got_grad.shape == x.shape:
+            # One column: x * rstd is +-1 up to eps, its gradient is all cancellation (rounding
+            # noise in both), so measure against the size of the terms that cancel.
+            scale = (grad_out * weight).float() * torch.rsqrt(x.float().pow(2) + EPS)
+            assert rel_err(got_grad, want_grad) * want_grad.norm() <= tolerance * scale.norm()
+        else:
+            assert rel_err(got_grad, want_grad) <= tolerance
+
+
+def test_reference_is_the_module():
+    norm = RMSNorm(10, EPS)
+    norm.weight.data.normal_()
+    x = torch.randn(3, 10, dtype=torch.bfloat16)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)
+    assert torch.equal(norm(x), norm.weight * h.to(x.dtype))  # transformers' formula, off the kernel path
+
+
+@pytest.mark.parametrize("shape", [(7, 1), (33, 130), (5, 1000), (0, 130), (2, 3, 130), (2, 3, 4, 128)])
+def test_triton_matches_reference_fp32(triton_kernels, shape):
+    _compare(3 * torch.randn(shape), torch.randn(shape[-1]), 1e-6)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(9, 130), (2, 5, 4, 128)])
+def test_triton_matches_reference_bf16(triton_kernels, shape, weight_dtype):
+    _compare(torch.randn(shape, dtype=torch.bfloat16), torch.randn(shape[-1], dtype=weight_dtype), 1e-2)
+
+
+def test_non_contiguous_input(triton_kernels):
+    x = torch.randn(2, 130, 6).transpose(1, 2)  # [2, 6, 130], rows not contiguous
+    _compare(x, torch.randn(130), 1e-6)
+
+
+def test_many_row_blocks_per_program(triton_kernels, monkeypatch):
+    """The backward's programs each loop over several row blocks (partial weight-gradient sums)."""
+    monkeypatch.setattr(importlib.import_module("moemesh.ops.rms_norm"), "PARTIAL_SUMS", 3)
+    _compare(torch.randn(301, 130), torch.randn(130), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_saves_only_input_and_rsqrt(triton_kernels, dtype):
+    x = torch.randn(4, 6, 128, dtype=dtype, requires_grad=True)
+    weight = torch.randn(128, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = rms_norm(x, weight, EPS)
+    activations = [t for t in saved if t.data_ptr() != weight.data_ptr()]
+    assert len(saved) == 3 and len(activations) == 2
+    x_saved, rstd = activations
+    assert x_saved.dtype == dtype and x_saved.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    assert rstd.dtype == torch.float32 and rstd.shape == (24,)
+    want = torch.rsqrt(x.detach().float().pow(2).mean(-1) + EPS).flatten()
+    assert rel_err(rstd, want) <= 1e-6
+    out.sum().backward()
+    assert x.grad.shape == x.shape and weight.grad.shape == weight.shape
+
+
+def test_weight_shape_is_a_clear_error():
+    with pytest.raises(ValueError, match="last dimension"):
+        rms_norm(torch.zeros(2, 5), torch.ones(4), EPS)
