@@ -123,3 +123,17 @@ def test_estimate_command_errors(capsys):
                  "--set", "train.micro_batch=2"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot split 6 layers" in err and "into 8 non-empty pipeline stages" in err
+
+
+def test_head_working_memory_counts_once_per_stage():
+    """The fused cross-entropy's fp32 [V, H] accumulator and logits chunk exist only while the
+    head's forward runs: the stage holding the head pays them once, whatever its micro-batches in flight."""
+    config = _tiny_model_config()
+    costs = estimate_layer_costs(config, 64)
+    V, H = config.vocab_size, config.hidden_size
+    assert costs[-1].working_bytes == 4 * V * H + 64 * V * 2 and all(c.working_bytes == 0 for c in costs[:-1])
+    ranges, stage_rank = [range(2), range(2, 4)], [0, 1]
+    one, three = (estimate_rank_memory(costs, ranges, [n, n], stage_rank) for n in (1, 3))
+    per_micro = sum(c.activation_bytes for c in costs[2:])
+    assert three[1] - one[1] == pytest.approx(2 * per_micro)  # the working memory is not multiplied
+    assert one[1] == pytest.approx(sum(c.param_bytes for c in costs[2:]) + per_micro + costs[-1].working_bytes)

@@ -35,7 +35,10 @@ I the expert (or dense MLP) width, V the vocabulary:
                 T*H*b and of the head weight V*H*b (never the logits)
 
 Beside the items' saved tensors a stage keeps, per micro-batch in flight, its output T*H*r until
-its backward (`LayerCost.output_bytes`, counted for a stage that does not end with the head).
+its backward (`LayerCost.output_bytes`, counted for a stage that does not end with the head); and
+the head needs, once, while its forward runs, the fused cross-entropy's fp32 weight-gradient
+accumulator 4*V*H and a logits chunk (`LayerCost.working_bytes`; 1.7 GiB at a 152k vocabulary and
+hidden 2048). A measured profile leaves working memory out.
 
 Off the kernel path (PyTorch reference ops, the default on CPU) the saved tensors differ: the
 reference cross-entropy keeps full logits, for one. Under autocast the projections and expert
@@ -56,6 +59,7 @@ import torch
 from moemesh.config import RunConfig
 from moemesh.models.config import ModelConfig
 from moemesh.models.transformer import MoECausalLM
+from moemesh.ops.linear_cross_entropy import LOGITS_CHUNK_ELEMENTS
 from moemesh.parallel.pipeline.schedule import Schedule, build_schedule, peak_in_flight
 from moemesh.parallel.pipeline.partition import (
     LayerCost,
@@ -138,8 +142,17 @@ def estimate_layer_costs(config: ModelConfig, tokens: int, dtype_bytes: int = 2,
     r = residual_bytes or dtype_bytes
     rows = estimate_layers(config, tokens, dtype_bytes, seq_len, r)
     return [LayerCost(name, params * state_bytes_per_param / shard, activations, flops,
-                      0.0 if name == "head" else tokens * config.hidden_size * r)
+                      0.0 if name == "head" else tokens * config.hidden_size * r,
+                      head_working_bytes(config, tokens, dtype_bytes) if name == "head" else 0.0)
             for name, params, activations, flops in rows]
+
+
+def head_working_bytes(config: ModelConfig, tokens: int, dtype_bytes: int) -> float:
+    """What the fused cross-entropy holds while the head's forward runs: the fp32 [V, H]
+    weight-gradient accumulator and one logits chunk (`ops/linear_cross_entropy.py`)."""
+    vocab = config.vocab_size
+    chunk_tokens = min(tokens, max(1, LOGITS_CHUNK_ELEMENTS // vocab))
+    return 4 * vocab * config.hidden_size + chunk_tokens * vocab * dtype_bytes
 
 
 def estimate_layers(config: ModelConfig, tokens: int, dtype_bytes: int = 2, seq_len: int | None = None,

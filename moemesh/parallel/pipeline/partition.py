@@ -3,9 +3,11 @@
 Cost model. Each item has a parameter footprint (weights, gradients and optimizer state a rank
 keeps), the activations one micro-batch saves for its backward, and a forward + backward time.
 At its peak, stage s holds the activations of `in_flight[s]` micro-batches (the schedule decides
-how many) and, unless it ends with the head, their outputs (those of its last item), so its memory is
+how many) and, unless it ends with the head, their outputs (those of its last item), plus while an
+item runs its working memory (the fused cross-entropy's fp32 weight-gradient buffer, for one), so
+its memory is
 
-    params(stage) + in_flight[s] * (activations(stage) + output(last item)),
+    params(stage) + in_flight[s] * (activations(stage) + output(last item)) + max working(item),
 
 and a rank's memory is the sum over the stages it runs (`stage_rank[s] == rank`; DualPipeV gives
 each rank two stages, 1F1B one).
@@ -37,6 +39,7 @@ class LayerCost:
     activation_bytes: float  # saved for backward per micro-batch
     time: float  # forward + backward time (any unit)
     output_bytes: float = 0.0  # its output, kept per micro-batch in flight by a stage that ends with it
+    working_bytes: float = 0.0  # needed only while it runs (once per stage, not per micro-batch)
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,7 @@ def partition(costs: list[LayerCost], num_stages: int, in_flight: list[int], sta
                 time = tables.time[i][j]
                 if time > time_bound:
                     break  # times are non-negative: longer stages only take longer
-                memory = tables.params[i][j] + in_flight[s] * tables.activations[i][j]
+                memory = tables.params[i][j] + in_flight[s] * tables.activations[i][j] + tables.working[i][j]
                 for label in bucket:
                     held = dict(zip(previous_open, label.open))
                     held[rank] = held.get(rank, 0.0) + memory
@@ -127,8 +130,9 @@ def describe(costs: list[LayerCost], ranges: list[range], in_flight: list[int],
 
 
 def _stage_memory(costs: list[LayerCost], items: range, in_flight: int) -> float:
-    return _sum(costs, items, "param_bytes") + in_flight * (_sum(costs, items, "activation_bytes")
-                                                            + _kept_output(costs, items.stop))
+    return (_sum(costs, items, "param_bytes") + in_flight * (_sum(costs, items, "activation_bytes")
+                                                             + _kept_output(costs, items.stop))
+            + max(costs[i].working_bytes for i in items))
 
 
 def _kept_output(costs: list[LayerCost], end: int) -> float:
@@ -148,13 +152,15 @@ class _StageTables:
 
     def __init__(self, costs: list[LayerCost]):
         n = len(costs)
-        self.params, self.activations, self.time = ([[0.0] * (n + 1) for _ in range(n + 1)] for _ in range(3))
+        self.params, self.activations, self.time, self.working = ([[0.0] * (n + 1) for _ in range(n + 1)]
+                                                                  for _ in range(4))
         for i in range(n):
-            p = a = t = 0
+            p = a = t = w = 0
             for j in range(i, n):
                 p, a, t = p + costs[j].param_bytes, a + costs[j].activation_bytes, t + costs[j].time
-                self.params[i][j + 1], self.activations[i][j + 1], self.time[i][j + 1] = \
-                    p, a + _kept_output(costs, j + 1), t
+                w = max(w, costs[j].working_bytes)
+                self.params[i][j + 1], self.activations[i][j + 1], self.time[i][j + 1], self.working[i][j + 1] = \
+                    p, a + _kept_output(costs, j + 1), t, w
 
 
 def _add_pareto(labels: list[_Label], candidate: _Label) -> None:
