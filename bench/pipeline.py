@@ -146,6 +146,10 @@ def run_variant(name: str, overrides: list[str], args) -> dict:
             row["measured bubble per rank"] = " / ".join(f"{p:.0%}" for p in peaks[2].tolist())
             timeline = simulate(schedule, f=1.0, b=1.0, w=1.0)  # backward = input + weight gradient = 2F
             row["simulated bubble per rank"] = " / ".join(f"{b / timeline.makespan:.0%}" for b in timeline.bubble)
+            # ... and with each stage's time as the partition estimated it (FLOPs)
+            times = [sum(costs[i].time for i in items) for items in stage_ranges(schedule, costs)]
+            timeline = simulate(schedule, 1.0, 1.0, 1.0, stage_time=[t * len(times) / sum(times) for t in times])
+            row["simulated with stage FLOPs"] = " / ".join(f"{b / timeline.makespan:.0%}" for b in timeline.bubble)
             if args.trace_dir:
                 save_trace(trainer, name, args.trace_dir)
     return row

@@ -218,3 +218,15 @@ def test_unknown_schedule():
         build_schedule("gpipe", 2, 8)
     with pytest.raises(ConfigError, match="known: dualpipev, 1f1b"):
         min_micro_batches("zb", 2)
+
+
+def test_simulate_with_uneven_stage_times():
+    """A stage twice as slow as the others sets the pace: 1F1B over 2 ranks with stage times
+    (1, 2) keeps rank 1 always busy after its first forward and leaves rank 0 waiting, where equal
+    times give both ranks the same bubble."""
+    schedule = build_schedule("1f1b", 2, 8)
+    even = simulate(schedule, 1.0, 1.0, 1.0)
+    uneven = simulate(schedule, 1.0, 1.0, 1.0, stage_time=[1.0, 2.0])
+    assert even.bubble[0] == pytest.approx(even.bubble[1])
+    assert uneven.makespan > even.makespan and uneven.bubble[0] > uneven.bubble[1]
+    assert uneven.busy == (pytest.approx(8 * 3.0), pytest.approx(8 * 6.0))  # F + B + W per micro-batch, scaled

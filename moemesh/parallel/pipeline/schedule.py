@@ -20,7 +20,7 @@ traffic, the activation memory and the timing from the op lists alone, so schedu
 checked without processes.
 """
 
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -262,20 +262,26 @@ class Timeline:
         return tuple(self.makespan - busy for busy in self.busy)
 
 
-def simulate(schedule: Schedule, f: float, b: float, w: float, fb: float | None = None) -> Timeline:
+def simulate(schedule: Schedule, f: float, b: float, w: float, fb: float | None = None,
+             stage_time: list[float] | None = None) -> Timeline:
     """Time the schedule: each rank runs its ops in order, an op starting once its rank is free
     and its inputs exist; communication is free. `b` is the input-gradient part of a backward,
-    `w` its weight-gradient part. Raises ValueError when no rank can proceed."""
+    `w` its weight-gradient part. `stage_time`: each stage's cost relative to f, b and w (e.g. a
+    partition's stage times; default 1 for all). Raises ValueError when no rank can proceed."""
+    scale = stage_time or [1.0] * schedule.num_stages
+    deferred: list[deque[int]] = [deque() for _ in schedule.ops]  # stages of the queued weight gradients
 
-    def cost(op: Op) -> float:
+    def cost(op: Op, rank: int) -> float:
         rest = 0.0 if op.defer_weight else w
         if op.kind == "F":
-            return f
+            return f * scale[op.stage]
         if op.kind == "B":
-            return b + rest
+            return (b + rest) * scale[op.stage]
         if op.kind == "W":
-            return w
-        return fb if fb is not None else f + b + rest
+            return w * scale[deferred[rank].popleft()]
+        if fb is not None:
+            return fb
+        return f * scale[op.stage] + (b + rest) * scale[op.b_stage]
 
     last = schedule.num_stages - 1
     done: dict[tuple[str, int, int], float] = {}  # a forward or backward part -> its end time
@@ -300,8 +306,9 @@ def simulate(schedule: Schedule, f: float, b: float, w: float, fb: float | None 
                     queued[rank] -= 1
                 elif op.defer_weight:
                     queued[rank] += 1
+                    deferred[rank].append(op.stage if op.kind == "B" else op.b_stage)
                 t0 = max([free[rank]] + [done[x] for x in needs])
-                free[rank] = t0 + cost(op)
+                free[rank] = t0 + cost(op, rank)
                 for part in parts(op):
                     done[part] = free[rank]
                 start[rank].append(t0)
