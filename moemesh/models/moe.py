@@ -116,7 +116,8 @@ class GroupLimitedRouter(nn.Module):
             choice = choice.masked_fill(outside, float("-inf") if self.sigmoid else 0.0)
         expert_ids = choice.topk(self.top_k, dim=-1).indices
         if self.sigmoid and self.training and torch.is_grad_enabled():  # not in evaluation or generation
-            load = torch.bincount(expert_ids.flatten(), minlength=scores.shape[-1])
+            ids = expert_ids.flatten()  # index_add, not bincount: that one syncs with the device for its size
+            load = torch.zeros(scores.shape[-1], dtype=torch.long, device=x.device).index_add_(0, ids, torch.ones_like(ids))
             self.expert_load = load if self.expert_load is None else self.expert_load + load
         weights = scores.gather(1, expert_ids)
         if self.norm_topk_prob:
