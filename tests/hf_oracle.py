@@ -1,9 +1,13 @@
 """What the tests against tiny random `transformers` models share: a batch with ignored labels,
-and the every-gradient comparison."""
+the every-gradient comparison, and the checkpoint round trips."""
+
+import json
+from pathlib import Path
 
 import torch
+import transformers
 
-from moemesh.models import from_pretrained
+from moemesh.models import from_pretrained, save_pretrained
 from numerics import rel_err
 
 
@@ -41,3 +45,24 @@ def compare_with_transformers(theirs: torch.nn.Module, directory, seed: int, rto
     if aux:
         assert abs(out.aux_loss.item() - ref.aux_loss.item()) <= rtol * abs(ref.aux_loss.item())
     return ours, out, ref
+
+
+def save_round_trip(theirs: torch.nn.Module, directory: Path, rtol: float):
+    """`theirs` saved by transformers, loaded into moemesh and saved again by moemesh: transformers
+    loads that back as the same class with every tensor as it wrote it and the same logits, and
+    moemesh loads it back tensor for tensor. Returns (ours, theirs reloaded, moemesh's config.json)."""
+    theirs.save_pretrained(directory / "hf")
+    ours = from_pretrained(directory / "hf")
+    save_pretrained(ours, directory / "ours")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(directory / "ours", dtype=torch.float32).eval()
+    assert type(reloaded) is type(theirs)
+    for name, tensor in theirs.state_dict().items():  # the exact names and layout transformers writes
+        assert torch.equal(reloaded.state_dict()[name], tensor), name
+    input_ids, _ = batch(theirs.config.vocab_size, seed=8)
+    with torch.no_grad():
+        assert rel_err(reloaded(input_ids=input_ids).logits, ours(input_ids).logits) <= rtol
+    again = from_pretrained(directory / "ours")
+    assert again.config.to_hf_dict() == ours.config.to_hf_dict()  # the same config.json again
+    for (name, p), (_, q) in zip(ours.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(p, q), name
+    return ours, reloaded, json.loads((directory / "ours" / "config.json").read_text())

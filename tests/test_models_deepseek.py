@@ -9,14 +9,13 @@ the weights, a missed scaling factor or a mis-rotated rope dim is orders larger.
 transformers computes no load-balancing loss for these families; moemesh's (documented in
 moemesh/models/deepseek.py) is checked against the routing transformers' own routers produce."""
 
-import json
 
 import pytest
 import torch
 import transformers
 
-from moemesh.models import from_pretrained, save_pretrained
-from hf_oracle import assert_same_gradients, batch, compare_with_transformers, gradients
+from moemesh.models import from_pretrained
+from hf_oracle import assert_same_gradients, batch, compare_with_transformers, gradients, save_round_trip
 from numerics import rel_err
 
 RTOL = 1e-5
@@ -115,21 +114,7 @@ def test_correction_bias_chooses_but_does_not_weigh(tmp_path):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_save_pretrained_loads_in_transformers_with_the_same_logits(case, tmp_path):
-    model_type, overrides = CASES[case]
-    theirs = hf_model(model_type, overrides, seed=7)
-    theirs.save_pretrained(tmp_path / "hf")
-    ours = from_pretrained(tmp_path / "hf")
-    save_pretrained(ours, tmp_path / "ours")
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
-    assert type(reloaded) is type(theirs)
-    for name, tensor in theirs.state_dict().items():
-        assert torch.equal(reloaded.state_dict()[name], tensor), name
-    input_ids, _ = batch(theirs.config.vocab_size, seed=8)
-    with torch.no_grad():
-        assert rel_err(reloaded(input_ids=input_ids).logits, ours(input_ids).logits) <= RTOL
-    again = from_pretrained(tmp_path / "ours")
-    for (name, p), (_, q) in zip(ours.state_dict().items(), again.state_dict().items()):
-        assert torch.equal(p, q), name
-    written = json.loads((tmp_path / "ours" / "config.json").read_text())
+    theirs = hf_model(*CASES[case], seed=7)
+    _, _, written = save_round_trip(theirs, tmp_path, RTOL)
     assert written["q_lora_rank"] == theirs.config.q_lora_rank
     assert "swiglu_limit" not in written and "layer_types" not in written

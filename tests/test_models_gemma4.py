@@ -20,7 +20,7 @@ from moemesh.parallel import comm
 from moemesh.parallel.data import apply_data_parallel, reduce_gradients
 from moemesh.parallel.mesh import ParallelDims, init_mesh
 from moemesh.parallel.tensor import apply_tp
-from hf_oracle import assert_same_gradients, batch, compare_with_transformers, gradients
+from hf_oracle import assert_same_gradients, batch, compare_with_transformers, gradients, save_round_trip
 from numerics import rel_err
 from test_parallel_families import GEMMA4
 
@@ -108,19 +108,7 @@ def test_decoding_with_the_cache_matches_the_full_forward(tmp_path):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_save_pretrained_loads_in_transformers_with_the_same_logits(case, tmp_path):
     theirs = hf_model(CASES[case], seed=7)
-    theirs.save_pretrained(tmp_path / "hf")
-    ours = from_pretrained(tmp_path / "hf")
-    save_pretrained(ours, tmp_path / "ours")
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
-    assert type(reloaded) is type(theirs)
-    for name, tensor in theirs.state_dict().items():  # the exact names and layout transformers writes
-        assert torch.equal(reloaded.state_dict()[name], tensor), name
-    input_ids, _ = batch(theirs.config.vocab_size, seed=8)
-    with torch.no_grad():
-        assert rel_err(reloaded(input_ids=input_ids).logits, ours(input_ids).logits) <= RTOL
-    again = from_pretrained(tmp_path / "ours")
-    assert again.config == ours.config
-    written = json.loads((tmp_path / "ours" / "config.json").read_text())
+    _, _, written = save_round_trip(theirs, tmp_path, RTOL)
     assert written["rope_parameters"] == theirs.config.rope_parameters
     assert written["per_layer_config"] == json.loads((tmp_path / "hf" / "config.json").read_text())["per_layer_config"]
 

@@ -7,15 +7,13 @@ in different operation orders (grouped expert loop and softmax -> top-k -> renor
 per-expert masks and top-k -> softmax there), which leaves differences near 1e-7; a wrong clamp,
 a bias added twice, a mis-interleaved gate/up column or a missing sink is orders larger."""
 
-import json
 
 import pytest
 import torch
 import transformers
 
-from moemesh.models import from_pretrained, save_pretrained
 from moemesh.models.registry import family
-from hf_oracle import assert_same_gradients, batch, compare_with_transformers, gradients
+from hf_oracle import assert_same_gradients, batch, compare_with_transformers, gradients, save_round_trip
 from numerics import rel_err
 
 RTOL = 1e-5
@@ -79,20 +77,7 @@ def test_clamp_and_sinks_matter():
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_save_pretrained_loads_in_transformers_with_the_same_logits(case, tmp_path):
     theirs = hf_model(CASES[case], seed=7)
-    theirs.save_pretrained(tmp_path / "hf")
-    ours = from_pretrained(tmp_path / "hf")
-    save_pretrained(ours, tmp_path / "ours")
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
-    assert type(reloaded) is type(theirs)
+    _, reloaded, written = save_round_trip(theirs, tmp_path, RTOL)
     assert reloaded.config.layer_types == theirs.config.layer_types
     assert reloaded.config.swiglu_limit == theirs.config.swiglu_limit
-    for name, tensor in theirs.state_dict().items():  # the exact layout transformers writes
-        assert torch.equal(reloaded.state_dict()[name], tensor), name
-    input_ids, _ = batch(theirs.config.vocab_size, seed=8)
-    with torch.no_grad():
-        assert rel_err(reloaded(input_ids=input_ids).logits, ours(input_ids).logits) <= RTOL
-    again = from_pretrained(tmp_path / "ours")
-    for (name, p), (_, q) in zip(ours.state_dict().items(), again.state_dict().items()):
-        assert torch.equal(p, q), name
-    written = json.loads((tmp_path / "ours" / "config.json").read_text())
     assert written["model_type"] == "gpt_oss" and "attention_sinks" not in written

@@ -14,8 +14,8 @@ import transformers
 from safetensors.torch import save_file
 
 from moemesh.errors import CheckpointError, ConfigError
-from moemesh.models import ModelConfig, from_pretrained, save_pretrained
-from hf_oracle import assert_same_gradients, batch, compare_with_transformers, gradients
+from moemesh.models import ModelConfig, from_pretrained
+from hf_oracle import assert_same_gradients, batch, compare_with_transformers, gradients, save_round_trip
 from numerics import rel_err
 
 RTOL = 1e-5
@@ -95,20 +95,7 @@ def test_router_gradient_comes_from_both_the_loss_and_the_aux_loss(tmp_path):
 
 @pytest.mark.parametrize("case", ["qwen3_e5_k1_norm_tied_step2", "mixtral_e5_k2", "qwen3_e6_k2_headdim_dense"])
 def test_save_pretrained_loads_in_transformers_with_the_same_logits(case, tmp_path):
-    model_type, overrides = CASES[case]
-    theirs = hf_model(model_type, overrides, seed=7)
-    theirs.save_pretrained(tmp_path / "hf")
-    ours = from_pretrained(tmp_path / "hf")
-    save_pretrained(ours, tmp_path / "ours")
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
-    assert type(reloaded) is type(theirs)
-    input_ids, _ = batch(theirs.config.vocab_size, seed=8)
-    with torch.no_grad():
-        assert rel_err(reloaded(input_ids=input_ids).logits, ours(input_ids).logits) <= RTOL
-    # and back into moemesh
-    again = from_pretrained(tmp_path / "ours")
-    for (name, p), (_, q) in zip(ours.state_dict().items(), again.state_dict().items()):
-        assert torch.equal(p, q), name
+    save_round_trip(hf_model(*CASES[case], seed=7), tmp_path, RTOL)
 
 
 def test_sharded_index_and_fused_expert_layout_load(tmp_path):

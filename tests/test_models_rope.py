@@ -9,7 +9,6 @@ of the blend is used. Tolerance 1e-5 relative, as in the per-family tests; a wro
 attention factor left out or DeepSeek's softmax mscale missed is orders larger (checked below by
 dropping the scaling)."""
 
-import json
 import math
 from types import SimpleNamespace
 
@@ -19,10 +18,10 @@ import transformers
 from transformers.modeling_rope_utils import _compute_proportional_rope_parameters, _compute_yarn_parameters
 
 from moemesh.errors import ConfigError
-from moemesh.models import ModelConfig, from_pretrained, save_pretrained
+from moemesh.models import ModelConfig, from_pretrained
 from moemesh.models.registry import family
 from moemesh.models.rope import RotaryEmbedding, proportional, yarn
-from hf_oracle import assert_same_gradients, batch, compare_with_transformers, gradients
+from hf_oracle import assert_same_gradients, batch, compare_with_transformers, gradients, save_round_trip
 from numerics import rel_err
 
 RTOL = 1e-5
@@ -128,20 +127,8 @@ def test_logits_loss_and_every_gradient_match_transformers(case, tmp_path):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_save_pretrained_keeps_the_rope_parameters_and_the_logits(case, tmp_path):
     theirs = hf_model(case, seed=7)
-    theirs.save_pretrained(tmp_path / "hf")
-    ours = from_pretrained(tmp_path / "hf")
-    save_pretrained(ours, tmp_path / "ours")
-    written = json.loads((tmp_path / "ours" / "config.json").read_text())
-    expected = {k: v for k, v in theirs.config.rope_parameters.items() if k != "type"}
-    assert written["rope_parameters"] == expected
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
-    assert type(reloaded) is type(theirs)
-    input_ids, _ = batch(theirs.config.vocab_size, seed=8)
-    with torch.no_grad():
-        assert rel_err(reloaded(input_ids=input_ids).logits, ours(input_ids).logits) <= RTOL
-    again = from_pretrained(tmp_path / "ours")
-    assert again.config.rope_scaling == ours.config.rope_scaling
-    assert again.config.to_hf_dict() == ours.config.to_hf_dict()
+    _, _, written = save_round_trip(theirs, tmp_path, RTOL)
+    assert written["rope_parameters"] == {k: v for k, v in theirs.config.rope_parameters.items() if k != "type"}
 
 
 def test_deepseek_softmax_scale_uses_mscale_all_dim(tmp_path):

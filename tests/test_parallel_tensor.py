@@ -38,28 +38,32 @@ def micro_batch(seed=0, batch=4, seq=9):
 
 
 def build_with_biases(config):
-    """The model with non-zero biases (they are initialised to zero), so that a row-parallel bias
-    added on every rank would show."""
+    """The model with non-zero biases and sinks (biases start at zero), so that a row-parallel bias
+    added on every rank, or a sink on the wrong head, would show; likewise DeepSeek-V3's
+    correction bias (a buffer)."""
     model = build(config, seed=1)
     generator = torch.Generator().manual_seed(2)
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(".bias"):
-                param.normal_(0.0, 0.2, generator=generator)
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith(("bias", "sinks")):
+                tensor.normal_(0.0, 0.2, generator=generator)
     return model
 
 
 def local_slice(name: str, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
-    """This rank's part of a full parameter (or gradient), written out independently of the plan."""
-    if name.endswith("experts.gate_up_proj"):  # matching slices of the gate rows and the up rows
+    """This rank's part of a full parameter (or gradient), written out independently of the plans
+    (every family's: test_parallel_families.py uses it too)."""
+    if name.endswith(("experts.gate_up_proj", "experts.gate_up_proj_bias")):  # matching gate and up slices
         gate, up = full.chunk(2, dim=1)
         return torch.cat([gate.chunk(tp, dim=1)[rank], up.chunk(tp, dim=1)[rank]], dim=1)
-    if name.endswith(("o_proj.weight", "mlp.down_proj.weight", "experts.down_proj")):
+    if name.endswith(("o_proj.weight", "mlp.down_proj.weight", "shared_experts.down_proj.weight",
+                      "experts.down_proj")):
         return full.chunk(tp, dim=-1)[rank]
     if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias", "v_proj.bias",
-                      "gate_proj.weight", "up_proj.weight", "embed_tokens.weight", "lm_head.weight")):
+                      "self_attn.sinks", "q_b_proj.weight", "kv_b_proj.weight", "gate_proj.weight", "up_proj.weight",
+                      "embed_tokens.weight", "lm_head.weight")):
         return full.chunk(tp, dim=0)[rank]
-    return full  # norms, router, o_proj bias: replicated
+    return full  # norms, router, o_proj bias, experts' down_proj_bias, latent projections: whole on every rank
 
 
 def expert_slice(name: str, full: torch.Tensor, rank: int, ep: int) -> torch.Tensor:

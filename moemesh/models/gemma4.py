@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moemesh.errors import ConfigError
+from moemesh.models import mixtral
 from moemesh.models.config import ModelConfig
 from moemesh.models.family import Family
 from moemesh.models.layers import Attention, DenseMLP, KVCache, RMSNorm, apply_rotary, attention_mask
@@ -246,21 +247,17 @@ def _renamer(rules):
 
 
 def _tp_plan(config: ModelConfig) -> dict[str, str]:
+    """Mixtral's plan (attention, router, experts, vocabulary) with the per-head norms and the
+    dense MLP beside the experts. per_expert_scale lives in the routing weights: it multiplies
+    the partial expert outputs before the block's one reduce, its gradient handled with the
+    router's."""
     attn = "model.layers.*.self_attn"
     return {
-        "model.embed_tokens": "vocab",
-        f"{attn}.q_proj": "colwise", f"{attn}.k_proj": "colwise", f"{attn}.v_proj": "colwise",
-        f"{attn}.o_proj": "rowwise",
+        **mixtral.FAMILY.tp_plan(config),
         # one norm shared by all heads, applied here to this rank's heads
         f"{attn}.q_norm": "replicated_with_grad_allreduce", f"{attn}.k_norm": "replicated_with_grad_allreduce",
         "model.layers.*.dense_mlp.gate_proj": "colwise", "model.layers.*.dense_mlp.up_proj": "colwise",
         "model.layers.*.dense_mlp.down_proj": "rowwise",
-        # per_expert_scale lives in the routing weights: it multiplies the partial expert outputs
-        # before the block's one reduce, and its gradient is taken care of with the router's.
-        "model.layers.*.mlp.gate": "replicated",
-        "model.layers.*.mlp.experts.gate_up_proj": "packed_colwise",
-        "model.layers.*.mlp.experts.down_proj": "rowwise",
-        "lm_head": "vocab",
     }
 
 

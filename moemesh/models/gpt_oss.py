@@ -12,6 +12,7 @@ and converts exactly, both ways, at load and save.
 import torch
 
 from moemesh.errors import ConfigError
+from moemesh.models import mixtral
 from moemesh.models.config import ModelConfig
 from moemesh.models.family import Family
 
@@ -67,21 +68,14 @@ def _state_to_hf(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[
 
 
 def _tp_plan(config: ModelConfig) -> dict[str, str]:
+    """Mixtral's plan, with the sinks and the expert biases placed."""
     return {
-        "model.embed_tokens": "vocab",
-        "model.layers.*.self_attn.q_proj": "colwise",
-        "model.layers.*.self_attn.k_proj": "colwise",
-        "model.layers.*.self_attn.v_proj": "colwise",
+        **mixtral.FAMILY.tp_plan(config),
         "model.layers.*.self_attn.sinks": "colwise",  # one per head: each rank keeps its heads'
-        "model.layers.*.self_attn.o_proj": "rowwise",
-        "model.layers.*.mlp.gate": "replicated",
-        "model.layers.*.mlp.experts.gate_up_proj": "packed_colwise",
         "model.layers.*.mlp.experts.gate_up_proj_bias": "packed_colwise",
-        "model.layers.*.mlp.experts.down_proj": "rowwise",
         # Added to the partial expert outputs before the block's one reduce: each rank adds
         # bias / tp, and its gradient is summed over tp after backward.
         "model.layers.*.mlp.experts.down_proj_bias": "partial_bias",
-        "lm_head": "vocab",
     }
 
 
