@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 from bench.common import interval_length, kernel_intervals, median_ms, print_table
 from moemesh.config import load_config
-from moemesh.parallel.pipeline.memory import estimate_rank_memory, run_costs, stage_ranges
+from moemesh.parallel.pipeline.memory import run_costs, stage_ranges
+from moemesh.parallel.pipeline.partition import rank_memory
 from moemesh.parallel.pipeline.schedule import peak_in_flight, simulate
 from moemesh.train.trainer import Trainer
 
@@ -140,7 +141,7 @@ def run_variant(name: str, overrides: list[str], args) -> dict:
         if trainer.pipeline is not None:
             schedule = trainer.pipeline.schedule
             costs = run_costs(config)
-            estimate = estimate_rank_memory(costs, stage_ranges(schedule, costs), peak_in_flight(schedule),
+            estimate = rank_memory(costs, stage_ranges(schedule, costs), peak_in_flight(schedule),
                                             list(schedule.stage_rank))
             row["estimate GiB per rank"] = " / ".join(f"{e / 2**30:.1f}" for e in estimate)
             row["measured bubble per rank"] = " / ".join(f"{p:.0%}" for p in peaks[2].tolist())

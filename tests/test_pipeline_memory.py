@@ -8,13 +8,8 @@ import torch
 from moemesh.cli import main
 from moemesh.config import load_config
 from moemesh.models import build
-from moemesh.parallel.pipeline.memory import (
-    estimate_layer_costs,
-    estimate_rank_memory,
-    profile_costs,
-    profile_layers,
-)
-from moemesh.parallel.pipeline.partition import LayerCost
+from moemesh.parallel.pipeline.memory import estimate_layer_costs, profile_costs, profile_layers
+from moemesh.parallel.pipeline.partition import LayerCost, rank_memory
 
 
 def _tiny_model_config(**changes):
@@ -69,7 +64,7 @@ def test_profile_on_reference_ops_and_costs():
     costs = profile_costs(profiles, state_bytes_per_param=16, shard=2)
     assert [c.param_bytes for c in costs] == [p.params * 8 for p in profiles]
     in_flight, stage_rank = [3, 1], [0, 0]  # one rank holding both stages, as DualPipeV pairs them
-    memory = estimate_rank_memory(costs, [range(2), range(2, 4)], in_flight, stage_rank)
+    memory = rank_memory(costs, [range(2), range(2, 4)], in_flight, stage_rank)
     expected = sum(c.param_bytes for c in costs) + sum(c.activation_bytes * (3 if i < 2 else 1)
                                                        for i, c in enumerate(costs))
     hidden_states = 2 * 16 * config.hidden_size * 4  # the first stage's output, fp32, per micro-batch in flight
@@ -133,7 +128,7 @@ def test_head_working_memory_counts_once_per_stage():
     V, H = config.vocab_size, config.hidden_size
     assert costs[-1].working_bytes == 4 * V * H + 64 * V * 2 and all(c.working_bytes == 0 for c in costs[:-1])
     ranges, stage_rank = [range(2), range(2, 4)], [0, 1]
-    one, three = (estimate_rank_memory(costs, ranges, [n, n], stage_rank) for n in (1, 3))
+    one, three = (rank_memory(costs, ranges, [n, n], stage_rank) for n in (1, 3))
     per_micro = sum(c.activation_bytes for c in costs[2:])
     assert three[1] - one[1] == pytest.approx(2 * per_micro)  # the working memory is not multiplied
     assert one[1] == pytest.approx(sum(c.param_bytes for c in costs[2:]) + per_micro + costs[-1].working_bytes)

@@ -36,7 +36,7 @@ from moemesh.models import mixtral
 from moemesh.models.config import ModelConfig
 from moemesh.models.family import Family
 from moemesh.models.layers import Attention, DenseMLP, KVCache, RMSNorm, apply_rotary, attention_mask
-from moemesh.models.moe import MoEBlock, RouterStats, Routing
+from moemesh.models.moe import MoEBlock, Routing, router_stats
 from moemesh.models.rope import RotaryEmbedding
 from moemesh.models.transformer import DecoderLayer
 from moemesh.ops.linear import Linear
@@ -139,10 +139,7 @@ class Gemma4Router(nn.Module):
         # In the routing weights, so that it multiplies the (under TP partial) expert outputs
         # before the block's one reduce.
         weights = weights * self.per_expert_scale[expert_ids]
-        with torch.no_grad():
-            counts = torch.zeros(probs.shape[-1], device=x.device, dtype=torch.float32)
-            counts.index_add_(0, expert_ids.flatten(), torch.ones(expert_ids.numel(), device=x.device))
-        return Routing(weights, expert_ids, RouterStats(counts, probs.sum(dim=0), x.shape[0]))
+        return Routing(weights, expert_ids, router_stats(probs, expert_ids))
 
 
 class Gemma4DecoderLayer(DecoderLayer):

@@ -47,6 +47,15 @@ class RouterStats:
     num_tokens: int
 
 
+def router_stats(probs: torch.Tensor, expert_ids: torch.Tensor) -> RouterStats:
+    """What the load-balancing loss needs of one router: the (token, slot) choices per expert
+    (index_add, which unlike bincount needs no device sync) and the summed probabilities [T, E]."""
+    with torch.no_grad():
+        counts = torch.zeros(probs.shape[-1], device=probs.device, dtype=torch.float32)
+        counts.index_add_(0, expert_ids.flatten(), torch.ones(expert_ids.numel(), device=probs.device))
+    return RouterStats(counts, probs.sum(dim=0), probs.shape[0])
+
+
 class Router(nn.Module):
     """Softmax over experts in fp32, top-k, optionally renormalised over the k.
 
@@ -67,10 +76,7 @@ class Router(nn.Module):
         weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        with torch.no_grad():
-            counts = torch.zeros(probs.shape[-1], device=x.device, dtype=torch.float32)
-            counts.index_add_(0, expert_ids.flatten(), torch.ones(expert_ids.numel(), device=x.device))
-        return Routing(weights, expert_ids, RouterStats(counts, probs.sum(dim=0), x.shape[0]))
+        return Routing(weights, expert_ids, router_stats(probs, expert_ids))
 
 
 class GroupLimitedRouter(nn.Module):
@@ -115,19 +121,16 @@ class GroupLimitedRouter(nn.Module):
             outside = (chosen == 0).repeat_interleave(grouped.shape[-1], dim=1)
             choice = choice.masked_fill(outside, float("-inf") if self.sigmoid else 0.0)
         expert_ids = choice.topk(self.top_k, dim=-1).indices
-        if self.sigmoid and self.training and torch.is_grad_enabled():  # not in evaluation or generation
-            ids = expert_ids.flatten()  # index_add, not bincount: that one syncs with the device for its size
-            load = torch.zeros(scores.shape[-1], dtype=torch.long, device=x.device).index_add_(0, ids, torch.ones_like(ids))
-            self.expert_load = load if self.expert_load is None else self.expert_load + load
         weights = scores.gather(1, expert_ids)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         weights = weights * self.scaling
         probs = scores / scores.sum(dim=-1, keepdim=True) if self.sigmoid else scores
-        with torch.no_grad():
-            counts = torch.zeros(scores.shape[-1], device=x.device, dtype=torch.float32)
-            counts.index_add_(0, expert_ids.flatten(), torch.ones(expert_ids.numel(), device=x.device))
-        return Routing(weights, expert_ids, RouterStats(counts, probs.sum(dim=0), x.shape[0]))
+        stats = router_stats(probs, expert_ids)
+        if self.sigmoid and self.training and torch.is_grad_enabled():  # not in evaluation or generation
+            load = stats.counts.long()  # whole numbers, exact in fp32 below 2**24 choices per forward
+            self.expert_load = load if self.expert_load is None else self.expert_load + load
+        return Routing(weights, expert_ids, stats)
 
     def _apply(self, fn, recurse=True):
         """Moves (`to`, `to_empty`, `cuda`) keep the correction bias fp32."""

@@ -40,7 +40,8 @@ def _weight_gradient(grad: torch.Tensor, x: torch.Tensor, group_sizes: torch.Ten
     if _use_kernel(x, grad):
         offsets = torch.cumsum(group_sizes, dim=0, dtype=torch.int32)
         return _grouped_mm_kernel(grad.transpose(0, 1), x, offs=offsets)
-    pieces = zip(torch.split(grad, group_sizes.tolist()), torch.split(x, group_sizes.tolist()))
+    sizes = group_sizes.tolist()
+    pieces = zip(torch.split(grad, sizes), torch.split(x, sizes))
     return torch.stack([g.transpose(0, 1) @ piece for g, piece in pieces])
 
 

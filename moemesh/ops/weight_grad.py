@@ -2,9 +2,9 @@
 
 A backward run with `deferring(True)` computes the gradients that other stages wait for (those of
 the inputs) at once; the matmuls of `linear.py` and `grouped_mm.py` queue their weight-gradient
-GEMMs of that backward instead (`put`), as one entry. A later W operation of the schedule runs the oldest entry (`pop`), filling a
-bubble where the rank would otherwise wait. Entries are made even when no op queued anything, so
-the schedule's W count always matches.
+GEMMs of that backward instead (`put`), as one entry. A later W operation of the schedule runs
+the oldest entry (`pop`), filling a bubble where the rank would otherwise wait. Entries are made
+even when no op queued anything, so the schedule's W count always matches.
 """
 
 from __future__ import annotations

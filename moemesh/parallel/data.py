@@ -27,7 +27,7 @@ def apply_data_parallel(model: MoECausalLM, mesh: Mesh) -> MoECausalLM:
         layers = len(stats)
         summed = comm.all_reduce_sum(torch.cat([torch.stack([s.counts for s in stats]),
                                                 torch.stack([s.prob_sum for s in stats])]), group)
-        # every rank holds an equal slice, so the micro-batch has ranks × the local tensors
+        # every rank holds an equal slice, so the micro-batch has ranks × the local tokens
         return [RouterStats(summed[i], summed[layers + i], s.num_tokens * ranks) for i, s in enumerate(stats)]
 
     model.reduce_router_stats = reduce_router_stats

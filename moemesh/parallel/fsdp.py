@@ -9,9 +9,10 @@ The optimizer then keeps its moments for the shard only.
 Units: every decoder block, its expert bank apart (it lives on a different group of ranks), and
 the root (embedding, final norm, LM head). Before a unit runs, its weights are all-gathered (in
 `param_dtype`, bf16 on GPU); after backward, its gradients are reduce-scattered in fp32 (in the
-weights' own dtype when they are stored in bf16) and summed, not averaged: each rank's loss is already its share of the global one (`rank_loss`). With
-`prefetch`, block i's forward issues the all-gathers of block i+1 and of its experts (two buffers,
-one block ahead), and block i's backward those of block i-1.
+weights' own dtype when they are stored in bf16) and summed, not averaged: each rank's loss is
+already its share of the global one (`rank_loss`). With `prefetch`, block i's forward issues the
+all-gathers of block i+1 and of its experts (two buffers, one block ahead), and block i's
+backward those of block i-1.
 
 FSDP splits each tensor on a dimension that no other axis already splits (experts are split on
 dim 0 over ep, a TP shard on its `tp_dim`; the fused gate_up bank is stored as two halves along

@@ -1,14 +1,15 @@
 """How a model's (and its AdamW moments') tensors appear in a checkpoint, whatever the layout:
 each as the full tensor, of which this rank presents its part as a DTensor with plain `Shard`
 placements (experts on dim 0 over ep, a TP shard on its split dim over tp, an FSDP shard — a
-DTensor of the EP/TP shard — on its dim over dp_shard, and for dense weights over ep too). torch.distributed.
-checkpoint then writes every part once, under its place in the full tensor, and loads into any
-other layout, one process included.
+DTensor of the EP/TP shard — on its dim over dp_shard, and for dense weights over ep too).
+torch.distributed.checkpoint then writes every part once, under its place in the full tensor, and
+loads into any other layout, one process included.
 
 The fused expert bank gate_up_proj [E, 2I, H] is stored as two tensors [E, I, H], `.gate` and
-`.up`, in every layout (and its bias [E, 2I], where a family has one, as two [E, I]): under TP a rank holds a slice of the gate rows and the same slice of the
-up rows, two separate pieces of the fused tensor that no single `Shard` describes. Both halves
-are views of the local tensor, so a load writes straight into it.
+`.up`, in every layout (and its bias [E, 2I], where a family has one, as two [E, I]): under TP a
+rank holds a slice of the gate rows and the same slice of the up rows, two separate pieces of the
+fused tensor that no single `Shard` describes. Both halves are views of the local tensor, so a
+load writes straight into it.
 """
 
 from __future__ import annotations

@@ -47,11 +47,12 @@ from moemesh.models.attention_mla import MLAttention
 from moemesh.models.layers import Attention, DenseMLP
 from moemesh.models.moe import MoEBlock
 from moemesh.models.registry import family
-from moemesh.ops.linear import linear
 from moemesh.models.transformer import MoECausalLM, shift_labels
+from moemesh.ops.linear import linear
 from moemesh.parallel import comm
 from moemesh.parallel.mesh import Mesh
 from moemesh.parallel.placement import Op, place_reduce
+from moemesh.parallel.stored import packed_dim
 
 
 def apply_tp(model: MoECausalLM, mesh: Mesh, plan: dict[str, str] | None = None) -> MoECausalLM:
@@ -211,8 +212,7 @@ def _splits(model, name, style) -> list[tuple[torch.Tensor, int, int]]:
     if style == "rowwise":
         return [(p, -1, 1) for p in _params_of(model, name) if p.dim() >= 2]
     if style == "packed_colwise":  # the bank [E, 2I, H] on its rows, its bias [E, 2I] on its columns
-        param = model.get_parameter(name)
-        return [(param, -2 if param.dim() == 3 else -1, 2)]
+        return [(model.get_parameter(name), packed_dim(name), 2)]
     return []
 
 
@@ -268,8 +268,7 @@ def _rowwise(model, name, shard, group):
 
 def _packed_colwise(model, name, shard, group):
     experts, leaf = _parent(model, name)
-    param = getattr(experts, leaf)
-    setattr(experts, leaf, shard(param, -2 if param.dim() == 3 else -1, parts=2))
+    setattr(experts, leaf, shard(getattr(experts, leaf), packed_dim(name), parts=2))
 
 
 def _partial_bias(model, name, shard, group):

@@ -32,9 +32,9 @@ from moemesh.parallel.data import apply_data_parallel, clip_grad_norm_, label_to
 from moemesh.parallel.expert import apply_ep
 from moemesh.parallel.fsdp import apply_fsdp
 from moemesh.parallel.mesh import ParallelDims, init_mesh
+from moemesh.parallel.pipeline.memory import run_costs, stage_ranges
 from moemesh.parallel.pipeline.runtime import MicroBatch, PipelineRunner
 from moemesh.parallel.pipeline.schedule import build_schedule
-from moemesh.parallel.pipeline.memory import run_costs, stage_ranges
 from moemesh.parallel.tensor import apply_tp
 from moemesh.train.checkpoint import (CHECKPOINTS, checkpoint_path, latest_checkpoint, load_training_state,
                                       save_checkpoint, training_state)

@@ -202,12 +202,6 @@ def estimate_layers(config: ModelConfig, tokens: int, dtype_bytes: int = 2, seq_
     return rows
 
 
-def estimate_rank_memory(costs: list[LayerCost], ranges: list[range], in_flight: list[int],
-                         stage_rank: list[int]) -> list[float]:
-    """Bytes per rank at its peak: parameters + in-flight activations of the stages it holds."""
-    return rank_memory(costs, ranges, in_flight, stage_rank)
-
-
 class _SavedBytes:
     """A saved_tensors_hooks pack hook that sums the storages it sees, each once."""
 
@@ -304,7 +298,7 @@ def estimate_run(config: RunConfig, pp: int | None = None, schedule_name: str | 
               for row in describe(costs, ranges, in_flight, list(schedule.stage_rank))]
     lines += ["", "memory per rank (parameter state + in-flight activations):"]
     lines += [f"  rank {rank}: {_bytes(memory)}"
-              for rank, memory in enumerate(estimate_rank_memory(costs, ranges, in_flight, list(schedule.stage_rank)))]
+              for rank, memory in enumerate(rank_memory(costs, ranges, in_flight, list(schedule.stage_rank)))]
     return "\n".join(lines)
 
 
