@@ -32,11 +32,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _log = logging.getLogger(__name__)
 
 
-def read_config(path: str | os.PathLike) -> ModelConfig:
-    return _read_config(path)[0]
-
-
-def _read_config(path: str | os.PathLike) -> tuple[ModelConfig, Multimodal | None]:
+def read_config(path: str | os.PathLike) -> tuple[ModelConfig, Multimodal | None]:
     """The model config and, for a multimodal checkpoint, what wraps its language model."""
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
@@ -53,7 +49,7 @@ def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None,
                     device: torch.device | str | None = None) -> MoECausalLM:
     """Load a model directory written by transformers' `save_pretrained` (or by ours). With
     dtype=None the weights keep the dtype named in config.json (float32 if none is named)."""
-    config, wrapper = _read_config(path)
+    config, wrapper = read_config(path)
     if dtype is None:
         dtype = _DTYPES.get(config.extra.get("dtype") or config.extra.get("torch_dtype"), torch.float32)
     with torch.device("meta"):
