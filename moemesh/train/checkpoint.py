@@ -15,6 +15,7 @@ A checkpoint is written under a temporary name and renamed to `step_N` only when
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -108,11 +109,18 @@ def load_training_state(path: Path, model: nn.Module, optimizer: torch.optim.Opt
     """Restore model, optimizer and scheduler from `path` (into this rank of `mesh`); returns
     `trainer` filled from it."""
     state = training_state(model, optimizer, scheduler, trainer)
+    # The parameter groups stay this rank's own, as the config built them: a checkpoint holds one
+    # rank's groups, naming that rank's parameters only (under a pipeline, other ranks hold
+    # others), so they cannot say which group another rank's parameter is in. The learning rate,
+    # the one value of a group that changes during a run, comes from the scheduler.
+    own_groups = copy.deepcopy(state["optimizer"]["param_groups"])
     stored = stored_state(state, model, mesh)
     _load(path, stored)  # tensors in place, so into `state` too; Python values into `stored` only
-    state["optimizer"]["param_groups"] = stored["optimizer"]["param_groups"]
+    state["optimizer"]["param_groups"] = own_groups  # (the load wrote the saved ones into the old lists)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     scheduler.load_state_dict(stored["scheduler"])
+    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+        group["lr"] = lr
     return stored["trainer"]
 
 
