@@ -102,7 +102,7 @@ def _tensor_parallel_size(args: argparse.Namespace) -> int:
 
 def _estimate(args: argparse.Namespace) -> None:
     from moemesh.config import load_config
-    from moemesh.parallel.pipeline.memory import estimate_run
+    from moemesh.estimate import estimate_run
 
     overrides = [item for group in args.overrides for item in group]
     print(estimate_run(load_config(args.config, overrides), args.pp, args.schedule, args.profile))
@@ -111,7 +111,7 @@ def _estimate(args: argparse.Namespace) -> None:
 def _convert(args: argparse.Namespace) -> None:
     import torch
 
-    from moemesh.train.checkpoint import export_hf, import_hf, is_hf_directory
+    from moemesh.checkpoint.convert import export_hf, import_hf, is_hf_directory
 
     if is_hf_directory(args.source):
         import_hf(args.source, args.target)

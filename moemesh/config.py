@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from moemesh.errors import ConfigError
 from moemesh.models import ModelConfig
 from moemesh.parallel.pipeline.schedule import min_micro_batches
@@ -98,6 +100,21 @@ class RunConfig:
 
     def to_toml(self) -> str:
         return dumps_toml(self.to_dict())
+
+
+def resolve_device(config: RunConfig) -> RunConfig:
+    """Replace train.device / train.dtype "auto" by what this machine has."""
+    train = config.train
+    device = train.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"train.device={device!r} but torch sees no GPU")
+    dtype = train.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    train.device, train.dtype = device, dtype
+    return config
 
 
 _SECTIONS = {"parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig}

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from moemesh.models import from_pretrained, save_pretrained
+from moemesh.checkpoint.hf import from_pretrained, save_pretrained
 from numerics import rel_err
 
 

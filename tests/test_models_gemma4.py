@@ -14,7 +14,8 @@ import torch
 import transformers
 
 from moemesh.errors import ConfigError
-from moemesh.models import KVCache, ModelConfig, build, from_pretrained, save_pretrained
+from moemesh.models import KVCache, ModelConfig, build
+from moemesh.checkpoint.hf import from_pretrained, save_pretrained
 from moemesh.models.registry import family
 from moemesh.parallel import comm
 from moemesh.parallel.data import apply_data_parallel, reduce_gradients
@@ -149,7 +150,7 @@ def test_multimodal_checkpoint_loads_its_language_model(case, tmp_path, caplog):
     theirs = hf_multimodal(CASES[case], seed=len(case))
     vision_tensors = sum(name.startswith(("model.vision_tower.", "model.embed_vision."))
                          for name in theirs.state_dict())
-    with caplog.at_level("WARNING", logger="moemesh.models.hf"):
+    with caplog.at_level("WARNING", logger="moemesh.checkpoint.hf"):
         ours, out, ref = compare_with_transformers(theirs, tmp_path / "hf", len(case) + 1, RTOL)
     assert [r.getMessage() for r in caplog.records if f"skipped {vision_tensors} tensors" in r.getMessage()]
     assert ours.config.tie_word_embeddings == theirs.config.tie_word_embeddings

@@ -14,7 +14,8 @@ import transformers
 from safetensors.torch import save_file
 
 from moemesh.errors import CheckpointError, ConfigError
-from moemesh.models import ModelConfig, from_pretrained
+from moemesh.models import ModelConfig
+from moemesh.checkpoint.hf import from_pretrained
 from hf_oracle import assert_same_gradients, batch, compare_with_transformers, gradients, save_round_trip
 from numerics import rel_err
 

@@ -18,7 +18,8 @@ import transformers
 from transformers.modeling_rope_utils import _compute_proportional_rope_parameters, _compute_yarn_parameters
 
 from moemesh.errors import ConfigError
-from moemesh.models import ModelConfig, from_pretrained
+from moemesh.models import ModelConfig
+from moemesh.checkpoint.hf import from_pretrained
 from moemesh.models.registry import family
 from moemesh.models.rope import RotaryEmbedding, proportional, yarn
 from hf_oracle import assert_same_gradients, batch, compare_with_transformers, gradients, save_round_trip

@@ -26,7 +26,7 @@ from moemesh.parallel.fsdp import apply_fsdp, shard_dim
 from moemesh.parallel.mesh import ParallelDims, init_mesh
 from moemesh.parallel.stored import HALVES, packed_dim, stored_state
 from moemesh.parallel.tensor import apply_tp
-from moemesh.train.checkpoint import load_model
+from moemesh.checkpoint.convert import load_model
 from moemesh.train.trainer import Trainer
 from numerics import rel_err
 from test_parallel_tensor import QWEN3, build_with_biases, micro_batch

@@ -10,7 +10,8 @@ import torch
 
 from moemesh.cli import main
 from moemesh.inference.generate import generate
-from moemesh.models import KVCache, ModelConfig, build, save_pretrained
+from moemesh.models import KVCache, ModelConfig, build
+from moemesh.checkpoint.hf import save_pretrained
 from moemesh.parallel import comm
 from moemesh.parallel.mesh import ParallelDims, init_mesh
 from moemesh.parallel.tensor import apply_tp

@@ -30,7 +30,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from moemesh.config import config_from_dict
-from moemesh.train.checkpoint import checkpoint_path
+from moemesh.checkpoint.dcp import checkpoint_path
 from moemesh.train.trainer import Trainer
 from numerics import rel_err
 from test_train_router_bias import MODEL as DEEPSEEK_V3_MODEL

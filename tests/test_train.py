@@ -16,7 +16,8 @@ import moemesh.train.trainer as trainer_module
 from moemesh.config import TrainConfig, config_from_dict
 from moemesh.errors import ConfigError
 from moemesh.models import build
-from moemesh.train.checkpoint import latest_checkpoint, load_model
+from moemesh.checkpoint.convert import load_model
+from moemesh.checkpoint.dcp import latest_checkpoint
 from moemesh.train.flops import flops_per_token
 from moemesh.train.metrics import read_metrics
 from moemesh.train.optim import build_optimizer, lr_factor

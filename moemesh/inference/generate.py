@@ -11,7 +11,8 @@ import torch
 from moemesh.data.tokenizer import Tokenizer, load_tokenizer
 from moemesh.errors import MoemeshError
 from moemesh.models import KVCache, MoECausalLM
-from moemesh.train.checkpoint import TOKENIZER_FILE, load_model
+from moemesh.checkpoint.convert import load_model
+from moemesh.checkpoint.dcp import TOKENIZER_FILE
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float,

@@ -10,7 +10,7 @@ moves it by DeepSeek's auxiliary-loss-free rule after every optimizer step, from
 the whole global batch (train/router_bias.py, `train.router_bias_update_rate`; 0 turns it off).
 
 Checkpoints: transformers reads and writes the per-expert layout
-(`mlp.experts.J.gate_proj.weight`), which hf.py fuses and splits like Qwen3's; the shared experts
+(`mlp.experts.J.gate_proj.weight`), which checkpoint/hf.py fuses and splits like Qwen3's; the shared experts
 and the router keep their names.
 """
 

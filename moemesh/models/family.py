@@ -30,7 +30,7 @@ class Family:
     tp_plan: Callable[[ModelConfig], dict[str, str]] = lambda config: {}
     # Checkpoint tensors whose names or layouts differ from moemesh's (GPT-OSS: transposed,
     # interleaved experts): state dict in transformers' layout -> moemesh's, and back. None: the
-    # default (per-expert hub names, fused by hf.py).
+    # default (per-expert hub names, fused by checkpoint/hf.py).
     state_from_hf: Callable[[dict, ModelConfig], dict] | None = None
     state_to_hf: Callable[[dict, ModelConfig], dict] | None = None
     # Network parts that differ (Gemma 4): (config, layer index) -> decoder layer, and config ->

@@ -20,7 +20,7 @@ parallelism reduces once after combine) and the dense MLP at `dense_mlp`, rename
 Load-balancing loss: transformers computes none; moemesh's is the Switch loss of the others.
 
 The hub's multimodal checkpoints (Gemma4ForConditionalGeneration, model_type "gemma4") load their
-language model, skipping the vision and audio parts (multimodal.py); moemesh saves Gemma4ForCausalLM.
+language model, skipping the vision and audio parts (checkpoint/multimodal.py); moemesh saves Gemma4ForCausalLM.
 """
 
 from __future__ import annotations

@@ -22,10 +22,9 @@ from typing import TextIO
 import torch
 import torch.distributed as dist
 
-from moemesh.config import RunConfig
+from moemesh.config import RunConfig, resolve_device
 from moemesh.data.dataset import load_dataset, rank_slice
 from moemesh.data.tokenizer import HFTokenizer
-from moemesh.errors import ConfigError
 from moemesh.models import MoECausalLM, build
 from moemesh.parallel import comm
 from moemesh.parallel.data import apply_data_parallel, clip_grad_norm_, label_tokens, rank_loss, reduce_gradients
@@ -36,7 +35,7 @@ from moemesh.parallel.pipeline.memory import run_costs, stage_ranges
 from moemesh.parallel.pipeline.runtime import MicroBatch, PipelineRunner
 from moemesh.parallel.pipeline.schedule import build_schedule
 from moemesh.parallel.tensor import apply_tp
-from moemesh.train.checkpoint import (CHECKPOINTS, checkpoint_path, latest_checkpoint, load_training_state,
+from moemesh.checkpoint.dcp import (CHECKPOINTS, checkpoint_path, latest_checkpoint, load_training_state,
                                       save_checkpoint, training_state)
 from moemesh.train.flops import flops_per_token, peak_flops
 from moemesh.train.metrics import METRICS_FILE, MetricsLog, read_metrics
@@ -56,21 +55,6 @@ class TrainResult:
     first_val_loss: float | None
     last_val_loss: float | None
     checkpoint: Path | None
-
-
-def resolve_device(config: RunConfig) -> RunConfig:
-    """Replace train.device / train.dtype "auto" by what this machine has."""
-    train = config.train
-    device = train.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"train.device={device!r} but torch sees no GPU")
-    dtype = train.dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    train.device, train.dtype = device, dtype
-    return config
 
 
 def _max_memory_bytes(device: torch.device) -> int:

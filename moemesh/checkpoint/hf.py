@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from moemesh.errors import CheckpointError
 from moemesh.models.config import ModelConfig
 from moemesh.models.family import Family
-from moemesh.models.multimodal import WRAPPERS, Multimodal
+from moemesh.checkpoint.multimodal import WRAPPERS, Multimodal
 from moemesh.models.registry import family
 from moemesh.models.transformer import MoECausalLM
 

@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from moemesh.errors import CheckpointError
-from moemesh.models import ModelConfig, build, from_pretrained, save_pretrained
+from moemesh.models import ModelConfig
 from moemesh.parallel import comm
 from moemesh.parallel.mesh import Mesh
 from moemesh.parallel.stored import stored_state
@@ -164,57 +164,3 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         return latest
     check_complete(path)
     return path
-
-
-def is_hf_directory(path: str | os.PathLike) -> bool:
-    path = Path(path)
-    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
-
-
-def read_model_config(path: Path) -> ModelConfig:
-    try:
-        return ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is not a complete checkpoint (no config.json)") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path / 'config.json'}: not valid JSON ({e})") from None
-
-
-def load_model(path: str | os.PathLike, device: torch.device | str = "cpu") -> tuple[nn.Module, Path]:
-    """The model of a moemesh checkpoint (or run directory) or of a Hugging Face directory, in
-    float32. Returns it with the directory it came from."""
-    if is_hf_directory(path):
-        return from_pretrained(path, dtype=torch.float32, device=device), Path(path)
-    path = resolve_checkpoint(path)
-    model = build(read_model_config(path), device=device)
-    _load(path, stored_state({"model": model.state_dict()}))  # in place, into the parameters
-    return model, path
-
-
-def export_hf(source: str | os.PathLike, target: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
-    """moemesh checkpoint -> Hugging Face directory (config.json + safetensors)."""
-    _check_target(target)
-    model, checkpoint = load_model(source)
-    if dtype is not None:
-        model.to(dtype)
-    save_pretrained(model, target)
-    if (checkpoint / TOKENIZER_FILE).is_file():
-        shutil.copyfile(checkpoint / TOKENIZER_FILE, Path(target) / TOKENIZER_FILE)
-    return checkpoint
-
-
-def import_hf(source: str | os.PathLike, target: str | os.PathLike) -> None:
-    """Hugging Face directory -> moemesh checkpoint holding the model."""
-    if not is_hf_directory(source):
-        raise CheckpointError(f"{source} is not a Hugging Face model directory (config.json + *.safetensors)")
-    _check_target(target)
-    model = from_pretrained(source, dtype=torch.float32)
-    tokenizer = Path(source) / TOKENIZER_FILE
-    save_checkpoint(Path(target), {"model": model.state_dict()}, model.config,
-                    tokenizer if tokenizer.is_file() else None)
-
-
-def _check_target(target: str | os.PathLike) -> None:
-    target = Path(target)
-    if target.exists() and any(target.iterdir()):
-        raise CheckpointError(f"{target} already exists and is not empty; choose a new directory")

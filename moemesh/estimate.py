@@ -1,0 +1,62 @@
+"""The `moemesh estimate` report: per-layer parameter state, activations and time (analytical, or
+measured with --profile), their split into the pipeline stages of a schedule, and each rank's
+memory at its peak. The cost model and the profiler live in `parallel/pipeline/memory.py`."""
+
+from __future__ import annotations
+
+import torch
+
+from moemesh.config import RunConfig, resolve_device
+from moemesh.models import build
+from moemesh.parallel.pipeline.memory import (profile_costs, profile_layers, rank_tokens, run_costs,
+                                              stage_ranges, state_bytes_per_param)
+from moemesh.parallel.pipeline.partition import describe, rank_memory
+from moemesh.parallel.pipeline.schedule import build_schedule, peak_in_flight
+
+
+def estimate_run(config: RunConfig, pp: int | None = None, schedule_name: str | None = None,
+                 profile: bool = False) -> str:
+    """The `moemesh estimate` report: per-item costs (analytical, or measured with `profile`), their
+    partition into the stages of the pipeline schedule, and each rank's memory at its peak."""
+    config = resolve_device(config)
+    train, parallel = config.train, config.parallel
+    pp = parallel.pp if pp is None else pp
+    schedule = build_schedule(schedule_name or parallel.pp_schedule, pp, train.global_batch // train.micro_batch)
+    in_flight = peak_in_flight(schedule)
+    tokens = rank_tokens(config)
+    if profile:
+        device = torch.device(train.device)
+        model = build(config.model, train.seed, device)
+        ids = torch.randint(config.model.vocab_size, (train.micro_batch // parallel.batch_ranks, train.seq_len),
+                            device=device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=train.dtype == "bfloat16"):
+            costs = profile_costs(profile_layers(model, ids, ids), state_bytes_per_param(config), parallel.dp_shard)
+        time_unit, time_scale = "ms", 1e3
+    else:
+        costs = run_costs(config)
+        time_unit, time_scale = "GFLOP", 1e-9
+    ranges = stage_ranges(schedule, costs)
+
+    how = f"measured on {train.device}" if profile else "analytical"
+    lines = [(f"per layer ({how}; {tokens} tokens per micro-batch, {train.dtype}; "
+              f"parameter state {state_bytes_per_param(config)} B/parameter over dp_shard={parallel.dp_shard}):"),
+             f"  {'layer':<10} {'param state':>12} {'activations':>12} {'time ' + time_unit:>12}"]
+    lines += [f"  {c.name:<10} {_bytes(c.param_bytes):>12} {_bytes(c.activation_bytes):>12} "
+              f"{c.time * time_scale:>12.3f}" for c in costs]
+    lines += ["", (f"stages ({schedule_name or parallel.pp_schedule}, pp={pp}, "
+                   f"{train.global_batch // train.micro_batch} micro-batches):"),
+              f"  {'stage':>5} {'rank':>4}  {'layers':<22} {'in flight':>9} {'memory':>12} {'time ' + time_unit:>12}"]
+    lines += [f"  {row['stage']:>5} {row['rank']:>4}  {row['layers']:<22} {row['in_flight']:>9} "
+              f"{_bytes(row['memory']):>12} {row['time'] * time_scale:>12.3f}"
+              for row in describe(costs, ranges, in_flight, list(schedule.stage_rank))]
+    lines += ["", "memory per rank (parameter state + in-flight activations):"]
+    lines += [f"  rank {rank}: {_bytes(memory)}"
+              for rank, memory in enumerate(rank_memory(costs, ranges, in_flight, list(schedule.stage_rank)))]
+    return "\n".join(lines)
+
+
+def _bytes(count: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= size:
+            return f"{count / size:.2f} {unit}"
+    return f"{count:.0f} B"
