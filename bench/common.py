@@ -66,12 +66,12 @@ def peak_bytes(fn: Callable[[], object]) -> int:
 
 def print_table(rows: list[dict], title: str) -> None:
     print(f"\n## {title}")
-    columns = list(rows[0])
-    widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in columns]
+    columns = list(dict.fromkeys(c for row in rows for c in row))  # every row's columns, in order
+    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns]
     print("| " + " | ".join(c.ljust(w) for c, w in zip(columns, widths)) + " |")
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for row in rows:
-        print("| " + " | ".join(str(row[c]).ljust(w) for c, w in zip(columns, widths)) + " |")
+        print("| " + " | ".join(str(row.get(c, "")).ljust(w) for c, w in zip(columns, widths)) + " |")
 
 
 # ---- GPU timelines from the profiler -----------------------------------------------------------

@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--device", default="auto", help="cpu, cuda[:N] or auto")
     generate.add_argument("--tp", type=int, default=1,
                           help="tensor-parallel ranks, launched as `torchrun --nproc-per-node N -m moemesh "
-                               "generate ... --tp N`: every rank loads the whole model and keeps its shard "
+                               "generate ... --tp N`: each rank reads only its shard "
                                "(attention heads and their KV cache, expert slices, vocabulary); rank 0 prints")
     generate.add_argument("--set", dest="overrides", action="append", nargs="+", default=[],
                           metavar="parallel.tp=N", help="the same as --tp N, spelled as for `moemesh train`")
@@ -72,7 +72,6 @@ def _generate(args: argparse.Namespace) -> None:
 
     from moemesh.inference.generate import complete, load_for_generation
     from moemesh.parallel.mesh import ParallelDims, init_mesh
-    from moemesh.parallel.tensor import apply_tp
 
     if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
         raise MoemeshError("need --max-new-tokens >= 1, --temperature >= 0 and 0 < --top-p <= 1")
@@ -80,8 +79,7 @@ def _generate(args: argparse.Namespace) -> None:
     mesh = init_mesh(ParallelDims(tp=_tensor_parallel_size(args)))
     try:
         device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        model, tokenizer = load_for_generation(args.checkpoint, args.tokenizer, device)
-        apply_tp(model, mesh)
+        model, tokenizer = load_for_generation(args.checkpoint, args.tokenizer, device, mesh=mesh)
         text = complete(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed)
         if mesh.rank("tp") == 0:
             print(args.prompt + text)
@@ -105,13 +103,14 @@ def _estimate(args: argparse.Namespace) -> None:
     from moemesh.estimate import estimate_run
 
     overrides = [item for group in args.overrides for item in group]
-    print(estimate_run(load_config(args.config, overrides), args.pp, args.schedule, args.profile))
+    print(estimate_run(load_config(args.config, overrides, launched=False), args.pp, args.schedule, args.profile))
 
 
 def _convert(args: argparse.Namespace) -> None:
     import torch
 
-    from moemesh.checkpoint.convert import export_hf, import_hf, is_hf_directory
+    from moemesh.checkpoint.convert import export_hf, import_hf
+    from moemesh.checkpoint.load import is_hf_directory
 
     if is_hf_directory(args.source):
         import_hf(args.source, args.target)

@@ -69,6 +69,9 @@ class TrainConfig:
     param_dtype: str = "float32"  # weights and AdamW state; "bfloat16": all bf16, half the memory
     device: str = "auto"  # auto: cuda when available, else cpu
     resume: bool = False
+    # Start from these weights (fresh optimizer, step 0): a Hugging Face directory, or a moemesh
+    # checkpoint or run directory. The model is the one its config.json describes; "" : from the seed.
+    init_from: str = ""
     save_every: int = 100  # 0: only the final checkpoint; -1: none (benchmark runs)
     eval_every: int = 50  # 0: evaluate only before the first and after the last step
     eval_sequences: int = 64  # validation sequences per evaluation (always the same ones)
@@ -120,8 +123,9 @@ def resolve_device(config: RunConfig) -> RunConfig:
 _SECTIONS = {"parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig}
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> RunConfig:
-    """Read `path` (the default config when None), apply `section.key=value` overrides, check."""
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] = (), launched: bool = True) -> RunConfig:
+    """Read `path` (the default config when None), apply `section.key=value` overrides, check
+    (with `launched`, also that torchrun started the processes the layout needs)."""
     if path is None and not DEFAULT_CONFIG.is_file():
         raise ConfigError(f"no --config given, and the default {DEFAULT_CONFIG} is missing: moemesh was "
                           "installed without its source checkout; pass --config FILE")
@@ -132,12 +136,14 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
         raw = tomllib.loads(path.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    if path == DEFAULT_CONFIG and any(item.strip().startswith("train.init_from=") for item in overrides):
+        raw.pop("model", None)  # the default's tiny model is not the one a checkpoint brings
     for item in overrides:
         _apply_override(raw, item)
-    return config_from_dict(raw)
+    return config_from_dict(raw, launched)
 
 
-def config_from_dict(raw: dict[str, Any]) -> RunConfig:
+def config_from_dict(raw: dict[str, Any], launched: bool = True) -> RunConfig:
     sections = ["model", *_SECTIONS]
     for key, value in raw.items():
         if key not in sections and isinstance(value, dict):
@@ -149,9 +155,47 @@ def config_from_dict(raw: dict[str, Any]) -> RunConfig:
         if not isinstance(value, dict):
             raise ConfigError(f"config section [{key}] must be a table, got {value!r}")
     built = {name: _build_section(name, cls, raw.get(name, {})) for name, cls in _SECTIONS.items()}
-    config = RunConfig(model=_build_model(raw.get("model", {})), **built)
+    if built["train"].init_from:
+        model = _model_of(built["train"].init_from, raw.get("model", {}), built["data"], "tokenizer" in raw.get("data", {}))
+    else:
+        model = _build_model(raw.get("model", {}))
+    config = RunConfig(model=model, **built)
     _validate(config)
+    if launched:
+        _check_layout_available(config.parallel)
     return config
+
+
+# [model] keys a run starting from a checkpoint may set: how it trains, not what the model is.
+TRAINING_KEYS = ("output_router_logits", "router_aux_loss_coef")
+
+
+def _model_of(source: str, given: dict[str, Any], data: DataConfig, tokenizer_given: bool) -> ModelConfig:
+    """The model of `train.init_from`'s config.json; a [model] key of the run may repeat it, or
+    set one of TRAINING_KEYS, not contradict it. Its tokenizer.json becomes the run's tokenizer
+    unless data.tokenizer names one."""
+    from moemesh.checkpoint.dcp import TOKENIZER_FILE
+    from moemesh.checkpoint.load import read_model_config, weights_directory
+    from moemesh.models.registry import family
+
+    model = read_model_config(source)
+    names = ModelConfig.field_names()
+    for key in given:
+        if key not in names and key not in family(model.model_type).renames:
+            _unknown_key(f"model.{key}", [f"model.{name}" for name in names])
+    # The run's keys read as config.json's (a family's own spellings included), over the source's.
+    source_hf, spelled = model.to_hf_dict(), family(model.model_type).write_renames
+    given_hf = {spelled.get(key, key): value for key, value in given.items()}
+    model, ours = ModelConfig.from_hf_dict(source_hf), ModelConfig.from_hf_dict({**source_hf, **given_hf})
+    for name in names:
+        if name not in TRAINING_KEYS and getattr(ours, name) != getattr(model, name):
+            raise ConfigError(f"model.{name} = {getattr(ours, name)!r} contradicts train.init_from {source}, whose "
+                              f"config.json has {name} = {getattr(model, name)!r} (leave it out of [model])")
+    model = ours
+    tokenizer = weights_directory(source) / TOKENIZER_FILE
+    if not tokenizer_given and tokenizer.is_file():
+        data.tokenizer = str(tokenizer)
+    return model
 
 
 def _apply_override(raw: dict[str, Any], item: str) -> None:
@@ -261,7 +305,6 @@ def _validate(config: RunConfig) -> None:
          f"parallel.ep ({config.parallel.ep}) must divide model.num_experts ({model.num_experts})")
     _check_tp_sizes(model, config.parallel.tp)
     _check_pipeline(config)
-    _check_layout_available(config.parallel)
 
 
 def _check_tp_sizes(model: ModelConfig, tp: int) -> None:

@@ -21,7 +21,8 @@ def estimate_run(config: RunConfig, pp: int | None = None, schedule_name: str | 
     config = resolve_device(config)
     train, parallel = config.train, config.parallel
     pp = parallel.pp if pp is None else pp
-    schedule = build_schedule(schedule_name or parallel.pp_schedule, pp, train.global_batch // train.micro_batch)
+    schedule_name = schedule_name or (parallel.pp_schedule if pp > 1 else "1f1b")  # pp 1: one stage
+    schedule = build_schedule(schedule_name, pp, train.global_batch // train.micro_batch)
     in_flight = peak_in_flight(schedule)
     tokens = rank_tokens(config)
     if profile:
@@ -38,19 +39,21 @@ def estimate_run(config: RunConfig, pp: int | None = None, schedule_name: str | 
     ranges = stage_ranges(schedule, costs)
 
     how = f"measured on {train.device}" if profile else "analytical"
-    lines = [(f"per layer ({how}; {tokens} tokens per micro-batch, {train.dtype}; "
-              f"parameter state {state_bytes_per_param(config)} B/parameter over dp_shard={parallel.dp_shard}):"),
+    layout = f"dp_replicate={parallel.dp_replicate} × dp_shard={parallel.dp_shard} × ep={parallel.ep} × tp={parallel.tp}"
+    lines = [(f"per layer ({how}; {tokens} tokens per micro-batch, {train.dtype}; parameter state "
+              f"{state_bytes_per_param(config)} B/parameter of what one GPU keeps under {layout}):"),
              f"  {'layer':<10} {'param state':>12} {'activations':>12} {'time ' + time_unit:>12}"]
     lines += [f"  {c.name:<10} {_bytes(c.param_bytes):>12} {_bytes(c.activation_bytes):>12} "
               f"{c.time * time_scale:>12.3f}" for c in costs]
-    lines += ["", (f"stages ({schedule_name or parallel.pp_schedule}, pp={pp}, "
+    lines += ["", (f"stages ({schedule_name}, pp={pp}, "
                    f"{train.global_batch // train.micro_batch} micro-batches):"),
               f"  {'stage':>5} {'rank':>4}  {'layers':<22} {'in flight':>9} {'memory':>12} {'time ' + time_unit:>12}"]
     lines += [f"  {row['stage']:>5} {row['rank']:>4}  {row['layers']:<22} {row['in_flight']:>9} "
               f"{_bytes(row['memory']):>12} {row['time'] * time_scale:>12.3f}"
               for row in describe(costs, ranges, in_flight, list(schedule.stage_rank))]
-    lines += ["", "memory per rank (parameter state + in-flight activations):"]
-    lines += [f"  rank {rank}: {_bytes(memory)}"
+    gpus = pp * parallel.dp_replicate * parallel.dp_shard * parallel.ep * parallel.tp
+    lines += ["", f"memory per GPU (parameter state + in-flight activations) on {gpus} GPUs, pp={pp} × {layout}:"]
+    lines += [f"  pipeline rank {rank}: {_bytes(memory)}"
               for rank, memory in enumerate(rank_memory(costs, ranges, in_flight, list(schedule.stage_rank)))]
     return "\n".join(lines)
 

@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 import transformers
 
-from moemesh.checkpoint.hf import from_pretrained, save_pretrained
+from moemesh.checkpoint.hf import save_pretrained
+from moemesh.checkpoint.load import from_pretrained
 from numerics import rel_err
 
 

@@ -16,8 +16,8 @@ import torch
 from moemesh.cli import main
 from moemesh.inference.generate import generate, sample_next
 from moemesh.models import build
-from moemesh.checkpoint.hf import from_pretrained
-from moemesh.checkpoint.convert import load_model
+from moemesh.checkpoint.load import from_pretrained
+from moemesh.checkpoint.load import load_model
 from moemesh.train.trainer import train
 
 from tiny_run import tiny_config, write_corpus, write_tiny_toml

@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from moemesh.checkpoint.hf import from_pretrained
+from moemesh.checkpoint.load import from_pretrained
 from numerics import rel_err
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from moemesh.checkpoint.hf import from_pretrained
+from moemesh.checkpoint.load import from_pretrained
 from hf_oracle import assert_same_gradients, batch, compare_with_transformers, gradients, save_round_trip
 from numerics import rel_err
 

@@ -15,7 +15,8 @@ import transformers
 
 from moemesh.errors import ConfigError
 from moemesh.models import KVCache, ModelConfig, build
-from moemesh.checkpoint.hf import from_pretrained, save_pretrained
+from moemesh.checkpoint.hf import save_pretrained
+from moemesh.checkpoint.load import from_pretrained
 from moemesh.models.registry import family
 from moemesh.parallel import comm
 from moemesh.parallel.data import apply_data_parallel, reduce_gradients

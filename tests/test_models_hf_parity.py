@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from moemesh.errors import CheckpointError, ConfigError
 from moemesh.models import ModelConfig
-from moemesh.checkpoint.hf import from_pretrained
+from moemesh.checkpoint.load import from_pretrained
 from hf_oracle import assert_same_gradients, batch, compare_with_transformers, gradients, save_round_trip
 from numerics import rel_err
 
@@ -165,7 +165,7 @@ def test_shape_mismatch_names_key_and_shapes(tmp_path):
 
 
 def test_not_a_model_directory(tmp_path):
-    with pytest.raises(CheckpointError, match="no config.json"):
+    with pytest.raises(CheckpointError, match="is not a Hugging Face model directory"):
         from_pretrained(tmp_path)
 
 

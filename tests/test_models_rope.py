@@ -19,7 +19,7 @@ from transformers.modeling_rope_utils import _compute_proportional_rope_paramete
 
 from moemesh.errors import ConfigError
 from moemesh.models import ModelConfig
-from moemesh.checkpoint.hf import from_pretrained
+from moemesh.checkpoint.load import from_pretrained
 from moemesh.models.registry import family
 from moemesh.models.rope import RotaryEmbedding, proportional, yarn
 from hf_oracle import assert_same_gradients, batch, compare_with_transformers, gradients, save_round_trip

@@ -17,9 +17,14 @@ an error of the same size; the step itself can be compared exactly.
    loaded into the layout, and the layout's saved and loaded again, keep the optimizer state
    across changes of layout. (Not from step 0: AdamW's first update is g / |g| per element, which
    turns the rounding noise of a gradient element near zero into an update of ±lr.)
-2. The same curve. STEPS free-running steps from the seed: each loss stays within 1e-5 relative or
-   DRIFT_MULTIPLE × the largest drift of dp_replicate=4 — the pure rounding of data parallelism —
-   up to that step, whichever is larger.
+2. The same curve (Qwen3). STEPS free-running steps from the seed: each loss stays within DRIFT_MULTIPLE ×
+   the largest drift of dp_replicate=4 — the pure rounding of data parallelism — up to that step,
+   or within FLIP relative, whichever is larger. FLIP is what one token's top-k flip moves the
+   loss by: measured at most 1.1e-4 (tp=4, step 21, back to 4e-6 by step 40), while a layout
+   that skipped the weight decay of its experts is off by 1.5e-3 at step 20 and 4.5e-3 at step 40.
+   Not for DeepSeek-V3: its balancing moves an expert's bias by ±rate on the sign of an integer
+   load difference, so one token's flip moves a whole bias, and its free-running curves part by
+   ~1e-3 within 25 steps whatever the layout; the same step (1.) covers its router biases exactly.
 """
 
 import io
@@ -41,6 +46,7 @@ RTOL = 1e-5
 STEPS = 40  # 5 warm-up steps, then 35 of cosine decay
 FORCED = (2, 12, 30)  # the steps whose checkpoint each layout takes one step from
 DRIFT_MULTIPLE = 8
+FLIP = 5e-4
 
 TRAIN = {"steps": STEPS, "warmup_steps": 5, "lr": 1e-2, "weight_decay": 0.1, "global_batch": 16,
          "micro_batch": 4, "eval_every": 0, "save_every": -1, "router_bias_update_rate": 1e-3}
@@ -174,8 +180,10 @@ def test_layout_follows_one_process_over_the_run(pool, references, drift, family
     for free, forced in runs:  # every rank reports the same figures
         for step, forced_record in zip([s + i for s in FORCED for i in (0, 1)], forced, strict=True):
             assert_same_record(forced_record, records[step])
+        if family != "qwen3":
+            continue
         for step, (ours, theirs) in enumerate(zip(free, records, strict=True), start=1):
-            allowed = max(RTOL * abs(theirs["loss"]), DRIFT_MULTIPLE * bound[step - 1])
+            allowed = max(FLIP * abs(theirs["loss"]), DRIFT_MULTIPLE * bound[step - 1])
             assert abs(ours["loss"] - theirs["loss"]) <= allowed, (step, ours["loss"], theirs["loss"], allowed)
     layout_dir = Path(run_config(directory, family, layout)["train"]["run_dir"])
     for forced in FORCED:

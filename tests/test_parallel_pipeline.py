@@ -27,7 +27,7 @@ from moemesh.errors import ConfigError
 from moemesh.parallel import comm
 from moemesh.parallel.data import reduce_gradients
 from moemesh.parallel.stored import stored_state
-from moemesh.checkpoint.convert import load_model
+from moemesh.checkpoint.load import load_model
 from moemesh.train.trainer import Trainer
 from numerics import rel_err
 from test_parallel_fsdp import assert_records_match, presented, train_steps

@@ -14,7 +14,7 @@ import pytest
 
 from moemesh.config import load_config
 from moemesh.models import build
-from moemesh.checkpoint.convert import load_model
+from moemesh.checkpoint.load import load_model
 from moemesh.train.progress import format_count
 from moemesh.train.trainer import train
 from tiny_run import write_tiny_toml

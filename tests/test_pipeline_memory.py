@@ -109,7 +109,7 @@ def test_estimate_command(capsys, argv):
         assert names.index(first) == len(covered)
         covered += names[names.index(first): names.index(last) + 1]
     assert covered == names
-    assert output.count("  rank ") == 2
+    assert output.count("  pipeline rank ") == 2
 
 
 def test_estimate_command_errors(capsys):
@@ -131,3 +131,30 @@ def test_head_working_memory_counts_once_per_stage():
     per_micro = sum(c.activation_bytes for c in costs[2:])
     assert three[1] - one[1] == pytest.approx(2 * per_micro)  # the working memory is not multiplied
     assert one[1] == pytest.approx(sum(c.param_bytes for c in costs[2:]) + per_micro + costs[-1].working_bytes)
+
+
+@pytest.mark.parametrize("layout", [{"ep": 4}, {"tp": 2}, {"dp_shard": 2}, {"dp_shard": 2, "ep": 2, "tp": 2}],
+                         ids=["ep4", "tp2", "dp_shard2", "dp_shard2-ep2-tp2"])
+def test_a_rank_keeps_its_share_of_each_item(layout):
+    """The parameter state `moemesh estimate` charges a rank: of each item, the experts over ep ×
+    tp × dp_shard, the other matrices over tp (the router stays whole) and, under FSDP, over
+    dp_shard × ep; the norms are whole under TP, split by FSDP when it divides them."""
+    from moemesh.models.build import meta_model
+    from moemesh.parallel.pipeline.memory import rank_param_counts
+
+    config = load_config(None, [f"parallel.{axis}={size}" for axis, size in layout.items()], launched=False)
+    ep, tp, dp_shard = (layout.get(axis, 1) for axis in ("ep", "tp", "dp_shard"))
+    fsdp = dp_shard * ep if dp_shard > 1 else 1  # what FSDP splits the dense weights over
+    model = meta_model(config.model)
+    expected = [0.0] * (2 + config.model.num_hidden_layers)
+    for name, param in model.named_parameters():
+        item = 0 if "embed_tokens" in name else -1 if name.startswith(("lm_head", "model.norm")) else \
+            1 + int(name.split(".")[2])
+        if ".mlp.experts." in name:
+            share = ep * tp * dp_shard
+        elif param.dim() >= 2:  # attention, router (replicated under TP), embedding and head
+            share = (1 if ".mlp.gate." in name else tp) * fsdp
+        else:  # norms, q/k norms: whole under TP; FSDP splits those it divides
+            share = fsdp if param.shape[0] % fsdp == 0 else 1
+        expected[item] += param.numel() / share
+    assert rank_param_counts(config) == pytest.approx(expected)

@@ -16,7 +16,7 @@ import moemesh.train.trainer as trainer_module
 from moemesh.config import TrainConfig, config_from_dict
 from moemesh.errors import ConfigError
 from moemesh.models import build
-from moemesh.checkpoint.convert import load_model
+from moemesh.checkpoint.load import load_model
 from moemesh.checkpoint.dcp import latest_checkpoint
 from moemesh.train.flops import flops_per_token
 from moemesh.train.metrics import read_metrics

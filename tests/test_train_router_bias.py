@@ -13,8 +13,9 @@ import torch
 
 from moemesh.config import config_from_dict
 from moemesh.models import build
-from moemesh.checkpoint.hf import from_pretrained, save_pretrained
-from moemesh.checkpoint.convert import load_model
+from moemesh.checkpoint.hf import save_pretrained
+from moemesh.checkpoint.load import from_pretrained
+from moemesh.checkpoint.load import load_model
 from moemesh.train.router_bias import update_router_bias
 from moemesh.train.trainer import Trainer
 from test_parallel_families import DEEPSEEK_V3

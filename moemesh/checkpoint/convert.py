@@ -1,66 +1,67 @@
-"""Conversions between moemesh checkpoints and Hugging Face directories, and loading either as
-a whole model (`moemesh convert`, `generate` on one process, the tests' oracle)."""
+"""`moemesh convert`: moemesh checkpoints to Hugging Face directories and back.
+
+A moemesh checkpoint (or a run directory's newest) becomes config.json + safetensors by reading one
+tensor at a time from torch.distributed.checkpoint — whatever layout wrote it, however many ranks —
+and writing each safetensors shard once full: memory holds one tensor and one shard, never the
+model. A Hugging Face directory becomes a checkpoint of its model in the dtype it is stored in.
+"""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
+from typing import Iterator
 
 import torch
-from torch import nn
+import torch.distributed.checkpoint as dcp
 
 from moemesh.checkpoint.dcp import TOKENIZER_FILE, _load, resolve_checkpoint, save_checkpoint
-from moemesh.checkpoint.hf import from_pretrained, save_pretrained
+from moemesh.checkpoint.hf import write_pretrained
+from moemesh.checkpoint.load import is_hf_directory, load_model, read_model_config
 from moemesh.errors import CheckpointError
-from moemesh.models import ModelConfig, build
-from moemesh.parallel.stored import stored_state
-
-
-def is_hf_directory(path: str | os.PathLike) -> bool:
-    path = Path(path)
-    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
-
-
-def read_model_config(path: Path) -> ModelConfig:
-    try:
-        return ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is not a complete checkpoint (no config.json)") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path / 'config.json'}: not valid JSON ({e})") from None
-
-
-def load_model(path: str | os.PathLike, device: torch.device | str = "cpu") -> tuple[nn.Module, Path]:
-    """The model of a moemesh checkpoint (or run directory) or of a Hugging Face directory, in
-    float32. Returns it with the directory it came from."""
-    if is_hf_directory(path):
-        return from_pretrained(path, dtype=torch.float32, device=device), Path(path)
-    path = resolve_checkpoint(path)
-    model = build(read_model_config(path), device=device)
-    _load(path, stored_state({"model": model.state_dict()}))  # in place, into the parameters
-    return model, path
+from moemesh.models import ModelConfig
+from moemesh.models.build import meta_model
+from moemesh.parallel.stored import HALVES, packed_dim
 
 
 def export_hf(source: str | os.PathLike, target: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
-    """moemesh checkpoint -> Hugging Face directory (config.json + safetensors)."""
+    """moemesh checkpoint -> Hugging Face directory (config.json + safetensors), streamed."""
     _check_target(target)
-    model, checkpoint = load_model(source)
-    if dtype is not None:
-        model.to(dtype)
-    save_pretrained(model, target)
+    config = read_model_config(source)
+    checkpoint = resolve_checkpoint(source)
+    write_pretrained(_stored_tensors(checkpoint, config, dtype), config, target)
     if (checkpoint / TOKENIZER_FILE).is_file():
         shutil.copyfile(checkpoint / TOKENIZER_FILE, Path(target) / TOKENIZER_FILE)
     return checkpoint
 
 
+def _stored_tensors(checkpoint: Path, config: ModelConfig,
+                    dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each weight of the model, whole, read from the checkpoint one at a time (in `dtype`)."""
+    stored = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
+    names = meta_model(config).state_dict()
+    if config.tie_word_embeddings:
+        names.pop("lm_head.weight")
+    for name in names:
+        keys = [f"{name}.{half}" for half in HALVES] if packed_dim(name) is not None else [name]
+        parts = {}
+        for key in keys:
+            meta = stored.get(f"model.{key}")
+            if meta is None:
+                raise CheckpointError(f"{checkpoint}: no weight {key!r} in the checkpoint")
+            parts[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+        _load(checkpoint, {"model": parts})
+        tensor = torch.cat(list(parts.values()), dim=packed_dim(name)) if len(parts) > 1 else parts[name]
+        yield name, tensor if dtype is None else tensor.to(dtype)
+
+
 def import_hf(source: str | os.PathLike, target: str | os.PathLike) -> None:
-    """Hugging Face directory -> moemesh checkpoint holding the model."""
+    """Hugging Face directory -> moemesh checkpoint holding the model (in its stored dtype)."""
     if not is_hf_directory(source):
         raise CheckpointError(f"{source} is not a Hugging Face model directory (config.json + *.safetensors)")
     _check_target(target)
-    model = from_pretrained(source, dtype=torch.float32)
+    model, _ = load_model(source)
     tokenizer = Path(source) / TOKENIZER_FILE
     save_checkpoint(Path(target), {"model": model.state_dict()}, model.config,
                     tokenizer if tokenizer.is_file() else None)

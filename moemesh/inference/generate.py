@@ -11,8 +11,12 @@ import torch
 from moemesh.data.tokenizer import Tokenizer, load_tokenizer
 from moemesh.errors import MoemeshError
 from moemesh.models import KVCache, MoECausalLM
-from moemesh.checkpoint.convert import load_model
+from moemesh.models.build import meta_model
+from moemesh.parallel.mesh import Mesh
+from moemesh.parallel.parallelize import materialize, parallelize
 from moemesh.checkpoint.dcp import TOKENIZER_FILE
+from moemesh.checkpoint.load import load_weights, read_model_config
+from moemesh.config import ParallelConfig, RunConfig
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float,
@@ -57,11 +61,22 @@ def generate(model: MoECausalLM, prompt_ids: list[int], max_new_tokens: int, tem
     return new_ids
 
 
-def load_for_generation(path: str | os.PathLike, tokenizer: str | None = None,
-                        device: str = "cpu") -> tuple[MoECausalLM, Tokenizer]:
-    """A model from a checkpoint, run directory or Hugging Face directory, with its tokenizer:
-    the one named, else the directory's tokenizer.json, else bytes."""
-    model, source = load_model(path, device=device)
+def load_for_generation(path: str | os.PathLike, tokenizer: str | None = None, device: str = "cpu",
+                        dtype: torch.dtype | None = None, mesh: Mesh | None = None) -> tuple[MoECausalLM, Tokenizer]:
+    """A model from a checkpoint, run directory or Hugging Face directory, laid out for `mesh`
+    (tensor parallelism: each rank reads only its heads, expert slices and vocabulary slice) and
+    read straight into `dtype` on `device` (default bfloat16 on a GPU, float32 on a CPU), with its
+    tokenizer: the one named, else the directory's tokenizer.json, else bytes."""
+    config = read_model_config(path)
+    if dtype is None:
+        dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    model = meta_model(config, dtype)
+    if mesh is not None:
+        layout = RunConfig(model=config, parallel=ParallelConfig(tp=mesh.dims.tp))
+        layout.train.dtype = "bfloat16" if dtype == torch.bfloat16 else "float32"
+        parallelize(model, mesh, layout)
+    materialize(model, device)
+    source = load_weights(model, path, mesh)
     model.eval()
     if tokenizer is None:
         tokenizer = str(source / TOKENIZER_FILE) if (Path(source) / TOKENIZER_FILE).is_file() else "bytes"

@@ -114,7 +114,7 @@ class MoECausalLM(nn.Module):
     def tie_weights(self) -> None:
         """Share the LM head with the embedding when the config says so (again after anything
         that replaces parameters, such as `to_empty` or loading with `assign=True`)."""
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,

@@ -19,6 +19,7 @@ from moemesh.models.transformer import MoECausalLM
 from moemesh.ops import combine, permute
 from moemesh.parallel import comm
 from moemesh.parallel.mesh import Mesh
+from moemesh.parallel.pieces import record_piece
 
 
 class AllToAllDispatcher:
@@ -73,7 +74,7 @@ class AllToAllDispatcher:
 
 def apply_ep(model: MoECausalLM, mesh: Mesh) -> MoECausalLM:
     """Keep this rank's E/ep experts of every MoE layer and install the all-to-all dispatcher.
-    Call on the full, identically initialised model of every rank."""
+    Call on the whole model, on the meta device (`parallelize`) or identically initialised."""
     ep, rank = mesh.dims.ep, mesh.rank("ep")
     if ep == 1:
         return model
@@ -81,11 +82,13 @@ def apply_ep(model: MoECausalLM, mesh: Mesh) -> MoECausalLM:
     if num_experts % ep:
         raise ConfigError(f"parallel.ep={ep} must divide num_experts={num_experts}")
     local = num_experts // ep
+    mine = torch.arange(rank * local, (rank + 1) * local)
     for block in model.modules():
         if isinstance(block, MoEBlock):
             # Every parameter of the bank is per expert on dim 0 (matrices, biases).
             for name, full in list(block.experts.named_parameters(recurse=False)):
-                setattr(block.experts, name, nn.Parameter(full.detach()[rank * local:(rank + 1) * local].clone()))
+                kept = nn.Parameter(full.detach()[rank * local:(rank + 1) * local].clone())
+                setattr(block.experts, name, record_piece(kept, full, 0, mine))
             block.dispatcher = AllToAllDispatcher(mesh.group("ep"), ep, local)
     return model
 

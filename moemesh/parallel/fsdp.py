@@ -26,11 +26,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from moemesh.models.transformer import DecoderLayer, MoECausalLM
 from moemesh.parallel.expert import is_expert_parameter
 from moemesh.parallel.mesh import Mesh, ParallelDims
+from moemesh.parallel.pieces import record_piece
 from moemesh.parallel.stored import packed_dim
 
 
@@ -87,6 +88,10 @@ def apply_fsdp(model: MoECausalLM, mesh: Mesh, param_dtype: torch.dtype | None =
     for name, param in model.named_parameters():
         for key, value in tags[name].items():
             setattr(param, key, value)
+        if isinstance(param, DTensor):  # a shard: chunk `coordinate` of dim `dim` (evenly divided)
+            dim, mesh_dims = param.placements[-1].dim, param.device_mesh.ndim
+            coordinate, size = param.device_mesh.get_local_rank(mesh_dims - 1), param.to_local().shape[dim]
+            record_piece(param, param, dim, torch.arange(coordinate * size, (coordinate + 1) * size))
     return whole
 
 

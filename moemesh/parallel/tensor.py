@@ -51,6 +51,7 @@ from moemesh.models.transformer import MoECausalLM, shift_labels
 from moemesh.ops.linear import linear
 from moemesh.parallel import comm
 from moemesh.parallel.mesh import Mesh
+from moemesh.parallel.pieces import record_piece
 from moemesh.parallel.placement import Op, place_reduce
 from moemesh.parallel.stored import packed_dim
 
@@ -232,7 +233,8 @@ class _Sharder:
             pieces = [piece.chunk(self.tp, dim)[self.rank] for piece in param.detach().chunk(parts, dim)]
             sharded = nn.Parameter(torch.cat(pieces, dim).clone())
             sharded.tp_dim = dim % param.dim()  # where checkpoints place it in the full tensor
-            self._done[id(param)] = sharded
+            rows = [piece.chunk(self.tp)[self.rank] for piece in torch.arange(param.shape[dim]).chunk(parts)]
+            self._done[id(param)] = record_piece(sharded, param, dim, torch.cat(rows))
         return self._done[id(param)]
 
     def offset(self, full_size: int) -> int:

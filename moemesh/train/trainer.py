@@ -22,21 +22,19 @@ from typing import TextIO
 import torch
 import torch.distributed as dist
 
+from moemesh.checkpoint.dcp import (CHECKPOINTS, checkpoint_path, latest_checkpoint, load_training_state,
+                                    save_checkpoint, training_state)
+from moemesh.checkpoint.load import load_weights
 from moemesh.config import RunConfig, resolve_device
 from moemesh.data.dataset import load_dataset, rank_slice
 from moemesh.data.tokenizer import HFTokenizer
-from moemesh.models import MoECausalLM, build
+from moemesh.models import MoECausalLM
+from moemesh.models.build import meta_model
 from moemesh.parallel import comm
-from moemesh.parallel.data import apply_data_parallel, clip_grad_norm_, label_tokens, rank_loss, reduce_gradients
-from moemesh.parallel.expert import apply_ep
-from moemesh.parallel.fsdp import apply_fsdp
+from moemesh.parallel.data import clip_grad_norm_, label_tokens, rank_loss, reduce_gradients
 from moemesh.parallel.mesh import ParallelDims, init_mesh
-from moemesh.parallel.pipeline.memory import run_costs, stage_ranges
+from moemesh.parallel.parallelize import materialize, parallelize
 from moemesh.parallel.pipeline.runtime import MicroBatch, PipelineRunner
-from moemesh.parallel.pipeline.schedule import build_schedule
-from moemesh.parallel.tensor import apply_tp
-from moemesh.checkpoint.dcp import (CHECKPOINTS, checkpoint_path, latest_checkpoint, load_training_state,
-                                      save_checkpoint, training_state)
 from moemesh.train.flops import flops_per_token, peak_flops
 from moemesh.train.metrics import METRICS_FILE, MetricsLog, read_metrics
 from moemesh.train.optim import build_optimizer, build_scheduler
@@ -86,29 +84,23 @@ class Trainer:
 
         torch.manual_seed(train.seed)
         self.dataset, self.tokenizer = load_dataset(config.data, train.seq_len, train.seed, config.model.vocab_size)
-        # Every rank builds the full model from the seed, then keeps its part.
-        # bf16 weights and AdamW state take half the memory of fp32 master weights, at bf16's
-        # rounding of every update (as transformers trains a bf16 model).
-        self.model: MoECausalLM = build(config.model, seed=train.seed, device=self.device,
-                                        dtype=_DTYPES[train.param_dtype])
-        # Counted on the whole model, before this rank drops the experts it does not hold.
+        # Made on the meta device, laid out, and only then allocated: each rank makes (or reads)
+        # only its part. bf16 weights and AdamW state take half the memory of fp32 master
+        # weights, at bf16's rounding of every update (as transformers trains a bf16 model).
+        self.model: MoECausalLM = meta_model(config.model, _DTYPES[train.param_dtype])
+        # Counted on the whole model, before the layout keeps this rank's part.
         self.flops_per_token = flops_per_token(self.model, train.seq_len)
         self.num_params = (self.model.num_params(), self.model.num_params(active=True))
-        # TP ranks share their data: they are not in the batch group.
-        apply_data_parallel(apply_tp(apply_ep(self.model, self.mesh), self.mesh), self.mesh)
+        layout = parallelize(self.model, self.mesh, config)
+        materialize(self.model, self.device, None if train.init_from else train.seed)
+        self.init_source = load_weights(self.model, train.init_from, self.mesh) if train.init_from else None
+        self.kept_whole = layout.kept_whole
         self.pipeline = None
-        if parallel.pp > 1:  # this rank keeps its stages only
-            schedule = build_schedule(parallel.pp_schedule, parallel.pp, train.global_batch // train.micro_batch)
-            ranges = stage_ranges(schedule, run_costs(config))  # partitioned by estimated memory and time
-            self.pipeline = PipelineRunner(self.model, self.mesh, schedule, ranges, self._autocast,
+        if layout.stages is not None:
+            self.pipeline = PipelineRunner(layout.stages, self.mesh, layout.schedule, self._autocast,
                                            overlap=parallel.pp_overlap)
-        # FSDP computes in the training dtype (bf16) from fp32 shards; autocast covers the rest.
-        self.kept_whole = apply_fsdp(self.model, self.mesh, param_dtype=self.autocast_dtype,
-                                     reshard_after_forward=parallel.fsdp_reshard_after_forward,
-                                     prefetch=parallel.fsdp_prefetch,
-                                     root=self.pipeline.module if self.pipeline is not None else None)
-        if self.pipeline is not None and parallel.dp_shard > 1:
-            self.pipeline.use_fsdp()
+            if parallel.dp_shard > 1:
+                self.pipeline.use_fsdp()
         self.optimizer = build_optimizer(self.model, train)  # on the shards: its moments are sharded too
         self.scheduler = build_scheduler(self.optimizer, train)
         self.step = 0
@@ -252,6 +244,8 @@ class Trainer:
                   f"{format_count(len(self.dataset.val_tokens))} validation tokens")
         self._say(f"train   {train.steps} steps × {train.global_batch} sequences × {train.seq_len} tokens "
                   f"on {self.device} in {train.dtype}; run directory {self.run_dir}")
+        if self.init_source is not None:
+            self._say(f"init    weights of {self.init_source} (optimizer and step afresh)")
         if self.mesh.dims.world_size > 1:
             self._say(f"layout  {self.mesh.dims.describe()}")
         if self.kept_whole:

@@ -57,11 +57,16 @@ from dataclasses import dataclass
 import torch
 
 from moemesh.config import RunConfig
+from moemesh.models.build import meta_model
 from moemesh.models.config import ModelConfig
 from moemesh.models.transformer import MoECausalLM
 from moemesh.ops.linear_cross_entropy import LOGITS_CHUNK_ELEMENTS
+from moemesh.parallel.expert import apply_ep, is_expert_parameter
+from moemesh.parallel.fsdp import shard_dim
+from moemesh.parallel.mesh import Mesh, ParallelDims
 from moemesh.parallel.pipeline.partition import LayerCost, partition
 from moemesh.parallel.pipeline.schedule import Schedule, peak_in_flight
+from moemesh.parallel.tensor import apply_tp
 
 
 @dataclass(frozen=True)
@@ -111,14 +116,39 @@ def profile_layers(model: MoECausalLM, input_ids: torch.Tensor, labels: torch.Te
 
 def _item_params(model: MoECausalLM) -> list[int]:
     """Parameters per item, in item order; a tied head weight counts once, with the embedding."""
+    return [sum(p.numel() for _, p in item) for item in _items(model)]
+
+
+def _items(model: MoECausalLM) -> list[list[tuple[str, torch.Tensor]]]:
+    """(name, parameter) of each item, in item order; a tied head weight once, with the embedding."""
+    names = {id(p): name for name, p in model.named_parameters()}
     modules = [[model.model.embed_tokens], *[[layer] for layer in model.model.layers],
                [model.model.norm, model.lm_head]]
     seen: set[int] = set()
-    counts = []
+    items = []
     for group in modules:
         params = [p for module in group for p in module.parameters() if id(p) not in seen]
         seen.update(id(p) for p in params)
-        counts.append(sum(p.numel() for p in params))
+        items.append([(names[id(p)], p) for p in params])
+    return items
+
+
+def rank_param_counts(config: RunConfig) -> list[float]:
+    """Parameters one rank keeps of each item under the run's expert, tensor and fully sharded
+    parallelism: the model laid out by EP and TP on the meta device (rank 0's view; the others'
+    differ by rounding at most), each tensor that FSDP splits counted at its share."""
+    parallel = config.parallel
+    dims = ParallelDims(dp_replicate=parallel.dp_replicate, dp_shard=parallel.dp_shard, ep=parallel.ep, tp=parallel.tp)
+    mesh = Mesh(dims, None)  # shapes only: no process groups
+    model = apply_tp(apply_ep(meta_model(config.model), mesh), mesh)
+    counts = []
+    for item in _items(model):
+        count = 0.0
+        for name, param in item:
+            parts = dims.dp_shard if is_expert_parameter(name) else dims.dp_shard * dims.ep
+            split = dims.dp_shard > 1 and shard_dim(name, param, dims) is not None
+            count += param.numel() / parts if split else param.numel()
+        counts.append(count)
     return counts
 
 
@@ -130,16 +160,19 @@ def profile_costs(profiles: list[LayerProfile], state_bytes_per_param: int = 16,
 
 
 def estimate_layer_costs(config: ModelConfig, tokens: int, dtype_bytes: int = 2, state_bytes_per_param: int = 16,
-                         shard: int = 1, seq_len: int | None = None, residual_bytes: int | None = None) -> list[LayerCost]:
+                         shard: int = 1, seq_len: int | None = None, residual_bytes: int | None = None,
+                         rank_params: list[float] | None = None) -> list[LayerCost]:
     """Analytical LayerCosts for micro-batches of `tokens` tokens in sequences of `seq_len`
     (default: one sequence); time is forward + backward FLOPs. `residual_bytes`: the weights'
-    dtype size (default: dtype_bytes). See the module docstring."""
+    dtype size (default: dtype_bytes). `rank_params`: the parameters a rank keeps of each item
+    (default: the formula's, over `shard` ranks). See the module docstring."""
     r = residual_bytes or dtype_bytes
     rows = estimate_layers(config, tokens, dtype_bytes, seq_len, r)
-    return [LayerCost(name, params * state_bytes_per_param / shard, activations, flops,
+    rank_params = rank_params or [params / shard for _, params, _, _ in rows]
+    return [LayerCost(name, kept * state_bytes_per_param, activations, flops,
                       0.0 if name == "head" else tokens * config.hidden_size * r,
                       head_working_bytes(config, tokens, dtype_bytes) if name == "head" else 0.0)
-            for name, params, activations, flops in rows]
+            for (name, _, activations, flops), kept in zip(rows, rank_params)]
 
 
 def head_working_bytes(config: ModelConfig, tokens: int, dtype_bytes: int) -> float:
@@ -240,12 +273,14 @@ def state_bytes_per_param(config: RunConfig) -> int:
 
 
 def run_costs(config: RunConfig) -> list[LayerCost]:
-    """The analytical per-item costs of a run (`train.dtype` resolved): parameter state as AdamW
-    keeps it, sharded over dp_shard."""
+    """The analytical per-item costs of one rank of a run (`train.dtype` resolved): the parameter
+    state AdamW keeps of what the rank holds under EP, TP and FSDP (`rank_param_counts`), the
+    activations of its share of a micro-batch (under TP as without it: an overestimate)."""
     dtype_bytes = 2 if config.train.dtype == "bfloat16" else 4
     residual_bytes = 2 if config.train.param_dtype == "bfloat16" else 4
     return estimate_layer_costs(config.model, rank_tokens(config), dtype_bytes, state_bytes_per_param(config),
-                                config.parallel.dp_shard, seq_len=config.train.seq_len, residual_bytes=residual_bytes)
+                                seq_len=config.train.seq_len, residual_bytes=residual_bytes,
+                                rank_params=rank_param_counts(config))
 
 
 def stage_ranges(schedule: Schedule, costs: list[LayerCost]) -> list[range]:

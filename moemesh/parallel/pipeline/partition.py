@@ -19,10 +19,12 @@ maximum stage time T*; then, among the partitions whose every stage takes at mos
 Search. T* comes from the classic min-max dynamic programme over cut points. The memory search
 is a dynamic programme over (stage, end of stage) whose labels are Pareto-optimal triples
 (memory of the ranks still to receive another stage, peak of the finished ranks, maximum stage
-time). It is exact: a label is dropped only when another one at the same state is no worse in
-every coordinate. With one stage per rank there are no open ranks and it is a plain DP; with
-DualPipeV's pairs the labels grow with the ranks left open, fine for the ~100 items x 16 stages
-this is meant for.
+time). A label is dropped when another one at the same state is no worse in every coordinate,
+which keeps the search exact; with one stage per rank there are no open ranks and it is a plain
+DP. With DualPipeV's pairs the front grows with the ranks left open — past a hundred thousand
+labels for DeepSeek-V3's 63 items in 16 stages — so each state keeps at most MAX_LABELS, those of
+least peak memory so far: exact wherever the front stays that small (every partition the tests
+check against brute force), a beam search beyond.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moemesh.errors import ConfigError
+
+
+MAX_LABELS = 32  # Pareto labels kept per search state (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,10 @@ def partition(costs: list[LayerCost], num_stages: int, in_flight: list[int], sta
                     candidate = _Label(tuple(held[r] for r in open_ranks[s]), closed,
                                        max(label.max_time, time), i, label)
                     _add_pareto(new.setdefault(j, []), candidate)
+        for bucket in new.values():
+            if len(bucket) > MAX_LABELS:  # keep the least peak memory so far, then the least time
+                bucket.sort(key=lambda label: (max((*label.open, label.closed)), label.max_time))
+                del bucket[MAX_LABELS:]
         labels = new
 
     best = min(labels[n], key=lambda label: (label.closed, label.max_time))

@@ -66,13 +66,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from moemesh.models.transformer import MoECausalLM
 from moemesh.ops.weight_grad import WeightGradStore
 from moemesh.parallel import comm
 from moemesh.parallel.data import rank_loss
 from moemesh.parallel.mesh import Mesh
 from moemesh.parallel.pipeline.schedule import Op, Schedule, messages
-from moemesh.parallel.pipeline.stage import RankStages, Stage, cut_model
+from moemesh.parallel.pipeline.stage import RankStages, Stage
 
 
 @dataclass
@@ -91,20 +90,21 @@ class _Saved:
 
 
 class PipelineRunner:
-    def __init__(self, model: MoECausalLM, mesh: Mesh, schedule: Schedule, ranges: list[range],
+    def __init__(self, module: RankStages, mesh: Mesh, schedule: Schedule,
                  autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                  overlap: bool = True):
-        self.model, self.schedule, self.autocast = model, schedule, autocast
+        """`module`: this rank's stages of the model `parallelize` cut (FSDP's root, when it shards)."""
+        self.model, self.schedule, self.autocast = module.model, schedule, autocast
         # FB ops overlap their chunks where there are all-to-alls to hide (and not under FSDP).
         self.overlap = overlap and mesh.dims.ep > 1
         self.group = mesh.group("pp")
         self.rank = mesh.rank("pp")
         self.links = _directed_links(mesh)
         self.data_ranks = mesh.dims.batch_size
-        self.stages: dict[int, Stage] = cut_model(model, ranges, list(schedule.stage_rank), self.rank)
-        self.module = RankStages(model, self.stages)  # the root FSDP shards, when it does (`use_fsdp`)
+        self.stages: dict[int, Stage] = module.stages
+        self.module = module
         self.fsdp = False
-        config = model.config
+        config = self.model.config
         self.num_experts = max(config.num_experts, 1)
         self.moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
         self.aux = config.output_router_logits  # train the load-balancing loss
@@ -113,10 +113,10 @@ class PipelineRunner:
         self.op_times: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
         # What each peer sends this rank, in its order (training; evaluation goes stage by stage).
         self.expected = {src: sent for (src, dst), (sent, _) in messages(schedule).items() if dst == self.rank}
-        self.device = next(model.parameters()).device
+        self.device = next(self.model.parameters()).device
         # Messages travel in fp32. Weights stored in bf16 keep the residual stream in bf16, which
         # a received hidden state is cast back to (exactly), as one process would have it.
-        storage = next(model.parameters()).dtype
+        storage = next(self.model.parameters()).dtype
         self.narrow_dtype = storage if storage.itemsize < 4 else None
 
     def use_fsdp(self) -> None:

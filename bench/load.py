@@ -1,0 +1,181 @@
+"""Setting a model up on one GPU, and loading one for generation (issue 18):
+
+    PYTHONPATH=. python3 bench/load.py [--layers 6,48] [--cut auto|N] [--dir /tmp/moemesh-cut]
+    PYTHONPATH=. python3 bench/load.py --device cpu --config configs/tiny.toml --layers 2 --cut 2   (a dry run)
+
+1. Build from the seed, bf16, on the GPU: the Qwen3-30B-A3B shape cut to each of `--layers`. moemesh
+   makes the model on the meta device and initialises each tensor where it lives
+   (`models/build.py`); beside it, the way moemesh built before (every parameter drawn whole from
+   its own CPU generator, then copied), on the 6-layer shape. Then the whole `Trainer` setup of
+   configs/qwen3_30b_a3b_6l.toml (data, model, optimizer).
+2. Load for generation: the largest cut of the 48-layer shape that fits the disk (or `--cut N`
+   layers) is written as a bf16 Hugging Face directory of random weights (per-expert tensors, 5 GB
+   shards, as the hub's), then `load_for_generation` reads it onto the GPU: seconds and GB/s, the
+   host's peak resident memory (VmHWM, reset first) against the model's bytes, and the GPU's peak
+   against the weights. The page cache is dropped first where the machine allows it (said in the
+   output), so the files come from the disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import time
+import zlib
+from pathlib import Path
+
+import torch
+
+from bench.common import print_table
+from moemesh.checkpoint.hf import write_pretrained
+from moemesh.config import load_config
+from moemesh.inference.generate import load_for_generation
+from moemesh.models.build import meta_model
+from moemesh.parallel.parallelize import materialize
+from moemesh.train.trainer import Trainer
+
+CONFIG = Path(__file__).resolve().parent.parent / "configs" / "qwen3_30b_a3b_6l.toml"
+DEVICE = "cuda"
+
+
+def resident(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def model_config(layers: int):
+    return load_config(CONFIG, [f"model.num_hidden_layers={layers}"]).model
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn) -> tuple[float, object]:
+    sync()
+    start = time.perf_counter()
+    out = fn()
+    sync()
+    return time.perf_counter() - start, out
+
+
+def release() -> None:
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+def build_whole_on_cpu_generators(config, seed: int = 0) -> torch.nn.Module:
+    """How moemesh built before: each parameter drawn whole from its own CPU generator, then copied."""
+    model = meta_model(config, torch.bfloat16)
+    model.to_empty(device=DEVICE)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+            param.copy_(torch.empty(param.shape).normal_(0.0, 0.02, generator=generator))
+    return model
+
+
+def build_rows(layers: list[int]) -> list[dict]:
+    rows = []
+    for n in layers:
+        config = model_config(n)
+        seconds, model = timed(lambda: materialize(meta_model(config, torch.bfloat16), DEVICE, seed=0))
+        params = model.num_params()
+        rows.append({"what": f"build from the seed, {n} layers ({params / 1e9:.1f}B parameters, bf16)",
+                     "moemesh s": f"{seconds:.2f}", "before s": ""})
+        del model
+        release()
+        if n == min(layers):
+            before, model = timed(lambda: build_whole_on_cpu_generators(config))
+            rows[-1]["before s"] = f"{before:.2f}"
+            rows[-1]["ratio"] = f"{before / seconds:.1f}x"
+            del model
+            release()
+    trainer_config = load_config(CONFIG, [f"train.device={DEVICE}"])
+    seconds, trainer = timed(lambda: Trainer(trainer_config, stream=open(os.devnull, "w")))
+    rows.append({"what": f"Trainer setup, {CONFIG.name} (data, model, optimizer)",
+                 "moemesh s": f"{seconds:.2f}", "before s": ""})
+    del trainer
+    release()
+    return rows
+
+
+def cut_layers(directory: Path, requested: str) -> int:
+    if requested != "auto":
+        return int(requested)
+    full, one = model_config(48), model_config(1)
+    per_layer = (meta_model(model_config(2)).num_params() - meta_model(one).num_params()) * 2
+    fixed = meta_model(one).num_params() * 2 - per_layer
+    free = shutil.disk_usage(directory.parent).free
+    return min(full.num_hidden_layers, int((free * 0.9 - fixed) // per_layer))
+
+
+def write_cut(directory: Path, layers: int) -> int:
+    config = model_config(layers)
+    shapes = meta_model(config, torch.bfloat16).state_dict()
+    generator = torch.Generator(device=DEVICE).manual_seed(0)
+    tensors = ((name, (torch.randn(t.shape, generator=generator, device=DEVICE, dtype=torch.bfloat16) * 0.02))
+               for name, t in shapes.items())
+    shutil.rmtree(directory, ignore_errors=True)
+    write_pretrained(tensors, config, directory)
+    return sum(t.numel() * 2 for t in shapes.values())
+
+
+def drop_page_cache() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def load_row(directory: Path, layers: int, model_bytes: int) -> dict:
+    dropped = drop_page_cache()
+    if DEVICE == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    Path("/proc/self/clear_refs").write_text("5")
+    host_before = resident("VmRSS")
+    seconds, (model, _) = timed(lambda: load_for_generation(directory, device=DEVICE, dtype=torch.bfloat16))
+    host_peak = resident("VmHWM") - host_before
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    gpu_peak = torch.cuda.max_memory_allocated() / weights if DEVICE == "cuda" else float("nan")
+    return {"what": f"load for generation, {layers} layers, {model_bytes / 1e9:.1f} GB bf16 "
+                    f"({'cold: page cache dropped' if dropped else 'page cache not droppable: warm'})",
+            "moemesh s": f"{seconds:.1f}", "GB/s": f"{model_bytes / seconds / 1e9:.2f}",
+            "host peak / model": f"{host_peak / model_bytes:.1%}",
+            "GPU peak / weights": f"{gpu_peak:.3f}"}
+
+
+def main() -> None:
+    global DEVICE, CONFIG
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", default="6,48", help="shapes to build from the seed")
+    parser.add_argument("--cut", default="auto", help="layers of the directory to load (auto: what the disk holds)")
+    parser.add_argument("--dir", default="/tmp/moemesh-cut")
+    parser.add_argument("--skip-build", action="store_true")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--config", default=str(CONFIG), help="the shape (its layer count is replaced)")
+    args = parser.parse_args()
+    DEVICE, CONFIG = args.device, Path(args.config)
+    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    rows = [] if args.skip_build else build_rows([int(n) for n in args.layers.split(",")])
+    print_table(rows, f"setup on {name}")
+    directory = Path(args.dir)
+    layers = cut_layers(directory, args.cut)
+    start = time.perf_counter()
+    model_bytes = write_cut(directory, layers)
+    print(f"wrote {layers} layers ({model_bytes / 1e9:.1f} GB) in {time.perf_counter() - start:.0f} s", flush=True)
+    rows.append(load_row(directory, layers, model_bytes))
+    print_table(rows, f"setup and loading on {name}")
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

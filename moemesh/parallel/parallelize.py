@@ -1,0 +1,73 @@
+"""The one composition step: a model — made on the meta device — laid out for a run's parallel
+layout, in torchtitan's order: expert parallelism (keep this rank's experts), tensor parallelism
+(keep this rank's slices), data parallelism (reduce the router statistics over the batch group),
+the pipeline cut (keep this rank's stages), FSDP (keep this rank's shards). Then `materialize`
+allocates what is left on the device and initialises it from the seed; or a checkpoint is read
+into it (`moemesh/checkpoint/load.py`). So no rank ever holds the whole model, and each holds the
+values one process would have there (`pieces.py`, `models/build.py`). `train`, `generate` and
+`serve` all lay out their model here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from moemesh.models.build import init_weights
+from moemesh.models.transformer import MoECausalLM
+from moemesh.parallel.data import apply_data_parallel
+from moemesh.parallel.expert import apply_ep
+from moemesh.parallel.fsdp import apply_fsdp
+from moemesh.parallel.mesh import Mesh
+from moemesh.parallel.pieces import local_view
+from moemesh.parallel.pipeline.memory import run_costs, stage_ranges
+from moemesh.parallel.pipeline.schedule import Schedule, build_schedule
+from moemesh.parallel.pipeline.stage import RankStages, cut_model
+from moemesh.parallel.tensor import apply_tp
+
+if TYPE_CHECKING:
+    from moemesh.config import RunConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Layout:
+    schedule: Schedule | None  # the pipeline schedule, or None without a pipeline
+    stages: RankStages | None  # this pipeline rank's stages (FSDP's root when it shards), or None
+    kept_whole: list[str]  # parameters FSDP could not shard evenly
+
+
+def parallelize(model: MoECausalLM, mesh: Mesh, config: RunConfig) -> Layout:
+    """Lay `model` out in place for `mesh` and `config.parallel` (train.dtype resolved: FSDP
+    gathers the weights in it)."""
+    parallel, train = config.parallel, config.train
+    apply_data_parallel(apply_tp(apply_ep(model, mesh), mesh), mesh)  # TP ranks share their data
+    schedule = stages = None
+    if parallel.pp > 1:  # this rank keeps its stages only, partitioned by estimated memory and time
+        schedule = build_schedule(parallel.pp_schedule, parallel.pp, train.global_batch // train.micro_batch)
+        ranges = stage_ranges(schedule, run_costs(config))
+        stages = RankStages(model, cut_model(model, ranges, list(schedule.stage_rank), mesh.rank("pp")))
+    kept_whole = apply_fsdp(model, mesh, param_dtype=_DTYPES[train.dtype],
+                            reshard_after_forward=parallel.fsdp_reshard_after_forward,
+                            prefetch=parallel.fsdp_prefetch, root=stages)
+    return Layout(schedule, stages, kept_whole)
+
+
+@torch.no_grad()
+def materialize(model: MoECausalLM, device: torch.device | str, seed: int | None = None) -> MoECausalLM:
+    """Allocate the parameters and buffers this rank keeps on `device` and, with a `seed`,
+    initialise them (without one they hold garbage until a checkpoint is read into them)."""
+    # Moving FSDP's sharded parameters swaps them for new objects: the layout's records on them
+    # (pieces, TP dims, gradient tags) go along.
+    tags = {name: dict(vars(param)) for name, param in model.named_parameters()}
+    model.to_empty(device=device)
+    model.tie_weights()
+    for name, param in model.named_parameters():
+        for key, value in tags[name].items():
+            setattr(param, key, value)
+    if seed is not None:
+        init_weights(model, seed, local_view)
+    return model
