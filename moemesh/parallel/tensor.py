@@ -338,6 +338,7 @@ class TensorParallelDispatcher:
 
     def __init__(self, inner, group):
         self.inner, self.group = inner, group
+        self.local = inner.local
 
     def dispatch(self, x, routing, num_experts):
         return self.inner.dispatch(comm.to_shards(x, self.group), routing, num_experts)
