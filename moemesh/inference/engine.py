@@ -61,7 +61,9 @@ class DecodeEngine:
         self.max_len = min(max_len or limit, limit)
         self.max_batch = max_batch
         self.batch_sizes = sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length() + 1)})
-        self.kv_lens = sorted({min(1 << i, self.max_len) for i in range(6, self.max_len.bit_length() + 1)})
+        # 64, 128, ... up to max_len: attention reads at most twice the entries in use
+        self.kv_lens = sorted({min(1 << i, self.max_len) for i in range(6, self.max_len.bit_length() + 1)}
+                              | {self.max_len})
         self.cache = KVCache(max_batch, self.max_len)
         self.prefill_chunk = prefill_chunk
         self.group = group

@@ -1,7 +1,7 @@
 """Generation for many prompts at once: `generate` runs them through the decode engine and the
 scheduler (continuous batching), each with its own settings and stops, and returns them in
-order. `load_for_generation` is the one way the engine, `moemesh generate` and `moemesh serve`
-get a model and its tokenizer.
+order; `read_prompts` reads them from a file. `load_for_generation` is the one way the engine,
+`moemesh generate` and `moemesh serve` get a model and its tokenizer.
 
 A prompt's text is preceded by the end-of-document token, as a document is in training, so that
 it reads as the start of a document.
@@ -9,7 +9,9 @@ it reads as the start of a document.
 
 from __future__ import annotations
 
+import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence as Seq
 
@@ -18,7 +20,7 @@ import torch
 from moemesh.checkpoint.convert import load_model
 from moemesh.checkpoint.dcp import TOKENIZER_FILE
 from moemesh.data.tokenizer import Tokenizer, load_tokenizer
-from moemesh.errors import RequestError
+from moemesh.errors import DataError, RequestError
 from moemesh.inference.engine import DecodeEngine
 from moemesh.inference.request import SamplingParams, Sequence
 from moemesh.inference.scheduler import Scheduler
@@ -40,7 +42,10 @@ def load_for_generation(path: str | os.PathLike, tokenizer: str | None = None, d
 
 def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
     """The token ids of a prompt, after the end-of-document token."""
-    ids = ([] if tokenizer.eos_id is None else [tokenizer.eos_id]) + tokenizer.encode(prompt)
+    try:
+        ids = ([] if tokenizer.eos_id is None else [tokenizer.eos_id]) + tokenizer.encode(prompt)
+    except UnicodeEncodeError:  # a command line's undecodable bytes arrive as lone surrogates
+        raise RequestError("the prompt is not valid UTF-8 text", "prompt") from None
     if not ids:
         raise RequestError("the prompt is empty and the tokenizer has no end-of-document token to start from", "prompt")
     return ids
@@ -58,3 +63,46 @@ def generate(engine: DecodeEngine, tokenizer: Tokenizer, prompts: Seq[str | list
                  for p, q in zip(prompts, params, strict=True)]
     scheduler.run_until_idle()
     return sequences
+
+
+_PER_PROMPT = ("max_tokens", "temperature", "top_p", "seed", "stop")
+
+
+def read_prompts(path: str | os.PathLike, defaults: SamplingParams) -> list[tuple[str, SamplingParams]]:
+    """A `.jsonl` file: one JSON object a line, {"prompt": ...} with optional max_tokens,
+    temperature, top_p, seed and stop (a string or a list) that override `defaults`; any other
+    file: one prompt a line. Empty lines are skipped."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"cannot read prompts file {path}: {e}") from None
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if path.suffix != ".jsonl":
+            prompts.append((line, defaults))
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path} line {number}: not valid JSON ({e})") from None
+        if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
+            raise DataError(f'{path} line {number}: expected an object with a string "prompt"')
+        unknown = set(item) - {"prompt", *_PER_PROMPT}
+        if unknown:
+            raise DataError(f"{path} line {number}: unknown field {sorted(unknown)[0]!r} (known: prompt, "
+                            f"{', '.join(_PER_PROMPT)})")
+        settings = {k: item[k] for k in _PER_PROMPT if k in item}
+        if "stop" in settings:
+            settings["stop"] = (settings["stop"],) if isinstance(settings["stop"], str) else tuple(settings["stop"])
+        params = replace(defaults, **settings)
+        try:
+            params.check()
+        except RequestError as e:
+            raise DataError(f"{path} line {number}: {e}") from None
+        prompts.append((item["prompt"], params))
+    if not prompts:
+        raise DataError(f"prompts file {path} has no prompt")
+    return prompts

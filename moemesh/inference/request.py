@@ -54,6 +54,16 @@ class SamplingParams:
         return Sampling(float(self.temperature), float(self.top_p), self.seed)
 
 
+def check_request(prompt_ids: list[int], params: SamplingParams, context: int) -> None:
+    """A RequestError unless the request can run in a cache row of `context` entries."""
+    params.check()
+    if not prompt_ids:
+        raise RequestError("the prompt is empty", "prompt")
+    if len(prompt_ids) >= context:
+        raise RequestError(f"the prompt has {len(prompt_ids)} tokens; the context holds {context} "
+                           "(the prompt and at least one new token)", "prompt")
+
+
 class IncrementalText:
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer

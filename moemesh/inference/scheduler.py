@@ -18,9 +18,9 @@ from collections import Counter, deque
 from typing import Callable
 
 from moemesh.data.tokenizer import Tokenizer
-from moemesh.errors import MoemeshError, RequestError
+from moemesh.errors import MoemeshError
 from moemesh.inference.engine import DecodeEngine, RowStep
-from moemesh.inference.request import SamplingParams, Sequence
+from moemesh.inference.request import SamplingParams, Sequence, check_request
 
 
 class QueueFull(MoemeshError):
@@ -40,12 +40,7 @@ class Scheduler:
     def submit(self, prompt_ids: list[int], params: SamplingParams,
                on_update: Callable[[Sequence, str], None] | None = None) -> Sequence:
         """Queue a request (RequestError if it cannot run, QueueFull if the queue is full)."""
-        params.check()
-        if not prompt_ids:
-            raise RequestError("the prompt is empty", "prompt")
-        if len(prompt_ids) >= self.engine.max_len:
-            raise RequestError(f"the prompt has {len(prompt_ids)} tokens; the context holds {self.engine.max_len} "
-                               "(prompt and at least one new token)", "prompt")
+        check_request(prompt_ids, params, self.engine.max_len)
         sequence = Sequence(prompt_ids, params, self.tokenizer, on_update)
         with self._wake:
             if self.closed:
