@@ -1,5 +1,5 @@
 """One generation request as it runs: its settings, the tokens it has sampled, their text, and
-when it stops — at the end-of-document token (not part of the text), at `max_tokens`, at the end
+when it stops — at the end-of-document token or another stop token (not part of the text), at `max_tokens`, at the end
 of the context, or at a stop string (the text ends before it) — with what it streams on the way.
 
 Text is released only once it is final: a token can end inside a UTF-8 character (the byte
@@ -29,6 +29,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int = 0
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # end the request like the end-of-document token (a chat turn's end)
 
     def check(self) -> None:
         """A RequestError naming the first field out of range."""
@@ -95,7 +96,7 @@ class Sequence:
     def __init__(self, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer,
                  on_update: Callable[[Sequence, str], None] | None = None):
         self.prompt_ids, self.params = prompt_ids, params
-        self.eos_id = tokenizer.eos_id
+        self.stop_ids = {tokenizer.eos_id, *params.stop_token_ids} - {None}
         self.token_ids: list[int] = []
         self.text = ""
         self.finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
@@ -115,7 +116,7 @@ class Sequence:
 
     def add(self, token: int, context: int) -> None:
         """Take the next sampled token; `context`: the cache entries a row has."""
-        if token == self.eos_id:
+        if token in self.stop_ids:
             return self._end("stop")
         self.token_ids.append(token)
         self._extend(self._text.add(token))
