@@ -31,7 +31,7 @@ from moemesh.inference.sampling import MODES, mode_for, sample
 from moemesh.models import KVCache, MoECausalLM
 from moemesh.parallel import comm
 
-_PREFILL, _DECODE, _STOP = 1, 2, 3
+_PREFILL, _DECODE, _STOP, _KEEP_ALIVE = 1, 2, 3, 4
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,11 @@ class DecodeEngine:
         tokens = self._run(batch, kv_len, mode).tolist()
         return [tokens[r.row] for r in rows]
 
+    def keep_alive(self) -> None:
+        """Tell the followers the leader is alive though idle: their wait for the next step
+        would otherwise hit the process group's timeout."""
+        self._announce(_KEEP_ALIVE)
+
     def close(self) -> None:
         """Release the followers of a tensor-parallel group (the leader calls it once, at the end)."""
         self._announce(_STOP)
@@ -119,6 +124,8 @@ class DecodeEngine:
             op, a, b, c = header.tolist()
             if op == _STOP:
                 return
+            if op == _KEEP_ALIVE:
+                continue
             with torch.no_grad():
                 if op == _PREFILL:
                     ids = comm.broadcast_(torch.empty(b, dtype=torch.long, device=self.device), self.group)

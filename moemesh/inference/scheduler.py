@@ -74,12 +74,14 @@ class Scheduler:
         while self.step():
             pass
 
-    def serve_forever(self) -> None:
-        """Run rounds until `close`; a failing round fails the requests in it, and serving goes on."""
+    def serve_forever(self, keep_alive_s: float = 30.0) -> None:
+        """Run rounds until `close`; a failing round fails the requests in it, and serving goes on.
+        Idle, it tells the engine every keep_alive_s that it is alive (tensor-parallel followers)."""
         while True:
             with self._wake:
                 while not (self.closed or self.waiting or self.running):
-                    self._wake.wait()
+                    if not self._wake.wait(timeout=keep_alive_s):
+                        self.engine.keep_alive()
                 if self.closed:
                     break
             try:
