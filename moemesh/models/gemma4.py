@@ -11,8 +11,9 @@ attention_k_eq_v, values that are their keys. Embeddings are × sqrt(hidden) and
 soft-capped. Each layer's output is × layer_scalar.
 
 Not supported (ConfigError): per-layer input embeddings (hidden_size_per_layer_input > 0),
-key/value sharing across layers (num_kv_shared_layers > 0), bidirectional attention; tensor
-parallelism of attention_k_eq_v layers (apply_tp wants a v_proj beside q_proj and k_proj).
+key/value sharing across layers (num_kv_shared_layers > 0), bidirectional attention. Under
+tensor parallelism the attention_k_eq_v layers split their shared k projection by heads like
+the others (tp must divide num_global_key_value_heads too).
 
 transformers names the dense MLP `mlp` and the expert block's parts `router` / `experts` on the
 layer; moemesh keeps the expert block at `mlp` (a MoEBlock, as in every family, which tensor
