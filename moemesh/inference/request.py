@@ -91,7 +91,8 @@ class IncrementalText:
 
 class Sequence:
     """A request in the scheduler. `on_update(sequence, new_text)` runs on the scheduler's
-    thread whenever text becomes final and once more when the request finishes."""
+    thread for every token sampled (new_text: what became final, maybe "") and once more when
+    the request finishes."""
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer,
                  on_update: Callable[[Sequence, str], None] | None = None):
@@ -147,6 +148,7 @@ class Sequence:
         self.finish(reason)
 
     def _emit(self, final: int) -> None:
-        if self.on_update is not None and (final > self._sent or self.finish_reason is not None):
+        """Tell `on_update` of every token (with the text that became final, maybe none)."""
+        if self.on_update is not None:
             new, self._sent = self.text[self._sent:max(final, self._sent)], max(final, self._sent)
             self.on_update(self, new)

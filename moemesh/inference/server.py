@@ -8,7 +8,7 @@ scheduler, so that the official `openai` client works unchanged.
 
 Both POSTs take max_tokens (default 16), temperature (default 1, as OpenAI's), top_p, seed
 (default: a random one), stop (a string or a list), n (only 1) and stream: server-sent events,
-one chunk per piece of final text, ending in `data: [DONE]`; with stream_options.include_usage a
+one chunk per token (with the text that became final, maybe ""), ending in `data: [DONE]`; with stream_options.include_usage a
 last chunk carries the usage. Requests run in the scheduler's thread, batched continuously; the
 HTTP side only queues them and relays their text.
 
@@ -288,7 +288,7 @@ def _create_app(service: Service) -> FastAPI:
                 finished += reason is not None
                 if reason == "error":
                     yield "data: " + json.dumps(ApiError(500, "generation failed", kind="server_error").body()) + "\n\n"
-                elif text or reason is not None:
+                else:
                     yield reply.event(index, text, reason)
             if include_usage:
                 yield reply.usage_event()
