@@ -133,9 +133,10 @@ def test_prompts_files(tmp_path):
     (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b", "temperature": 0.5, "stop": "x"}\n')
     assert read_prompts(tmp_path / "p.jsonl", defaults) == [
         ("a", defaults), ("b", SamplingParams(max_tokens=5, temperature=0.5, stop=("x",)))]
-    for line, message in [("{oops", "line 1: not valid JSON"), ('{"text": "a"}', 'line 1: expected an object'),
+    for line, message in [("{oops", "line 1: invalid JSON"), ('{"text": "a"}', 'line 1: expected an object'),
                           ('{"prompt": "a", "temp": 1}', "line 1: unknown field 'temp'"),
-                          ('{"prompt": "a", "top_p": 2}', r"line 1: top_p must be in \(0, 1\]")]:
+                          ('{"prompt": "a", "top_p": 2}', r"line 1: top_p must be in \(0, 1\]"),
+                          ('{"prompt": "a", "stop": 5}', "line 1: stop must be non-empty strings")]:
         (tmp_path / "bad.jsonl").write_text(line + "\n")
         with pytest.raises(DataError, match=message):
             read_prompts(tmp_path / "bad.jsonl", defaults)

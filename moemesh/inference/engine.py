@@ -97,13 +97,12 @@ class DecodeEngine:
             raise ValueError(f"position {end - 1} is beyond the cache's {self.max_len} entries")
         kv_len = next(n for n in self.kv_lens if n >= end)
         mode = mode_for([r.sampling.temperature for r in rows], [r.sampling.top_p for r in rows])
-        ints, floats = torch.zeros(batch, 4, dtype=torch.long), torch.zeros(batch, 2)
-        floats[:, 1] = 1.0
+        ints, floats = [[0, 0, 0, 0]] * batch, [[0.0, 1.0]] * batch  # padding rows: token 0 at position 0, greedy
         for r in rows:
-            ints[r.row] = torch.tensor([r.token, r.position, r.sampling.seed, r.step])
-            floats[r.row] = torch.tensor([r.sampling.temperature, r.sampling.top_p])
-        self.ints[:batch].copy_(ints, non_blocking=True)
-        self.floats[:batch].copy_(floats, non_blocking=True)
+            ints[r.row] = [r.token, r.position, r.sampling.seed, r.step]
+            floats[r.row] = [r.sampling.temperature, r.sampling.top_p]
+        self.ints[:batch].copy_(torch.tensor(ints), non_blocking=True)
+        self.floats[:batch].copy_(torch.tensor(floats), non_blocking=True)
         self._announce(_DECODE, batch, kv_len, MODES.index(mode))
         tokens = self._run(batch, kv_len, mode).tolist()
         return [tokens[r.row] for r in rows]

@@ -9,7 +9,6 @@ it reads as the start of a document.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 
 from moemesh.checkpoint.convert import load_model
 from moemesh.checkpoint.dcp import TOKENIZER_FILE
+from moemesh.data.sources import jsonl_values
 from moemesh.data.tokenizer import Tokenizer, load_tokenizer
 from moemesh.errors import DataError, RequestError
 from moemesh.inference.engine import DecodeEngine
@@ -74,35 +74,31 @@ def read_prompts(path: str | os.PathLike, defaults: SamplingParams) -> list[tupl
     file: one prompt a line. Empty lines are skipped."""
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"cannot read prompts file {path}: {e}") from None
-    prompts = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        if path.suffix != ".jsonl":
-            prompts.append((line, defaults))
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path} line {number}: not valid JSON ({e})") from None
-        if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
-            raise DataError(f'{path} line {number}: expected an object with a string "prompt"')
-        unknown = set(item) - {"prompt", *_PER_PROMPT}
-        if unknown:
-            raise DataError(f"{path} line {number}: unknown field {sorted(unknown)[0]!r} (known: prompt, "
-                            f"{', '.join(_PER_PROMPT)})")
-        settings = {k: item[k] for k in _PER_PROMPT if k in item}
-        if "stop" in settings:
-            settings["stop"] = (settings["stop"],) if isinstance(settings["stop"], str) else tuple(settings["stop"])
-        params = replace(defaults, **settings)
-        try:
-            params.check()
-        except RequestError as e:
-            raise DataError(f"{path} line {number}: {e}") from None
-        prompts.append((item["prompt"], params))
+    if path.suffix != ".jsonl":
+        prompts = [(line, defaults) for line in text.splitlines() if line.strip()]
+    else:
+        prompts = [_prompt_line(path, number, item, defaults) for number, item in jsonl_values(path, text)]
     if not prompts:
         raise DataError(f"prompts file {path} has no prompt")
     return prompts
+
+
+def _prompt_line(path: Path, number: int, item, defaults: SamplingParams) -> tuple[str, SamplingParams]:
+    if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
+        raise DataError(f'{path} line {number}: expected an object with a string "prompt"')
+    unknown = set(item) - {"prompt", *_PER_PROMPT}
+    if unknown:
+        raise DataError(f"{path} line {number}: unknown field {sorted(unknown)[0]!r} (known: prompt, "
+                        f"{', '.join(_PER_PROMPT)})")
+    settings = {k: item[k] for k in _PER_PROMPT if k in item}
+    if isinstance(settings.get("stop"), (str, list)):
+        settings["stop"] = (settings["stop"],) if isinstance(settings["stop"], str) else tuple(settings["stop"])
+    params = replace(defaults, **settings)
+    try:
+        params.check()
+    except RequestError as e:
+        raise DataError(f"{path} line {number}: {e}") from None
+    return item["prompt"], params

@@ -47,8 +47,8 @@ class SamplingParams:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
         if not is_int(self.seed):
             raise RequestError(f"seed must be an integer, got {self.seed!r}", "seed")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise RequestError(f"stop must be non-empty strings, got {list(self.stop)!r}", "stop")
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            raise RequestError(f"stop must be non-empty strings, got {self.stop!r}", "stop")
 
     @property
     def sampling(self) -> Sampling:
