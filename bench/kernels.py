@@ -5,7 +5,9 @@
                                                      # checks the script runs; timings meaningless
 
 Prints: effective bandwidth of permute / combine / swiglu (forward and backward) as a fraction of
-a measured device copy, against the plain PyTorch index path; linear_cross_entropy against
+a measured device copy, against the plain PyTorch index path; expert_gemv (decoding's MoE path,
+reading only the chosen experts) against its gather + bmm reference and the grouped GEMM over all
+experts, at 1, 4 and 8 tokens; linear_cross_entropy against
 F.cross_entropy on full fp32 logits (time and peak memory); bf16-vs-fp32-reference errors for every
 op, including one problem whose N*H passes 2**31. Times are medians of triton.testing.do_bench.
 Writes nothing, except, when $OUT is set, the printed report to $OUT/kernels.txt (Triton's compile
@@ -32,6 +34,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from moemesh.ops import combine, linear_cross_entropy, permute, swiglu  # noqa: E402
 from moemesh.ops.combine import _Combine, combine_reference  # noqa: E402
+from moemesh.ops.expert_gemv import expert_gemv_reference, expert_gemv_triton  # noqa: E402
+from moemesh.ops.grouped_mm import grouped_mm  # noqa: E402
 from moemesh.ops.linear_cross_entropy import linear_cross_entropy_reference  # noqa: E402
 from moemesh.ops.permute import _PermuteRows, permute_rows_reference  # noqa: E402
 from moemesh.ops.permute import routing_layout  # noqa: E402
@@ -137,7 +141,7 @@ def bandwidth_rows(copy_gbps):
          (tokens + n) * hidden * e + index, (n + tokens) * hidden * e + index),
         # bwd: grad_out read once, grouped read for the weight gradient, grad of grouped written
         ("combine", (grouped, weights), torch.randn_like(x),
-         lambda g, w: _Combine.apply(g, position, w), torch_combine,
+         lambda g, w: _Combine.apply(g, position, w, False), torch_combine,
          (n + tokens) * hidden * e + index * 3 // 2, (tokens + 2 * n) * hidden * e + index * 2),
         ("swiglu", (gate_up,), torch.randn(n, inner, dtype=DTYPE, device=DEVICE),
          _SwiGLU.apply, torch_swiglu, n * 3 * inner * e, n * 5 * inner * e),
@@ -163,6 +167,31 @@ def bandwidth_rows(copy_gbps):
             report(f"{name + ' ' + phase:<13}{ours_cell}{plain_cell}{plain_ms / ours_ms:>8.2f}x")
     index_ms = bench_ms(lambda: routing_layout(x, topk_ids, experts, 1))
     report(f"permute's index math (torch: sort, searchsorted, one host sync): {index_ms:.3f} ms")
+
+
+def expert_gemv_rows(copy_gbps):
+    """Decoding's few tokens through the gate_up bank [E, 2I, H]: expert_gemv (Triton), its gather
+    + bmm reference, and the grouped GEMM over all E groups (the training path). GB/s counts the
+    distinct chosen experts' weights, read once."""
+    k, hidden, experts, inner = (SIZES[n] for n in ("k", "hidden", "experts", "inner"))
+    e = torch.finfo(DTYPE).bits // 8
+    weight = torch.randn(experts, 2 * inner, hidden, dtype=DTYPE, device=DEVICE)
+    report(f"expert_gemv: gate_up [E={experts}, 2I={2 * inner}, H={hidden}] {str(DTYPE)[6:]}, top-{k}")
+    report(f"{'tokens':>6}{'experts':>8}{'gemv ms':>9}{'GB/s':>7}{'%copy':>7}{'gather+bmm':>11}{'grouped_mm':>11}"
+           f"{'err':>9}")
+    for tokens in (1, 4, 8):
+        x = torch.randn(tokens * k, hidden, dtype=DTYPE, device=DEVICE)
+        ids = torch.stack([torch.randperm(experts, device=DEVICE)[:k] for _ in range(tokens)]).flatten()
+        order = ids.argsort()
+        sizes = torch.bincount(ids, minlength=experts)
+        nbytes = int(ids.unique().numel()) * 2 * inner * hidden * e
+        gemv = bench_ms(lambda: expert_gemv_triton(x, weight, ids))
+        gather = bench_ms(lambda: expert_gemv_reference(x, weight, ids))
+        grouped = bench_ms(lambda: grouped_mm(x[order], weight, sizes))
+        err = rel_err(expert_gemv_triton(x, weight, ids), expert_gemv_reference(x.float(), weight.float(), ids))
+        gbps = nbytes / gemv / 1e6
+        report(f"{tokens:>6}{int(ids.unique().numel()):>8}{gemv:>9.3f}{gbps:>7.0f}{gbps / copy_gbps:>7.0%}"
+               f"{gather:>11.3f}{grouped:>11.3f}{err:>9.1e}")
 
 
 def linear_cross_entropy_rows():
@@ -295,6 +324,8 @@ def main():
     report(f"device copy bandwidth (dst.copy_(src), {SIZES['copy_bytes'] / 2**20:.0f} MiB): {copy_gbps:.0f} GB/s")
     report()
     bandwidth_rows(copy_gbps)
+    report()
+    expert_gemv_rows(copy_gbps)
     report()
     linear_cross_entropy_rows()
     report()

@@ -1,4 +1,4 @@
-"""The `moemesh` command: train, generate, estimate, convert.
+"""The `moemesh` command: train, generate, serve, estimate, convert.
 
 A mistake in what the user gave (config, data, checkpoint) prints one line and exits with code 2;
 anything else is a bug and keeps its traceback.
@@ -7,7 +7,9 @@ anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from pathlib import Path
 
 from moemesh.errors import MoemeshError
 
@@ -23,22 +25,32 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--set", dest="overrides", action="append", nargs="+", default=[], metavar="KEY=VALUE",
                        help="override a config value, e.g. --set train.steps=100 model.num_experts=16")
 
-    generate = commands.add_parser("generate", help="continue a prompt with a trained model")
-    generate.add_argument("--checkpoint", required=True,
-                          help="checkpoint directory, run directory (newest checkpoint) or Hugging Face directory")
-    generate.add_argument("--prompt", required=True)
+    generate = commands.add_parser("generate", help="continue prompts with a trained model")
+    _model_arguments(generate)
+    prompts = generate.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("--prompt", help="one prompt: the prompt and its continuation are printed")
+    prompts.add_argument("--prompts-file", metavar="FILE",
+                         help="many prompts, generated together: one a line, or a .jsonl file of "
+                              '{"prompt": ..., optional "max_tokens", "temperature", "top_p", "seed", "stop"}; '
+                              "writes one JSON object a line (prompt, text, finish_reason, token counts)")
+    generate.add_argument("--output", metavar="FILE", help="where the JSON lines go (default: standard output)")
     generate.add_argument("--max-new-tokens", type=int, default=200)
     generate.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (with --temperature > 0)")
     generate.add_argument("--seed", type=int, default=0)
-    generate.add_argument("--tokenizer", help="'bytes' or a tokenizer.json (default: the checkpoint's, else bytes)")
-    generate.add_argument("--device", default="auto", help="cpu, cuda[:N] or auto")
-    generate.add_argument("--tp", type=int, default=1,
-                          help="tensor-parallel ranks, launched as `torchrun --nproc-per-node N -m moemesh "
-                               "generate ... --tp N`: each rank reads only its shard "
-                               "(attention heads and their KV cache, expert slices, vocabulary); rank 0 prints")
-    generate.add_argument("--set", dest="overrides", action="append", nargs="+", default=[],
-                          metavar="parallel.tp=N", help="the same as --tp N, spelled as for `moemesh train`")
+    generate.add_argument("--stop", action="append", default=[], help="a string that ends the text (repeatable)")
+
+    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, "
+                                              "/v1/chat/completions) with continuous batching")
+    _model_arguments(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", help="clients must send it as a bearer token (default: env MOEMESH_API_KEY; "
+                                         "unset: no key)")
+    serve.add_argument("--model-name", help="the model's name in the API (default: the checkpoint directory's)")
+    serve.add_argument("--max-waiting", type=int, default=64,
+                       help="requests that may wait for a free row; beyond, 503 (default 64)")
+    serve.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger bodies get 413 (default 1 MiB)")
 
     estimate = commands.add_parser("estimate", help="per-layer memory and time, pipeline stages, per-rank memory")
     estimate.add_argument("--config", help="TOML config file (default: configs/tiny.toml)")
@@ -58,6 +70,25 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _model_arguments(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--checkpoint", required=True,
+                         help="checkpoint directory, run directory (newest checkpoint) or Hugging Face directory")
+    command.add_argument("--tokenizer", help="'bytes' or a tokenizer.json (default: the checkpoint's, else bytes)")
+    command.add_argument("--device", default="auto", help="cpu, cuda[:N] or auto")
+    command.add_argument("--dtype", choices=("auto", *_DTYPE_NAMES), default="auto",
+                         help="weights and KV cache (auto: bfloat16 on a GPU, float32 on a CPU)")
+    command.add_argument("--max-batch", type=int, default=16, help="sequences decoded together (cache rows)")
+    command.add_argument("--max-len", type=int,
+                         help="tokens a sequence may hold, prompt included (default: what the prompts need; "
+                              "for serve min(max_position_embeddings, 4096))")
+    command.add_argument("--tp", type=int, default=1,
+                         help="tensor-parallel ranks, launched as `torchrun --nproc-per-node N -m moemesh ... --tp N`: "
+                              "each rank reads only its shard (attention heads and their KV cache, expert slices, "
+                              "vocabulary); rank 0 prints or serves")
+    command.add_argument("--set", dest="overrides", action="append", nargs="+", default=[],
+                         metavar="parallel.tp=N", help="the same as --tp N, spelled as for `moemesh train`")
+
+
 def _train(args: argparse.Namespace) -> None:
     from moemesh.config import load_config
     from moemesh.train.trainer import train
@@ -67,22 +98,88 @@ def _train(args: argparse.Namespace) -> None:
 
 
 def _generate(args: argparse.Namespace) -> None:
+    import json
+
+    from moemesh.inference.engine import DecodeEngine
+    from moemesh.inference.generate import generate, prompt_ids, read_prompts
+    from moemesh.inference.request import SamplingParams, check_request
+
+    defaults = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.seed, tuple(args.stop))
+    _checked(defaults)
+    prompts = read_prompts(args.prompts_file, defaults) if args.prompts_file else [(args.prompt, defaults)]
+    with _loaded(args) as (model, tokenizer, group):
+        requests = [(prompt_ids(tokenizer, text), params) for text, params in prompts]
+        limit = model.config.max_position_embeddings
+        max_len = args.max_len or min(limit, max(len(ids) + params.max_tokens for ids, params in requests))
+        for ids, params in requests:
+            check_request(ids, params, min(max_len, limit))
+        engine = DecodeEngine(model, max_batch=min(args.max_batch, len(requests)), max_len=max_len, group=group)
+        if not engine.leader:
+            return engine.follow()
+        try:
+            results = generate(engine, tokenizer, [ids for ids, _ in requests], [params for _, params in requests])
+        finally:
+            engine.close()
+        if args.prompt is not None:
+            print(args.prompt + results[0].text)
+            return
+        lines = [json.dumps({"prompt": text, "text": r.text, "finish_reason": r.finish_reason,
+                             "prompt_tokens": len(r.prompt_ids), "completion_tokens": len(r.token_ids)},
+                            ensure_ascii=False) for (text, _), r in zip(prompts, results)]
+        if args.output:
+            Path(args.output).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+        else:
+            print("\n".join(lines))
+
+
+def _serve(args: argparse.Namespace) -> None:
+    import os
+
+    from moemesh.inference.engine import DecodeEngine
+    from moemesh.inference.server import serve
+
+    api_key = args.api_key or os.environ.get("MOEMESH_API_KEY") or None
+    for name in ("port", "max_waiting", "max_request_bytes"):
+        if getattr(args, name) < (0 if name == "port" else 1):
+            raise MoemeshError(f"--{name.replace('_', '-')} must be {'>= 0' if name == 'port' else '>= 1'}")
+    with _loaded(args) as (model, tokenizer, group):
+        max_len = args.max_len or min(model.config.max_position_embeddings, 4096)
+        engine = DecodeEngine(model, max_batch=args.max_batch, max_len=max_len, group=group)
+        if not engine.leader:
+            return engine.follow()
+        serve(engine, tokenizer, host=args.host, port=args.port, api_key=api_key,
+              model_name=args.model_name or Path(args.checkpoint).resolve().name, max_waiting=args.max_waiting,
+              max_request_bytes=args.max_request_bytes)
+
+
+def _checked(params) -> None:
+    from moemesh.errors import RequestError
+
+    try:
+        params.check()
+    except RequestError as e:  # named as the command line spells it
+        flag = {"max_tokens": "max-new-tokens", "top_p": "top-p"}.get(e.param, e.param)
+        raise MoemeshError(f"--{flag}: {e}") from None
+
+
+@contextlib.contextmanager
+def _loaded(args: argparse.Namespace):
+    """(model, tokenizer, tensor-parallel group) for generate and serve: the mesh first (it checks
+    the number of processes and makes "cuda" this rank's GPU), the model sharded over it."""
     import torch
     import torch.distributed as dist
 
-    from moemesh.inference.generate import complete, load_for_generation
+    from moemesh.inference.generate import load_for_generation
     from moemesh.parallel.mesh import ParallelDims, init_mesh
 
-    if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
-        raise MoemeshError("need --max-new-tokens >= 1, --temperature >= 0 and 0 < --top-p <= 1")
-    # First the mesh: it checks the number of processes and makes "cuda" this rank's GPU.
+    if args.max_batch < 1 or (args.max_len is not None and args.max_len < 2):
+        raise MoemeshError("need --max-batch >= 1 and --max-len >= 2")
     mesh = init_mesh(ParallelDims(tp=_tensor_parallel_size(args)))
     try:
         device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        model, tokenizer = load_for_generation(args.checkpoint, args.tokenizer, device, mesh=mesh)
-        text = complete(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed)
-        if mesh.rank("tp") == 0:
-            print(args.prompt + text)
+        dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+        model, tokenizer = load_for_generation(args.checkpoint, args.tokenizer, device, dtype, mesh)
+        yield model, tokenizer, mesh.group("tp")
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -93,7 +190,7 @@ def _tensor_parallel_size(args: argparse.Namespace) -> int:
     for item in (item for group in args.overrides for item in group):
         key, _, value = item.partition("=")
         if key != "parallel.tp" or not value.isdigit():
-            raise MoemeshError(f"generate --set takes only parallel.tp=N (the tensor-parallel size), got {item!r}")
+            raise MoemeshError(f"{args.command} --set takes only parallel.tp=N (the tensor-parallel size), got {item!r}")
         tp = int(value)
     return tp
 
@@ -122,7 +219,8 @@ def _convert(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    run = {"train": _train, "generate": _generate, "estimate": _estimate, "convert": _convert}[args.command]
+    run = {"train": _train, "generate": _generate, "serve": _serve, "estimate": _estimate,
+           "convert": _convert}[args.command]
     try:
         run(args)
     except MoemeshError as e:

@@ -16,3 +16,11 @@ class CheckpointError(MoemeshError):
 
 class DataError(MoemeshError):
     """A data or tokenizer file that is missing or unreadable."""
+
+
+class RequestError(MoemeshError):
+    """A generation request with an invalid field (`param` names it, as OpenAI's errors do)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param

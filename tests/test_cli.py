@@ -4,6 +4,7 @@ convert on a trained checkpoint."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import shutil
 import subprocess
@@ -14,10 +15,7 @@ import pytest
 import torch
 
 from moemesh.cli import main
-from moemesh.inference.generate import generate, sample_next
-from moemesh.models import build
-from moemesh.checkpoint.load import from_pretrained
-from moemesh.checkpoint.load import load_model
+from moemesh.checkpoint.load import from_pretrained, load_model
 from moemesh.train.trainer import train
 
 from tiny_run import tiny_config, write_corpus, write_tiny_toml
@@ -106,24 +104,34 @@ def test_generate_prints_the_prompt_and_its_continuation(capsys, trained):
     assert capsys.readouterr().out == first  # seeded sampling repeats
 
 
-def test_kv_cache_decoding_matches_full_recomputation():
-    model = build(tiny_config(Path("run"), Path("data")).model, seed=3)
-    prompt = [0, 100, 101, 102]
-    cached = generate(model, prompt, max_new_tokens=12)
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(12):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    assert cached == ids[len(prompt):]
+def test_generate_many_prompts_from_a_file(tmp_path, capsys, trained):
+    checkpoint = ["generate", "--checkpoint", str(trained)]
+    (tmp_path / "p.jsonl").write_text('{"prompt": "def "}\n{"prompt": "class ", "max_tokens": 5, "stop": ["\\n"]}\n')
+    assert main([*checkpoint, "--prompts-file", str(tmp_path / "p.jsonl"), "--max-new-tokens", "20"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["prompt"] for line in lines] == ["def ", "class "]
+    assert lines[1]["completion_tokens"] <= 5 and "\n" not in lines[1]["text"]
+    assert lines[0]["prompt_tokens"] == len("def ") + 1  # after the end-of-document token
+    assert main([*checkpoint, "--prompt", "def ", "--max-new-tokens", "20"]) == 0
+    assert capsys.readouterr().out == "def " + lines[0]["text"] + "\n"  # batched: the text of the prompt alone
+
+    (tmp_path / "p.txt").write_text("def \nclass \n")
+    assert main([*checkpoint, "--prompts-file", str(tmp_path / "p.txt"), "--max-new-tokens", "20",
+                 "--output", str(tmp_path / "out.jsonl")]) == 0
+    written = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert written[0] == lines[0] and written[1]["prompt"] == "class "
 
 
-def test_top_p_keeps_only_the_nucleus():
-    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    generator = torch.Generator().manual_seed(0)
-    draws = {sample_next(logits, 1.0, 0.7, generator) for _ in range(200)}
-    assert draws == {0, 1}  # 0.5 + 0.3 reaches 0.7; tokens 2 and 3 never come
-    assert {sample_next(logits, 1.0, 0.4, generator) for _ in range(20)} == {0}
-    assert sample_next(logits, 0.0, 1.0) == 0
+@pytest.mark.parametrize("arguments, message", [
+    (["--prompt", "x", "--temperature", "nan"], "--temperature: temperature must be a finite number >= 0, got nan"),
+    (["--prompt", "x", "--top-p", "0"], r"--top-p: top_p must be in (0, 1], got 0.0"),
+    (["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens: max_tokens must be an integer >= 1, got 0"),
+    (["--prompt", "x" * 200], "the prompt has 201 tokens; the context holds 128"),
+    (["--prompt", "\udcff"], "the prompt is not valid UTF-8 text"),
+])
+def test_generate_mistakes(capsys, trained, arguments, message):
+    err = _fails(capsys, ["generate", "--checkpoint", str(trained), *arguments])
+    assert message in err
 
 
 def test_convert_to_hugging_face_and_back(tmp_path, capsys, trained):

@@ -1,9 +1,9 @@
-"""Model construction, the MoE block's edge cases and incremental decoding."""
+"""Model construction and the MoE block's edge cases (decoding: test_models_decoding.py)."""
 
 import pytest
 import torch
 
-from moemesh.models import KVCache, ModelConfig, build
+from moemesh.models import ModelConfig, build
 from moemesh.models.moe import MoEBlock
 
 CONFIG = ModelConfig(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -58,15 +58,3 @@ def test_moe_block_handles_zero_tokens_and_empty_experts(tokens):
             gate, up = (block.experts.gate_up_proj[e] @ x[t]).chunk(2)
             expected += w * (block.experts.down_proj[e] @ (torch.nn.functional.silu(gate) * up))
         torch.testing.assert_close(out[t], expected, rtol=1e-5, atol=1e-6)
-
-
-def test_incremental_decoding_with_kv_cache_matches_full_forward():
-    model = build(CONFIG.replace(sliding_window=5), seed=1).eval()
-    input_ids = torch.randint(0, CONFIG.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        full = model(input_ids).logits
-        cache = KVCache()
-        steps = [model(input_ids[:, :7], cache=cache).logits]
-        steps += [model(input_ids[:, t:t + 1], cache=cache).logits for t in range(7, 12)]
-    assert cache.seq_length() == 12
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)

@@ -11,6 +11,7 @@ counted tp times or a sink on the wrong head is orders larger."""
 import pytest
 import torch
 
+from moemesh.errors import ConfigError
 from moemesh.models import ModelConfig
 from moemesh.parallel import comm
 from moemesh.parallel.data import apply_data_parallel
@@ -54,6 +55,10 @@ GEMMA4 = ModelConfig(model_type="gemma4_text", vocab_size=64, hidden_size=32, nu
                      final_logit_softcapping=5.0, initializer_range=0.2, router_aux_loss_coef=0.05,
                      output_router_logits=True)
 CONFIGS = {"gpt_oss": GPT_OSS, "deepseek_v3": DEEPSEEK_V3, "deepseek_v2": DEEPSEEK_V2, "gemma4": GEMMA4}
+# Gemma 4 26B-A4B's shape, tiny: the full layer's values are its keys (attention_k_eq_v, no
+# v_proj), with 2 key/value heads of their own size beside the sliding layers' 4 — TP=2 splits
+# them, TP=4 cannot.
+GEMMA4_26B_A4B = GEMMA4.replace(attention_k_eq_v=True, num_global_key_value_heads=2)
 
 
 LAYOUTS = [(1, 1, 4), (2, 1, 2), (1, 4, 1), (2, 2, 1), (1, 2, 2)]
@@ -65,11 +70,11 @@ def test_layout_equals_one_process(pool, family, dp, ep, tp):
     assert all(pool.run(check_matches_single_process, CONFIGS[family], dp, ep, tp))
 
 
-def one_reduce_block(config):
-    """Layer 0's MoE block under TP over all ranks: its output for a batch of tokens, the block,
-    the tokens and the one-process block's output. The block must issue exactly one forward
-    all-reduce of [tokens, hidden] and match one process."""
-    mesh = init_mesh(ParallelDims(tp=WORLD))
+def one_reduce_block(config, tp=WORLD):
+    """Layer 0's MoE block under TP (over all ranks, or replicas of tp ranks): its output for a
+    batch of tokens, the block, the tokens and the one-process block's output. The block must
+    issue exactly one forward all-reduce of [tokens, hidden] and match one process."""
+    mesh = init_mesh(ParallelDims(dp_replicate=WORLD // tp, tp=tp))
     reference = build_with_biases(config).model.layers[0].mlp
     block = apply_tp(build_with_biases(config), mesh).model.layers[0].mlp
     x = torch.randn(10, config.hidden_size, generator=torch.Generator().manual_seed(4))
@@ -105,6 +110,55 @@ def check_gpt_oss_down_bias_counted_once(rank):
 
 def test_gpt_oss_down_bias_counted_once_with_one_reduce_per_block(pool):
     assert all(pool.run(check_gpt_oss_down_bias_counted_once))
+
+
+@pytest.mark.parametrize("dp, ep", [(2, 1), (1, 2)], ids=["dp2-tp2", "ep2-tp2"])
+def test_gemma4_26b_a4b_shape_under_tp2_equals_one_process(pool, dp, ep):
+    """Loss, logits and every gradient, the shared k/v projection's included."""
+    assert all(pool.run(check_matches_single_process, GEMMA4_26B_A4B, dp, ep, 2))
+
+
+def check_gemma4_26b_a4b_decoding(rank):
+    """Greedy and sampled decoding of a batch under TP=2 (two replicas of 2 ranks) equals one
+    process; the MoE block reduces once, after the per-expert scales in the routing weights."""
+    from moemesh.data.tokenizer import ByteTokenizer
+    from moemesh.inference.engine import DecodeEngine
+    from moemesh.inference.generate import generate
+    from moemesh.inference.request import SamplingParams
+
+    config = GEMMA4_26B_A4B.replace(vocab_size=256)
+    one_reduce_block(config.replace(num_hidden_layers=1, layer_types=None), tp=2)
+    prompts = [[0, 100, 101, 102], [0, 7], [0, *range(40, 49)]]
+    params = [SamplingParams(max_tokens=10), SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, seed=3),
+              SamplingParams(max_tokens=6)]
+    expected = generate(DecodeEngine(build_with_biases(config).eval(), max_batch=2, max_len=32), ByteTokenizer(),
+                        prompts, params)
+    mesh = init_mesh(ParallelDims(dp_replicate=2, tp=2))
+    engine = DecodeEngine(apply_tp(build_with_biases(config), mesh).eval(), max_batch=2, max_len=32,
+                          group=mesh.group("tp"))
+    assert engine.model.model.layers[1].self_attn.num_kv_heads == 1  # the full layer's 2 shared k/v heads, split
+    if not engine.leader:
+        engine.follow()
+        return True
+    results = generate(engine, ByteTokenizer(), prompts, params)
+    engine.close()
+    assert [r.token_ids for r in results] == [e.token_ids for e in expected]
+    return True
+
+
+def test_gemma4_26b_a4b_shape_decodes_under_tp2_as_one_process(pool):
+    assert all(pool.run(check_gemma4_26b_a4b_decoding))
+
+
+def check_gemma4_26b_a4b_refuses_tp4(rank):
+    mesh = init_mesh(ParallelDims(tp=4))
+    with pytest.raises(ConfigError, match=r"parallel.tp=4 must divide the 2 key/value attention heads \(layer 1\)"):
+        apply_tp(build_with_biases(GEMMA4_26B_A4B), mesh)
+    return True
+
+
+def test_gemma4_26b_a4b_shape_refuses_tp4_naming_the_head_count(pool):
+    assert all(pool.run(check_gemma4_26b_a4b_refuses_tp4))
 
 
 def check_checkpoint_pieces(rank, family, layout: dict):

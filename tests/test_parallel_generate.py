@@ -1,16 +1,19 @@
-"""Generation under tensor parallelism (CPU, gloo, fp32) against one process: the same greedy
-tokens, every rank sampling the same tokens, a KV cache of this rank's heads only, and
-`torchrun ... moemesh generate --tp 2` printing what one process prints."""
+"""Generation under tensor parallelism (CPU, gloo, fp32) against one process: the decode engine
+over 2 ranks, the leader scheduling and broadcasting each step's inputs, gives one process's
+greedy and seeded-sampled tokens for a batch of prompts, with a KV cache of this rank's heads and
+one logits all-gather per prefill and per decode step; `torchrun ... moemesh generate --tp 2`
+prints what one process prints."""
 
 import os
 import subprocess
 import sys
 
-import torch
-
 from moemesh.cli import main
+from moemesh.data.tokenizer import ByteTokenizer
+from moemesh.inference.engine import DecodeEngine
 from moemesh.inference.generate import generate
-from moemesh.models import KVCache, ModelConfig, build
+from moemesh.inference.request import SamplingParams
+from moemesh.models import ModelConfig, build
 from moemesh.checkpoint.hf import save_pretrained
 from moemesh.parallel import comm
 from moemesh.parallel.mesh import ParallelDims, init_mesh
@@ -22,36 +25,38 @@ TP = 2
 # Random weights with a wide initialisation: varied tokens, and no near-ties for the rounding
 # differences of the sharded sums to flip.
 CONFIG = ModelConfig(**TINY_MODEL, initializer_range=0.2)
-PROMPT = [0, 100, 101, 102]
+PROMPTS = [[0, 100, 101, 102], [0, 7], [0, 50, 51, 52, 53, 54]]
+PARAMS = [SamplingParams(max_tokens=12), SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, seed=3),
+          SamplingParams(max_tokens=10, temperature=0.7, seed=4)]
 
 
 def check_generation(rank):
-    expected = generate(build(CONFIG, seed=5), PROMPT, max_new_tokens=12)
+    tokenizer = ByteTokenizer()
+    expected = generate(DecodeEngine(build(CONFIG, seed=5).eval(), max_batch=2, max_len=32), tokenizer, PROMPTS, PARAMS)
     mesh = init_mesh(ParallelDims(tp=TP))
-    model = apply_tp(build(CONFIG, seed=5), mesh).eval()
+    engine = DecodeEngine(apply_tp(build(CONFIG, seed=5), mesh).eval(), max_batch=2, max_len=32,
+                          group=mesh.group("tp"))
     comm.reset_counts()
-    assert generate(model, PROMPT, max_new_tokens=12) == expected
-    # one [1, V/tp] all-gather per step: the prompt's last position, then each new token but the last
-    assert comm.calls[("all_gather", "forward")] == 12
-    assert comm.sent_bytes[("all_gather", "forward")] == 12 * CONFIG.vocab_size // TP * 4
-
-    cache = KVCache()
-    with torch.no_grad():
-        model(torch.tensor([PROMPT]), cache=cache)
-    assert cache.keys[0].shape[1] == CONFIG.num_key_value_heads // TP  # [batch, heads, seq, head_dim]
-
-    sampled = torch.tensor(generate(model, PROMPT, max_new_tokens=12, temperature=1.0, top_p=0.9, seed=3))
-    comm.all_reduce_sum_([mine := sampled.clone()], mesh.group("tp"))
-    assert torch.equal(mine, TP * sampled)  # every rank sampled the same tokens
-    return True
+    if engine.leader:
+        results = generate(engine, tokenizer, PROMPTS, PARAMS)
+        engine.close()
+        assert [r.token_ids for r in results] == [e.token_ids for e in expected]
+    else:
+        engine.follow()
+    assert engine.cache.keys[0].shape[1] == CONFIG.num_key_value_heads // TP  # [rows, heads, max_len, head_dim]
+    return comm.calls[("all_gather", "forward")], comm.sent_bytes[("all_gather", "forward")]
 
 
 def test_tp_generation_equals_one_process():
     pool = WorkerPool(TP)
     try:
-        assert all(pool.run(check_generation))
+        (gathers, gathered), follower = pool.run(check_generation)
     finally:
         pool.close()
+    assert follower == (gathers, gathered)  # the follower ran every step the leader ran
+    # one all-gather of [rows, V / tp] fp32 logits per prefill and per decode step (1 or 2 rows)
+    assert len(PROMPTS) < gathers <= len(PROMPTS) + sum(p.max_tokens for p in PARAMS)
+    assert gathered % (CONFIG.vocab_size // TP * 4) == 0
 
 
 def test_generate_command_under_torchrun(tmp_path, capsys):

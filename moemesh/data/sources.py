@@ -38,6 +38,17 @@ def load_tokens(path: str, tokenizer: Tokenizer) -> np.ndarray:
     return tokens
 
 
+def jsonl_values(file: Path, text: str) -> Iterator[tuple[int, object]]:
+    """(line number, parsed value) of each non-empty line of a JSONL file's text."""
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield number, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{file} line {number}: invalid JSON ({e.msg})") from None
+
+
 def _read_documents(file: Path) -> Iterator[str]:
     try:
         text = file.read_bytes().decode("utf-8")
@@ -46,13 +57,7 @@ def _read_documents(file: Path) -> Iterator[str]:
     if file.suffix != ".jsonl":
         yield text
         return
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{file} line {number}: invalid JSON ({e.msg})") from None
+    for number, record in jsonl_values(file, text):
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
             raise DataError(f'{file} line {number}: expected an object with a "text" string')
         yield record["text"]

@@ -1,64 +1,34 @@
-"""Text generation with a KV cache: the prompt runs once, then each new token costs one position.
-Greedy at temperature 0, otherwise temperature and nucleus (top-p) sampling."""
+"""Generation for many prompts at once: `generate` runs them through the decode engine and the
+scheduler (continuous batching), each with its own settings and stops, and returns them in
+order; `read_prompts` reads them from a file. `load_for_generation` is the one way the engine,
+`moemesh generate` and `moemesh serve` get a model and its tokenizer.
+
+A prompt's text is preceded by the end-of-document token, as a document is in training, so that
+it reads as the start of a document.
+"""
 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
+from typing import Sequence as Seq
 
 import torch
 
-from moemesh.data.tokenizer import Tokenizer, load_tokenizer
-from moemesh.errors import MoemeshError
-from moemesh.models import KVCache, MoECausalLM
-from moemesh.models.build import meta_model
-from moemesh.parallel.mesh import Mesh
-from moemesh.parallel.parallelize import materialize, parallelize
 from moemesh.checkpoint.dcp import TOKENIZER_FILE
 from moemesh.checkpoint.load import load_weights, read_model_config
 from moemesh.config import ParallelConfig, RunConfig
-
-
-def sample_next(logits: torch.Tensor, temperature: float, top_p: float,
-                generator: torch.Generator | None = None) -> int:
-    """One token id from the logits [V] of the last position."""
-    if temperature == 0:
-        return int(logits.argmax())
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1:
-        sorted_probs, order = probs.sort(descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the most likely token always stays).
-        outside = sorted_probs.cumsum(0) - sorted_probs >= top_p
-        sorted_probs[outside] = 0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-@torch.no_grad()
-def generate(model: MoECausalLM, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
-             top_p: float = 1.0, eos_id: int | None = None, seed: int = 0) -> list[int]:
-    """The new token ids that follow `prompt_ids` (at most max_new_tokens; stops at eos_id)."""
-    if not prompt_ids:
-        raise ValueError("generate needs at least one prompt token")
-    device = next(model.parameters()).device
-    generator = torch.Generator(device=device).manual_seed(seed)
-    cache = KVCache()
-
-    def next_logits(ids: list[int]) -> torch.Tensor:
-        # Under tensor parallelism each rank holds a vocabulary slice: gathering the last position
-        # gives every rank the same full logits, so each samples the same token from the same seed.
-        return model.gather_logits(model(torch.tensor([ids], device=device), cache=cache).logits[:, -1])[0]
-
-    logits = next_logits(prompt_ids)
-    new_ids: list[int] = []
-    while len(new_ids) < max_new_tokens:
-        token = sample_next(logits, temperature, top_p, generator)
-        if token == eos_id:
-            break
-        new_ids.append(token)
-        if len(new_ids) < max_new_tokens:
-            logits = next_logits([token])
-    return new_ids
+from moemesh.data.sources import jsonl_values
+from moemesh.data.tokenizer import Tokenizer, load_tokenizer
+from moemesh.errors import DataError, RequestError
+from moemesh.inference.engine import DecodeEngine
+from moemesh.inference.request import SamplingParams, Sequence
+from moemesh.inference.scheduler import Scheduler
+from moemesh.models import MoECausalLM
+from moemesh.models.build import meta_model
+from moemesh.parallel.mesh import Mesh
+from moemesh.parallel.parallelize import materialize, parallelize
 
 
 def load_for_generation(path: str | os.PathLike, tokenizer: str | None = None, device: str = "cpu",
@@ -83,13 +53,65 @@ def load_for_generation(path: str | os.PathLike, tokenizer: str | None = None, d
     return model, load_tokenizer(tokenizer)
 
 
-def complete(model: MoECausalLM, tokenizer: Tokenizer, prompt: str, max_new_tokens: int,
-             temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> str:
-    """The text generated after `prompt`. The prompt is preceded by the end-of-document token,
-    as a document is in training, so that it reads as the start of a document."""
-    start = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
-    prompt_ids = start + tokenizer.encode(prompt)
-    if not prompt_ids:
-        raise MoemeshError("the prompt is empty and the tokenizer has no end-of-document token to start from")
-    new_ids = generate(model, prompt_ids, max_new_tokens, temperature, top_p, tokenizer.eos_id, seed)
-    return tokenizer.decode(new_ids)
+def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
+    """The token ids of a prompt, after the end-of-document token."""
+    try:
+        ids = ([] if tokenizer.eos_id is None else [tokenizer.eos_id]) + tokenizer.encode(prompt)
+    except UnicodeEncodeError:  # a command line's undecodable bytes arrive as lone surrogates
+        raise RequestError("the prompt is not valid UTF-8 text", "prompt") from None
+    if not ids:
+        raise RequestError("the prompt is empty and the tokenizer has no end-of-document token to start from", "prompt")
+    return ids
+
+
+def generate(engine: DecodeEngine, tokenizer: Tokenizer, prompts: Seq[str | list[int]],
+             params: SamplingParams | Seq[SamplingParams] = SamplingParams()) -> list[Sequence]:
+    """Every prompt (text, or token ids taken as they are) continued, in the order given; one
+    SamplingParams for all or one per prompt. Each result has `text`, `token_ids` and
+    `finish_reason` ("stop": the end-of-document token or a stop string, "length")."""
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    scheduler = Scheduler(engine, tokenizer, max_waiting=len(prompts))
+    sequences = [scheduler.submit(p if isinstance(p, list) else prompt_ids(tokenizer, p), q)
+                 for p, q in zip(prompts, params, strict=True)]
+    scheduler.run_until_idle()
+    return sequences
+
+
+_PER_PROMPT = ("max_tokens", "temperature", "top_p", "seed", "stop")
+
+
+def read_prompts(path: str | os.PathLike, defaults: SamplingParams) -> list[tuple[str, SamplingParams]]:
+    """A `.jsonl` file: one JSON object a line, {"prompt": ...} with optional max_tokens,
+    temperature, top_p, seed and stop (a string or a list) that override `defaults`; any other
+    file: one prompt a line. Empty lines are skipped."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"cannot read prompts file {path}: {e}") from None
+    if path.suffix != ".jsonl":
+        prompts = [(line, defaults) for line in text.splitlines() if line.strip()]
+    else:
+        prompts = [_prompt_line(path, number, item, defaults) for number, item in jsonl_values(path, text)]
+    if not prompts:
+        raise DataError(f"prompts file {path} has no prompt")
+    return prompts
+
+
+def _prompt_line(path: Path, number: int, item, defaults: SamplingParams) -> tuple[str, SamplingParams]:
+    if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
+        raise DataError(f'{path} line {number}: expected an object with a string "prompt"')
+    unknown = set(item) - {"prompt", *_PER_PROMPT}
+    if unknown:
+        raise DataError(f"{path} line {number}: unknown field {sorted(unknown)[0]!r} (known: prompt, "
+                        f"{', '.join(_PER_PROMPT)})")
+    settings = {k: item[k] for k in _PER_PROMPT if k in item}
+    if isinstance(settings.get("stop"), (str, list)):
+        settings["stop"] = (settings["stop"],) if isinstance(settings["stop"], str) else tuple(settings["stop"])
+    params = replace(defaults, **settings)
+    try:
+        params.check()
+    except RequestError as e:
+        raise DataError(f"{path} line {number}: {e}") from None
+    return item["prompt"], params

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moemesh.models.config import ModelConfig
-from moemesh.models.layers import KVCache, RMSNorm, apply_rotary
+from moemesh.models.layers import KVCache, RMSNorm, apply_rotary, attention_mask, grouped_attention
 from moemesh.models.rope import softmax_scale
 from moemesh.ops.linear import Linear
 
@@ -68,12 +68,8 @@ class MLAttention(nn.Module):
         q = torch.cat([q_nope, q_rot], dim=-1)
         k = torch.cat([k_nope, k_rot], dim=-1)
         if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)
-
-        kv_len = k.shape[2]
-        mask = None
-        if kv_len != seq:  # decoding: the new queries see every cached key before them
-            mask = torch.arange(kv_len, device=x.device)[None, :] <= positions[:, None]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                             scale=self.scale)
+            k, v = cache.update(self.layer_idx, k, v, positions)
+            out = grouped_attention(q, k, v, attention_mask(positions, k.shape[2], None), self.scale)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))

@@ -11,8 +11,9 @@ attention_k_eq_v, values that are their keys. Embeddings are × sqrt(hidden) and
 soft-capped. Each layer's output is × layer_scalar.
 
 Not supported (ConfigError): per-layer input embeddings (hidden_size_per_layer_input > 0),
-key/value sharing across layers (num_kv_shared_layers > 0), bidirectional attention; tensor
-parallelism of attention_k_eq_v layers (apply_tp wants a v_proj beside q_proj and k_proj).
+key/value sharing across layers (num_kv_shared_layers > 0), bidirectional attention. Under
+tensor parallelism the attention_k_eq_v layers split their shared k projection by heads like
+the others (tp must divide num_global_key_value_heads too).
 
 transformers names the dense MLP `mlp` and the expert block's parts `router` / `experts` on the
 layer; moemesh keeps the expert block at `mlp` (a MoEBlock, as in every family, which tensor
@@ -35,7 +36,8 @@ from moemesh.errors import ConfigError
 from moemesh.models import mixtral
 from moemesh.models.config import ModelConfig
 from moemesh.models.family import Family
-from moemesh.models.layers import Attention, DenseMLP, KVCache, RMSNorm, apply_rotary, attention_mask
+from moemesh.models.layers import (Attention, DenseMLP, KVCache, RMSNorm, apply_rotary, attention_mask,
+                                   grouped_attention)
 from moemesh.models.moe import MoEBlock, Routing, router_stats
 from moemesh.models.rope import RotaryEmbedding
 from moemesh.models.transformer import DecoderLayer
@@ -112,14 +114,15 @@ class Gemma4Attention(Attention):
         q = apply_rotary(q.transpose(1, 2), cos, sin)
         k = apply_rotary(self.k_norm(k).transpose(1, 2), cos, sin)
         v = _rms(v, self.eps).transpose(1, 2)
-        if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)
-        kv_len = k.shape[2]
-        plain_causal = kv_len == seq and (self.sliding_window is None or seq <= self.sliding_window)
-        mask = None if plain_causal else attention_mask(positions, kv_len, self.sliding_window)
         # scale 1: the query norm takes the place of 1/sqrt(head_dim)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=plain_causal, scale=1.0,
-                                             enable_gqa=self.num_kv_heads != self.num_heads)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v, positions)
+            out = grouped_attention(q, k, v, attention_mask(positions, k.shape[2], self.sliding_window), 1.0)
+        else:
+            plain_causal = self.sliding_window is None or seq <= self.sliding_window
+            mask = None if plain_causal else attention_mask(positions, seq, self.sliding_window)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=plain_causal, scale=1.0,
+                                                 enable_gqa=self.num_kv_heads != self.num_heads)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 

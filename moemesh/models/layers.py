@@ -1,6 +1,6 @@
-"""The dense building blocks: RMSNorm, rotary application, grouped-query attention, the gated MLP,
-and the KV cache used for generation. Numerics follow Hugging Face `transformers` so that logits
-match it to float32 rounding."""
+"""The dense building blocks: RMSNorm, rotary application, grouped-query attention, the gated MLP.
+Numerics follow Hugging Face `transformers` so that logits match it to float32 rounding. With a
+KV cache (kv_cache.py) attention reads the cached keys at per-row positions instead."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moemesh.models.config import ModelConfig
+from moemesh.models.kv_cache import KVCache
 from moemesh.ops.linear import Linear
 from moemesh.ops.rms_norm import rms_norm
 
@@ -30,34 +31,19 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, heads, T, D]; cos/sin: [T, D]."""
+    """x: [B, heads, T, D]; cos/sin: [T, D] (the same positions in every row) or [B, T, D]."""
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
     return x * cos + rotate_half(x) * sin
 
 
-class KVCache:
-    """Keys and values of the tokens seen so far, per layer, for incremental decoding."""
-
-    def __init__(self):
-        self.keys: dict[int, torch.Tensor] = {}
-        self.values: dict[int, torch.Tensor] = {}
-
-    def seq_length(self) -> int:
-        return next(iter(self.keys.values())).shape[2] if self.keys else 0
-
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if layer_idx in self.keys:
-            k = torch.cat([self.keys[layer_idx], k], dim=2)
-            v = torch.cat([self.values[layer_idx], v], dim=2)
-        self.keys[layer_idx], self.values[layer_idx] = k, v
-        return k, v
-
-
 def attention_mask(q_positions: torch.Tensor, kv_len: int, sliding_window: int | None) -> torch.Tensor:
-    """Boolean [Tq, Tk] mask, True where query i may attend key j (causal, optionally banded)."""
+    """Boolean [..., Tq, Tk] mask for query positions [..., Tq] against keys at 0..kv_len-1, True
+    where the query may attend the key (causal, optionally banded)."""
     k_positions = torch.arange(kv_len, device=q_positions.device)
-    allowed = k_positions[None, :] <= q_positions[:, None]
+    allowed = k_positions <= q_positions[..., None]
     if sliding_window is not None:
-        allowed &= k_positions[None, :] > q_positions[:, None] - sliding_window
+        allowed &= k_positions > q_positions[..., None] - sliding_window
     return allowed
 
 
@@ -97,33 +83,39 @@ class Attention(nn.Module):
         q = apply_rotary(q.transpose(1, 2), cos, sin)
         k = apply_rotary(k.transpose(1, 2), cos, sin)
         if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)
-
-        kv_len = k.shape[2]
-        plain_causal = kv_len == seq and (self.sliding_window is None or seq <= self.sliding_window)
-        mask = None if plain_causal else attention_mask(positions, kv_len, self.sliding_window)
-        if self.sinks is not None:
-            if mask is None:
-                mask = attention_mask(positions, kv_len, None)
-            out = sink_attention(q, k, v, mask, self.sinks)
+            k, v = cache.update(self.layer_idx, k, v, positions)
+        if cache is not None or self.sinks is not None:  # scaled_dot_product_attention takes no sinks
+            mask = attention_mask(positions, k.shape[2], self.sliding_window)
+            out = grouped_attention(q, k, v, mask, self.head_dim**-0.5, self.sinks)
         else:
+            plain_causal = self.sliding_window is None or seq <= self.sliding_window
+            mask = None if plain_causal else attention_mask(positions, seq, self.sliding_window)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=plain_causal,
                                                  enable_gqa=self.num_kv_heads != self.num_heads)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
-def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                   sinks: torch.Tensor) -> torch.Tensor:
-    """softmax([q·k / sqrt(D), sink]) without the sink's column, times v. The sink only enlarges
-    the denominator, so a head can attend to nothing. q: [B, h, T, D], k/v: [B, h_kv, Tk, D],
-    mask: [T, Tk] boolean. Computed explicitly (scaled_dot_product_attention takes no sinks)."""
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q·k · scale, masked) · v, computed explicitly, for q [B, h, T, D] against k
+    [B, h_kv, L, D] and v [B, h_kv, L, Dv] (a KV cache's), mask [T, L] or [B, T, L] (True: visible). The h / h_kv query heads
+    that share a key/value head are multiplied as one matrix, so each cached entry is read once
+    (no repeated keys). With `sinks` (GPT-OSS: one logit per head), each head's softmax has one
+    more column that takes probability and returns nothing. Scores and softmax in fp32."""
+    batch, heads, seq, _ = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    groups = heads // kv_heads
+    scores = (q.reshape(batch, kv_heads, groups * seq, -1) @ k.transpose(-2, -1)).float() * scale
+    scores = scores.view(batch, kv_heads, groups, seq, kv_len)
+    mask = mask.view(-1, 1, 1, seq, kv_len)
     scores = scores.masked_fill(~mask, float("-inf"))
-    sink = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
-    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
-    return probs.to(v.dtype) @ v
+    if sinks is not None:
+        sink = sinks.float().view(1, kv_heads, groups, 1, 1).expand(batch, -1, -1, seq, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    out = probs.to(v.dtype).view(batch, kv_heads, groups * seq, kv_len) @ v
+    return out.view(batch, heads, seq, -1)
 
 
 # hidden_act -> the gate's activation, as transformers' ACT2FN computes it.

@@ -8,6 +8,10 @@
 `dispatch` and `combine` belong to the block's `dispatcher`: `LocalDispatcher` here, an
 all-to-all dispatcher under expert parallelism. Combine ends with the block's `reduce_output`
 (identity here, an all-reduce under tensor parallelism). `forward` is the stages in order.
+
+For a few tokens without gradients (decoding), `selected_experts` is the block in one go: each
+token through its k experts by `expert_gemv`, reading only those experts' weights, then the same
+weighted sum and reduce. The staged path above is its reference.
 """
 
 from __future__ import annotations
@@ -24,8 +28,15 @@ from torch import nn
 from moemesh.models.config import ModelConfig
 from moemesh.models.layers import ACTIVATIONS, DenseMLP
 from moemesh.ops import combine, permute, swiglu
+from moemesh.ops.expert_gemv import expert_gemv
 from moemesh.ops.grouped_mm import grouped_mm
 from moemesh.ops.swiglu import clamped_swiglu
+
+
+# Token copies (tokens × top-k) up to which a block without gradients reads only the chosen
+# experts' weights (`MoEBlock.selected_experts`); beyond, rows sharing experts make the grouped
+# GEMM cheaper. bench/decode.py measures both paths at each batch size.
+SELECTED_EXPERT_ROWS = 64
 
 
 @dataclass
@@ -185,6 +196,19 @@ class Experts(nn.Module):
             out = out + _per_row(self.down_proj_bias * self.down_bias_share, group_sizes, out)
         return out
 
+    def selected(self, x: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H] through each token's experts expert_ids [T, k] -> [T·k, H], row t·k + j
+        from expert expert_ids[t, j] (no autograd through the kernel: inference)."""
+        ids = expert_ids.flatten()
+        rows = x.repeat_interleave(expert_ids.shape[1], dim=0)
+        gate_up = expert_gemv(rows, self.gate_up_proj, ids)
+        if self.gate_up_proj_bias is not None:
+            gate_up = gate_up + self.gate_up_proj_bias[ids].to(gate_up.dtype)
+        out = expert_gemv(self.activation(gate_up), self.down_proj, ids)
+        if self.down_proj_bias is not None:
+            out = out + (self.down_proj_bias[ids] * self.down_bias_share).to(out.dtype)
+        return out
+
 
 def _glu(act, gate_up: torch.Tensor) -> torch.Tensor:
     """act(gate) * up of a [rows, gate | up] tensor, in fp32 like swiglu."""
@@ -208,6 +232,8 @@ class LocalDispatcher:
     """All experts live here: copy the tokens into expert order (`permute`), and add each token's
     expert outputs back, weighted (`combine`, whose backward also yields the routing-weight
     gradient)."""
+
+    local = True  # every expert is on this rank (`MoEBlock.selected_experts` may run)
 
     def dispatch(self, x: torch.Tensor, routing: Routing, num_experts: int) -> Dispatched:
         permuted = permute(x, routing.expert_ids, num_experts)
@@ -248,7 +274,21 @@ class MoEBlock(nn.Module):
 
     def combine(self, expert_out: torch.Tensor, dispatched: Dispatched, routing: Routing,
                 num_tokens: int) -> torch.Tensor:
-        out = self.dispatcher.combine(expert_out, dispatched, routing, num_tokens)
+        return self._finish(self.dispatcher.combine(expert_out, dispatched, routing, num_tokens), routing)
+
+    def reads_selected_experts(self, num_tokens: int) -> bool:
+        """Whether `selected_experts` serves these tokens: few of them, no gradients, every
+        expert on this rank."""
+        return (not torch.is_grad_enabled() and num_tokens * self.gate.top_k <= SELECTED_EXPERT_ROWS
+                and self.dispatcher.local)
+
+    def selected_experts(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """x [T, H] -> [T, H], reading only the chosen experts' weights."""
+        out = self.experts.selected(x, routing.expert_ids)
+        position = torch.arange(out.shape[0], device=out.device).view_as(routing.expert_ids)
+        return self._finish(combine(out, position, routing.weights), routing)
+
+    def _finish(self, out: torch.Tensor, routing: Routing) -> torch.Tensor:
         if routing.shared is not None:  # under TP both are partial sums: one reduce for the two
             out = out + routing.shared
         return self.reduce_output(out)

@@ -102,7 +102,7 @@ class RotaryEmbedding:
         inv_freq = self._on_device.get(positions.device)
         if inv_freq is None:
             inv_freq = self._on_device.setdefault(positions.device, self.inv_freq.to(positions.device))
-        freqs = positions[:, None].float() * inv_freq[None, :]
+        freqs = positions[..., None].float() * inv_freq  # [T, D/2], or [B, T, D/2] for per-row positions
         angles = torch.cat([freqs, freqs], dim=-1)
         # Scaled in fp32 before the cast, as transformers does (a factor of 1 changes nothing).
         return (angles.cos() * self.attention_factor).to(dtype), (angles.sin() * self.attention_factor).to(dtype)

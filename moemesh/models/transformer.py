@@ -71,6 +71,8 @@ class DecoderLayer(nn.Module):
         if not self.is_moe:
             return self.aggregate(h, self.mlp(self.post_attention_layernorm(h))), None
         x, routing = self.route(h)
+        if self.mlp.reads_selected_experts(x.shape[0]):  # decoding's few tokens
+            return self.aggregate(h, self.mlp.selected_experts(x, routing)), routing.stats
         dispatched = self.dispatch(x, routing)
         out = self.combine(self.experts(dispatched), dispatched, routing, x.shape[0])
         return self.aggregate(h, out), routing.stats
@@ -119,13 +121,16 @@ class MoECausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 output_router_logits: bool | None = None, cache: KVCache | None = None,
-                return_logits: bool = True) -> CausalLMOutput:
+                positions: torch.Tensor | None = None, return_logits: bool = True) -> CausalLMOutput:
         """With labels and return_logits=False (training), the loss comes from the fused
-        linear cross-entropy, which never holds the [tokens, vocab] logits in fp32."""
+        linear cross-entropy, which never holds the [tokens, vocab] logits in fp32.
+
+        `positions` [B, T]: each token's position in its own sequence (decoding with a KV cache,
+        where rows are at different lengths); default 0..T-1 in every row."""
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
-        start = cache.seq_length() if cache is not None else 0
-        positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
+        if positions is None:  # one row of positions for all: the training path's rotary tables stay [T, D]
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         h, router_stats = self.run_layers(self.model.embed_tokens(input_ids), positions, cache=cache)
         h = self.model.norm(h)
 
@@ -137,6 +142,12 @@ class MoECausalLM(nn.Module):
         if loss is not None and aux_loss is not None:
             loss = ce_loss + self.config.router_aux_loss_coef * aux_loss
         return CausalLMOutput(logits=logits, loss=loss, aux_loss=aux_loss, ce_loss=ce_loss)
+
+    def next_token_logits(self, input_ids: torch.Tensor, cache: KVCache, positions: torch.Tensor) -> torch.Tensor:
+        """Decoding: the logits [B, V] of each row's last position only (the next token's),
+        gathered over the vocabulary under tensor parallelism."""
+        h, _ = self.run_layers(self.model.embed_tokens(input_ids), positions, cache=cache)
+        return self.gather_logits(self.head(self.model.norm(h[:, -1]))[0])
 
     def run_layers(self, h: torch.Tensor, positions: torch.Tensor, layers: Iterable[int] | None = None,
                    cache: KVCache | None = None) -> tuple[torch.Tensor, list[RouterStats]]:

@@ -221,6 +221,16 @@ def all_gather(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     return torch.cat(pieces, dim=dim)
 
 
+def broadcast_(x: torch.Tensor, group) -> torch.Tensor:
+    """x of the group's first rank copied into x on every rank, in place; not differentiable (a
+    tensor-parallel server's other ranks receive each step's inputs from the one that serves)."""
+    if group is None:
+        return x
+    _count("broadcast", "forward", x.numel() * x.element_size())
+    dist.broadcast(x, src=dist.get_global_rank(group, 0), group=group)
+    return x
+
+
 # ---- point to point (pipeline stages) ------------------------------------------------------------
 
 

@@ -23,6 +23,8 @@ from moemesh.parallel.pieces import record_piece
 
 
 class AllToAllDispatcher:
+    local = False  # experts live on other ranks too: the MoE block always dispatches
+
     def __init__(self, group, ep_size: int, num_local_experts: int):
         self.group = group
         self.ep_size = ep_size

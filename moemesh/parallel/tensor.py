@@ -149,7 +149,8 @@ def _check_heads(regions: list[nn.Module], tp: int) -> None:
             for heads in ("num_heads", "num_kv_heads") if isinstance(attention, Attention) else ("num_heads",):
                 if getattr(attention, heads) % tp:
                     raise ConfigError(f"parallel.tp={tp} must divide the {getattr(attention, heads)} "
-                                      f"{'key/value ' if heads == 'num_kv_heads' else ''}attention heads")
+                                      f"{'key/value ' if heads == 'num_kv_heads' else ''}attention heads "
+                                      f"(layer {attention.layer_idx})")
 
 
 def _regions(model: nn.Module, styles: dict[str, str]) -> list[tuple[nn.Module, list[Op]]]:
@@ -165,7 +166,9 @@ def _regions(model: nn.Module, styles: dict[str, str]) -> list[tuple[nn.Module, 
     regions = []
     for path, module in model.named_modules():
         if isinstance(module, Attention):
-            chain = [Op(f"{path}.q/k/v_proj", kind(path, "q_proj", "k_proj", "v_proj")), Op("attention", "local"),
+            # Gemma 4's attention_k_eq_v layers have no v_proj: their values are their keys.
+            inputs = ("q_proj", "k_proj", "v_proj") if module.v_proj is not None else ("q_proj", "k_proj")
+            chain = [Op(f"{path}.{'/'.join(inputs)}", kind(path, *inputs)), Op("attention", "local"),
                      Op(f"{path}.o_proj", kind(path, "o_proj"))]
             if module.o_proj.bias is not None:
                 chain.append(Op(f"{path}.o_proj.bias", "add_replicated"))
@@ -340,6 +343,7 @@ class TensorParallelDispatcher:
 
     def __init__(self, inner, group):
         self.inner, self.group = inner, group
+        self.local = inner.local
 
     def dispatch(self, x, routing, num_experts):
         return self.inner.dispatch(comm.to_shards(x, self.group), routing, num_experts)

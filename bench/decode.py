@@ -1,0 +1,143 @@
+"""Decoding speed: moemesh's engine beside transformers' `generate`, in one run, on one GPU.
+
+    PYTHONPATH=. python3 bench/decode.py                      # 6-layer Qwen3-30B-A3B shape, bf16
+    PYTHONPATH=. python3 bench/decode.py --layers 48          # the full 48-layer shape
+    PYTHONPATH=. python3 bench/decode.py --config configs/tiny.toml --prompt-len 32 --new-tokens 8 \\
+        --batches 1,4                                         # CPU: checks that the script runs
+
+Random weights, a random prompt of --prompt-len tokens per sequence, greedy. For each batch size
+B, both sides generate 1 and then --new-tokens tokens for B prompts; the difference divided by
+(new tokens − 1) is one decode step, the prompts' cost subtracted. moemesh runs through its
+Python API (`generate`: scheduler, engine with CUDA graphs, device sampling, text) three ways:
+as shipped, with every MoE block on the grouped GEMM (SELECTED_EXPERT_ROWS = 0), and with every
+block on expert_gemv (the threshold at infinity) — which says where the threshold belongs.
+transformers: bf16, SDPA, grouped_mm experts where the version has them, its dynamic cache.
+Also printed: the share of moemesh's tokens at batch B equal to batch 1's for the same prompt
+(bf16 greedy: rows batched differently round differently, and a near-tie can flip).
+
+Sides run one after the other, each model freed before the next (the 48-layer model is 61 GB in
+bf16). Prints a table per model; nothing is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from bench.common import print_table, qwen3_30b_a3b
+from bench.e2e import free, transformers_model
+from moemesh.config import load_config
+from moemesh.data.tokenizer import ByteTokenizer
+from moemesh.inference.engine import DecodeEngine
+from moemesh.inference.generate import generate
+from moemesh.inference.request import SamplingParams
+from moemesh.models import build, moe
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn) -> float:
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+def moemesh_rows(config, args, device, dtype, prompts) -> tuple[list[dict], dict]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in bf16 directly: the 48-layer model has no room for an fp32 copy
+    try:
+        model = build(config, seed=0, device=device).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    tokenizer = ByteTokenizer()  # never decodes real text here: the ids are random
+    tokenizer.eos_id = None  # no early stop: every sequence makes --new-tokens tokens
+    rows, first_row = [], {}
+    variants = {"moemesh": moe.SELECTED_EXPERT_ROWS, "moemesh, grouped GEMM only": 0,
+                "moemesh, expert_gemv only": 1 << 30}
+    for name, threshold in variants.items():
+        moe.SELECTED_EXPERT_ROWS = threshold
+        for batch in args.batches:
+            engine = DecodeEngine(model, max_batch=batch, max_len=args.prompt_len + args.new_tokens + 1)
+            batch_prompts = prompts[:batch]
+
+            def run(n):
+                return generate(engine, tokenizer, batch_prompts, SamplingParams(max_tokens=n))
+
+            run(args.new_tokens)  # warm-up: captures the graphs, compiles the kernels
+            one = min(timed(lambda: run(1)) for _ in range(2))
+            results = []
+            many = min(timed(lambda: results.append(run(args.new_tokens))) for _ in range(2))
+            step_ms = (many - one) / (args.new_tokens - 1) * 1e3
+            tokens = results[-1][0].token_ids
+            if name == "moemesh":
+                first_row[batch] = tokens
+            rows.append({"side": name, "batch": batch, "ms/token": f"{step_ms:.2f}",
+                         "tokens/s": f"{batch * 1e3 / step_ms:,.0f}",
+                         "same tokens as batch 1": (f"{sum(a == b for a, b in zip(tokens, first_row[1])) / len(tokens):.0%}"
+                                                    if name == "moemesh" and 1 in first_row else "")})
+            del engine
+            free()
+    moe.SELECTED_EXPERT_ROWS = variants["moemesh"]
+    del model
+    free()
+    return rows, first_row
+
+
+def transformers_rows(config, args, device, prompts) -> list[dict]:
+    model, title = transformers_model(config, device)
+    model.eval()
+    rows = []
+    for batch in args.batches:
+        ids = torch.tensor(prompts[:batch], device=device)
+
+        def run(n):
+            with torch.no_grad():
+                return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                      do_sample=False, pad_token_id=0)
+
+        run(args.new_tokens)
+        one = min(timed(lambda: run(1)) for _ in range(2))
+        many = min(timed(lambda: run(args.new_tokens)) for _ in range(2))
+        step_ms = (many - one) / (args.new_tokens - 1) * 1e3
+        rows.append({"side": title, "batch": batch, "ms/token": f"{step_ms:.2f}",
+                     "tokens/s": f"{batch * 1e3 / step_ms:,.0f}", "same tokens as batch 1": ""})
+    del model
+    free()
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=6, help="decoder layers of the Qwen3-30B-A3B shape")
+    parser.add_argument("--config", help="take the model from this run config instead (configs/tiny.toml: CPU)")
+    parser.add_argument("--batches", default="1,4,16,64", help="comma-separated batch sizes")
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--no-transformers", action="store_true")
+    args = parser.parse_args()
+    args.batches = [int(b) for b in args.batches.split(",")]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = load_config(args.config).model if args.config else qwen3_30b_a3b(args.layers)
+    config = config.replace(max_position_embeddings=max(config.max_position_embeddings,
+                                                        args.prompt_len + args.new_tokens + 1))
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(1, config.vocab_size, (max(args.batches), args.prompt_len), generator=generator).tolist()
+    torch.manual_seed(0)
+    rows, _ = moemesh_rows(config, args, device, dtype, prompts)
+    if not args.no_transformers:
+        rows += transformers_rows(config, args, device, prompts)
+    where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (timings are only a smoke check)"
+    print_table(rows, f"decode, {config.num_hidden_layers} layers, {str(dtype)[6:]}, prompt {args.prompt_len}, "
+                      f"{args.new_tokens} new tokens, greedy, {where}, torch {torch.__version__}")
+
+
+if __name__ == "__main__":
+    main()

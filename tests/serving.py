@@ -1,0 +1,67 @@
+"""A small checkpoint for the server tests: a tiny Qwen3-MoE with random weights, a byte-level BPE
+tokenizer.json trained on a few lines (its special tokens never predicted: texts end by length or
+stop strings), and a ChatML chat template in tokenizer_config.json; and a
+`moemesh serve` running in this process (uvicorn on its own thread, a real socket on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from moemesh.checkpoint.hf import save_pretrained
+from moemesh.models import ModelConfig, build
+
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def write_checkpoint(directory: Path, chat_template: bool = True) -> Path:
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(["def main():\n    return 0\n", "the quick brown fox", "hello world"] * 20, trainer)
+    config = ModelConfig(model_type="qwen3_moe", vocab_size=320, hidden_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=64, max_position_embeddings=1024, initializer_range=0.2)
+    model = build(config, seed=3)
+    with torch.no_grad():  # the special tokens' logits 0: a random model never ends a text on its own
+        model.lm_head.weight[:3] = 0.0
+    save_pretrained(model, directory)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    settings = {"eos_token": "<|im_end|>", "bos_token": None}
+    if chat_template:
+        settings["chat_template"] = CHATML
+    (directory / "tokenizer_config.json").write_text(json.dumps(settings))
+    return directory
+
+
+class ServerThread:
+    """`service.serve` on a thread, on a socket bound here (port chosen by the system)."""
+
+    def __init__(self, service):
+        self.service = service
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.thread = threading.Thread(target=service.serve, kwargs={"sock": self.sock}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not (service.server is not None and service.server.started):
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the server did not start")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.service.shutdown()
+        self.thread.join(timeout=30)
+        self.sock.close()

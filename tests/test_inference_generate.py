@@ -1,0 +1,142 @@
+"""Batched generation (fp32, CPU): many prompts of different lengths and settings decoded
+together by the engine and the scheduler give, greedy, exactly the tokens of each prompt alone
+and of the no-cache reference (the whole sequence recomputed for every token); each request
+stops at its own end-of-document token, max_tokens, stop strings or the end of the context;
+seeded sampling does not depend on the batch; the streamed pieces add up to the text.
+
+Exact token equality is safe here: random weights with a wide initialisation keep the top two
+logits far apart compared with the ~1e-6 by which cached and recomputed logits differ."""
+
+import pytest
+import torch
+
+from moemesh.data.tokenizer import ByteTokenizer
+from moemesh.errors import DataError, RequestError
+from moemesh.inference.engine import DecodeEngine
+from moemesh.inference.generate import generate, prompt_ids, read_prompts
+from moemesh.inference.request import SamplingParams
+from moemesh.inference.scheduler import QueueFull, Scheduler
+from moemesh.models import build
+from test_models_decoding import FAMILIES
+
+TOKENIZER = ByteTokenizer()
+PROMPTS = [[0, 100, 101, 102], [0], [0, *range(40, 49)], [0, 7, 8], [0, 200, 201, 202, 203, 204], [0, 33]]
+MAX_TOKENS = [12, 5, 9, 14, 3, 10]
+
+
+def reference(model, prompt: list[int], max_tokens: int, eos_id: int = 0) -> list[int]:
+    """Greedy by recomputing the whole sequence for each new token (no cache)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        while len(ids) - len(prompt) < max_tokens:
+            token = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+            if token == eos_id:
+                break
+            ids.append(token)
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3", "gemma4_k_eq_v"])
+def test_batched_greedy_equals_each_prompt_alone(family):
+    config = FAMILIES[family]
+    model = build(config.replace(vocab_size=256, max_position_embeddings=64), seed=5).eval()
+    params = [SamplingParams(max_tokens=n) for n in MAX_TOKENS]
+    # 3 rows for 6 prompts: requests join as others finish (continuous batching)
+    engine = DecodeEngine(model, max_batch=3, max_len=32)
+    batched = generate(engine, TOKENIZER, PROMPTS, params)
+    for prompt, n, result in zip(PROMPTS, MAX_TOKENS, batched):
+        alone = generate(DecodeEngine(model, max_batch=1, max_len=32), TOKENIZER, [prompt], SamplingParams(max_tokens=n))
+        expected = reference(model, prompt, n)
+        assert result.token_ids == alone[0].token_ids == expected
+        assert result.finish_reason == ("length" if len(expected) == n else "stop")
+        assert result.text == TOKENIZER.decode(expected)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build(FAMILIES["qwen3_moe"].replace(max_position_embeddings=64), seed=5).eval()
+
+
+def test_stop_strings_end_requests_at_their_first_occurrence(model):
+    engine = DecodeEngine(model, max_batch=4, max_len=64)
+    free = generate(engine, TOKENIZER, ["ab"], SamplingParams(max_tokens=40))[0].text
+    stop = free[10:12]
+    cut = free[:free.index(stop)]
+    stopped = generate(engine, TOKENIZER, ["ab", "ab"], [SamplingParams(max_tokens=40, stop=(stop,)),
+                                                         SamplingParams(max_tokens=40, stop=("\x00never",))])
+    assert stopped[0].text == cut and stopped[0].finish_reason == "stop"
+    assert stopped[1].text == free and stopped[1].finish_reason == "length"
+
+
+def test_a_request_stops_at_the_end_of_the_context(model):
+    engine = DecodeEngine(model, max_batch=2, max_len=16)
+    result = generate(engine, TOKENIZER, [[0, 1, 2, 3, 4, 5]], SamplingParams(max_tokens=100))[0]
+    assert len(result.token_ids) == 16 - 6 and result.finish_reason == "length"
+    with pytest.raises(RequestError, match="the prompt has 16 tokens; the context holds 16"):
+        generate(engine, TOKENIZER, [list(range(16))], SamplingParams())
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(model):
+    engine = DecodeEngine(model, max_batch=4, max_len=64)
+    params = SamplingParams(max_tokens=15, temperature=1.0, top_p=0.9, seed=11)
+    alone = generate(engine, TOKENIZER, ["xy"], params)[0].token_ids
+    together = generate(engine, TOKENIZER, ["q", "xy", "long prompt"],
+                        [SamplingParams(max_tokens=7, temperature=0.5, seed=1), params, SamplingParams(max_tokens=20)])
+    assert together[1].token_ids == alone
+    assert generate(engine, TOKENIZER, ["xy"], SamplingParams(max_tokens=15, temperature=1.0, seed=12))[0].token_ids != alone
+
+
+def test_streamed_pieces_add_up_to_the_text_and_hold_back_a_possible_stop(model):
+    engine = DecodeEngine(model, max_batch=2, max_len=64)
+    free = generate(engine, TOKENIZER, ["ab"], SamplingParams(max_tokens=30))[0].text
+    stop = free[20:23]
+    pieces = []
+    scheduler = Scheduler(engine, TOKENIZER)
+    sequence = scheduler.submit(prompt_ids(TOKENIZER, "ab"), SamplingParams(max_tokens=30, stop=(stop,)),
+                                on_update=lambda s, text: pieces.append((text, s.finish_reason)))
+    scheduler.run_until_idle()
+    assert "".join(text for text, _ in pieces) == sequence.text == free[:free.index(stop)]
+    assert pieces[-1][1] == "stop" and all(reason is None for _, reason in pieces[:-1])
+
+
+def test_the_queue_is_bounded_and_a_cancelled_request_gives_its_row_back(model):
+    engine = DecodeEngine(model, max_batch=1, max_len=64)
+    scheduler = Scheduler(engine, TOKENIZER, max_waiting=2)
+    first = scheduler.submit([0, 1], SamplingParams(max_tokens=50))
+    scheduler.submit([0, 2], SamplingParams(max_tokens=2))
+    with pytest.raises(QueueFull, match="2 requests are waiting already"):
+        scheduler.submit([0, 3], SamplingParams())
+    scheduler.step()  # the first takes the one row
+    assert first.row == 0 and len(scheduler.waiting) == 1
+    first.cancelled = True
+    scheduler.run_until_idle()
+    assert first.finish_reason == "cancelled" and len(first.token_ids) < 50
+    assert scheduler.free_rows == [0] and not scheduler.running and not scheduler.waiting
+
+
+@pytest.mark.parametrize("params, message", [
+    (SamplingParams(max_tokens=0), "max_tokens must be an integer >= 1"),
+    (SamplingParams(temperature=float("nan")), "temperature must be a finite number >= 0"),
+    (SamplingParams(temperature=-1), "temperature must be a finite number >= 0"),
+    (SamplingParams(top_p=0), r"top_p must be in \(0, 1\]"),
+    (SamplingParams(stop=("",)), "stop must be non-empty strings"),
+])
+def test_bad_settings_are_named(model, params, message):
+    with pytest.raises(RequestError, match=message):
+        generate(DecodeEngine(model, max_batch=1, max_len=8), TOKENIZER, ["x"], params)
+
+
+def test_prompts_files(tmp_path):
+    defaults = SamplingParams(max_tokens=5)
+    (tmp_path / "p.txt").write_text("first\n\n{not json}\n")
+    assert read_prompts(tmp_path / "p.txt", defaults) == [("first", defaults), ("{not json}", defaults)]
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b", "temperature": 0.5, "stop": "x"}\n')
+    assert read_prompts(tmp_path / "p.jsonl", defaults) == [
+        ("a", defaults), ("b", SamplingParams(max_tokens=5, temperature=0.5, stop=("x",)))]
+    for line, message in [("{oops", "line 1: invalid JSON"), ('{"text": "a"}', 'line 1: expected an object'),
+                          ('{"prompt": "a", "temp": 1}', "line 1: unknown field 'temp'"),
+                          ('{"prompt": "a", "top_p": 2}', r"line 1: top_p must be in \(0, 1\]"),
+                          ('{"prompt": "a", "stop": 5}', "line 1: stop must be non-empty strings")]:
+        (tmp_path / "bad.jsonl").write_text(line + "\n")
+        with pytest.raises(DataError, match=message):
+            read_prompts(tmp_path / "bad.jsonl", defaults)
