@@ -127,16 +127,19 @@ def main():
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = load_config(args.config).model if args.config else qwen3_30b_a3b(args.layers)
     config = config.replace(max_position_embeddings=max(config.max_position_embeddings,
-                                                        args.prompt_len + args.new_tokens + 1))
+                                                        args.prompt_len + args.new_tokens + 1),
+                            output_router_logits=False)  # generation: no load-balancing loss on either side
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(1, config.vocab_size, (max(args.batches), args.prompt_len), generator=generator).tolist()
     torch.manual_seed(0)
+    where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (timings are only a smoke check)"
+    title = (f"decode, {config.num_hidden_layers} layers, {str(dtype)[6:]}, prompt {args.prompt_len}, "
+             f"{args.new_tokens} new tokens, greedy, {where}, torch {torch.__version__}")
     rows, _ = moemesh_rows(config, args, device, dtype, prompts)
+    print_table(rows, title)  # printed at once: the other side may run out of time or memory
     if not args.no_transformers:
         rows += transformers_rows(config, args, device, prompts)
-    where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (timings are only a smoke check)"
-    print_table(rows, f"decode, {config.num_hidden_layers} layers, {str(dtype)[6:]}, prompt {args.prompt_len}, "
-                      f"{args.new_tokens} new tokens, greedy, {where}, torch {torch.__version__}")
+        print_table(rows, title)
 
 
 if __name__ == "__main__":

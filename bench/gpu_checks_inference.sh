@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The GPU checks of the meta-device build, checkpoint loading and the inference engine on one GPU,
+# in parts that fit a device call each (10 minutes). Logs go to $LOGS; the tables are printed.
+#   bash bench/gpu_checks_inference.sh setup    the GPU tests of the engine and kernels; building
+#       from the seed (6 and 48 layers) and the Trainer's setup; writing the largest 48-layer cut
+#       the disk holds and loading it for generation (bench/load.py)
+#   bash bench/gpu_checks_inference.sh decode6  decoding, 6-layer shape, moemesh beside transformers
+#   bash bench/gpu_checks_inference.sh decode48 decoding, the full 48-layer shape, both sides
+#   bash bench/gpu_checks_inference.sh serve    a 6-layer checkpoint served by `moemesh serve`
+#       under 1, 16 and 64 concurrent streaming clients (bench/serve_load.py); the kernels' table
+# Packages the image lacks (fastapi, uvicorn and theirs) travel as wheels in .whl (device README).
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH=.:${PYTHONPATH:-} NCCL_NVLS_ENABLE=0
+LOGS=${LOGS:-/tmp/moemesh_gpu_checks}
+mkdir -p "$LOGS"
+quiet() { grep -v "^W1\|UserWarning\|_warn_once\|warnings.warn"; }
+case "${1:-setup}" in
+setup)
+    timeout 200 python3 -m pytest -q tests/test_gpu_bf16.py tests/test_ops_expert_gemv.py \
+        tests/test_inference_generate.py tests/test_inference_sampling.py tests/test_models_decoding.py \
+        > "$LOGS/gpu_tests.txt" 2>&1
+    echo "== GPU tests"; grep -E "passed|failed|Error" "$LOGS/gpu_tests.txt" | tail -5
+    timeout 360 python3 bench/load.py 2>&1 | quiet | tail -16
+    ;;
+decode6)
+    timeout 560 python3 bench/decode.py --layers 6 2>&1 | quiet | tail -20
+    ;;
+decode48)
+    timeout 560 python3 bench/decode.py --layers 48 2>&1 | quiet | tail -20
+    ;;
+serve)
+    python3 bench/serve_load.py --write-checkpoint /tmp/q6 --layers 6 > "$LOGS/write.txt" 2>&1
+    python3 -m moemesh serve --checkpoint /tmp/q6 --max-batch 64 --max-len 1024 > "$LOGS/serve.txt" 2>&1 &
+    server=$!
+    for _ in $(seq 120); do curl -s http://127.0.0.1:8000/health > /dev/null && break; sleep 1; done
+    timeout 300 python3 bench/serve_load.py --clients 1,16,64 --requests 4 --prompt-len 512 --max-tokens 128 \
+        2>&1 | quiet | tail -8
+    kill $server
+    timeout 150 python3 bench/kernels.py 2>&1 | quiet | grep -i -A12 "expert_gemv\|gemv" | head -30
+    ;;
+esac
