@@ -16,3 +16,8 @@ class CheckpointError(MoemeshError):
 
 class DataError(MoemeshError):
     """A data or tokenizer file that is missing or unreadable."""
+
+
+class DivergedError(MoemeshError):
+    """A run whose loss or gradient norm stayed non-finite for `train.max_bad_steps` steps in a row,
+    or whose weights became non-finite (a learning rate too high for the model, most often)."""

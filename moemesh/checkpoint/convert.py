@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from moemesh.checkpoint import integrity
 from moemesh.checkpoint.dcp import TOKENIZER_FILE, _load, resolve_checkpoint, save_checkpoint
 from moemesh.checkpoint.hf import from_pretrained, save_pretrained
 from moemesh.errors import CheckpointError
@@ -44,14 +46,19 @@ def load_model(path: str | os.PathLike, device: torch.device | str = "cpu") -> t
 
 
 def export_hf(source: str | os.PathLike, target: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
-    """moemesh checkpoint -> Hugging Face directory (config.json + safetensors)."""
+    """moemesh checkpoint -> Hugging Face directory (config.json + safetensors), written under a
+    temporary name and renamed when complete."""
     _check_target(target)
     model, checkpoint = load_model(source)
     if dtype is not None:
         model.to(dtype)
-    save_pretrained(model, target)
-    if (checkpoint / TOKENIZER_FILE).is_file():
-        shutil.copyfile(checkpoint / TOKENIZER_FILE, Path(target) / TOKENIZER_FILE)
+    target = Path(target)
+    tmp = target.with_name(integrity.TMP_PREFIX + target.name)
+    with _writing(target, tmp):
+        save_pretrained(model, tmp)
+        if (checkpoint / TOKENIZER_FILE).is_file():
+            shutil.copyfile(checkpoint / TOKENIZER_FILE, tmp / TOKENIZER_FILE)
+        integrity.publish(tmp, target)
     return checkpoint
 
 
@@ -62,11 +69,25 @@ def import_hf(source: str | os.PathLike, target: str | os.PathLike) -> None:
     _check_target(target)
     model = from_pretrained(source, dtype=torch.float32)
     tokenizer = Path(source) / TOKENIZER_FILE
-    save_checkpoint(Path(target), {"model": model.state_dict()}, model.config,
-                    tokenizer if tokenizer.is_file() else None)
+    target = Path(target)
+    with _writing(target, target.with_name(integrity.TMP_PREFIX + target.name)):  # save_checkpoint's own
+        save_checkpoint(target, {"model": model.state_dict()}, model.config, tokenizer if tokenizer.is_file() else None)
 
 
 def _check_target(target: str | os.PathLike) -> None:
     target = Path(target)
+    if target.exists() and not target.is_dir():
+        raise CheckpointError(f"{target} exists and is not a directory; choose a new directory")
     if target.exists() and any(target.iterdir()):
         raise CheckpointError(f"{target} already exists and is not empty; choose a new directory")
+
+
+@contextmanager
+def _writing(target: Path, tmp: Path):
+    """A write into `tmp` that fails (no space, no permission, no such directory) leaves nothing
+    behind and says so in one line."""
+    try:
+        yield
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"cannot write {target}: {e.strerror or e}") from None

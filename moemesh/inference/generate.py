@@ -33,9 +33,11 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float,
 @torch.no_grad()
 def generate(model: MoECausalLM, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
              top_p: float = 1.0, eos_id: int | None = None, seed: int = 0) -> list[int]:
-    """The new token ids that follow `prompt_ids` (at most max_new_tokens; stops at eos_id)."""
+    """The new token ids that follow `prompt_ids` (at most max_new_tokens; stops at eos_id and at
+    the model's max_position_embeddings)."""
     if not prompt_ids:
         raise ValueError("generate needs at least one prompt token")
+    max_new_tokens = min(max_new_tokens, model.config.max_position_embeddings - len(prompt_ids))
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     cache = KVCache()
@@ -76,5 +78,8 @@ def complete(model: MoECausalLM, tokenizer: Tokenizer, prompt: str, max_new_toke
     prompt_ids = start + tokenizer.encode(prompt)
     if not prompt_ids:
         raise MoemeshError("the prompt is empty and the tokenizer has no end-of-document token to start from")
+    if len(prompt_ids) >= model.config.max_position_embeddings:
+        raise MoemeshError(f"the prompt is {len(prompt_ids)} tokens long, and the model takes at most "
+                           f"max_position_embeddings = {model.config.max_position_embeddings} (new tokens included)")
     new_ids = generate(model, prompt_ids, max_new_tokens, temperature, top_p, tokenizer.eos_id, seed)
     return tokenizer.decode(new_ids)
