@@ -27,7 +27,7 @@ _QUIET_RANK_DELAY_S = 1.0
 
 
 class _Parser(argparse.ArgumentParser):
-    """Bad arguments get one line (argparse prints its usage first), from rank 0 only."""
+    """One line for bad arguments (argparse's own prints its usage first), from rank 0 only."""
 
     def error(self, message: str):
         _say_once(f"{self.prog}: error: {message}")
@@ -91,7 +91,6 @@ def _generate(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from moemesh.config import device_for
-
     from moemesh.inference.generate import complete, load_for_generation
     from moemesh.parallel.mesh import ParallelDims, init_mesh
     from moemesh.parallel.tensor import apply_tp

@@ -237,6 +237,8 @@ def _check_type(key: str, value: Any, expected: Any) -> Any:
     else:  # list[float]
         ok = isinstance(value, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
         value = [float(v) for v in value] if ok else value
+    if not ok and expected is float and isinstance(value, float):
+        raise ConfigError(f"{key} must be a finite number, got {value!r}")
     if not ok:
         name = getattr(expected, "__name__", str(expected))
         raise ConfigError(f"{key} must be of type {name}, got {value!r}")

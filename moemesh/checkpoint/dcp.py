@@ -15,6 +15,7 @@ complete, so a `step_N` directory is never half-written and an interrupted save 
 one intact. Before a checkpoint is used it is verified (`integrity.problem`); asked for the newest
 one of a run directory, `latest_checkpoint` passes over those that fail, saying which and why.
 """
+
 from __future__ import annotations
 
 import copy
@@ -44,7 +45,6 @@ from moemesh.parallel.stored import stored_state
 CHECKPOINTS = "checkpoints"
 TOKENIZER_FILE = "tokenizer.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-_WRITE_THREADS = 4  # files per rank that DCP writes (and that are then hashed) in parallel
 
 
 def checkpoint_path(run_dir: str | os.PathLike, step: int) -> Path:
@@ -129,15 +129,15 @@ def save_checkpoint(path: Path, state: dict[str, Any], model_config: ModelConfig
             integrity.write_durably(tmp / TOKENIZER_FILE, Path(tokenizer_file).read_bytes())
 
     _on_main_rank(prepare, path, tmp)
-    writer = dcp.FileSystemWriter(tmp, thread_count=_WRITE_THREADS)  # each file fsynced, .metadata too
+    # DCP's writer fsyncs each file and .metadata. One writing thread per rank: with more, a thread
+    # that fails dies unseen and DCP publishes metadata without its tensors (torch 2.13).
     try:
         with _single_process_quietly():  # every rank writes its part; a failure anywhere raises on all
-            metadata = dcp.save(stored_state(state, model, mesh), checkpoint_id=tmp, storage_writer=writer,
-                                no_dist=_no_dist())
+            metadata = dcp.save(stored_state(state, model, mesh), checkpoint_id=tmp, no_dist=_no_dist())
     except (Exception, dcp.CheckpointException) as e:  # CheckpointException is a BaseException
         if _is_main():
             shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"cannot write checkpoint {path}: {_last_line(e)}") from None
+        raise CheckpointError(f"cannot write checkpoint {path}: {_first_cause(e)}") from None
     names = {item.relative_path for item in metadata.storage_data.values()} | {".metadata", "config.json"}
     if tokenizer_file is not None:
         names.add(TOKENIZER_FILE)
@@ -168,10 +168,17 @@ def _on_main_rank(action: Callable[[], None], path: Path, tmp: Path) -> None:
         raise CheckpointError(f"cannot write checkpoint {path}: {error}")
 
 
-def _last_line(error: BaseException) -> str:
-    """The last line of an error's text: DCP puts each failed rank's traceback in it."""
-    lines = [line for line in str(error).strip().splitlines() if line.strip()]
-    return lines[-1] if lines else type(error).__name__
+def _first_cause(error: BaseException) -> str:
+    """What went wrong, in one line. DCP wraps each rank's exception in a CheckpointException; the
+    one that matters is often earlier in its chain: "OSError: [Errno 28] No space left on device",
+    not what torch.save raised while closing the file after it."""
+    if isinstance(error, dcp.CheckpointException) and error.failures:
+        error = next(iter(error.failures.values()))[0]  # (exception, traceback) of the first rank
+    chain = [error]
+    while (earlier := chain[-1].__cause__ or chain[-1].__context__) is not None and earlier not in chain:
+        chain.append(earlier)
+    cause = next((e for e in reversed(chain) if isinstance(e, OSError)), error)
+    return f"{type(cause).__name__}: {cause}"
 
 
 def training_state(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -210,7 +217,7 @@ def _load(path: Path, state: dict[str, Any]) -> None:
         with _single_process_quietly():
             dcp.load(state, checkpoint_id=path, no_dist=_no_dist())
     except (Exception, dcp.CheckpointException) as e:  # CheckpointException is a BaseException
-        raise CheckpointError(f"cannot load checkpoint {path}: {_last_line(e)}") from None
+        raise CheckpointError(f"cannot load checkpoint {path}: {_first_cause(e)}") from None
 
 
 def check_complete(path: Path) -> None:

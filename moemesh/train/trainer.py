@@ -358,7 +358,7 @@ class Trainer:
 
 
 def _non_finite(record: dict) -> str:
-    """"loss nan and gradient norm nan", "gradient norm inf", ... for a skipped step's record."""
+    """What is not finite in a skipped step's record: "loss nan and gradient norm nan", ..."""
     names = {"loss": "loss", "grad_norm": "gradient norm"}
     return " and ".join(f"{names[key]} {record[key]}" for key in names if not math.isfinite(record[key]))
 
