@@ -221,7 +221,7 @@ class Trainer:
 
     def save(self) -> Path:
         # Every rank checks its own part of the weights, and all learn whether any part is bad.
-        finite = all(bool(local(p).isfinite().all()) for p in self.model.parameters())
+        finite = bool(torch.stack([local(p).isfinite().all() for p in self.model.parameters()]).all())  # one sync
         if not all(comm.all_gather_object(finite)):
             raise DivergedError(f"step {self.step}: the weights hold non-finite values, so no checkpoint is written; "
                                 f"the newest checkpoint is {self.checkpoint or 'none'} (a lower train.lr may help)")
