@@ -173,7 +173,8 @@ def _first_cause(error: BaseException) -> str:
     one that matters is often earlier in its chain: "OSError: [Errno 28] No space left on device",
     not what torch.save raised while closing the file after it."""
     if isinstance(error, dcp.CheckpointException) and error.failures:
-        error = next(iter(error.failures.values()))[0]  # (exception, traceback) of the first rank
+        failure = next(iter(error.failures.values()))  # the first rank's (exception, traceback)
+        error = failure[0] if isinstance(failure, tuple) else failure
     chain = [error]
     while (earlier := chain[-1].__cause__ or chain[-1].__context__) is not None and earlier not in chain:
         chain.append(earlier)
