@@ -20,7 +20,8 @@ CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider tests/test_ops_*
     > "$OUT/pytest_gpu.txt" 2>&1
 grep -E "rel. error|passed|failed" "$OUT/pytest_gpu.txt"
 
-train=(--config configs/gpu_small.toml --set "train.steps=$STEPS" train.eval_every=0 train.log_every=5)
+train=(--config configs/gpu_small.toml --set "train.steps=$STEPS" train.eval_every=0 train.log_every=5
+       train.overwrite=true)  # $RUNS may hold the checkpoints of an earlier round
 echo "== configs/gpu_small.toml, $STEPS steps, one GPU"
 CUDA_VISIBLE_DEVICES=0 python3 -m moemesh train "${train[@]}" "train.run_dir=$RUNS/gpu1" 2>&1 | tail -8
 echo "== the same, EP=2 on two GPUs"

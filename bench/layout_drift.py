@@ -103,7 +103,8 @@ def main() -> None:
     layouts = [layout for layout in args.layouts.split(";") if layout]
     work = Path(tempfile.mkdtemp(prefix="layout_drift-"))
 
-    reference = train(work / "one-process", args, extra=(f"train.save_every={args.forced_every}",))
+    reference = train(work / "one-process", args, extra=(f"train.save_every={args.forced_every}",
+                                                         "train.keep_checkpoints=0"))  # each is forced from
     curves = {"one process, 2 threads (noise floor)": train(work / "two-threads", args, threads=2,
                                                             extra=("train.save_every=-1",))}
     for layout in layouts:

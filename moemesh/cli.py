@@ -1,14 +1,24 @@
 """The `moemesh` command: train, generate, serve, estimate, convert.
 
-A mistake in what the user gave (config, data, checkpoint) prints one line and exits with code 2;
-anything else is a bug and keeps its traceback.
+A mistake in what the user gave (arguments, config, data, checkpoint) or a diverged run prints one
+line and exits with code 2; a collective that failed (a peer that stopped, died or timed out) prints
+one line per rank that saw it and exits with code 1; anything else is a bug and keeps its traceback.
+
+Under torchrun every rank reads the same arguments, config, data and checkpoints, so every rank
+meets the same mistake: rank 0 alone says it. Each line is also written to torchrun's error file
+(TORCHELASTIC_ERROR_FILE), so that torchrun's report of the failed workers names it instead of
+pointing to a traceback. torchrun itself exits with 1 whenever a worker fails (`launch_agent`
+raises ChildFailedError), whatever code the worker returned.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import os
 import sys
+import time
 from pathlib import Path
 
 from moemesh.errors import MoemeshError
@@ -16,8 +26,19 @@ from moemesh.errors import MoemeshError
 _DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
+_QUIET_RANK_DELAY_S = 1.0
+
+
+class _Parser(argparse.ArgumentParser):
+    """One line for bad arguments (argparse's own prints its usage first), from rank 0 only."""
+
+    def error(self, message: str):
+        _say_once(f"{self.prog}: error: {message}")
+        self.exit(2)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moemesh", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="moemesh", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
     train = commands.add_parser("train", help="train a model (default: configs/tiny.toml on the stdlib corpus)")
@@ -100,6 +121,7 @@ def _train(args: argparse.Namespace) -> None:
 def _generate(args: argparse.Namespace) -> None:
     import json
 
+    from moemesh.errors import RequestError
     from moemesh.inference.engine import DecodeEngine
     from moemesh.inference.generate import generate, prompt_ids, read_prompts
     from moemesh.inference.request import SamplingParams, check_request
@@ -108,11 +130,15 @@ def _generate(args: argparse.Namespace) -> None:
     _checked(defaults)
     prompts = read_prompts(args.prompts_file, defaults) if args.prompts_file else [(args.prompt, defaults)]
     with _loaded(args) as (model, tokenizer, group):
-        requests = [(prompt_ids(tokenizer, text), params) for text, params in prompts]
-        limit = model.config.max_position_embeddings
-        max_len = args.max_len or min(limit, max(len(ids) + params.max_tokens for ids, params in requests))
-        for ids, params in requests:
-            check_request(ids, params, min(max_len, limit))
+        where = "--prompt" if args.prompt is not None else f"--prompts-file {args.prompts_file}"
+        try:  # a prompt that cannot run, named as the command line gave it
+            requests = [(prompt_ids(tokenizer, text), params) for text, params in prompts]
+            limit = model.config.max_position_embeddings
+            max_len = args.max_len or min(limit, max(len(ids) + params.max_tokens for ids, params in requests))
+            for ids, params in requests:
+                check_request(ids, params, min(max_len, limit))
+        except RequestError as e:
+            raise MoemeshError(f"{where}: {e}") from None
         engine = DecodeEngine(model, max_batch=min(args.max_batch, len(requests)), max_len=max_len, group=group)
         if not engine.leader:
             return engine.follow()
@@ -158,8 +184,10 @@ def _checked(params) -> None:
     try:
         params.check()
     except RequestError as e:  # named as the command line spells it
-        flag = {"max_tokens": "max-new-tokens", "top_p": "top-p"}.get(e.param, e.param)
-        raise MoemeshError(f"--{flag}: {e}") from None
+        flag = "--" + {"max_tokens": "max-new-tokens", "top_p": "top-p"}.get(e.param, e.param)
+        message = str(e)
+        raise MoemeshError(flag + message.removeprefix(e.param) if message.startswith(e.param)
+                           else f"{flag}: {message}") from None
 
 
 @contextlib.contextmanager
@@ -169,14 +197,18 @@ def _loaded(args: argparse.Namespace):
     import torch
     import torch.distributed as dist
 
+    from moemesh.config import device_for
     from moemesh.inference.generate import load_for_generation
     from moemesh.parallel.mesh import ParallelDims, init_mesh
 
-    if args.max_batch < 1 or (args.max_len is not None and args.max_len < 2):
-        raise MoemeshError("need --max-batch >= 1 and --max-len >= 2")
+    if args.max_batch < 1:
+        raise MoemeshError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.max_len is not None and args.max_len < 2:
+        raise MoemeshError(f"--max-len must be >= 2, got {args.max_len}")
+    device = device_for(args.device, "--device")
+    # First the mesh: it checks the number of processes and makes "cuda" this rank's GPU.
     mesh = init_mesh(ParallelDims(tp=_tensor_parallel_size(args)))
     try:
-        device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
         model, tokenizer = load_for_generation(args.checkpoint, args.tokenizer, device, dtype, mesh)
         yield model, tokenizer, mesh.group("tp")
@@ -192,6 +224,8 @@ def _tensor_parallel_size(args: argparse.Namespace) -> int:
         if key != "parallel.tp" or not value.isdigit():
             raise MoemeshError(f"{args.command} --set takes only parallel.tp=N (the tensor-parallel size), got {item!r}")
         tp = int(value)
+    if tp < 1:
+        raise MoemeshError(f"--tp must be >= 1, got {tp}")
     return tp
 
 
@@ -199,6 +233,8 @@ def _estimate(args: argparse.Namespace) -> None:
     from moemesh.config import load_config
     from moemesh.estimate import estimate_run
 
+    if args.pp is not None and args.pp < 1:
+        raise MoemeshError(f"--pp must be >= 1, got {args.pp}")
     overrides = [item for group in args.overrides for item in group]
     print(estimate_run(load_config(args.config, overrides, launched=False), args.pp, args.schedule, args.profile))
 
@@ -217,6 +253,28 @@ def _convert(args: argparse.Namespace) -> None:
         print(f"wrote Hugging Face directory {args.target} from {checkpoint}")
 
 
+def _is_rank_zero() -> bool:
+    return os.environ.get("RANK", "0") == "0"  # torchrun sets RANK; one process has none
+
+
+def _say(line: str) -> None:
+    """Print `line` on standard error, and give it to torchrun's report of this rank's failure."""
+    print(line, file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:  # as torchelastic's ErrorHandler writes it; torchrun shows "py_callstack"
+        with open(error_file, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                  "timestamp": str(int(time.time()))}}}, f)
+
+
+def _say_once(line: str) -> None:
+    """`_say` from rank 0 only, for a mistake that every rank meets alike."""
+    if _is_rank_zero():
+        _say(line)
+    else:  # rank 0 meets it at the same moment; had this rank exited first, torchrun could stop rank 0 unsaid
+        time.sleep(_QUIET_RANK_DELAY_S)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     run = {"train": _train, "generate": _generate, "serve": _serve, "estimate": _estimate,
@@ -224,9 +282,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(args)
     except MoemeshError as e:
-        print(f"moemesh {args.command}: error: {e}", file=sys.stderr)
+        _say_once(f"moemesh {args.command}: error: {e}")
         return 2
     except KeyboardInterrupt:
         print(f"moemesh {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        from moemesh.parallel.comm import peer_failure
+
+        reason = peer_failure(e)
+        if reason is None:
+            raise
+        # Every rank that waited on the failed peer says so: which rank saw what tells where it failed.
+        _say(f"moemesh {args.command}: error: rank {os.environ.get('RANK', '0')}: a collective failed: {reason} "
+             "(a peer stopped, died or exceeded parallel.timeout_s)")
+        return 1
     return 0

@@ -38,6 +38,7 @@ class ParallelConfig:
     pp_overlap: bool = True  # DualPipeV: a forward's compute hides a backward's EP all-to-alls, and vice versa
     fsdp_reshard_after_forward: bool = True  # free gathered weights after forward (less memory)
     fsdp_prefetch: bool = True  # gather the next block's weights during this block's compute
+    timeout_s: float = 300.0  # a collective that waits longer for a peer fails (a peer stopped, hung or died)
 
     @property
     def batch_ranks(self) -> int:
@@ -69,10 +70,13 @@ class TrainConfig:
     param_dtype: str = "float32"  # weights and AdamW state; "bfloat16": all bf16, half the memory
     device: str = "auto"  # auto: cuda when available, else cpu
     resume: bool = False
+    overwrite: bool = False  # start afresh in a run_dir that holds checkpoints, deleting them
     # Start from these weights (fresh optimizer, step 0): a Hugging Face directory, or a moemesh
     # checkpoint or run directory. The model is the one its config.json describes; "" : from the seed.
     init_from: str = ""
     save_every: int = 100  # 0: only the final checkpoint; -1: none (benchmark runs)
+    keep_checkpoints: int = 3  # the newest ones kept after each save; 0: keep every one
+    max_bad_steps: int = 3  # non-finite loss or gradient norm this many steps in a row stops the run
     eval_every: int = 50  # 0: evaluate only before the first and after the last step
     eval_sequences: int = 64  # validation sequences per evaluation (always the same ones)
     log_every: int = 10  # steps between plain progress lines when the output is not a terminal
@@ -105,14 +109,30 @@ class RunConfig:
         return dumps_toml(self.to_dict())
 
 
+def device_for(name: str, key: str) -> str:
+    """The device `name` ("auto", "cpu", "cuda", "cuda:N") stands for on this machine; ConfigError
+    naming `key` (the config key or option that gave it) when there is no such device."""
+    _check_device_name(name, key)
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    kind, _, index = name.partition(":")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"{key}={name!r} but torch sees no GPU")
+    if index and int(index) >= torch.cuda.device_count():
+        raise ConfigError(f"{key}={name!r} but torch sees {torch.cuda.device_count()} GPU(s)")
+    return name
+
+
+def _check_device_name(name: str, key: str) -> None:
+    kind, colon, index = name.partition(":")
+    if name != "auto" and (kind not in ("cpu", "cuda") or (colon and (kind == "cpu" or not index.isdigit()))):
+        raise ConfigError(f"{key} must be 'auto', 'cpu' or 'cuda[:N]', got {name!r}")
+
+
 def resolve_device(config: RunConfig) -> RunConfig:
     """Replace train.device / train.dtype "auto" by what this machine has."""
     train = config.train
-    device = train.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"train.device={device!r} but torch sees no GPU")
+    device = device_for(train.device, "train.device")
     dtype = train.dtype
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
@@ -175,7 +195,7 @@ def _model_of(source: str, given: dict[str, Any], data: DataConfig, tokenizer_gi
     set one of TRAINING_KEYS, not contradict it. Its tokenizer.json becomes the run's tokenizer
     unless data.tokenizer names one."""
     from moemesh.checkpoint.dcp import TOKENIZER_FILE
-    from moemesh.checkpoint.load import read_model_config, weights_directory
+    from moemesh.checkpoint.load import newest_directory, read_model_config
     from moemesh.models.registry import family
 
     model = read_model_config(source)
@@ -192,7 +212,7 @@ def _model_of(source: str, given: dict[str, Any], data: DataConfig, tokenizer_gi
             raise ConfigError(f"model.{name} = {getattr(ours, name)!r} contradicts train.init_from {source}, whose "
                               f"config.json has {name} = {getattr(model, name)!r} (leave it out of [model])")
     model = ours
-    tokenizer = weights_directory(source) / TOKENIZER_FILE
+    tokenizer = newest_directory(source) / TOKENIZER_FILE
     if not tokenizer_given and tokenizer.is_file():
         data.tokenizer = str(tokenizer)
     return model
@@ -261,6 +281,8 @@ def _check_type(key: str, value: Any, expected: Any) -> Any:
     else:  # list[float]
         ok = isinstance(value, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
         value = [float(v) for v in value] if ok else value
+    if not ok and expected is float and isinstance(value, float):
+        raise ConfigError(f"{key} must be a finite number, got {value!r}")
     if not ok:
         name = getattr(expected, "__name__", str(expected))
         raise ConfigError(f"{key} must be of type {name}, got {value!r}")
@@ -274,12 +296,15 @@ def _validate(config: RunConfig) -> None:
         if not ok:
             raise ConfigError(message)
 
-    for name in ["steps", "global_batch", "micro_batch", "seq_len", "eval_sequences", "log_every"]:
+    for name in ["steps", "global_batch", "micro_batch", "seq_len", "eval_sequences", "log_every", "max_bad_steps"]:
         need(getattr(train, name) >= 1, f"train.{name} must be >= 1, got {getattr(train, name)}")
     need(train.save_every >= -1, f"train.save_every must be >= -1, got {train.save_every}")
-    for name in ["warmup_steps", "eval_every", "seed", "weight_decay", "grad_clip", "router_bias_update_rate"]:
+    for name in ["warmup_steps", "eval_every", "seed", "weight_decay", "grad_clip", "router_bias_update_rate",
+                 "keep_checkpoints"]:
         need(getattr(train, name) >= 0, f"train.{name} must be >= 0, got {getattr(train, name)}")
     need(train.lr > 0, f"train.lr must be > 0, got {train.lr}")
+    need(not (train.resume and train.overwrite),
+         "train.resume=true continues the run in train.run_dir and train.overwrite=true deletes it: choose one")
     need(0 <= train.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {train.min_lr_ratio}")
     need(len(train.betas) == 2 and all(0 <= b < 1 for b in train.betas),
          f"train.betas must be two numbers in [0, 1), got {train.betas}")
@@ -287,13 +312,13 @@ def _validate(config: RunConfig) -> None:
          f"train.dtype must be 'auto', 'float32' or 'bfloat16', got {train.dtype!r}")
     need(train.param_dtype in ("float32", "bfloat16"),
          f"train.param_dtype must be 'float32' or 'bfloat16', got {train.param_dtype!r}")
-    need(train.device == "auto" or train.device.split(":")[0] in ("cpu", "cuda"),
-         f"train.device must be 'auto', 'cpu' or 'cuda[:N]', got {train.device!r}")
+    _check_device_name(train.device, "train.device")
     need(0 < data.val_fraction < 1, f"data.val_fraction must be in (0, 1), got {data.val_fraction}")
     need(train.seq_len <= model.max_position_embeddings,
          f"train.seq_len ({train.seq_len}) exceeds model.max_position_embeddings ({model.max_position_embeddings})")
     for name in ["dp_replicate", "dp_shard", "ep", "tp", "pp"]:
         need(getattr(config.parallel, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(config.parallel, name)}")
+    need(config.parallel.timeout_s > 0, f"parallel.timeout_s must be > 0, got {config.parallel.timeout_s}")
     # The micro-batches of a step, and each rank's slice of them, must not depend on the layout.
     ranks = config.parallel.batch_ranks
     need(train.global_batch % train.micro_batch == 0,

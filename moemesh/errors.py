@@ -24,3 +24,8 @@ class RequestError(MoemeshError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+class DivergedError(MoemeshError):
+    """A run whose loss or gradient norm stayed non-finite for `train.max_bad_steps` steps in a row,
+    or whose weights became non-finite (a learning rate too high for the model, most often)."""

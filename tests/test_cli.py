@@ -30,7 +30,11 @@ def trained(tmp_path_factory) -> Path:
 
 
 def _fails(capsys, argv: list[str]) -> str:
-    assert main(argv) == 2
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own checks
+        code = e.code
+    assert code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     return err
@@ -67,7 +71,7 @@ def test_missing_and_incomplete_checkpoints(tmp_path, capsys, trained):
     assert f"{broken} is not a complete checkpoint (no .metadata)" in err
 
     (tmp_path / "metadata").rename(broken / ".metadata")
-    data_file = next(broken.glob("*.distcp"))
+    data_file = max(broken.glob("*.distcp"), key=lambda p: p.stat().st_size)
     data_file.write_bytes(data_file.read_bytes()[:1000])
     err = _fails(capsys, ["convert", str(broken), str(tmp_path / "hf")])
     assert f"{broken} is not a complete checkpoint ({data_file.name} is missing or truncated)" in err
@@ -122,12 +126,60 @@ def test_generate_many_prompts_from_a_file(tmp_path, capsys, trained):
     assert written[0] == lines[0] and written[1]["prompt"] == "class "
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0, got nan"),
+    (["--temperature", "inf"], "--temperature must be a finite number >= 0, got inf"),
+    (["--temperature", "-1"], "--temperature must be a finite number >= 0, got -1.0"),
+    (["--top-p", "nan"], "--top-p must be in (0, 1], got nan"),
+    (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1, got 0"),
+    (["--tp", "0"], "--tp must be >= 1, got 0"),
+    (["--device", "tpu"], "--device must be 'auto', 'cpu' or 'cuda[:N]', got 'tpu'"),
+    (["--temperature", "hot"], "argument --temperature: invalid float value: 'hot'"),
+    (["--prompt", "caf\udce9"], "--prompt: the prompt is not UTF-8 text (a byte such as 0xe9 at character 3 is "
+                                 "not valid UTF-8)"),
+    (["--prompt", "x" * 200], "--prompt: the prompt has 201 tokens; the context holds 128 (the prompt and at least "
+                              "one new token)"),
+    (["--tokenizer", "gone.json"], "tokenizer file not found: gone.json (a tokenizer is 'bytes' or a tokenizer.json file)"),
+], ids=["temperature-nan", "temperature-inf", "temperature-negative", "top-p-nan", "top-p-0", "max-new-tokens-0",
+        "tp-0", "device-tpu", "temperature-word", "prompt-latin-1", "prompt-too-long", "tokenizer-missing"])
+def test_each_bad_generate_argument_is_named(capsys, trained, args, message):
+    """One line naming the argument at fault (a non-UTF-8 prompt reaches Python as lone surrogates,
+    as "caf\\xe9" in Latin-1 does here)."""
+    err = _fails(capsys, ["generate", "--checkpoint", str(trained), "--prompt", "x", *args])
+    assert err == f"moemesh generate: error: {message}\n"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_generate_on_a_gpu_that_is_not_there(capsys, trained):
+    err = _fails(capsys, ["generate", "--checkpoint", str(trained), "--prompt", "x", "--device", "cuda"])
+    assert err == "moemesh generate: error: --device='cuda' but torch sees no GPU\n"
+
+
+def test_generation_stops_at_the_models_last_position(capsys, trained):
+    assert main(["generate", "--checkpoint", str(trained), "--prompt", "a" * 100, "--max-new-tokens", "200"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("a" * 100) and len(out) <= 100 + (128 - 101) + 1  # a character per byte token; "\n"
+
+
+def test_bad_estimate_and_convert_arguments(tmp_path, capsys, trained):
+    assert _fails(capsys, ["estimate", "--pp", "0"]) == "moemesh estimate: error: --pp must be >= 1, got 0\n"
+    assert _fails(capsys, ["convert", str(trained)]) == \
+        "moemesh convert: error: the following arguments are required: DST\n"
+    (tmp_path / "file").write_text("")
+    assert _fails(capsys, ["convert", str(trained), str(tmp_path / "file")]) == \
+        f"moemesh convert: error: {tmp_path / 'file'} exists and is not a directory; choose a new directory\n"
+    assert _fails(capsys, ["convert", str(trained), str(tmp_path / "file" / "hf")]) == \
+        f"moemesh convert: error: cannot write {tmp_path / 'file' / 'hf'}: Not a directory\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # nothing half-written
+
+
 @pytest.mark.parametrize("arguments, message", [
-    (["--prompt", "x", "--temperature", "nan"], "--temperature: temperature must be a finite number >= 0, got nan"),
-    (["--prompt", "x", "--top-p", "0"], r"--top-p: top_p must be in (0, 1], got 0.0"),
-    (["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens: max_tokens must be an integer >= 1, got 0"),
+    (["--prompt", "x", "--temperature", "nan"], "--temperature must be a finite number >= 0, got nan"),
+    (["--prompt", "x", "--top-p", "0"], r"--top-p must be in (0, 1], got 0.0"),
+    (["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1, got 0"),
     (["--prompt", "x" * 200], "the prompt has 201 tokens; the context holds 128"),
-    (["--prompt", "\udcff"], "the prompt is not valid UTF-8 text"),
+    (["--prompt", "\udcff"], "the prompt is not UTF-8 text"),
 ])
 def test_generate_mistakes(capsys, trained, arguments, message):
     err = _fails(capsys, ["generate", "--checkpoint", str(trained), *arguments])

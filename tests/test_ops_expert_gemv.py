@@ -42,15 +42,17 @@ def test_bad_shapes_are_refused():
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3", "gemma4"])
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
-def test_selected_experts_equal_the_staged_block(monkeypatch, family, kernels):
+def test_selected_experts_equal_the_staged_block(request, monkeypatch, family, kernels):
     """Expert biases (GPT-OSS, with its clamped SwiGLU), shared experts and routed scaling
-    (DeepSeek-V3), GeGLU and per-expert scales (Gemma 4); an odd number of tokens."""
+    (DeepSeek-V3), GeGLU and per-expert scales (Gemma 4); an odd number of tokens. The Triton
+    kernel runs compiled on a GPU, interpreted on a CPU."""
     if kernels == "triton":
-        pytest.importorskip("triton", reason="the Triton kernel needs the triton package")
+        request.getfixturevalue("triton_kernels")
     monkeypatch.setenv("MOEMESH_KERNELS", kernels)
-    model = build(FAMILIES[family], seed=2)
+    device = "cuda" if kernels == "triton" and torch.cuda.is_available() else "cpu"
+    model = build(FAMILIES[family], seed=2, device=device)
     layer = model.model.layers[-1]
-    h = torch.randn(1, 7, model.config.hidden_size)
+    h = torch.randn(1, 7, model.config.hidden_size, device=device)
     with torch.no_grad():
         x, routing = layer.route(h)
         assert layer.mlp.reads_selected_experts(x.shape[0])

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
 
+from moemesh.checkpoint import integrity
 from moemesh.checkpoint.dcp import TOKENIZER_FILE, _load, resolve_checkpoint, save_checkpoint
 from moemesh.checkpoint.hf import write_pretrained
 from moemesh.checkpoint.load import is_hf_directory, load_model, read_model_config
@@ -26,13 +28,18 @@ from moemesh.parallel.stored import HALVES, packed_dim
 
 
 def export_hf(source: str | os.PathLike, target: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
-    """moemesh checkpoint -> Hugging Face directory (config.json + safetensors), streamed."""
+    """moemesh checkpoint -> Hugging Face directory (config.json + safetensors), streamed, written
+    under a temporary name and renamed when complete."""
     _check_target(target)
     config = read_model_config(source)
     checkpoint = resolve_checkpoint(source)
-    write_pretrained(_stored_tensors(checkpoint, config, dtype), config, target)
-    if (checkpoint / TOKENIZER_FILE).is_file():
-        shutil.copyfile(checkpoint / TOKENIZER_FILE, Path(target) / TOKENIZER_FILE)
+    target = Path(target)
+    tmp = target.with_name(integrity.TMP_PREFIX + target.name)
+    with _writing(target, tmp):
+        write_pretrained(_stored_tensors(checkpoint, config, dtype), config, tmp)
+        if (checkpoint / TOKENIZER_FILE).is_file():
+            shutil.copyfile(checkpoint / TOKENIZER_FILE, tmp / TOKENIZER_FILE)
+        integrity.publish(tmp, target)
     return checkpoint
 
 
@@ -63,11 +70,25 @@ def import_hf(source: str | os.PathLike, target: str | os.PathLike) -> None:
     _check_target(target)
     model, _ = load_model(source)
     tokenizer = Path(source) / TOKENIZER_FILE
-    save_checkpoint(Path(target), {"model": model.state_dict()}, model.config,
-                    tokenizer if tokenizer.is_file() else None)
+    target = Path(target)
+    with _writing(target, target.with_name(integrity.TMP_PREFIX + target.name)):  # save_checkpoint's own
+        save_checkpoint(target, {"model": model.state_dict()}, model.config, tokenizer if tokenizer.is_file() else None)
 
 
 def _check_target(target: str | os.PathLike) -> None:
     target = Path(target)
+    if target.exists() and not target.is_dir():
+        raise CheckpointError(f"{target} exists and is not a directory; choose a new directory")
     if target.exists() and any(target.iterdir()):
         raise CheckpointError(f"{target} already exists and is not empty; choose a new directory")
+
+
+@contextmanager
+def _writing(target: Path, tmp: Path):
+    """A write into `tmp` that fails (no space, no permission, no such directory) leaves nothing
+    behind and says so in one line."""
+    try:
+        yield
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"cannot write {target}: {e.strerror or e}") from None

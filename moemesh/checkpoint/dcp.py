@@ -8,9 +8,12 @@ save their shards in parallel and load them back into any other layout.
                                   (gate_up_proj as its .gate and .up halves), whatever the layout
         config.json               the model config, in Hugging Face field names
         tokenizer.json            the tokenizer, when the run used one (none: byte-level)
+        SHA256SUMS                the checksum of every other file (`integrity.py`)
 
-A checkpoint is written under a temporary name and renamed to `step_N` only when complete, so a
-`step_N` directory is never half-written and an interrupted save leaves the previous one intact.
+A checkpoint is written under a temporary name, flushed to disk, and renamed to `step_N` only when
+complete, so a `step_N` directory is never half-written and an interrupted save leaves the previous
+one intact. Before a checkpoint is used it is verified (`integrity.problem`); asked for the newest
+one of a run directory, `latest_checkpoint` passes over those that fail, saying which and why.
 """
 
 from __future__ import annotations
@@ -20,10 +23,11 @@ import json
 import os
 import re
 import shutil
+import sys
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -31,6 +35,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from moemesh.checkpoint import integrity
 from moemesh.errors import CheckpointError
 from moemesh.models import ModelConfig
 from moemesh.parallel import comm
@@ -40,19 +45,52 @@ from moemesh.parallel.stored import stored_state
 CHECKPOINTS = "checkpoints"
 TOKENIZER_FILE = "tokenizer.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-_TMP_PREFIX = ".tmp-"
 
 
 def checkpoint_path(run_dir: str | os.PathLike, step: int) -> Path:
     return Path(run_dir) / CHECKPOINTS / f"step_{step}"
 
 
-def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    """The complete checkpoint of the highest step in `run_dir`, or None."""
+def checkpoint_steps(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """(step, directory) of every `step_N` of `run_dir`, newest first, whether it verifies or not."""
     root = Path(run_dir) / CHECKPOINTS
-    steps = [(int(m.group(1)), p) for p in root.glob("step_*") if (m := _STEP_DIR.match(p.name))]
-    complete = [(step, p) for step, p in steps if (p / ".metadata").is_file()]
-    return max(complete)[1] if complete else None
+    steps = [(int(m.group(1)), p) for p in root.glob("step_*") if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return sorted(steps, reverse=True)
+
+
+def latest_checkpoint(run_dir: str | os.PathLike, report: Callable[[str], None] | None = None) -> Path | None:
+    """The newest checkpoint of `run_dir` that verifies, or None. Each newer one that does not is
+    named in one line, with why, to `report` (default: standard error, from the main rank).
+    Collective under a process group: every rank calls it and gets the same answer."""
+    for _, path in checkpoint_steps(run_dir):
+        problem = integrity.problem(path)
+        if problem is None:
+            return path
+        (report or _report_on_stderr)(f"skipping {path}, which {problem}")
+    return None
+
+
+def prune_checkpoints(run_dir: str | os.PathLike, keep: int, saved: Path) -> None:
+    """After `saved` was written: delete the checkpoints older than it but the newest `keep` - 1,
+    and what interrupted saves left behind. `saved`, just written and hashed, is the newest
+    checkpoint known to verify and always stays; newer ones (a run resumed from an older checkpoint
+    when the newer ones failed to verify) are left for the run to replace. keep 0 keeps all."""
+    if keep == 0 or not _is_main():
+        return
+    older = [path for step, path in checkpoint_steps(run_dir) if path != saved and step < _step_of(saved)]
+    for path in older[keep - 1:]:
+        integrity.remove(path)
+    for leftover in (Path(run_dir) / CHECKPOINTS).glob(integrity.TMP_PREFIX + "*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _step_of(path: Path) -> int:
+    return int(_STEP_DIR.match(path.name).group(1))
+
+
+def _report_on_stderr(line: str) -> None:
+    if _is_main():
+        print(f"moemesh: {line}", file=sys.stderr, flush=True)
 
 
 def _is_main() -> bool:
@@ -78,21 +116,70 @@ def save_checkpoint(path: Path, state: dict[str, Any], model_config: ModelConfig
                     mesh: Mesh | None = None) -> None:
     """Write `state` (nested dicts of tensors and small Python values; the parts of `model` on
     `mesh` where it is sharded) with DCP as `stored_state` presents it, plus config.json (and
-    tokenizer.json), all under a temporary name, then rename to `path`."""
-    tmp = path.with_name(_TMP_PREFIX + path.name)
-    if _is_main():
+    tokenizer.json) and SHA256SUMS, all under a temporary name and flushed to disk, then rename to
+    `path`. A failure on any rank (no space left, no permission) raises CheckpointError on every
+    rank and leaves nothing behind."""
+    tmp = path.with_name(integrity.TMP_PREFIX + path.name)
+
+    def prepare():
         shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
-    comm.barrier()
-    with _single_process_quietly():
-        dcp.save(stored_state(state, model, mesh), checkpoint_id=tmp, no_dist=_no_dist())  # every rank writes its part
-    if _is_main():
-        (tmp / "config.json").write_text(json.dumps(model_config.to_hf_dict(), indent=2) + "\n")
+        tmp.mkdir(parents=True)
+        integrity.write_durably(tmp / "config.json", (json.dumps(model_config.to_hf_dict(), indent=2) + "\n").encode())
         if tokenizer_file is not None:
-            shutil.copyfile(tokenizer_file, tmp / TOKENIZER_FILE)
-        if path.exists():  # the same step saved again, e.g. by a resumed run
-            shutil.rmtree(path)
-        os.rename(tmp, path)
-    comm.barrier()
+            integrity.write_durably(tmp / TOKENIZER_FILE, Path(tokenizer_file).read_bytes())
+
+    _on_main_rank(prepare, path, tmp)
+    # DCP's writer fsyncs each file and .metadata. One writing thread per rank: with more, a thread
+    # that fails dies unseen and DCP publishes metadata without its tensors (torch 2.13).
+    try:
+        with _single_process_quietly():  # every rank writes its part; a failure anywhere raises on all
+            metadata = dcp.save(stored_state(state, model, mesh), checkpoint_id=tmp, no_dist=_no_dist())
+    except (Exception, dcp.CheckpointException) as e:  # CheckpointException is a BaseException
+        if _is_main():
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"cannot write checkpoint {path}: {_first_cause(e)}") from None
+    names = {item.relative_path for item in metadata.storage_data.values()} | {".metadata", "config.json"}
+    if tokenizer_file is not None:
+        names.add(TOKENIZER_FILE)
+    digests = integrity.sha256_of_files(tmp, sorted(names))
+    unreadable = sorted(name for name, digest in digests.items() if digest is None)
+
+    def publish():
+        if unreadable:
+            raise OSError(f"{unreadable[0]} cannot be read back")
+        integrity.write_checksums(tmp, digests)
+        integrity.publish(tmp, path)
+
+    _on_main_rank(publish, path, tmp)
+
+
+def _on_main_rank(action: Callable[[], None], path: Path, tmp: Path) -> None:
+    """Run `action` (file work) on the main rank; if it fails, remove `tmp` and raise
+    CheckpointError on every rank (a barrier too)."""
+    error = None
+    if _is_main():
+        try:
+            action()
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            error = e.strerror if e.strerror else str(e)
+    error = comm.all_gather_object(error)[0]
+    if error is not None:
+        raise CheckpointError(f"cannot write checkpoint {path}: {error}")
+
+
+def _first_cause(error: BaseException) -> str:
+    """What went wrong, in one line. DCP wraps each rank's exception in a CheckpointException; the
+    one that matters is often earlier in its chain: "OSError: [Errno 28] No space left on device",
+    not what torch.save raised while closing the file after it."""
+    if isinstance(error, dcp.CheckpointException) and error.failures:
+        failure = next(iter(error.failures.values()))  # the first rank's (exception, traceback)
+        error = failure[0] if isinstance(failure, tuple) else failure
+    chain = [error]
+    while (earlier := chain[-1].__cause__ or chain[-1].__context__) is not None and earlier not in chain:
+        chain.append(earlier)
+    cause = next((e for e in reversed(chain) if isinstance(e, OSError)), error)
+    return f"{type(cause).__name__}: {cause}"
 
 
 def training_state(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -106,7 +193,8 @@ def training_state(model: nn.Module, optimizer: torch.optim.Optimizer,
 def load_training_state(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                         scheduler: torch.optim.lr_scheduler.LRScheduler, trainer: dict[str, Any],
                         mesh: Mesh | None = None) -> dict[str, Any]:
-    """Restore model, optimizer and scheduler from `path` (into this rank of `mesh`); returns
+    """Restore model, optimizer and scheduler from the checkpoint `path` (one that
+    `latest_checkpoint` or `resolve_checkpoint` found to verify) into this rank of `mesh`; returns
     `trainer` filled from it."""
     state = training_state(model, optimizer, scheduler, trainer)
     # The parameter groups stay this rank's own, as the config built them: a checkpoint holds one
@@ -125,37 +213,25 @@ def load_training_state(path: Path, model: nn.Module, optimizer: torch.optim.Opt
 
 
 def _load(path: Path, state: dict[str, Any]) -> None:
-    check_complete(path)
+    """Read a verified checkpoint into `state` (verified once only: verifying reads every byte)."""
     try:
         with _single_process_quietly():
             dcp.load(state, checkpoint_id=path, no_dist=_no_dist())
     except (Exception, dcp.CheckpointException) as e:  # CheckpointException is a BaseException
-        lines = [line for line in str(e).strip().splitlines() if line.strip()]
-        reason = lines[-1] if lines else type(e).__name__
-        raise CheckpointError(f"cannot load checkpoint {path}: {reason}") from None
+        raise CheckpointError(f"cannot load checkpoint {path}: {_first_cause(e)}") from None
 
 
 def check_complete(path: Path) -> None:
-    """Raise CheckpointError unless `path` holds a readable DCP checkpoint with all its data."""
+    """Raise CheckpointError unless `path` holds a DCP checkpoint that verifies (`integrity.problem`)."""
     if not path.is_dir():
         raise CheckpointError(f"checkpoint not found: {path}")
-    if not (path / ".metadata").is_file():
-        raise CheckpointError(f"{path} is not a complete checkpoint (no .metadata)")
-    try:
-        metadata = dcp.FileSystemReader(path).read_metadata()
-    except Exception as e:
-        raise CheckpointError(f"{path} is not a complete checkpoint (unreadable .metadata: {e})") from None
-    needed: dict[str, int] = {}
-    for item in metadata.storage_data.values():
-        needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
-    for name, size in needed.items():
-        file = path / name
-        if not file.is_file() or file.stat().st_size < size:
-            raise CheckpointError(f"{path} is not a complete checkpoint ({name} is missing or truncated)")
+    problem = integrity.problem(path)
+    if problem is not None:
+        raise CheckpointError(f"{path} {problem}")
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A checkpoint directory itself, or the newest one of a run directory."""
+    """A checkpoint directory itself, or the newest one of a run directory, that verifies."""
     path = Path(path)
     if (path / CHECKPOINTS).is_dir():
         latest = latest_checkpoint(path)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from moemesh.checkpoint.dcp import _load, resolve_checkpoint
+from moemesh.checkpoint.dcp import CHECKPOINTS, _load, checkpoint_steps, resolve_checkpoint
 from moemesh.checkpoint.hf import DTYPES, read_config, read_state
 from moemesh.errors import CheckpointError
 from moemesh.models import MoECausalLM, ModelConfig
@@ -45,7 +45,7 @@ def read_model_config(path: str | os.PathLike) -> ModelConfig:
         return read_config(path)[0]
     if (path / "config.json").is_file() and not any(path.glob(".metadata")) and not any(path.glob("*.distcp")):
         raise CheckpointError(f"{path}: config.json without weights (no *.safetensors, and not a moemesh checkpoint)")
-    checkpoint = resolve_checkpoint(path)
+    checkpoint = newest_directory(path)
     try:
         return ModelConfig.from_hf_dict(json.loads((checkpoint / "config.json").read_text()))
     except FileNotFoundError:
@@ -56,8 +56,17 @@ def read_model_config(path: str | os.PathLike) -> ModelConfig:
 
 def weights_directory(path: str | os.PathLike) -> Path:
     """The directory whose files hold the weights: a Hugging Face directory or checkpoint itself,
-    a run directory's newest checkpoint."""
+    a run directory's newest checkpoint that verifies (collective under a process group)."""
     return Path(path) if is_hf_directory(path) else resolve_checkpoint(path)
+
+
+def newest_directory(path: str | os.PathLike) -> Path:
+    """`weights_directory` without reading the weights to verify them: for what every checkpoint of
+    a run shares (its config.json, its tokenizer.json) before the weights are read."""
+    steps = checkpoint_steps(path) if (Path(path) / CHECKPOINTS).is_dir() else [(0, Path(path))]
+    if not steps:
+        raise CheckpointError(f"no complete checkpoint in {Path(path) / CHECKPOINTS}")
+    return steps[0][1]
 
 
 @torch.no_grad()

@@ -39,14 +39,13 @@ class HFTokenizer:
     """A `tokenizer.json` read by the `tokenizers` package."""
 
     def __init__(self, path: str | Path):
+        path = Path(path)
+        if not path.is_file():
+            raise DataError(f"tokenizer file not found: {path} (a tokenizer is 'bytes' or a tokenizer.json file)")
         try:
             from tokenizers import Tokenizer as _Tokenizer
         except ImportError:
-            raise DataError("data.tokenizer names a tokenizer.json, which needs the `tokenizers` package: "
-                            "pip install tokenizers") from None
-        path = Path(path)
-        if not path.is_file():
-            raise DataError(f"tokenizer file not found: {path}")
+            raise DataError(f"the tokenizer {path} needs the `tokenizers` package: pip install tokenizers") from None
         try:
             self._tokenizer = _Tokenizer.from_file(str(path))
         except Exception as e:  # the Rust side raises a bare Exception for any bad file

@@ -57,8 +57,9 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
     """The token ids of a prompt, after the end-of-document token."""
     try:
         ids = ([] if tokenizer.eos_id is None else [tokenizer.eos_id]) + tokenizer.encode(prompt)
-    except UnicodeEncodeError:  # a command line's undecodable bytes arrive as lone surrogates
-        raise RequestError("the prompt is not valid UTF-8 text", "prompt") from None
+    except UnicodeEncodeError as e:  # a command line's undecodable bytes arrive as lone surrogates
+        raise RequestError(f"the prompt is not UTF-8 text (a byte such as 0x{ord(e.object[e.start]) & 0xff:02x} at "
+                           f"character {e.start} is not valid UTF-8)", "prompt") from None
     if not ids:
         raise RequestError("the prompt is empty and the tokenizer has no end-of-document token to start from", "prompt")
     return ids

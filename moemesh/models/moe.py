@@ -187,7 +187,14 @@ class Experts(nn.Module):
         # output a partial sum that is reduced once per block, so there every rank adds bias / tp.
         self.down_bias_share = 1.0
 
-    def forward(self, grouped: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    def forward(self, grouped: torch.Tensor, group_sizes: torch.Tensor | None = None,
+                expert_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """grouped [N, H], rows sorted by expert, group_sizes [E] of them each: the grouped GEMMs.
+        Or, given expert_ids [T, k], grouped is x [T, H] and each token goes through its chosen
+        experts (`selected`). Both through `forward`, so that what wraps the module runs (FSDP
+        gathering the shards of the bank)."""
+        if expert_ids is not None:
+            return self.selected(grouped, expert_ids)
         gate_up = grouped_mm(grouped, self.gate_up_proj, group_sizes)
         if self.gate_up_proj_bias is not None:
             gate_up = gate_up + _per_row(self.gate_up_proj_bias, group_sizes, gate_up)
@@ -284,7 +291,7 @@ class MoEBlock(nn.Module):
 
     def selected_experts(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """x [T, H] -> [T, H], reading only the chosen experts' weights."""
-        out = self.experts.selected(x, routing.expert_ids)
+        out = self.experts(x, expert_ids=routing.expert_ids)
         position = torch.arange(out.shape[0], device=out.device).view_as(routing.expert_ids)
         return self._finish(combine(out, position, routing.weights), routing)
 

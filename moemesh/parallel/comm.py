@@ -5,8 +5,9 @@ layer communicates, forward and backward."""
 from __future__ import annotations
 
 import contextlib
+import re
 from collections import Counter
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -253,8 +254,45 @@ def recv(shapes: list[tuple[tuple[int, ...], torch.dtype]], src: int, group, dev
     return tensors
 
 
+def _in_group() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def barrier() -> None:
     """Wait for every rank of the default group (no-op without one)."""
-    if dist.is_available() and dist.is_initialized():
+    if _in_group():
         _count("barrier", "step", 0)
         dist.barrier()
+
+
+def all_gather_object(value: Any) -> list[Any]:
+    """Every rank's `value` (any picklable object), in rank order, over the default group; [value]
+    without one. For small host-side results that every rank must agree on (checkpoint checksums)."""
+    if not _in_group():
+        return [value]
+    values = [None] * dist.get_world_size()
+    _count("all_gather_object", "step", 0)
+    dist.all_gather_object(values, value)
+    return values
+
+
+# ---- when a peer fails ----------------------------------------------------------------------------
+
+# gloo raises a bare RuntimeError whose text starts with the C++ source location:
+# "[.../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 300000ms for recv operation ..."
+_GLOO_LOCATION = re.compile(r"^\[[^\]]*/gloo/[^\]]*\]\s*")
+
+
+def peer_failure(error: BaseException) -> str | None:
+    """What a collective that failed says, in one line, when `error` comes from the communication
+    backend (a peer that stopped, died or timed out); None for any other error."""
+    text = str(error).strip()
+    if isinstance(error, dist.DistError):
+        reason = text
+    elif isinstance(error, RuntimeError) and _GLOO_LOCATION.match(text):
+        reason = _GLOO_LOCATION.sub("", text)
+    else:
+        return None
+    # The first sentence of the first line: gloo and NCCL follow it with generic advice.
+    first = reason.splitlines()[0] if reason else type(error).__name__
+    return re.split(r"\.\s+(?=[A-Z])", first)[0].rstrip(".")

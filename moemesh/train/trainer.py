@@ -5,14 +5,20 @@ whatever the layout; each data-parallel rank runs its contiguous slice of every 
 accumulates gradients. A rank's loss is its share of the micro-batch loss (`rank_loss`) divided by
 the number of micro-batches, so the gradients, summed over micro-batches here and over ranks by
 `reduce_gradients`, are those of the global batch's mean loss in one process.
+
+A step whose loss or gradient norm is not finite changes nothing but the data position: no update
+of the weights, of AdamW's moments and step count, or of the learning-rate schedule, which counts
+updates (as Megatron-LM and DeepSpeed do with the steps they skip), so a bad batch eats neither
+warm-up nor decay. `train.max_bad_steps` such steps in a row stop the run (`DivergedError`), and
+no checkpoint is ever written with non-finite weights.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import resource
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -22,16 +28,18 @@ from typing import TextIO
 import torch
 import torch.distributed as dist
 
-from moemesh.checkpoint.dcp import (CHECKPOINTS, checkpoint_path, latest_checkpoint, load_training_state,
-                                    save_checkpoint, training_state)
+from moemesh.checkpoint import integrity
+from moemesh.checkpoint.dcp import (CHECKPOINTS, checkpoint_path, checkpoint_steps, latest_checkpoint,
+                                    load_training_state, prune_checkpoints, save_checkpoint, training_state)
 from moemesh.checkpoint.load import load_weights
 from moemesh.config import RunConfig, resolve_device
 from moemesh.data.dataset import load_dataset, rank_slice
 from moemesh.data.tokenizer import HFTokenizer
+from moemesh.errors import CheckpointError, ConfigError, DivergedError
 from moemesh.models import MoECausalLM
 from moemesh.models.build import meta_model
 from moemesh.parallel import comm
-from moemesh.parallel.data import clip_grad_norm_, label_tokens, rank_loss, reduce_gradients
+from moemesh.parallel.data import clip_grad_norm_, label_tokens, local, rank_loss, reduce_gradients
 from moemesh.parallel.mesh import ParallelDims, init_mesh
 from moemesh.parallel.parallelize import materialize, parallelize
 from moemesh.parallel.pipeline.runtime import MicroBatch, PipelineRunner
@@ -69,15 +77,16 @@ def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
 
 
 class Trainer:
-    def __init__(self, config: RunConfig, stream: TextIO = sys.stdout):
+    def __init__(self, config: RunConfig, stream: TextIO | None = None):
         self.config = resolve_device(config)
         self.train_config = train = config.train
         parallel = config.parallel
         self.mesh = init_mesh(ParallelDims(pp=parallel.pp, dp_replicate=parallel.dp_replicate,
-                                           dp_shard=parallel.dp_shard, ep=parallel.ep, tp=parallel.tp))
+                                           dp_shard=parallel.dp_shard, ep=parallel.ep, tp=parallel.tp),
+                              timeout_s=parallel.timeout_s)
         self.rank, self.ranks = self.mesh.rank("batch"), self.mesh.dims.batch_size
         self.is_main = int(os.environ.get("RANK", "0")) == 0  # the rank that prints and writes files
-        self.stream = stream if self.is_main else open(os.devnull, "w")
+        self.stream = (sys.stdout if stream is None else stream) if self.is_main else open(os.devnull, "w")
         self.device = torch.device(train.device)
         self.autocast_dtype = _DTYPES[train.dtype]
         self.run_dir = Path(train.run_dir)
@@ -105,6 +114,7 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, train)
         self.step = 0
         self.data_position = 0  # sequences of the training order consumed so far
+        self.checkpoint: Path | None = None  # the newest this run wrote or resumed from
         val = self.dataset.val_sequences(train.eval_sequences)
         self.val_batches = val[: len(val) // self.ranks * self.ranks].split(train.micro_batch)
         self.peak_flops = peak_flops(self.device)
@@ -121,7 +131,7 @@ class Trainer:
         local = rank_slice(batch, self.rank, self.ranks)
         return local, local.to(self.device, non_blocking=True)
 
-    def train_step(self) -> dict[str, float | None]:
+    def train_step(self) -> dict[str, float | bool | None]:
         train = self.train_config
         global_batch = self.dataset.train_sequences(self.data_position, train.global_batch)
         self.data_position += train.global_batch
@@ -137,14 +147,22 @@ class Trainer:
         grad_norm = clip_grad_norm_(self.model, max_norm, self.mesh)
         comm.all_reduce_sum_([ce_sum], self.mesh.group("batch"), kind="metrics")
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        # DeepSeek-V3's expert-choice bias, from the loads of the whole global batch
-        update_router_bias(self.model, train.router_bias_update_rate, self.mesh.group("batch"))
-        self.scheduler.step()
+        record = {"loss": ce_sum.item(), "aux_loss": None if aux_sum is None else aux_sum.item(),
+                  "lr": lr, "grad_norm": grad_norm.item()}
+        # The same decision on every rank: the loss is summed over the batch and pipeline ranks (TP
+        # ranks compute it alike) and the squared gradient norm over every axis that splits a
+        # gradient, so a non-finite term on any rank makes them non-finite on all.
+        if math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"]):
+            self.optimizer.step()
+            # DeepSeek-V3's expert-choice bias, from the loads of the whole global batch
+            update_router_bias(self.model, train.router_bias_update_rate, self.mesh.group("batch"))
+            self.scheduler.step()
+        else:
+            update_router_bias(self.model, 0.0, None)  # forgets this step's expert loads, moves nothing
+            record["skipped"] = True
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return {"loss": ce_sum.item(), "aux_loss": None if aux_sum is None else aux_sum.item(),
-                "lr": lr, "grad_norm": grad_norm.item()}
+        return record
 
     def _micro_batch(self, micro_batch: torch.Tensor) -> MicroBatch:
         local, tokens = self._local(micro_batch)
@@ -193,9 +211,15 @@ class Trainer:
         return training_state(self.model, self.optimizer, self.scheduler, trainer)
 
     def save(self) -> Path:
+        # Every rank checks its own part of the weights, and all learn whether any part is bad.
+        finite = bool(torch.stack([local(p).isfinite().all() for p in self.model.parameters()]).all())  # one sync
+        if not all(comm.all_gather_object(finite)):
+            raise DivergedError(f"step {self.step}: the weights hold non-finite values, so no checkpoint is written; "
+                                f"the newest checkpoint is {self.checkpoint or 'none'} (a lower train.lr may help)")
         path = checkpoint_path(self.run_dir, self.step)
         tokenizer_file = self.tokenizer.path if isinstance(self.tokenizer, HFTokenizer) else None
         save_checkpoint(path, self._state(), self.config.model, tokenizer_file, self.model, self.mesh)
+        self.checkpoint = path
         return path
 
     def restore(self, path: Path) -> None:
@@ -208,26 +232,38 @@ class Trainer:
 
     # ---- the run ----------------------------------------------------------------------------
     def _start(self) -> MetricsLog:
-        """Resume from the newest checkpoint, or start afresh in an emptied run directory."""
+        """Resume from the newest checkpoint that verifies, or start afresh in a run directory that
+        holds no checkpoints: an earlier run's are deleted only when train.overwrite asks."""
         train, say = self.train_config, self._say
+        checkpoints = self.run_dir / CHECKPOINTS
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        checkpoint = latest_checkpoint(self.run_dir) if train.resume else None
-        if checkpoint is not None:
-            self.restore(checkpoint)
-            say(f"resumed from {checkpoint} (step {self.step})")
-            return self._metrics_log(resume_step=self.step)
+        existing = checkpoint_steps(self.run_dir)
         if train.resume:
-            say(f"train.resume: no checkpoint in {self.run_dir / CHECKPOINTS} yet, starting at step 0")
-        if (self.run_dir / CHECKPOINTS).exists() and self.is_main:
-            # Old checkpoints of another run would be picked up by a later resume.
-            say(f"starting afresh: removing the previous run's {self.run_dir / CHECKPOINTS} "
-                "(train.resume=true continues it instead)")
-            shutil.rmtree(self.run_dir / CHECKPOINTS)
+            checkpoint = latest_checkpoint(self.run_dir, report=say)
+            if checkpoint is not None:
+                self.restore(checkpoint)
+                self.checkpoint = checkpoint
+                say(f"resumed from {checkpoint} (step {self.step})")
+                return self._metrics_log(resume_step=self.step)
+            if existing:
+                raise CheckpointError(f"train.resume: none of the {len(existing)} checkpoints in {checkpoints} "
+                                      "verifies (each is named above); train.overwrite=true deletes them and "
+                                      "starts afresh")
+            say(f"train.resume: no checkpoint in {checkpoints} yet, starting at step 0")
+        elif existing and not train.overwrite:
+            raise ConfigError(f"{checkpoints} holds the checkpoints of an earlier run (the newest: "
+                              f"{existing[0][1].name}): train.resume=true continues that run, "
+                              "train.overwrite=true deletes them and starts afresh")
+        elif existing:
+            say(f"train.overwrite: deleting the earlier run's {checkpoints} and starting afresh")
+            if self.is_main:
+                integrity.remove(checkpoints)
+            comm.barrier()  # deleted before any rank writes a new one
         return self._metrics_log()
 
     def _metrics_log(self, resume_step: int | None = None) -> MetricsLog:
         # Only the main rank writes the file; the others log into nothing.
-        return MetricsLog(self.run_dir / METRICS_FILE if self.is_main else os.devnull, resume_step=resume_step)
+        return MetricsLog(self.run_dir / METRICS_FILE, resume_step) if self.is_main else MetricsLog(os.devnull)
 
     def _say(self, text: str) -> None:
         self.stream.write(text + "\n")
@@ -265,7 +301,7 @@ class Trainer:
             self._say(f"step 0: validation loss {val_losses[-1]:.4f}")
         progress = Progress(train.steps, self.step, train.log_every, self.stream)
 
-        checkpoint, started = None, time.perf_counter()
+        started, bad_steps = time.perf_counter(), 0
         tokens_per_step = train.global_batch * train.seq_len
         try:
             while self.step < train.steps:
@@ -280,6 +316,15 @@ class Trainer:
                     gpus = self.mesh.dims.world_size
                     record["mfu"] = record["tokens_per_s"] * self.flops_per_token / (self.peak_flops * gpus)
                 progress.update(self.step, record["loss"], record["lr"], record["tokens_per_s"], record.get("mfu"))
+                bad_steps = bad_steps + 1 if record.get("skipped") else 0
+                if bad_steps:
+                    progress.message(f"step {self.step}: skipped, {_non_finite(record)}: no update "
+                                     f"({bad_steps} in a row; train.max_bad_steps={train.max_bad_steps})")
+                if bad_steps == train.max_bad_steps:
+                    metrics.write(record)
+                    raise DivergedError(f"step {self.step}: {_non_finite(record)}; {bad_steps} steps in a row without "
+                                        f"an update (train.max_bad_steps): the run diverged; the newest checkpoint "
+                                        f"is {self.checkpoint or 'none'} (a lower train.lr may help)")
 
                 last = self.step == train.steps
                 if last or (train.eval_every and self.step % train.eval_every == 0):
@@ -288,7 +333,7 @@ class Trainer:
                     progress.message(f"step {self.step}: validation loss {record['val_loss']:.4f}")
                 metrics.write(record)
                 if train.save_every >= 0 and (last or (train.save_every and self.step % train.save_every == 0)):
-                    checkpoint = self.save()
+                    prune_checkpoints(self.run_dir, train.keep_checkpoints, self.save())
         finally:
             progress.close()
             metrics.close()
@@ -298,14 +343,20 @@ class Trainer:
         if self.is_main:
             plot_losses(records, self.run_dir / "loss.png", title=f"{self.config.model.model_type} · {self.run_dir}")
         if val_losses:
-            saved = checkpoint or latest_checkpoint(self.run_dir) or "none (train.save_every=-1)"
+            saved = self.checkpoint or "none (train.save_every=-1)"
             self._say(f"done in {format_duration(seconds)}: validation loss {val_losses[0]:.4f} -> "
                       f"{val_losses[-1]:.4f}; checkpoint {saved}; plot {self.run_dir / 'loss.png'}")
         return TrainResult(self.run_dir, self.step, seconds, val_losses[0] if val_losses else None,
-                           val_losses[-1] if val_losses else None, checkpoint or latest_checkpoint(self.run_dir))
+                           val_losses[-1] if val_losses else None, self.checkpoint)
 
 
-def train(config: RunConfig, stream: TextIO = sys.stdout) -> TrainResult:
+def _non_finite(record: dict) -> str:
+    """What is not finite in a skipped step's record: "loss nan and gradient norm nan", ..."""
+    names = {"loss": "loss", "grad_norm": "gradient norm"}
+    return " and ".join(f"{names[key]} {record[key]}" for key in names if not math.isfinite(record[key]))
+
+
+def train(config: RunConfig, stream: TextIO | None = None) -> TrainResult:
     try:
         return Trainer(config, stream).run()
     finally:
