@@ -90,6 +90,32 @@ def moemesh_rows(config, args, device, dtype, prompts) -> tuple[list[dict], dict
     return rows, first_row
 
 
+def profile_rows(config, args, device, prompts) -> list[dict]:
+    """The GPU kernels of --profile-steps batch-1 decode steps of moemesh, by name: calls and
+    microseconds per step, the busiest first (with CUDA graphs, the kernels of the replays)."""
+    from collections import defaultdict
+
+    from bench.common import profiled_kernels
+
+    model = build(config, seed=0, device=device).eval()
+    engine = DecodeEngine(model, max_batch=1, max_len=args.prompt_len + args.new_tokens + args.profile_steps + 2)
+    tokenizer = ByteTokenizer()
+    tokenizer.eos_id = None
+    generate(engine, tokenizer, prompts[:1], SamplingParams(max_tokens=4))  # capture the graphs
+    steps = args.profile_steps
+    kernels = profiled_kernels(lambda: generate(engine, tokenizer, prompts[:1], SamplingParams(max_tokens=steps + 1)))
+    by_name = defaultdict(lambda: [0, 0.0])
+    for kernel in kernels:
+        by_name[kernel["name"]][0] += 1
+        by_name[kernel["name"]][1] += kernel["dur"]
+    busy = sum(d for _, d in by_name.values())
+    rows = [{"kernel": name[:70], "calls/step": f"{calls / steps:.1f}", "µs/step": f"{total / steps:.1f}",
+             "share": f"{total / busy:.1%}"} for name, (calls, total) in sorted(by_name.items(), key=lambda kv: -kv[1][1])]
+    rows.insert(0, {"kernel": "all kernels (the prompt's prefill included)", "calls/step": f"{len(kernels) / steps:.0f}",
+                    "µs/step": f"{busy / steps:.0f}", "share": "100%"})
+    return rows[:30]
+
+
 def transformers_rows(config, args, device, prompts) -> list[dict]:
     model, title = transformers_model(config, device)
     model.eval()
@@ -121,6 +147,8 @@ def main():
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="instead of timing: the GPU kernels of this many batch-1 decode steps")
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -135,6 +163,13 @@ def main():
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (timings are only a smoke check)"
     title = (f"decode, {config.num_hidden_layers} layers, {str(dtype)[6:]}, prompt {args.prompt_len}, "
              f"{args.new_tokens} new tokens, greedy, {where}, torch {torch.__version__}")
+    if args.profile_steps:
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            return print_table(profile_rows(config, args, device, prompts), title + ": kernels per decode step")
+        finally:
+            torch.set_default_dtype(previous)
     rows, _ = moemesh_rows(config, args, device, dtype, prompts)
     print_table(rows, title)  # printed at once: the other side may run out of time or memory
     if not args.no_transformers:

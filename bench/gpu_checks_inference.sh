@@ -7,7 +7,8 @@
 #   bash bench/gpu_checks_inference.sh decode6  decoding, 6-layer shape, moemesh beside transformers
 #   bash bench/gpu_checks_inference.sh decode48 decoding, the full 48-layer shape, both sides
 #   bash bench/gpu_checks_inference.sh serve    a 6-layer checkpoint served by `moemesh serve`
-#       under 1, 16 and 64 concurrent streaming clients (bench/serve_load.py); the kernels' table
+#       under 1, 16 and 64 concurrent streaming clients (bench/serve_load.py); the kernels of a
+#       batch-1 decode step; the kernels' table; checkpoint save/verify/load speed
 # Packages the image lacks (fastapi, uvicorn and theirs) travel as wheels in .whl (device README).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.:${PYTHONPATH:-} NCCL_NVLS_ENABLE=0
@@ -36,6 +37,8 @@ serve)
     timeout 300 python3 bench/serve_load.py --clients 1,16,64 --requests 4 --prompt-len 512 --max-tokens 128 \
         2>&1 | quiet | tail -8
     kill $server
-    timeout 150 python3 bench/kernels.py 2>&1 | quiet | grep -i -A12 "expert_gemv\|gemv" | head -30
+    timeout 120 python3 bench/decode.py --layers 6 --profile-steps 64 2>&1 | quiet | grep "|" | head -32
+    timeout 150 python3 bench/kernels.py 2>&1 | quiet | grep -i -B3 -A12 "expert_gemv" | head -30
+    timeout 150 python3 bench/checkpoint_io.py --gb 8 --dir /tmp --drop-caches 2>&1 | quiet | tail -12
     ;;
 esac
