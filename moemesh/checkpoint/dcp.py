@@ -138,6 +138,8 @@ def save_checkpoint(path: Path, state: dict[str, Any], model_config: ModelConfig
         if _is_main():
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"cannot write checkpoint {path}: {_first_cause(e)}") from None
+    if metadata is None or not metadata.storage_data:  # torch 2.11 returns it without: every rank reads it
+        metadata = dcp.FileSystemReader(tmp).read_metadata()
     names = {item.relative_path for item in metadata.storage_data.values()} | {".metadata", "config.json"}
     if tokenizer_file is not None:
         names.add(TOKENIZER_FILE)
