@@ -63,7 +63,8 @@ def router_stats(probs: torch.Tensor, expert_ids: torch.Tensor) -> RouterStats:
     (index_add, which unlike bincount needs no device sync) and the summed probabilities [T, E]."""
     with torch.no_grad():
         counts = torch.zeros(probs.shape[-1], device=probs.device, dtype=torch.float32)
-        counts.index_add_(0, expert_ids.flatten(), torch.ones(expert_ids.numel(), device=probs.device))
+        ones = torch.ones(expert_ids.numel(), device=probs.device, dtype=torch.float32)  # whatever the default dtype
+        counts.index_add_(0, expert_ids.flatten(), ones)
     return RouterStats(counts, probs.sum(dim=0), probs.shape[0])
 
 
