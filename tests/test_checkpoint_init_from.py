@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 
 from moemesh.cli import main
 from moemesh.config import config_from_dict
+from moemesh.checkpoint.load import load_model
 from moemesh.errors import ConfigError
 from moemesh.train.trainer import Trainer
 from test_models_deepseek import TINY as DEEPSEEK_TINY
@@ -253,3 +254,26 @@ def test_init_from_takes_the_model_and_tokenizer_of_the_checkpoint(sources, tmp_
     raw["model"] = {"num_experts": 4}
     with pytest.raises(ConfigError, match="model.num_experts = 4 contradicts"):
         config_from_dict(raw)
+
+
+def test_init_from_a_moemesh_run_takes_its_weights_only(pool, sources, tmp_path):
+    """A run directory as `init_from`: its newest checkpoint's weights, a fresh optimizer, step 0;
+    the first step the same in one process and under EP × TP (each rank reading its pieces of the
+    DCP checkpoint), and not the seed's first step."""
+    directory, _ = sources
+    first = tiny_raw(tmp_path / "first", directory / "corpus.txt", **{**TRAIN, "steps": 3})
+    Trainer(config_from_dict(first), io.StringIO()).run()
+    trained = load_model(tmp_path / "first")[0].state_dict()
+    raw = tiny_raw(tmp_path / "second", directory / "corpus.txt", **TRAIN)
+    del raw["model"]
+    raw["train"]["init_from"] = str(tmp_path / "first")
+    trainer = Trainer(config_from_dict(raw), io.StringIO())
+    assert trainer.step == 0 and not trainer.optimizer.state
+    for name, tensor in trainer.model.state_dict().items():
+        assert torch.equal(tensor, trained[name]), name
+    loss = trainer.train_step()["loss"]
+    from_seed = first_step(0, {**first, "train": {**first["train"], "run_dir": str(tmp_path / "seed")}})
+    assert abs(loss - from_seed) > 1e-3 * from_seed  # three steps of training show
+    sharded = {**raw, "parallel": LAYOUTS["ep2-tp2"], "train": {**raw["train"], "run_dir": str(tmp_path / "ep2-tp2")}}
+    for rank_loss in pool.run(first_step, sharded):
+        assert abs(rank_loss - loss) <= RTOL * loss, (rank_loss, loss)

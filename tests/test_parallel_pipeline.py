@@ -39,7 +39,7 @@ RTOL = 1e-5
 STEPS = 5
 MODEL = {"num_hidden_layers": 6, "num_experts": 8, "num_experts_per_tok": 3, "mlp_only_layers": [0]}
 TRAIN = {"steps": STEPS, "global_batch": 16, "micro_batch": 2, "eval_every": 0, "save_every": 0}  # 8 micro-batches
-LAYOUTS = {"pp2-ep2": dict(pp=2, ep=2), "pp2-tp2": dict(pp=2, tp=2), "pp2-dp2": dict(pp=2, dp_replicate=2),
+LAYOUTS = {"pp2-ep2": dict(pp=2, ep=2, pp_overlap=True), "pp2-tp2": dict(pp=2, tp=2), "pp2-dp2": dict(pp=2, dp_replicate=2),
            "pp2-dp_shard2": dict(pp=2, dp_shard=2),
            "pp4": dict(pp=4), "pp2-ep2-1f1b": dict(pp=2, ep=2, pp_schedule="1f1b")}
 
