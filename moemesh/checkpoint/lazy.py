@@ -4,8 +4,8 @@ any block of them can be read — only that block's bytes, through safetensors' 
 
 A family's code that renames and re-lays a checkpoint's tensors (stacking per-expert weights into a
 bank, GPT-OSS's transpose and de-interleave, moemesh/checkpoint/hf.py) runs unchanged on `Lazy`
-values: `torch.cat`, `torch.stack`, indexing with slices, `transpose`, `chunk` and `contiguous`
-build a recipe instead of data. A rank then reads the block it keeps (`read(index)`, per dim the
+values: `torch.cat`, `torch.stack`, indexing with slices, `transpose` and `contiguous` build a
+recipe instead of data. A rank then reads the block it keeps (`read(index)`, per dim the
 rows in the whole tensor) — its experts, its TP slice, its FSDP shard — through the recipe.
 
 Reads cost what they touch: along each dim the rows from the first to the last wanted one are
@@ -16,7 +16,6 @@ whole span, twice what is kept.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
@@ -56,12 +55,6 @@ class Lazy:
     def ndim(self) -> int:
         return len(self.shape)
 
-    def dim(self) -> int:
-        return self.ndim
-
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
     # ---- the torch surface the families' conversions use ------------------------------------------
     def __getitem__(self, key) -> Lazy:
         key = key if isinstance(key, tuple) else (key,)
@@ -80,13 +73,7 @@ class Lazy:
     def transpose(self, dim0: int, dim1: int) -> Lazy:
         return _Transposed(self, dim0 % self.ndim, dim1 % self.ndim)
 
-    def chunk(self, chunks: int, dim: int = 0) -> list[Lazy]:
-        return [_Indexed(self, dim % self.ndim, p) for p in torch.arange(self.shape[dim]).chunk(chunks)]
-
     def contiguous(self) -> Lazy:
-        return self
-
-    def to(self, *args, **kwargs) -> Lazy:  # a cast happens when the block is copied into place
         return self
 
     @classmethod
@@ -121,9 +108,6 @@ class SafetensorsFiles:
             self._open.clear()
             self._open[file] = safe_open(file, framework="pt")
         return self._open[file]
-
-    def close(self) -> None:
-        self._open.clear()
 
 
 class Stored(Lazy):
