@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from moemesh.cli import main
 from moemesh.data.tokenizer import ByteTokenizer
 from moemesh.inference.engine import DecodeEngine
@@ -57,6 +59,37 @@ def test_tp_generation_equals_one_process():
     # one all-gather of [rows, V / tp] fp32 logits per prefill and per decode step (1 or 2 rows)
     assert len(PROMPTS) < gathers <= len(PROMPTS) + sum(p.max_tokens for p in PARAMS)
     assert gathered % (CONFIG.vocab_size // TP * 4) == 0
+
+
+def check_generation_with_kernels(rank):
+    """Heads of 16, so that the decoding kernels serve attention too, interpreted on CPU."""
+    config, prompts, params = CONFIG.replace(head_dim=16), PROMPTS[:2], [SamplingParams(max_tokens=4)] * 2
+    tokenizer = ByteTokenizer()
+    expected = generate(DecodeEngine(build(config, seed=5).eval(), max_batch=2, max_len=16), tokenizer, prompts, params)
+    mesh = init_mesh(ParallelDims(tp=TP))
+    engine = DecodeEngine(apply_tp(build(config, seed=5), mesh).eval(), max_batch=2, max_len=16, group=mesh.group("tp"))
+    if engine.leader:
+        results = generate(engine, tokenizer, prompts, params)
+        engine.close()
+        assert [r.token_ids for r in results] == [e.token_ids for e in expected]
+    else:
+        engine.follow()
+
+
+def test_tp_generation_with_the_decoding_kernels(monkeypatch):
+    """The Triton decoding kernels (ops/gemv.py, decode_attention.py, topk_softmax.py, the fused
+    expert GEMVs) on each rank's heads and expert slices, the block's reduce after the fused
+    weighted sum: one process's tokens."""
+    from moemesh.ops.backend import HAVE_TRITON
+
+    if not HAVE_TRITON:
+        pytest.skip("triton is not installed")
+    monkeypatch.setenv("MOEMESH_KERNELS", "triton")  # before the workers start: they inherit it
+    pool = WorkerPool(TP, timeout_s=600)
+    try:
+        pool.run(check_generation_with_kernels)
+    finally:
+        pool.close()
 
 
 def test_generate_command_under_torchrun(tmp_path, capsys):

@@ -135,14 +135,14 @@ class Gemma4Router(nn.Module):
         self.per_expert_scale = nn.Parameter(torch.empty(config.num_experts))
         self.top_k = config.num_experts_per_tok
 
-    def forward(self, x: torch.Tensor) -> Routing:
+    def forward(self, x: torch.Tensor, stats: bool = True) -> Routing:
         probs = torch.softmax(self.proj(_rms(x, self.eps) * self.scale * self.root), dim=-1, dtype=torch.float32)
         weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         # In the routing weights, so that it multiplies the (under TP partial) expert outputs
         # before the block's one reduce.
         weights = weights * self.per_expert_scale[expert_ids]
-        return Routing(weights, expert_ids, router_stats(probs, expert_ids))
+        return Routing(weights, expert_ids, router_stats(probs, expert_ids) if stats else None)
 
 
 class Gemma4DecoderLayer(DecoderLayer):
@@ -171,10 +171,10 @@ class Gemma4DecoderLayer(DecoderLayer):
             h = h * torch.tensor(self.embed_scale).to(h.dtype)
         return h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), rope, positions, cache))
 
-    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, Routing]:
+    def route(self, h: torch.Tensor, stats: bool = True) -> tuple[torch.Tensor, Routing]:
         """The router reads h itself, the experts its normalised copy."""
         flat = h.flatten(0, -2)
-        return self.pre_feedforward_layernorm_2(flat), self.mlp.route(flat)
+        return self.pre_feedforward_layernorm_2(flat), self.mlp.route(flat, stats)
 
     def aggregate(self, h: torch.Tensor, mlp_out: torch.Tensor) -> torch.Tensor:
         dense = self.post_feedforward_layernorm_1(self.dense_mlp(self.pre_feedforward_layernorm(h)))

@@ -10,6 +10,8 @@ from torch import nn
 
 from moemesh.models.config import ModelConfig
 from moemesh.models.kv_cache import KVCache
+from moemesh.ops import decode_attention, gemv
+from moemesh.ops.backend import use_triton
 from moemesh.ops.linear import Linear
 from moemesh.ops.rms_norm import rms_norm
 
@@ -74,6 +76,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
                 cache: KVCache | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
+        if cache is not None and seq == 1 and self.sinks is None and use_triton(x) \
+                and decode_attention.fits(self.head_dim, rope[0].shape[-1]):
+            return self.decode(x, rope, positions, cache)
         q = self.q_proj(x).view(batch, seq, -1, self.head_dim)
         k = self.k_proj(x).view(batch, seq, -1, self.head_dim)
         v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
@@ -93,6 +98,29 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=plain_causal,
                                                  enable_gqa=self.num_kv_heads != self.num_heads)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    def decode(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
+               cache: KVCache) -> torch.Tensor:
+        """One token per row [B, 1, H] through the decoding kernels (ops/gemv.py,
+        ops/decode_attention.py): the forward above in three or four launches and o_proj."""
+        batch = x.shape[0]
+        rows, projections = x[:, 0], (self.q_proj, self.k_proj, self.v_proj)
+        if gemv.fits(rows, *(p.weight for p in projections)):  # the three in one launch
+            q, k, v = gemv.gemv(rows, [p.weight for p in projections])
+            if self.q_proj.bias is not None:
+                q, k, v = (out + p.bias for out, p in zip((q, k, v), projections))
+        else:
+            q, k, v = (proj(rows) for proj in projections)
+        like = k.view(batch, -1, 1, self.head_dim)
+        keys, values = cache.buffers(self.layer_idx, batch, like, self.head_dim)
+        cos, sin = (table.reshape(-1, self.head_dim).expand(batch, -1) for table in rope)
+        norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
+        eps = self.q_norm.eps if self.q_norm is not None else 0.0
+        at = positions.reshape(-1).expand(batch)  # each row's position
+        q = decode_attention.rope_to_cache(q, k, v, cos, sin, *norms, eps, keys, values, cache.row_start, at)
+        out = decode_attention.cached_attention(q, keys, values, cache.row_start, at, cache.kv_len,
+                                                self.head_dim**-0.5, self.sliding_window)
+        return self.o_proj(out[:, None])
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,

@@ -28,9 +28,11 @@ from torch import nn
 from moemesh.models.config import ModelConfig
 from moemesh.models.layers import ACTIVATIONS, DenseMLP
 from moemesh.ops import combine, permute, swiglu
-from moemesh.ops.expert_gemv import expert_gemv
+from moemesh.ops.backend import use_triton
+from moemesh.ops.expert_gemv import expert_gemv, expert_gemv_combine, expert_swiglu_gemv
 from moemesh.ops.grouped_mm import grouped_mm
 from moemesh.ops.swiglu import clamped_swiglu
+from moemesh.ops.topk_softmax import topk_softmax
 
 
 # Token copies (tokens × top-k) up to which a block without gradients reads only the chosen
@@ -43,7 +45,7 @@ SELECTED_EXPERT_ROWS = 64
 class Routing:
     weights: torch.Tensor  # [T, k] fp32 routing weights of the chosen experts
     expert_ids: torch.Tensor  # [T, k] int64
-    stats: RouterStats
+    stats: RouterStats | None  # None where the caller asked for none (decoding)
     # The shared experts' output (DeepSeek), added to the routed experts' before the block's reduce.
     shared: torch.Tensor | None = None
 
@@ -82,8 +84,11 @@ class Router(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
 
-    def forward(self, x: torch.Tensor) -> Routing:
+    def forward(self, x: torch.Tensor, stats: bool = True) -> Routing:
+        """`stats=False` (decoding): the choice alone, in one kernel on a Triton device."""
         logits = F.linear(x, self.weight, self.bias)
+        if not stats and not torch.is_grad_enabled():
+            return Routing(*topk_softmax(logits, self.top_k, self.norm_topk_prob), stats=None)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -122,7 +127,7 @@ class GroupLimitedRouter(nn.Module):
         # leave it alone); int64 so that the counts add up exactly.
         self.expert_load: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor) -> Routing:
+    def forward(self, x: torch.Tensor, stats: bool = True) -> Routing:
         logits = F.linear(x.float(), self.weight.float())
         scores = logits.sigmoid() if self.sigmoid else logits.softmax(dim=-1)
         choice = scores + self.e_score_correction_bias if self.sigmoid else scores
@@ -137,12 +142,14 @@ class GroupLimitedRouter(nn.Module):
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         weights = weights * self.scaling
+        if not stats:
+            return Routing(weights, expert_ids, None)
         probs = scores / scores.sum(dim=-1, keepdim=True) if self.sigmoid else scores
-        stats = router_stats(probs, expert_ids)
+        counted = router_stats(probs, expert_ids)
         if self.sigmoid and self.training and torch.is_grad_enabled():  # not in evaluation or generation
-            load = stats.counts.long()  # whole numbers, exact in fp32 below 2**24 choices per forward
+            load = counted.counts.long()  # whole numbers, exact in fp32 below 2**24 choices per forward
             self.expert_load = load if self.expert_load is None else self.expert_load + load
-        return Routing(weights, expert_ids, stats)
+        return Routing(weights, expert_ids, counted)
 
     def _apply(self, fn, recurse=True):
         """Moves (`to`, `to_empty`, `cuda`) keep the correction bias fp32."""
@@ -189,13 +196,13 @@ class Experts(nn.Module):
         self.down_bias_share = 1.0
 
     def forward(self, grouped: torch.Tensor, group_sizes: torch.Tensor | None = None,
-                expert_ids: torch.Tensor | None = None) -> torch.Tensor:
+                expert_ids: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> torch.Tensor:
         """grouped [N, H], rows sorted by expert, group_sizes [E] of them each: the grouped GEMMs.
-        Or, given expert_ids [T, k], grouped is x [T, H] and each token goes through its chosen
-        experts (`selected`). Both through `forward`, so that what wraps the module runs (FSDP
-        gathering the shards of the bank)."""
+        Or, given expert_ids and routing weights [T, k], grouped is x [T, H] and each token goes
+        through its chosen experts, weighted and summed (`selected`). Both through `forward`, so
+        that what wraps the module runs (FSDP gathering the shards of the bank)."""
         if expert_ids is not None:
-            return self.selected(grouped, expert_ids)
+            return self.selected(grouped, expert_ids, weights)
         gate_up = grouped_mm(grouped, self.gate_up_proj, group_sizes)
         if self.gate_up_proj_bias is not None:
             gate_up = gate_up + _per_row(self.gate_up_proj_bias, group_sizes, gate_up)
@@ -204,9 +211,14 @@ class Experts(nn.Module):
             out = out + _per_row(self.down_proj_bias * self.down_bias_share, group_sizes, out)
         return out
 
-    def selected(self, x: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-        """x [T, H] through each token's experts expert_ids [T, k] -> [T·k, H], row t·k + j
-        from expert expert_ids[t, j] (no autograd through the kernel: inference)."""
+    def selected(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H] through each token's experts expert_ids [T, k], summed with the routing
+        weights [T, k] -> [T, H] (no autograd through the kernels: inference). SwiGLU experts
+        without biases take the two fused kernels; the rest, expert_gemv per projection."""
+        plain = self.activation is swiglu and self.gate_up_proj_bias is None
+        if plain and use_triton(x):
+            gated = expert_swiglu_gemv(x, self.gate_up_proj, expert_ids)
+            return expert_gemv_combine(gated, self.down_proj, expert_ids, weights)
         ids = expert_ids.flatten()
         rows = x.repeat_interleave(expert_ids.shape[1], dim=0)
         gate_up = expert_gemv(rows, self.gate_up_proj, ids)
@@ -215,7 +227,7 @@ class Experts(nn.Module):
         out = expert_gemv(self.activation(gate_up), self.down_proj, ids)
         if self.down_proj_bias is not None:
             out = out + (self.down_proj_bias[ids] * self.down_bias_share).to(out.dtype)
-        return out
+        return combine(out, torch.arange(out.shape[0], device=out.device).view_as(expert_ids), weights)
 
 
 def _glu(act, gate_up: torch.Tensor) -> torch.Tensor:
@@ -268,8 +280,9 @@ class MoEBlock(nn.Module):
         # partial sums there, and the weighted top-k sum of combine is linear in them.
         self.reduce_output: Callable[[torch.Tensor], torch.Tensor] = lambda out: out
 
-    def route(self, x: torch.Tensor) -> Routing:
-        routing = self.gate(x)
+    def route(self, x: torch.Tensor, stats: bool = True) -> Routing:
+        """`stats=False`: no load-balancing statistics (decoding)."""
+        routing = self.gate(x, stats=stats)
         if self.shared_experts is not None:
             routing = dataclasses.replace(routing, shared=self.shared_experts(x))
         return routing
@@ -292,9 +305,7 @@ class MoEBlock(nn.Module):
 
     def selected_experts(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """x [T, H] -> [T, H], reading only the chosen experts' weights."""
-        out = self.experts(x, expert_ids=routing.expert_ids)
-        position = torch.arange(out.shape[0], device=out.device).view_as(routing.expert_ids)
-        return self._finish(combine(out, position, routing.weights), routing)
+        return self._finish(self.experts(x, expert_ids=routing.expert_ids, weights=routing.weights), routing)
 
     def _finish(self, out: torch.Tensor, routing: Routing) -> torch.Tensor:
         if routing.shared is not None:  # under TP both are partial sums: one reduce for the two

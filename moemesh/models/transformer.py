@@ -47,10 +47,10 @@ class DecoderLayer(nn.Module):
         """h + attention(norm(h)): [B, T, H] -> [B, T, H]."""
         return h + self.self_attn(self.input_layernorm(h), rope, positions, cache)
 
-    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, Routing]:
+    def route(self, h: torch.Tensor, stats: bool = True) -> tuple[torch.Tensor, Routing]:
         """Normalise and flatten the tokens, choose their experts: -> (x [B*T, H], routing)."""
         x = self.post_attention_layernorm(h).flatten(0, -2)
-        return x, self.mlp.route(x)
+        return x, self.mlp.route(x, stats)
 
     def dispatch(self, x: torch.Tensor, routing: Routing) -> Dispatched:
         return self.mlp.dispatch(x, routing)
@@ -70,7 +70,7 @@ class DecoderLayer(nn.Module):
         h = self.attention(h, rope, positions, cache)
         if not self.is_moe:
             return self.aggregate(h, self.mlp(self.post_attention_layernorm(h))), None
-        x, routing = self.route(h)
+        x, routing = self.route(h, stats=cache is None)  # decoding needs no balancing statistics
         if self.mlp.reads_selected_experts(x.shape[0]):  # decoding's few tokens
             return self.aggregate(h, self.mlp.selected_experts(x, routing)), routing.stats
         dispatched = self.dispatch(x, routing)
@@ -157,7 +157,7 @@ class MoECausalLM(nn.Module):
         router_stats = []
         for i in range(len(self.model.layers)) if layers is None else layers:
             h, stats = self.model.layers[i](h, rope, positions, cache)
-            if stats is not None:
+            if stats is not None:  # a MoE layer outside decoding
                 router_stats.append(stats)
         return h, router_stats
 

@@ -29,6 +29,10 @@ except ImportError:
         def jit(fn):
             return fn
 
+        class Config:
+            def __init__(self, kwargs, **options):
+                self.kwargs = kwargs
+
     class tl:  # noqa: N801 - stand-in for the module
         constexpr = None
 
@@ -61,6 +65,35 @@ def use_triton(tensor: torch.Tensor) -> bool:
             "before moemesh.ops is imported"
         )
     return True
+
+
+def tuned(configs: list, key: list[str]):
+    """`triton.autotune` over `configs` (the fastest per value of the `key` arguments, timed at the
+    first launch of each): for the decoding kernels, whose best tile depends on the GPU and shape.
+    The first launch of a shape must not be inside a CUDA graph capture (the engine's eager
+    warm-up step comes first). Triton's CPU interpreter cannot time kernels: there the first
+    config runs."""
+
+    def wrap(kernel):
+        if INTERPRETED or not HAVE_TRITON:
+            return _FirstConfig(kernel, configs[0])
+        return triton.autotune(configs=configs, key=key)(kernel)
+
+    return wrap
+
+
+class _FirstConfig:
+    """`kernel[grid](...)` with the meta-parameters of one config (see `tuned`)."""
+
+    def __init__(self, kernel, config):
+        self.kernel, self.config = kernel, config
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            meta = {**kwargs, **self.config.kwargs}
+            return self.kernel[grid(meta) if callable(grid) else grid](*args, **meta)
+
+        return launch
 
 
 def block_size(n: int, smallest: int = 16, largest: int = 1024) -> int:

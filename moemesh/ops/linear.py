@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moemesh.ops import weight_grad
+from moemesh.ops import gemv, weight_grad
 from moemesh.ops.backend import autocast_inputs
 
 
@@ -42,9 +42,14 @@ class _Linear(torch.autograd.Function):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) with a deferrable weight gradient."""
+    """F.linear(x, weight, bias) with a deferrable weight gradient; for a few rows without
+    gradients (decoding) on a Triton device, `ops/gemv.py`'s kernel."""
     (x,) = autocast_inputs(x)
-    out = _Linear.apply(x, weight)
+    rows = x.reshape(-1, x.shape[-1])
+    if gemv.fits(rows, weight):
+        out = gemv.gemv(rows, [weight])[0].view(*x.shape[:-1], weight.shape[0])
+    else:
+        out = _Linear.apply(x, weight)
     return out if bias is None else out + bias.to(out.dtype)
 
 

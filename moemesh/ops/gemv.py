@@ -1,0 +1,77 @@
+"""Linear layers for a few rows (decoding): up to three weights in one launch, each read once.
+
+    gemv(x, [w_0, w_1, ...]) = [x @ w_0ᵀ, x @ w_1ᵀ, ...]        x [M, K], w_i [N_i, K], M <= 16
+
+A decode step multiplies one row per sequence by every projection. cuBLAS measured at a quarter of
+the memory bandwidth on the attention projections of one row (docs/benchmarks.md), and three
+launches for q, k and v; here one program per block of output features of any of the weights
+streams that block of its weight once, for all M rows at a time (the rows padded to 16 for
+`tl.dot`), accumulating in fp32. Several weights share one launch without being concatenated in
+memory: a program finds its weight from its index.
+
+Limits: forward only (the training path keeps `ops/linear.py`'s autograd), M <= 16, weights of
+x's dtype, three at most, no bias (the caller adds it).
+"""
+
+import torch
+
+from moemesh.ops.backend import tl, triton, tuned, use_triton
+
+MAX_ROWS = 16
+# Tiles tried at a shape's first launch (backend.tuned): wider ones keep more bytes in flight, narrower
+# ones make more programs for the GPU's SMs.
+CONFIGS = [triton.Config({"BLOCK_OUT": o, "BLOCK_K": k}, num_warps=w)
+           for o, k, w in ((16, 256, 4), (16, 512, 4), (32, 256, 4), (32, 512, 8), (64, 128, 4))]
+
+
+def fits(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether `gemv` takes these operands (else use F.linear)."""
+    return (not torch.is_grad_enabled() and use_triton(x) and 0 < x.shape[0] <= MAX_ROWS and len(weights) <= 3
+            and all(type(w) in (torch.Tensor, torch.nn.Parameter) and w.dtype == x.dtype and w.dim() == 2
+                    and w.shape[1] == x.shape[1] and w.is_contiguous() for w in weights))
+
+
+def gemv(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """x [M, K] -> [x @ w.T for w in weights] (Triton; see `fits`)."""
+    x = x.contiguous()
+    rows, inner = x.shape
+    outs = [x.new_empty(rows, w.shape[0]) for w in weights]
+    sizes = [w.shape[0] for w in weights] + [0] * (3 - len(weights))
+    padded = weights + [weights[0]] * (3 - len(weights))  # unused slots: no program reads them
+    outs_padded = outs + [outs[0]] * (3 - len(outs))
+
+    def grid(meta):
+        return (sum(triton.cdiv(n, meta["BLOCK_OUT"]) for n in sizes),)
+
+    _gemv_kernel[grid](x, *padded, *outs_padded, *sizes, rows, inner, ROWS=MAX_ROWS,
+                       PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    return outs
+
+
+@tuned(CONFIGS, key=["n0", "n1", "n2", "inner", "rows"])
+@triton.jit
+def _gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, out0_ptr, out1_ptr, out2_ptr, n0, n1, n2, rows, inner,
+                 ROWS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_K: tl.constexpr):
+    block = tl.program_id(0)
+    first1 = tl.cdiv(n0, BLOCK_OUT)  # the first block of weight 1, then of weight 2
+    first2 = first1 + tl.cdiv(n1, BLOCK_OUT)
+    if block < first1:  # this program's weight
+        w_ptr, out_ptr = w0_ptr, out0_ptr
+    elif block < first2:
+        w_ptr, out_ptr = w1_ptr, out1_ptr
+    else:
+        w_ptr, out_ptr = w2_ptr, out2_ptr
+    n = tl.where(block < first1, n0, tl.where(block < first2, n1, n2))
+    start = tl.where(block < first1, 0, tl.where(block < first2, first1, first2))
+    cols = (block - start) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
+    m = tl.arange(0, ROWS)
+    acc = tl.zeros([ROWS, BLOCK_OUT], dtype=tl.float32)
+    for k0 in range(0, inner, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        xs = tl.load(x_ptr + m[:, None] * inner + ks[None, :], mask=(m[:, None] < rows) & (ks[None, :] < inner),
+                     other=0.0)
+        w = tl.load(w_ptr + cols[None, :].to(tl.int64) * inner + ks[:, None],
+                    mask=(cols[None, :] < n) & (ks[:, None] < inner), other=0.0)  # [BLOCK_K, BLOCK_OUT]
+        acc += tl.dot(xs, w, input_precision=PRECISION)
+    tl.store(out_ptr + m[:, None] * n + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(m[:, None] < rows) & (cols[None, :] < n))

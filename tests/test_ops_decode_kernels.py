@@ -1,0 +1,143 @@
+"""The decoding kernels against their references: the router's fused top-k softmax, the few-row
+GEMV, the fused expert GEMVs, and attention against the KV cache — each op alone, then whole
+models decoding step by step with the kernels against the same model with the eager path.
+
+Triton runs compiled on a GPU, interpreted on a CPU. fp32 both sides, the same products summed
+in another order: relative error <= 1e-6 for an op, <= 1e-5 for a model's logits (as the cached
+path's own test). A wrong head, row, position, expert or weight is off by O(1). bf16 runs on a
+GPU only: Triton's CPU interpreter computes `tl.dot` wrongly in bf16 (off by ~1e10, measured with
+Triton 3.9), so there the bf16 cases say so and skip; bf16 tolerance: one or two roundings of
+the output (relative 1e-2)."""
+
+import pytest
+import torch
+
+from moemesh.models import build
+from moemesh.models.layers import apply_rotary, attention_mask, grouped_attention, rms_norm
+from moemesh.ops import decode_attention, gemv
+from moemesh.ops.combine import combine_reference
+from moemesh.ops.expert_gemv import expert_gemv_combine, expert_gemv_reference, expert_swiglu_gemv
+from moemesh.ops.swiglu import swiglu_reference
+from moemesh.ops.topk_softmax import topk_softmax, topk_softmax_reference
+from numerics import rel_err
+from test_models_decoding import FAMILIES, decode_stepwise
+
+DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="Triton's CPU interpreter computes tl.dot wrongly in bf16"))]
+
+
+def tol(dtype) -> float:
+    return 1e-6 if dtype == torch.float32 else 1e-2
+
+
+@pytest.mark.parametrize("tokens, experts, k", [(1, 128, 8), (7, 60, 4), (3, 8, 8), (0, 16, 2)])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_topk_softmax(triton_kernels, tokens, experts, k, renormalize):
+    logits = torch.randn(tokens, experts) * 3
+    weights, ids = topk_softmax(logits, k, renormalize)
+    expected_weights, expected_ids = topk_softmax_reference(logits, k, renormalize)
+    assert ids.dtype == torch.long and weights.dtype == torch.float32
+    assert torch.equal(ids, expected_ids)  # random logits: no ties, descending order as torch.topk
+    assert tokens == 0 or rel_err(weights, expected_weights) <= 1e-6
+
+
+def test_topk_softmax_refuses_a_k_beyond_the_experts():
+    with pytest.raises(ValueError, match=r"0 < k <= E, got \(2, 4\) and k=5"):
+        topk_softmax(torch.randn(2, 4), 5, True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_gemv_of_up_to_three_weights(triton_kernels, dtype, rows):
+    x = torch.randn(rows, 300).to(dtype)
+    weights = [torch.randn(n, 300).to(dtype) for n in (70, 5, 33)]
+    assert gemv.fits(x, *weights) is False  # gradients on: the autograd path
+    with torch.no_grad():
+        assert gemv.fits(x, *weights) and not gemv.fits(torch.randn(17, 300).to(dtype), weights[0])
+        for count in (1, 3):
+            for out, w in zip(gemv.gemv(x, weights[:count]), weights):
+                assert out.shape == (rows, w.shape[0]) and out.dtype == dtype
+                assert rel_err(out, x.double() @ w.double().T) <= tol(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [4, 3])
+def test_fused_expert_gemvs(triton_kernels, dtype, k):
+    """silu(gate)·up straight from each token's experts, and the down projection summed with the
+    routing weights, against expert_gemv + swiglu + combine (k = 3: the kernel pads the experts to 4)."""
+    tokens, experts, inner, hidden = 3, 6, 40, 70
+    x = torch.randn(tokens, hidden).to(dtype)
+    gate_up, down = torch.randn(experts, 2 * inner, hidden).to(dtype), torch.randn(experts, hidden, inner).to(dtype)
+    ids = torch.stack([torch.randperm(experts)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k)
+    gated = swiglu_reference(expert_gemv_reference(x.repeat_interleave(k, 0), gate_up, ids.flatten()))
+    assert rel_err(expert_swiglu_gemv(x, gate_up, ids), gated) <= tol(dtype)
+    positions = torch.arange(tokens * k).view(tokens, k)
+    expected = combine_reference(expert_gemv_reference(gated, down, ids.flatten()), positions, weights)
+    assert rel_err(expert_gemv_combine(gated, down, ids, weights), expected) <= tol(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window, norm", [(None, True), (5, False), (150, False)])
+@pytest.mark.parametrize("max_len", [40, 700])
+def test_decode_attention_equals_the_eager_path(triton_kernels, dtype, window, norm, max_len):
+    """Rows at different positions in a cache whose batch starts at row 1; q/k norm and rotary,
+    the new keys and values written at the rows' positions, attention over each row's own keys
+    (700 entries: in 4 splits of 192, some rows' splits empty, a window across a split's edge)."""
+    batch, heads, kv_heads, dim = 3, 8, 2, 32
+    assert decode_attention.split_count(max_len) == (1 if max_len < 128 else 4)
+    positions = torch.tensor([0, 17 if max_len < 200 else 300, max_len - 1])
+    q, k, v = (torch.randn(batch, n * dim).to(dtype) for n in (heads, kv_heads, kv_heads))
+    angles = positions[:, None].float() * torch.rand(dim // 2)
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
+    q_norm, k_norm = (torch.rand(dim).to(dtype) + 0.5 if norm else None for _ in range(2))
+    keys, values = (torch.randn(batch + 1, kv_heads, max_len, dim).to(dtype) for _ in range(2))
+    expected_keys, expected_values = keys.clone(), values.clone()
+
+    got_q = decode_attention.rope_to_cache(q, k, v, cos, sin, q_norm, k_norm, 1e-6, keys, values, 1, positions)
+    got = decode_attention.cached_attention(got_q, keys, values, 1, positions, max_len, dim**-0.5, window)
+
+    def heads_of(t, n):  # [B, n·D] -> [B, n, 1, D], normed and rotated as the eager path does
+        t = t.view(batch, n, 1, dim)
+        return t if not norm else rms_norm(t, q_norm if n == heads else k_norm, 1e-6)
+
+    rope = cos[:, None], sin[:, None]
+    want_q = apply_rotary(heads_of(q, heads), *rope)
+    want_k = apply_rotary(heads_of(k, kv_heads), *rope)
+    rows = torch.arange(batch)
+    expected_keys[1 + rows, :, positions] = want_k[:, :, 0]
+    expected_values[1 + rows, :, positions] = v.view(batch, kv_heads, dim)
+    mask = attention_mask(positions[:, None], max_len, window)
+    want = grouped_attention(want_q, expected_keys[1:], expected_values[1:], mask, dim**-0.5)
+    assert rel_err(got_q, want_q[:, :, 0]) <= tol(dtype)
+    assert rel_err(keys, expected_keys) <= tol(dtype) and torch.equal(values, expected_values)
+    assert rel_err(got, want.reshape(batch, -1)) <= tol(dtype) * 10
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"])
+def test_models_decode_with_the_kernels_as_without(triton_kernels, monkeypatch, family):
+    """Whole models, rows prefilled at different lengths then decoded together: every fused path
+    (Qwen3: q/k norms and a sliding window; Mixtral: neither; GPT-OSS and DeepSeek-V3 take the
+    GEMV and router paths, their attention stays eager) against the eager path, and both against
+    the full forward. Heads of 16 (the attention kernels take 16 to 256)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    config = FAMILIES[family]
+    if config.kv_lora_rank is None:
+        config = config.replace(head_dim=16)
+    model = build(config, seed=1, device=device).eval()
+    attention = model.model.layers[0].self_attn
+    takes_kernels = family in ("qwen3_moe", "mixtral")
+    assert (getattr(attention, "sinks", 0) is None and decode_attention.fits(attention.head_dim, 16)) == takes_kernels
+    input_ids = torch.randint(0, model.config.vocab_size, (3, 11), device=device)
+    with torch.no_grad():
+        full = model(input_ids).logits
+        fused = decode_stepwise(model, input_ids, prefill=[4, 1, 7])
+        monkeypatch.setenv("MOEMESH_KERNELS", "torch")
+        eager = decode_stepwise(model, input_ids, prefill=[4, 1, 7])
+    assert rel_err(fused, eager) <= 1e-5 and rel_err(fused, full) <= 1e-5
+    assert not torch.equal(fused, eager)  # the kernels did run
+    if takes_kernels:  # and the attention kernels among them: without them the logits are others
+        monkeypatch.setattr(decode_attention, "fits", lambda *args: False)
+        monkeypatch.setenv("MOEMESH_KERNELS", "triton")
+        with torch.no_grad():
+            assert not torch.equal(decode_stepwise(model, input_ids, prefill=[4, 1, 7]), fused)
