@@ -8,9 +8,11 @@
 Random weights, a random prompt of --prompt-len tokens per sequence, greedy. For each batch size
 B, both sides generate 1 and then --new-tokens tokens for B prompts; the difference divided by
 (new tokens − 1) is one decode step, the prompts' cost subtracted. moemesh runs through its
-Python API (`generate`: scheduler, engine with CUDA graphs, device sampling, text) three ways:
-as shipped, with every MoE block on the grouped GEMM (SELECTED_EXPERT_ROWS = 0), and with every
-block on expert_gemv (the threshold at infinity) — which says where the threshold belongs.
+Python API (`generate`: scheduler, engine with CUDA graphs, device sampling, text) up to four
+ways (--variants): as shipped; with the projections of few rows by cuBLAS rather than
+`ops/gemv.py` (gemv.MAX_ROWS = 0); with every MoE block on the grouped GEMM
+(SELECTED_EXPERT_ROWS = 0), and with every block on expert_gemv (the threshold at infinity) —
+which says where the threshold belongs.
 transformers: bf16, SDPA, grouped_mm experts where the version has them, its dynamic cache.
 Also printed: the share of moemesh's tokens at batch B equal to batch 1's for the same prompt
 (bf16 greedy: rows batched differently round differently, and a near-tie can flip).
@@ -30,10 +32,11 @@ from bench.common import print_table, qwen3_30b_a3b
 from bench.e2e import free, transformers_model
 from moemesh.config import load_config
 from moemesh.data.tokenizer import ByteTokenizer
-from moemesh.inference.engine import DecodeEngine
+from moemesh.inference.engine import DecodeEngine, RowStep, Sampling
 from moemesh.inference.generate import generate
 from moemesh.inference.request import SamplingParams
 from moemesh.models import build, moe
+from moemesh.ops import gemv
 
 
 def sync() -> None:
@@ -59,10 +62,10 @@ def moemesh_rows(config, args, device, dtype, prompts) -> tuple[list[dict], dict
     tokenizer = ByteTokenizer()  # never decodes real text here: the ids are random
     tokenizer.eos_id = None  # no early stop: every sequence makes --new-tokens tokens
     rows, first_row = [], {}
-    variants = {"moemesh": moe.SELECTED_EXPERT_ROWS, "moemesh, grouped GEMM only": 0,
-                "moemesh, expert_gemv only": 1 << 30}
-    for name, threshold in variants.items():
-        moe.SELECTED_EXPERT_ROWS = threshold
+    shipped = (moe.SELECTED_EXPERT_ROWS, gemv.MAX_ROWS)
+    variants = {"moemesh": shipped, "moemesh, cuBLAS projections": (shipped[0], 0),
+                "moemesh, grouped GEMM only": (0, shipped[1]), "moemesh, expert_gemv only": (1 << 30, shipped[1])}
+    for name, (moe.SELECTED_EXPERT_ROWS, gemv.MAX_ROWS) in list(variants.items())[:args.variants]:
         for batch in args.batches:
             engine = DecodeEngine(model, max_batch=batch, max_len=args.prompt_len + args.new_tokens + 1)
             batch_prompts = prompts[:batch]
@@ -75,19 +78,38 @@ def moemesh_rows(config, args, device, dtype, prompts) -> tuple[list[dict], dict
             results = []
             many = min(timed(lambda: results.append(run(args.new_tokens))) for _ in range(2))
             step_ms = (many - one) / (args.new_tokens - 1) * 1e3
+            engine_ms = min(engine_step_ms(engine, batch_prompts, args.new_tokens - 1) for _ in range(2))
             tokens = results[-1][0].token_ids
             if name == "moemesh":
                 first_row[batch] = tokens
             rows.append({"side": name, "batch": batch, "ms/token": f"{step_ms:.2f}",
-                         "tokens/s": f"{batch * 1e3 / step_ms:,.0f}",
+                         "tokens/s": f"{batch * 1e3 / step_ms:,.0f}", "engine ms/step": f"{engine_ms:.2f}",
                          "same tokens as batch 1": (f"{sum(a == b for a, b in zip(tokens, first_row[1])) / len(tokens):.0%}"
                                                     if name == "moemesh" and 1 in first_row else "")})
             del engine
             free()
-    moe.SELECTED_EXPERT_ROWS = variants["moemesh"]
+    moe.SELECTED_EXPERT_ROWS, gemv.MAX_ROWS = shipped
     del model
     free()
     return rows, first_row
+
+
+def engine_step_ms(engine: DecodeEngine, prompts: list[list[int]], steps: int) -> float:
+    """The engine alone, without the scheduler and the text: every row prefilled, one untimed
+    step, then `steps` - 1 decode steps of all rows timed (each reads its new tokens back)."""
+    sampling = Sampling()
+    tokens = [engine.prefill(row, prompt, sampling) for row, prompt in enumerate(prompts)]
+
+    def step(i: int) -> list[int]:
+        return engine.decode([RowStep(row, tokens[row], len(prompt) + i, i + 1, sampling)
+                              for row, prompt in enumerate(prompts)])
+
+    tokens = step(0)
+    sync()
+    start = time.perf_counter()
+    for i in range(1, steps):
+        tokens = step(i)
+    return (time.perf_counter() - start) / (steps - 1) * 1e3
 
 
 def profile_rows(config, args, device, prompts) -> list[dict]:
@@ -133,7 +155,7 @@ def transformers_rows(config, args, device, prompts) -> list[dict]:
         many = min(timed(lambda: run(args.new_tokens)) for _ in range(2))
         step_ms = (many - one) / (args.new_tokens - 1) * 1e3
         rows.append({"side": title, "batch": batch, "ms/token": f"{step_ms:.2f}",
-                     "tokens/s": f"{batch * 1e3 / step_ms:,.0f}", "same tokens as batch 1": ""})
+                     "tokens/s": f"{batch * 1e3 / step_ms:,.0f}", "engine ms/step": "", "same tokens as batch 1": ""})
     del model
     free()
     return rows
@@ -147,6 +169,11 @@ def main():
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--transformers-batches", help="transformers' batch sizes, if not those of --batches")
+    parser.add_argument("--variants", type=int, default=4,
+                        help="moemesh's variants to time, in this order: as shipped; its projections by cuBLAS "
+                             "instead of the GEMV kernel; every MoE block on the grouped GEMM; every block on "
+                             "expert_gemv")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="instead of timing: the GPU kernels of this many batch-1 decode steps")
     args = parser.parse_args()
@@ -173,6 +200,8 @@ def main():
     rows, _ = moemesh_rows(config, args, device, dtype, prompts)
     print_table(rows, title)  # printed at once: the other side may run out of time or memory
     if not args.no_transformers:
+        if args.transformers_batches:
+            args.batches = [int(b) for b in args.transformers_batches.split(",")]
         rows += transformers_rows(config, args, device, prompts)
         print_table(rows, title)
 

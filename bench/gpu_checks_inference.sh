@@ -6,6 +6,11 @@
 #       the disk holds and loading it for generation (bench/load.py)
 #   bash bench/gpu_checks_inference.sh decode6  decoding, 6-layer shape, moemesh beside transformers
 #   bash bench/gpu_checks_inference.sh decode48 decoding, the full 48-layer shape, both sides
+#   bash bench/gpu_checks_inference.sh fused    the GPU tests of the decoding kernels (compiled, bf16
+#       included); decoding of the 48-layer shape beside transformers, as shipped and with cuBLAS
+#       projections; the 6-layer shape at batch 1; the kernels of a 6-layer batch-1 step
+#   bash bench/gpu_checks_inference.sh fused2   the same tests, shown; the 48-layer shape as shipped,
+#       transformers at batch 1 beside it; the kernels of a 6-layer batch-1 step
 #   bash bench/gpu_checks_inference.sh serve    a 6-layer checkpoint served by `moemesh serve`
 #       under 1, 16 and 64 concurrent streaming clients (bench/serve_load.py); the kernels of a
 #       batch-1 decode step; the kernels' table; checkpoint save/verify/load speed
@@ -25,6 +30,20 @@ setup)
     ;;
 decode6)
     timeout 560 python3 bench/decode.py --layers 6 2>&1 | quiet | tail -20
+    ;;
+fused)
+    timeout 170 python3 -m pytest -q -x tests/test_ops_decode_kernels.py tests/test_ops_expert_gemv.py \
+        tests/test_models_decoding.py tests/test_gpu_bf16.py > "$LOGS/gpu_tests.txt" 2>&1
+    echo "== GPU tests"; grep -E "passed|failed|Error|error" "$LOGS/gpu_tests.txt" | tail -8
+    timeout 330 python3 bench/decode.py --layers 48 --variants 2 2>&1 | quiet | tail -14
+    timeout 45 python3 bench/decode.py --layers 6 --batches 1,64 --variants 2 --no-transformers 2>&1 | quiet | tail -7
+    timeout 45 python3 bench/decode.py --layers 6 --profile-steps 32 2>&1 | quiet | grep "|" | head -24
+    ;;
+fused2)
+    timeout 280 python3 -m pytest -q -x tests/test_ops_decode_kernels.py tests/test_ops_expert_gemv.py \
+        tests/test_models_decoding.py tests/test_inference_generate.py 2>&1 | tail -6
+    timeout 200 python3 bench/decode.py --layers 48 --variants 1 --transformers-batches 1 2>&1 | quiet | tail -8
+    timeout 45 python3 bench/decode.py --layers 6 --profile-steps 32 2>&1 | quiet | grep "|" | head -16
     ;;
 decode48)
     timeout 560 python3 bench/decode.py --layers 48 2>&1 | quiet | tail -20
