@@ -68,18 +68,23 @@ def check_generation_with_kernels(rank):
     expected = generate(DecodeEngine(build(config, seed=5).eval(), max_batch=2, max_len=16), tokenizer, prompts, params)
     mesh = init_mesh(ParallelDims(tp=TP))
     engine = DecodeEngine(apply_tp(build(config, seed=5), mesh).eval(), max_batch=2, max_len=16, group=mesh.group("tp"))
+    comm.reset_counts()
     if engine.leader:
         results = generate(engine, tokenizer, prompts, params)
         engine.close()
         assert [r.token_ids for r in results] == [e.token_ids for e in expected]
     else:
         engine.follow()
+    # Per forward (a prefill or a decode step: one logits all-gather each): the vocabulary-split
+    # embedding's all-reduce, then two a layer (after o_proj, after the MoE block's weighted sum).
+    forwards = comm.calls[("all_gather", "forward")]
+    assert comm.calls[("all_reduce", "forward")] == forwards * (1 + 2 * config.num_hidden_layers)
 
 
 def test_tp_generation_with_the_decoding_kernels(monkeypatch):
     """The Triton decoding kernels (ops/gemv.py, decode_attention.py, topk_softmax.py, the fused
     expert GEMVs) on each rank's heads and expert slices, the block's reduce after the fused
-    weighted sum: one process's tokens."""
+    weighted sum: one process's tokens, with two all-reduces a layer per token (counted)."""
     from moemesh.ops.backend import HAVE_TRITON
 
     if not HAVE_TRITON:
