@@ -288,6 +288,15 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+# What to change when a command runs out of GPU memory (after the allocator's own message).
+_MEMORY_ADVICE = {
+    "train": "lower train.micro_batch or train.seq_len, or spread the model over more GPUs (parallel.ep, "
+             "parallel.dp_shard, parallel.pp); `moemesh estimate` with the same config predicts each GPU's memory",
+    "generate": "lower --max-batch or --max-len, or split the model with --tp",
+    "serve": "lower --max-batch or --max-len, or split the model with --tp",
+}
+
+
 def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     run = {"train": _train, "generate": _generate, "serve": _serve, "estimate": _estimate,
@@ -303,6 +312,10 @@ def _main(argv: list[str] | None) -> int:
     except Exception as e:
         from moemesh.parallel.comm import peer_failure
 
+        if type(e).__name__ == "OutOfMemoryError":  # torch's, without importing torch here
+            _say(f"moemesh {args.command}: error: rank {os.environ.get('RANK', '0')}: out of GPU memory "
+                 f"({str(e).splitlines()[0].rstrip('.')}); {_MEMORY_ADVICE.get(args.command, '')}")
+            return 1
         reason = peer_failure(e)
         if reason is None:
             raise

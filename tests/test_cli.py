@@ -212,3 +212,20 @@ def test_convert_to_hugging_face_and_back(tmp_path, capsys, trained):
 def test_convert_writes_bfloat16_on_request(tmp_path, trained):
     assert main(["convert", str(trained), str(tmp_path / "hf"), "--dtype", "bfloat16"]) == 0
     assert from_pretrained(tmp_path / "hf").lm_head.weight.dtype == torch.bfloat16
+
+
+def test_out_of_memory_is_one_line_with_advice(monkeypatch, capsys):
+    """A rank that cannot get memory says so in one line (and exits 1, so that torchrun stops the
+    others at once rather than leaving them waiting in a collective)."""
+    import moemesh.cli as cli
+
+    def train(args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nmore detail")
+
+    monkeypatch.setattr(cli, "_train", train)
+    monkeypatch.setenv("RANK", "3")
+    assert main(["train"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err
+    assert err.startswith("moemesh train: error: rank 3: out of GPU memory (CUDA out of memory. Tried to allocate 2.00 GiB)")
+    assert "train.micro_batch" in err and "moemesh estimate" in err
