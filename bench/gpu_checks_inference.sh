@@ -11,6 +11,8 @@
 #       projections; the 6-layer shape at batch 1; the kernels of a 6-layer batch-1 step
 #   bash bench/gpu_checks_inference.sh fused2   the same tests, shown; the 48-layer shape as shipped,
 #       transformers at batch 1 beside it; the kernels of a 6-layer batch-1 step
+#   bash bench/gpu_checks_inference.sh curve    the 48-layer shape as shipped at batch 1, 4, 16, 64 (with
+#       the engine's step alone beside generate's), transformers at batch 1 and 64 beside it
 #   bash bench/gpu_checks_inference.sh serve    a 6-layer checkpoint served by `moemesh serve`
 #       under 1, 16 and 64 concurrent streaming clients (bench/serve_load.py); the kernels of a
 #       batch-1 decode step; the kernels' table; checkpoint save/verify/load speed
@@ -44,6 +46,9 @@ fused2)
         tests/test_models_decoding.py tests/test_inference_generate.py 2>&1 | tail -6
     timeout 200 python3 bench/decode.py --layers 48 --variants 1 --transformers-batches 1 2>&1 | quiet | tail -8
     timeout 45 python3 bench/decode.py --layers 6 --profile-steps 32 2>&1 | quiet | grep "|" | head -16
+    ;;
+curve)
+    timeout 400 python3 bench/decode.py --layers 48 --variants 1 --transformers-batches 1,64 2>&1 | quiet | tail -10
     ;;
 decode48)
     timeout 560 python3 bench/decode.py --layers 48 2>&1 | quiet | tail -20
