@@ -227,5 +227,6 @@ def test_out_of_memory_is_one_line_with_advice(monkeypatch, capsys):
     assert main(["train"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "Traceback" not in err
-    assert err.startswith("moemesh train: error: rank 3: out of GPU memory (CUDA out of memory. Tried to allocate 2.00 GiB)")
+    assert err.startswith("moemesh train: error: rank 3: out of GPU memory "
+                          "(CUDA out of memory. Tried to allocate 2.00 GiB)")
     assert "train.micro_batch" in err and "moemesh estimate" in err

@@ -1,4 +1,5 @@
-"""Attention for decoding: one new token per row against the static KV cache, in two kernels.
+"""Attention for decoding: one new token per row against the static KV cache, in two kernels
+(and a merge).
 
     rope_to_cache     q, k, v projections [B, heads·D] -> the per-head RMSNorm (Qwen3's q/k norm,
                       optional) and rotary embedding of q and k; k and v written into the cache
@@ -17,9 +18,9 @@ and one such program per layer took 11 µs over 576 keys on an H200).
 
 The reference is `models/layers.Attention`'s eager path (tests compare the two); these kernels
 serve it when one token per row meets a cache on a Triton device. Limits: a power-of-two head
-size (16 to 256) covered whole by the rotary tables, no attention sinks. Numerics: fp32 norms, rotary and softmax, rounded once
-to the cache's dtype; the eager path rounds after each bf16 operation, so in bf16 the two differ
-by a rounding or two.
+size (16 to 256) covered whole by the rotary tables, no attention sinks, rows whose last dimension
+is contiguous. Numerics: fp32 norms, rotary and softmax, rounded once to the cache's dtype; the
+eager path rounds after each bf16 operation, so in bf16 the two differ by a rounding or two.
 """
 
 import torch
@@ -39,7 +40,8 @@ def rope_to_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
                   q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                   keys: torch.Tensor, values: torch.Tensor, row_start: int, positions: torch.Tensor) -> torch.Tensor:
     """q [B, h·D], k and v [B, h_kv·D] (rows may be strided), cos/sin [B, D], norm weights [D] or
-    None, the cache's keys/values [rows, h_kv, max_len, D], positions [B] (may be strided) -> q [B, h, D]."""
+    None, the cache's keys/values [rows, h_kv, max_len, D], positions [B] (may be strided)
+    -> q [B, h, D]."""
     batch, head_dim = cos.shape
     heads, kv_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
     out = q.new_empty(batch, heads, head_dim)
