@@ -39,7 +39,7 @@ def expert_gemv(x: torch.Tensor, weight: torch.Tensor, expert_ids: torch.Tensor)
 # Tiles tried at a shape's first launch (backend.tuned), for each of the two fused kernels.
 SWIGLU_CONFIGS = [triton.Config({"BLOCK_OUT": o, "BLOCK_K": k}, num_warps=w)
                   for o, k, w in ((16, 256, 4), (8, 512, 4), (16, 512, 8), (32, 256, 4), (4, 1024, 4))]
-COMBINE_CONFIGS = [triton.Config({"BLOCK_OUT": o, "BLOCK_K": k}, num_warps=w)  # [k, o, k] tiles
+COMBINE_CONFIGS = [triton.Config({"BLOCK_OUT": o, "BLOCK_K": k}, num_warps=w)  # [top-k, o, k] tiles
                    for o, k, w in ((8, 128, 4), (4, 256, 4), (16, 64, 4), (8, 256, 8), (4, 128, 4))]
 
 
