@@ -4,10 +4,10 @@ models decoding step by step with the kernels against the same model with the ea
 
 Triton runs compiled on a GPU, interpreted on a CPU. fp32 both sides, the same products summed
 in another order: relative error <= 1e-6 for an op, <= 1e-5 for a model's logits (as the cached
-path's own test). A wrong head, row, position, expert or weight is off by O(1). bf16 runs on a
-GPU only: Triton's CPU interpreter computes `tl.dot` wrongly in bf16 (off by ~1e10, measured with
-Triton 3.9), so there the bf16 cases say so and skip; bf16 tolerance: one or two roundings of
-the output (relative 1e-2)."""
+path's own test). A wrong head, row, position, expert or weight is off by O(1). The bf16 cases
+of the kernels that use `tl.dot` (GEMV, attention) run on a GPU only: Triton's CPU interpreter
+computes `tl.dot` wrongly in bf16 (off by ~1e10, measured with Triton 3.9), so there they say so
+and skip. bf16 tolerance: one or two roundings of the output (relative 1e-2; attention 2e-2)."""
 
 import pytest
 import torch
@@ -111,7 +111,8 @@ def test_decode_attention_equals_the_eager_path(triton_kernels, dtype, window, n
     want = grouped_attention(want_q, expected_keys[1:], expected_values[1:], mask, dim**-0.5)
     assert rel_err(got_q, want_q[:, :, 0]) <= tol(dtype)
     assert rel_err(keys, expected_keys) <= tol(dtype) and torch.equal(values, expected_values)
-    assert rel_err(got, want.reshape(batch, -1)) <= tol(dtype) * 10
+    # bf16: q and k rounded after the rotary, then the probabilities before P·V: 2e-2
+    assert rel_err(got, want.reshape(batch, -1)) <= (tol(dtype) if dtype == torch.float32 else 2e-2)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"])
@@ -125,9 +126,7 @@ def test_models_decode_with_the_kernels_as_without(triton_kernels, monkeypatch, 
     if config.kv_lora_rank is None:
         config = config.replace(head_dim=16)
     model = build(config, seed=1, device=device).eval()
-    attention = model.model.layers[0].self_attn
-    takes_kernels = family in ("qwen3_moe", "mixtral")
-    assert (getattr(attention, "sinks", 0) is None and decode_attention.fits(attention.head_dim, 16)) == takes_kernels
+    takes_kernels = family in ("qwen3_moe", "mixtral")  # the others' attention: sinks, latent
     input_ids = torch.randint(0, model.config.vocab_size, (3, 11), device=device)
     with torch.no_grad():
         full = model(input_ids).logits

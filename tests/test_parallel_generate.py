@@ -32,19 +32,27 @@ PARAMS = [SamplingParams(max_tokens=12), SamplingParams(max_tokens=8, temperatur
           SamplingParams(max_tokens=10, temperature=0.7, seed=4)]
 
 
-def check_generation(rank):
+def generate_under_tp(config, prompts, params, max_len) -> DecodeEngine:
+    """Generate on the TP group (the leader checks one process's tokens; the others follow) with
+    the collectives counted from the TP engine's start; -> this rank's engine."""
     tokenizer = ByteTokenizer()
-    expected = generate(DecodeEngine(build(CONFIG, seed=5).eval(), max_batch=2, max_len=32), tokenizer, PROMPTS, PARAMS)
+    expected = generate(DecodeEngine(build(config, seed=5).eval(), max_batch=2, max_len=max_len), tokenizer,
+                        prompts, params)
     mesh = init_mesh(ParallelDims(tp=TP))
-    engine = DecodeEngine(apply_tp(build(CONFIG, seed=5), mesh).eval(), max_batch=2, max_len=32,
+    engine = DecodeEngine(apply_tp(build(config, seed=5), mesh).eval(), max_batch=2, max_len=max_len,
                           group=mesh.group("tp"))
     comm.reset_counts()
     if engine.leader:
-        results = generate(engine, tokenizer, PROMPTS, PARAMS)
+        results = generate(engine, tokenizer, prompts, params)
         engine.close()
         assert [r.token_ids for r in results] == [e.token_ids for e in expected]
     else:
         engine.follow()
+    return engine
+
+
+def check_generation(rank):
+    engine = generate_under_tp(CONFIG, PROMPTS, PARAMS, max_len=32)
     assert engine.cache.keys[0].shape[1] == CONFIG.num_key_value_heads // TP  # [rows, heads, max_len, head_dim]
     return comm.calls[("all_gather", "forward")], comm.sent_bytes[("all_gather", "forward")]
 
@@ -63,18 +71,8 @@ def test_tp_generation_equals_one_process():
 
 def check_generation_with_kernels(rank):
     """Heads of 16, so that the decoding kernels serve attention too, interpreted on CPU."""
-    config, prompts, params = CONFIG.replace(head_dim=16), PROMPTS[:2], [SamplingParams(max_tokens=4)] * 2
-    tokenizer = ByteTokenizer()
-    expected = generate(DecodeEngine(build(config, seed=5).eval(), max_batch=2, max_len=16), tokenizer, prompts, params)
-    mesh = init_mesh(ParallelDims(tp=TP))
-    engine = DecodeEngine(apply_tp(build(config, seed=5), mesh).eval(), max_batch=2, max_len=16, group=mesh.group("tp"))
-    comm.reset_counts()
-    if engine.leader:
-        results = generate(engine, tokenizer, prompts, params)
-        engine.close()
-        assert [r.token_ids for r in results] == [e.token_ids for e in expected]
-    else:
-        engine.follow()
+    config = CONFIG.replace(head_dim=16)
+    generate_under_tp(config, PROMPTS[:2], [SamplingParams(max_tokens=4)] * 2, max_len=16)
     # Per forward (a prefill or a decode step: one logits all-gather each): the vocabulary-split
     # embedding's all-reduce, then two a layer (after o_proj, after the MoE block's weighted sum).
     forwards = comm.calls[("all_gather", "forward")]
