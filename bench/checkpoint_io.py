@@ -17,7 +17,6 @@ import hashlib
 import os
 import shutil
 import tempfile
-import time
 import warnings
 import zlib
 from pathlib import Path
@@ -25,23 +24,12 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from bench.common import print_table
+from bench.common import drop_page_cache, print_table, timed
 from moemesh.checkpoint import integrity
 from moemesh.checkpoint.dcp import save_checkpoint
 from moemesh.models import ModelConfig
 
 _TENSOR_BYTES = 64 << 20
-
-
-def _seconds(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def _drop_caches() -> None:
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
 def hash_rates(megabytes: int = 512) -> list[dict]:
@@ -61,7 +49,7 @@ def hash_rates(megabytes: int = 512) -> list[dict]:
 
     candidates = {"sha256 (chosen)": lambda: digest("sha256"), "blake2b": lambda: digest("blake2b"),
                   "sha1": lambda: digest("sha1"), "crc32 (zlib)": crc32}
-    return [{"hash": name, "GB/s per thread": f"{len(data) / _seconds(fn) / 1e9:.2f}"}
+    return [{"hash": name, "GB/s per thread": f"{len(data) / timed(fn)[0] / 1e9:.2f}"}
             for name, fn in candidates.items()]
 
 
@@ -80,20 +68,20 @@ def main():
         bare, ours = root / "bare", root / "checkpoints" / "step_1"
         rows = []
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process, as asked
-        seconds = _seconds(lambda: dcp.save(state, checkpoint_id=bare, no_dist=True))
+        seconds = timed(lambda: dcp.save(state, checkpoint_id=bare, no_dist=True))[0]
         rows.append({"what": "dcp.save alone", "s": f"{seconds:.2f}", "GB/s": f"{size_gb / seconds:.2f}"})
-        seconds = _seconds(lambda: save_checkpoint(ours, state, ModelConfig()))
+        seconds = timed(lambda: save_checkpoint(ours, state, ModelConfig()))[0]
         rows.append({"what": "save_checkpoint: dcp.save, SHA256SUMS, fsync, rename", "s": f"{seconds:.2f}",
                      "GB/s": f"{size_gb / seconds:.2f}"})
         names = [line.split("  ", 1)[1] for line in (ours / integrity.CHECKSUMS).read_text().splitlines()]
-        if args.drop_caches:
-            _drop_caches()
-        seconds = _seconds(lambda: integrity.sha256_of_files(ours, names))
+        if args.drop_caches and not drop_page_cache():
+            raise SystemExit("--drop-caches: cannot write /proc/sys/vm/drop_caches (it needs root)")
+        seconds = timed(lambda: integrity.sha256_of_files(ours, names))[0]
         rows.append({"what": f"hashing alone ({len(names)} files, in threads)", "s": f"{seconds:.2f}",
                      "GB/s": f"{size_gb / seconds:.2f}"})
         if args.drop_caches:
-            _drop_caches()
-        seconds = _seconds(lambda: integrity.problem(ours))
+            drop_page_cache()
+        seconds = timed(lambda: integrity.problem(ours))[0]
         rows.append({"what": "verify (sizes + SHA-256 of every file)" + (", cold cache" if args.drop_caches else ""),
                      "s": f"{seconds:.2f}", "GB/s": f"{size_gb / seconds:.2f}"})
         print_table(rows, f"checkpoint of {size_gb:.1f} GB in {root} ({os.cpu_count()} CPUs)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -21,6 +22,31 @@ def qwen3_30b_a3b(layers: int) -> ModelConfig:
     """Qwen3-30B-A3B's shape (configs/qwen3_30b_a3b_6l.toml) cut to `layers` decoder layers."""
     path = Path(__file__).resolve().parent.parent / "configs" / "qwen3_30b_a3b_6l.toml"
     return ModelConfig(**tomllib.loads(path.read_text())["model"]).replace(num_hidden_layers=layers)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], object]) -> tuple[float, object]:
+    """(seconds, result) of one call, the GPU's queued work included."""
+    sync()
+    start = time.perf_counter()
+    out = fn()
+    sync()
+    return time.perf_counter() - start, out
+
+
+def drop_page_cache() -> bool:
+    """Write dirty pages out and drop the kernel's page cache (root only): the next read comes from
+    disk. False where that is not allowed."""
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
 
 
 def rel_err(ours: torch.Tensor, reference: torch.Tensor) -> float:

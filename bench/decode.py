@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from bench.common import print_table, qwen3_30b_a3b
+from bench.common import print_table, qwen3_30b_a3b, sync, timed
 from bench.e2e import free, transformers_model
 from moemesh.config import load_config
 from moemesh.data.tokenizer import ByteTokenizer
@@ -37,19 +37,6 @@ from moemesh.inference.generate import generate
 from moemesh.inference.request import SamplingParams
 from moemesh.models import build, moe
 from moemesh.ops import gemv
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed(fn) -> float:
-    sync()
-    start = time.perf_counter()
-    fn()
-    sync()
-    return time.perf_counter() - start
 
 
 def moemesh_rows(config, args, device, dtype, prompts) -> tuple[list[dict], dict]:
@@ -74,9 +61,9 @@ def moemesh_rows(config, args, device, dtype, prompts) -> tuple[list[dict], dict
                 return generate(engine, tokenizer, batch_prompts, SamplingParams(max_tokens=n))
 
             run(args.new_tokens)  # warm-up: captures the graphs, compiles the kernels
-            one = min(timed(lambda: run(1)) for _ in range(2))
+            one = min(timed(lambda: run(1))[0] for _ in range(2))
             results = []
-            many = min(timed(lambda: results.append(run(args.new_tokens))) for _ in range(2))
+            many = min(timed(lambda: results.append(run(args.new_tokens)))[0] for _ in range(2))
             step_ms = (many - one) / (args.new_tokens - 1) * 1e3
             engine_ms = min(engine_step_ms(engine, batch_prompts, args.new_tokens - 1) for _ in range(2))
             tokens = results[-1][0].token_ids
@@ -151,8 +138,8 @@ def transformers_rows(config, args, device, prompts) -> list[dict]:
                                       do_sample=False, pad_token_id=0)
 
         run(args.new_tokens)
-        one = min(timed(lambda: run(1)) for _ in range(2))
-        many = min(timed(lambda: run(args.new_tokens)) for _ in range(2))
+        one = min(timed(lambda: run(1))[0] for _ in range(2))
+        many = min(timed(lambda: run(args.new_tokens))[0] for _ in range(2))
         step_ms = (many - one) / (args.new_tokens - 1) * 1e3
         rows.append({"side": title, "batch": batch, "ms/token": f"{step_ms:.2f}",
                      "tokens/s": f"{batch * 1e3 / step_ms:,.0f}", "engine ms/step": "", "same tokens as batch 1": ""})

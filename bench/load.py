@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import print_table
+from bench.common import drop_page_cache, print_table, qwen3_30b_a3b, timed
 from moemesh.checkpoint.hf import write_pretrained
 from moemesh.config import load_config
 from moemesh.inference.generate import load_for_generation
@@ -45,23 +45,6 @@ def resident(field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     return 0
-
-
-def model_config(layers: int):
-    return load_config(CONFIG, [f"model.num_hidden_layers={layers}"]).model
-
-
-def sync() -> None:
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed(fn) -> tuple[float, object]:
-    sync()
-    start = time.perf_counter()
-    out = fn()
-    sync()
-    return time.perf_counter() - start, out
 
 
 def release() -> None:
@@ -84,7 +67,7 @@ def build_whole_on_cpu_generators(config, seed: int = 0) -> torch.nn.Module:
 def build_rows(layers: list[int]) -> list[dict]:
     rows = []
     for n in layers:
-        config = model_config(n)
+        config = qwen3_30b_a3b(n)
         seconds, model = timed(lambda: materialize(meta_model(config, torch.bfloat16), DEVICE, seed=0))
         params = model.num_params()
         rows.append({"what": f"build from the seed, {n} layers ({params / 1e9:.1f}B parameters, bf16)",
@@ -109,15 +92,15 @@ def build_rows(layers: list[int]) -> list[dict]:
 def cut_layers(directory: Path, requested: str) -> int:
     if requested != "auto":
         return int(requested)
-    full, one = model_config(48), model_config(1)
-    per_layer = (meta_model(model_config(2)).num_params() - meta_model(one).num_params()) * 2
+    full, one = qwen3_30b_a3b(48), qwen3_30b_a3b(1)
+    per_layer = (meta_model(qwen3_30b_a3b(2)).num_params() - meta_model(one).num_params()) * 2
     fixed = meta_model(one).num_params() * 2 - per_layer
     free = shutil.disk_usage(directory.parent).free
     return min(full.num_hidden_layers, int((free * 0.9 - fixed) // per_layer))
 
 
 def write_cut(directory: Path, layers: int) -> int:
-    config = model_config(layers)
+    config = qwen3_30b_a3b(layers)
     shapes = meta_model(config, torch.bfloat16).state_dict()
     generator = torch.Generator(device=DEVICE).manual_seed(0)
     tensors = ((name, (torch.randn(t.shape, generator=generator, device=DEVICE, dtype=torch.bfloat16) * 0.02))
@@ -125,15 +108,6 @@ def write_cut(directory: Path, layers: int) -> int:
     shutil.rmtree(directory, ignore_errors=True)
     write_pretrained(tensors, config, directory)
     return sum(t.numel() * 2 for t in shapes.values())
-
-
-def drop_page_cache() -> bool:
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def load_row(directory: Path, layers: int, model_bytes: int) -> dict:

@@ -119,8 +119,6 @@ def _train(args: argparse.Namespace) -> None:
 
 
 def _generate(args: argparse.Namespace) -> None:
-    import json
-
     from moemesh.errors import RequestError
     from moemesh.inference.engine import DecodeEngine
     from moemesh.inference.generate import generate, prompt_ids, read_prompts
@@ -159,8 +157,6 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    import os
-
     from moemesh.inference.engine import DecodeEngine
     from moemesh.inference.server import serve
 

@@ -159,7 +159,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
         raw = tomllib.loads(path.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: invalid TOML: {e}") from None
-    if path == DEFAULT_CONFIG and any(item.strip().startswith("train.init_from=") for item in overrides):
+    if path == DEFAULT_CONFIG and any(item.partition("=")[0].strip() == "train.init_from" for item in overrides):
         raw.pop("model", None)  # the default's tiny model is not the one a checkpoint brings
     for item in overrides:
         _apply_override(raw, item)

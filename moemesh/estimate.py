@@ -8,7 +8,7 @@ import torch
 
 from moemesh.config import RunConfig, resolve_device
 from moemesh.models import build
-from moemesh.parallel.pipeline.memory import (profile_costs, profile_layers, rank_tokens, run_costs,
+from moemesh.parallel.pipeline.memory import (profile_costs, profile_layers, rank_param_counts, rank_tokens, run_costs,
                                               stage_ranges, state_bytes_per_param)
 from moemesh.parallel.pipeline.partition import describe, rank_memory
 from moemesh.parallel.pipeline.schedule import build_schedule, peak_in_flight
@@ -31,7 +31,8 @@ def estimate_run(config: RunConfig, pp: int | None = None, schedule_name: str | 
         ids = torch.randint(config.model.vocab_size, (train.micro_batch // parallel.batch_ranks, train.seq_len),
                             device=device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=train.dtype == "bfloat16"):
-            costs = profile_costs(profile_layers(model, ids, ids), state_bytes_per_param(config), parallel.dp_shard)
+            costs = profile_costs(profile_layers(model, ids, ids), state_bytes_per_param(config),
+                                  rank_params=rank_param_counts(config))  # what one GPU keeps under the layout
         time_unit, time_scale = "ms", 1e3
     else:
         costs = run_costs(config)

@@ -15,7 +15,7 @@ import socket
 import traceback
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -46,7 +46,7 @@ class WorkerPool:
         self.world_size, self.timeout_s = world_size, timeout_s
         self.tasks = [context.Queue() for _ in range(world_size)]
         self.results = context.Queue()
-        port = _free_port()
+        port = free_port()
         self.processes = [context.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results,
                                                                  timeout_s), daemon=True)
                           for r in range(world_size)]

@@ -34,7 +34,6 @@ import pytest
 import torch
 
 import moemesh.train.trainer as trainer_module
-from moemesh.checkpoint import integrity
 from moemesh.checkpoint.load import load_model
 from moemesh.checkpoint.dcp import checkpoint_path, latest_checkpoint, prune_checkpoints
 from moemesh.cli import main

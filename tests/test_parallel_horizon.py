@@ -180,7 +180,7 @@ def test_layout_follows_one_process_over_the_run(pool, references, drift, family
     for free, forced in runs:  # every rank reports the same figures
         for step, forced_record in zip([s + i for s in FORCED for i in (0, 1)], forced, strict=True):
             assert_same_record(forced_record, records[step])
-        if family != "qwen3":
+        if family != "qwen3" or layout == "dp_replicate4":  # dp_replicate4's own drift is the bound
             continue
         for step, (ours, theirs) in enumerate(zip(free, records, strict=True), start=1):
             allowed = max(FLIP * abs(theirs["loss"]), DRIFT_MULTIPLE * bound[step - 1])

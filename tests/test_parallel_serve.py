@@ -5,7 +5,6 @@ text one process's `moemesh generate` writes."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,21 +15,16 @@ import pytest
 pytest.importorskip("fastapi", reason="moemesh serve needs fastapi and uvicorn (pip install moemesh[serve])")
 
 from moemesh.cli import main  # noqa: E402
+from multiprocess import free_port  # noqa: E402
 from serving import write_checkpoint  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_tp2_server_answers_what_one_process_generates(tmp_path, capsys):
     checkpoint = write_checkpoint(tmp_path / "checkpoint")
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     server = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                               "--master-port", str(_free_port()), "-m", "moemesh", "serve", "--checkpoint",
+                               "--master-port", str(free_port()), "-m", "moemesh", "serve", "--checkpoint",
                                str(checkpoint), "--tp", "2", "--port", str(port), "--max-len", "128",
                                "--max-batch", "2"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               start_new_session=True)

@@ -24,15 +24,15 @@ from moemesh.checkpoint.load import is_hf_directory, load_model, read_model_conf
 from moemesh.errors import CheckpointError
 from moemesh.models import ModelConfig
 from moemesh.models.build import meta_model
-from moemesh.parallel.stored import HALVES, packed_dim
+from moemesh.parallel.stored import HALVES, packed_dim, stored_state
 
 
 def export_hf(source: str | os.PathLike, target: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
     """moemesh checkpoint -> Hugging Face directory (config.json + safetensors), streamed, written
     under a temporary name and renamed when complete."""
     _check_target(target)
-    config = read_model_config(source)
-    checkpoint = resolve_checkpoint(source)
+    checkpoint = resolve_checkpoint(source)  # the config of the checkpoint read: a newer one may not verify
+    config = read_model_config(checkpoint)
     target = Path(target)
     tmp = target.with_name(integrity.TMP_PREFIX + target.name)
     with _writing(target, tmp):
@@ -50,16 +50,14 @@ def _stored_tensors(checkpoint: Path, config: ModelConfig,
     names = meta_model(config).state_dict()
     if config.tie_word_embeddings:
         names.pop("lm_head.weight")
-    for name in names:
+    for name, like in names.items():
         keys = [f"{name}.{half}" for half in HALVES] if packed_dim(name) is not None else [name]
-        parts = {}
-        for key in keys:
-            meta = stored.get(f"model.{key}")
-            if meta is None:
-                raise CheckpointError(f"{checkpoint}: no weight {key!r} in the checkpoint")
-            parts[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
-        _load(checkpoint, {"model": parts})
-        tensor = torch.cat(list(parts.values()), dim=packed_dim(name)) if len(parts) > 1 else parts[name]
+        missing = [key for key in keys if f"model.{key}" not in stored]
+        if missing:
+            raise CheckpointError(f"{checkpoint}: no weight {missing[0]!r} in the checkpoint")
+        tensor = torch.empty(like.shape, dtype=stored[f"model.{keys[0]}"].properties.dtype)
+        # read in place: a packed tensor's stored halves are views of it
+        _load(checkpoint, stored_state({"model": {name: tensor}}))
         yield name, tensor if dtype is None else tensor.to(dtype)
 
 
@@ -70,9 +68,7 @@ def import_hf(source: str | os.PathLike, target: str | os.PathLike) -> None:
     _check_target(target)
     model, _ = load_model(source)
     tokenizer = Path(source) / TOKENIZER_FILE
-    target = Path(target)
-    with _writing(target, target.with_name(integrity.TMP_PREFIX + target.name)):  # save_checkpoint's own
-        save_checkpoint(target, {"model": model.state_dict()}, model.config, tokenizer if tokenizer.is_file() else None)
+    save_checkpoint(Path(target), {"model": model.state_dict()}, model.config, tokenizer if tokenizer.is_file() else None)
 
 
 def _check_target(target: str | os.PathLike) -> None:

@@ -31,16 +31,10 @@ class Lazy:
     shape: torch.Size
     dtype: torch.dtype
 
-    def read(self, index: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
-        """The block of rows index[d] of each dim d (1-D int64, increasing); None: everything."""
-        index = self._index(index)
-        out = torch.empty([len(i) for i in index], dtype=self.dtype)
-        self._read_into(out, index)
-        return out
-
     def read_into(self, out: torch.Tensor, index: tuple[torch.Tensor, ...] | None = None) -> None:
-        """Copy the block `index` into `out` (any device and dtype), piece by piece: no temporary
-        holds the whole block, only one stored tensor's piece at a time."""
+        """Copy the block of rows index[d] of each dim d (1-D int64, increasing; None: everything)
+        into `out` (any device and dtype), piece by piece: no temporary holds the whole block, only
+        one stored tensor's piece at a time."""
         self._read_into(out, self._index(index))
 
     def _index(self, index) -> tuple[torch.Tensor, ...]:

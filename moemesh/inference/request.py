@@ -12,8 +12,8 @@ they may be the start of one.
 
 from __future__ import annotations
 
+import functools
 import math
-import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -50,7 +50,7 @@ class SamplingParams:
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise RequestError(f"stop must be non-empty strings, got {self.stop!r}", "stop")
 
-    @property
+    @functools.cached_property  # read for every running row at every step
     def sampling(self) -> Sampling:
         return Sampling(float(self.temperature), float(self.top_p), self.seed)
 
@@ -104,7 +104,6 @@ class Sequence:
         self.error: str | None = None
         self.row: int | None = None  # the cache row while it runs
         self.cancelled = False  # set from any thread; the scheduler drops the request at its next step
-        self.done = threading.Event()
         self.on_update = on_update
         self._text = IncrementalText(tokenizer)
         self._hold = max((len(s) for s in params.stop), default=1) - 1
@@ -130,7 +129,6 @@ class Sequence:
         if self.finish_reason is None:
             self.finish_reason, self.error = reason, error
             self._emit(len(self.text))
-            self.done.set()
 
     def _extend(self, new: str) -> None:
         """Add final text; finish at a stop string, the text cut before it."""

@@ -75,14 +75,14 @@ def expert_gemv_reference(x: torch.Tensor, weight: torch.Tensor, expert_ids: tor
     return torch.bmm(weight[expert_ids], x.to(weight.dtype).unsqueeze(-1)).squeeze(-1).to(x.dtype)
 
 
-def expert_gemv_triton(x: torch.Tensor, weight: torch.Tensor, expert_ids: torch.Tensor,
-                       block_out: int = 16, block_k: int = 256) -> torch.Tensor:
+def expert_gemv_triton(x: torch.Tensor, weight: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
     x, weight = x.contiguous(), weight.contiguous()
     rows, (_, out_features, inner) = x.shape[0], weight.shape
     out = x.new_empty(rows, out_features)
     if rows and out_features:  # a launch grid must not be empty
+        block_out = 16
         _expert_gemv_kernel[(rows, triton.cdiv(out_features, block_out))](
-            x, weight, expert_ids.contiguous(), out, inner, out_features, BLOCK_OUT=block_out, BLOCK_K=block_k)
+            x, weight, expert_ids.contiguous(), out, inner, out_features, BLOCK_OUT=block_out, BLOCK_K=256)
     return out
 
 

@@ -30,7 +30,7 @@ from moemesh.parallel.tensor import apply_tp
 if TYPE_CHECKING:
     from moemesh.config import RunConfig
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # train.dtype and param_dtype names
 
 
 @dataclass
@@ -50,7 +50,7 @@ def parallelize(model: MoECausalLM, mesh: Mesh, config: RunConfig) -> Layout:
         schedule = build_schedule(parallel.pp_schedule, parallel.pp, train.global_batch // train.micro_batch)
         ranges = stage_ranges(schedule, run_costs(config))
         stages = RankStages(model, cut_model(model, ranges, list(schedule.stage_rank), mesh.rank("pp")))
-    kept_whole = apply_fsdp(model, mesh, param_dtype=_DTYPES[train.dtype],
+    kept_whole = apply_fsdp(model, mesh, param_dtype=DTYPES[train.dtype],
                             reshard_after_forward=parallel.fsdp_reshard_after_forward,
                             prefetch=parallel.fsdp_prefetch, root=stages)
     return Layout(schedule, stages, kept_whole)

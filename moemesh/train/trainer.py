@@ -41,7 +41,7 @@ from moemesh.models.build import meta_model
 from moemesh.parallel import comm
 from moemesh.parallel.data import clip_grad_norm_, label_tokens, local, rank_loss, reduce_gradients
 from moemesh.parallel.mesh import ParallelDims, init_mesh
-from moemesh.parallel.parallelize import materialize, parallelize
+from moemesh.parallel.parallelize import DTYPES, materialize, parallelize
 from moemesh.parallel.pipeline.runtime import MicroBatch, PipelineRunner
 from moemesh.train.flops import flops_per_token, peak_flops
 from moemesh.train.metrics import METRICS_FILE, MetricsLog, read_metrics
@@ -49,8 +49,6 @@ from moemesh.train.optim import build_optimizer, build_scheduler
 from moemesh.train.plot import plot_losses
 from moemesh.train.progress import Progress, format_count, format_duration
 from moemesh.train.router_bias import update_router_bias
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -88,7 +86,7 @@ class Trainer:
         self.is_main = int(os.environ.get("RANK", "0")) == 0  # the rank that prints and writes files
         self.stream = (sys.stdout if stream is None else stream) if self.is_main else open(os.devnull, "w")
         self.device = torch.device(train.device)
-        self.autocast_dtype = _DTYPES[train.dtype]
+        self.autocast_dtype = DTYPES[train.dtype]
         self.run_dir = Path(train.run_dir)
 
         torch.manual_seed(train.seed)
@@ -96,7 +94,7 @@ class Trainer:
         # Made on the meta device, laid out, and only then allocated: each rank makes (or reads)
         # only its part. bf16 weights and AdamW state take half the memory of fp32 master
         # weights, at bf16's rounding of every update (as transformers trains a bf16 model).
-        self.model: MoECausalLM = meta_model(config.model, _DTYPES[train.param_dtype])
+        self.model: MoECausalLM = meta_model(config.model, DTYPES[train.param_dtype])
         # Counted on the whole model, before the layout keeps this rank's part.
         self.flops_per_token = flops_per_token(self.model, train.seq_len)
         self.num_params = (self.model.num_params(), self.model.num_params(active=True))
