@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor, Shard
 from moemesh.models.transformer import DecoderLayer, MoECausalLM
 from moemesh.parallel.expert import is_expert_parameter
 from moemesh.parallel.mesh import Mesh, ParallelDims
-from moemesh.parallel.pieces import record_piece
+from moemesh.parallel.pieces import record_piece, records_kept
 from moemesh.parallel.stored import packed_dim
 
 
@@ -53,8 +53,6 @@ def apply_fsdp(model: MoECausalLM, mesh: Mesh, param_dtype: torch.dtype | None =
             whole.append(name)
         else:
             shard_dims[id(param)] = dim
-    # FSDP replaces the parameters; the tags other parts of moemesh put on them (tp_dim, ...) go along.
-    tags = {name: dict(vars(param)) for name, param in model.named_parameters()}
     ignored = {param for name, param in model.named_parameters() if name in whole}
 
     dense_mesh = mesh.fsdp_dense_mesh[_data_axes(dims, "dp_shard_ep")]
@@ -71,12 +69,13 @@ def apply_fsdp(model: MoECausalLM, mesh: Mesh, param_dtype: torch.dtype | None =
         return module
 
     units = []  # per block: (its expert bank or None, the block)
-    for layer in model.model.layers:
-        if not isinstance(layer, DecoderLayer):  # a layer another pipeline rank holds
-            continue
-        experts = shard(layer.mlp.experts, expert_mesh, reshard_after_forward) if layer.is_moe else None
-        units.append((experts, shard(layer, dense_mesh, reshard_after_forward)))
-    root = shard(root or model, dense_mesh, False)  # the root's weights are needed again first thing in backward
+    with records_kept(model):  # FSDP replaces the parameters
+        for layer in model.model.layers:
+            if not isinstance(layer, DecoderLayer):  # a layer another pipeline rank holds
+                continue
+            experts = shard(layer.mlp.experts, expert_mesh, reshard_after_forward) if layer.is_moe else None
+            units.append((experts, shard(layer, dense_mesh, reshard_after_forward)))
+        root = shard(root or model, dense_mesh, False)  # its weights are needed again first thing in backward
 
     for module in root.modules():
         if isinstance(module, FSDPModule):
@@ -85,9 +84,7 @@ def apply_fsdp(model: MoECausalLM, mesh: Mesh, param_dtype: torch.dtype | None =
                 module.set_force_sum_reduction_for_comms(True)
     if prefetch and dims.pp == 1:  # a pipeline interleaves blocks of different micro-batches
         _prefetch_one_block_ahead(root, units)
-    for name, param in model.named_parameters():
-        for key, value in tags[name].items():
-            setattr(param, key, value)
+    for param in model.parameters():
         if isinstance(param, DTensor):  # a shard: chunk `coordinate` of dim `dim` (evenly divided)
             dim, mesh_dims = param.placements[-1].dim, param.device_mesh.ndim
             coordinate, size = param.device_mesh.get_local_rank(mesh_dims - 1), param.to_local().shape[dim]

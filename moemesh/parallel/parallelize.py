@@ -21,7 +21,7 @@ from moemesh.parallel.data import apply_data_parallel
 from moemesh.parallel.expert import apply_ep
 from moemesh.parallel.fsdp import apply_fsdp
 from moemesh.parallel.mesh import Mesh
-from moemesh.parallel.pieces import local_view
+from moemesh.parallel.pieces import local_view, records_kept
 from moemesh.parallel.pipeline.memory import run_costs, stage_ranges
 from moemesh.parallel.pipeline.schedule import Schedule, build_schedule
 from moemesh.parallel.pipeline.stage import RankStages, cut_model
@@ -60,14 +60,9 @@ def parallelize(model: MoECausalLM, mesh: Mesh, config: RunConfig) -> Layout:
 def materialize(model: MoECausalLM, device: torch.device | str, seed: int | None = None) -> MoECausalLM:
     """Allocate the parameters and buffers this rank keeps on `device` and, with a `seed`,
     initialise them (without one they hold garbage until a checkpoint is read into them)."""
-    # Moving FSDP's sharded parameters swaps them for new objects: the layout's records on them
-    # (pieces, TP dims, gradient tags) go along.
-    tags = {name: dict(vars(param)) for name, param in model.named_parameters()}
-    model.to_empty(device=device)
-    model.tie_weights()
-    for name, param in model.named_parameters():
-        for key, value in tags[name].items():
-            setattr(param, key, value)
+    with records_kept(model):  # moving FSDP's sharded parameters swaps them for new objects
+        model.to_empty(device=device)
+        model.tie_weights()
     if seed is not None:
         init_weights(model, seed, local_view)
     return model

@@ -10,10 +10,24 @@ its own part, with the values one process has there. A parameter without the rec
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from moemesh.models.build import LocalView
+
+
+@contextmanager
+def records_kept(model: nn.Module):
+    """Carry the records moemesh puts on parameters (pieces, TP dims, gradient tags) over to the
+    objects that replace them inside the block (FSDP sharding, moving a sharded model)."""
+    records = {name: dict(vars(param)) for name, param in model.named_parameters()}
+    yield
+    for name, param in model.named_parameters():
+        for key, value in records[name].items():
+            setattr(param, key, value)
 
 
 def full_index(param: torch.Tensor) -> tuple[torch.Tensor, ...]:
