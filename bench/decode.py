@@ -5,15 +5,18 @@
     PYTHONPATH=. python3 bench/decode.py --config configs/tiny.toml --prompt-len 32 --new-tokens 8 \\
         --batches 1,4                                         # CPU: checks that the script runs
 
-Random weights, a random prompt of --prompt-len tokens per sequence, greedy. For each batch size
-B, both sides generate 1 and then --new-tokens tokens for B prompts; the difference divided by
-(new tokens − 1) is one decode step, the prompts' cost subtracted. moemesh runs through its
-Python API (`generate`: scheduler, engine with CUDA graphs, device sampling, text) up to four
-ways (--variants): as shipped; with the projections of few rows by cuBLAS rather than
-`ops/gemv.py` (gemv.MAX_ROWS = 0); with every MoE block on the grouped GEMM
-(SELECTED_EXPERT_ROWS = 0), and with every block on expert_gemv (the threshold at infinity) —
-which says where the threshold belongs.
-transformers: bf16, SDPA, grouped_mm experts where the version has them, its dynamic cache.
+Random weights, a random prompt of --prompt-len tokens per sequence, greedy, --new-tokens
+tokens. For each batch size B, a decode step of B sequences in milliseconds, the prompts' cost
+left out. moemesh: "ms/token" is a step as `generate` runs it (scheduler, engine with CUDA graphs,
+device sampling, stops, text), timed after every prompt is prefilled; "engine ms/step" the
+engine's step alone. (Timing whole `generate` calls and subtracting a 1-token call is too
+unsteady at batch 64: the 64 prefills outweigh the steps.) Up to four variants (--variants): as
+shipped; the MoE block's experts read per expert at every batch (PER_TOKEN_ROWS = 0); every MoE
+block on the grouped GEMM (SELECTED_EXPERT_ROWS = 0); the projections of few rows by cuBLAS
+rather than `ops/gemv.py` (gemv.MAX_ROWS = 0) — which say where the thresholds belong.
+transformers: bf16, SDPA, grouped_mm experts where the version has them, its dynamic cache;
+`generate` of 1 and of --new-tokens tokens for the B prompts, the difference over the steps
+(its prefill is one batched forward, small beside its steps).
 Also printed: the share of moemesh's tokens at batch B equal to batch 1's for the same prompt
 (bf16 greedy: rows batched differently round differently, and a near-tie can flip).
 
@@ -35,6 +38,7 @@ from moemesh.data.tokenizer import ByteTokenizer
 from moemesh.inference.engine import DecodeEngine, RowStep, Sampling
 from moemesh.inference.generate import generate
 from moemesh.inference.request import SamplingParams
+from moemesh.inference.scheduler import Scheduler
 from moemesh.models import build, moe
 from moemesh.ops import gemv
 
@@ -49,24 +53,20 @@ def moemesh_rows(config, args, device, dtype, prompts) -> tuple[list[dict], dict
     tokenizer = ByteTokenizer()  # never decodes real text here: the ids are random
     tokenizer.eos_id = None  # no early stop: every sequence makes --new-tokens tokens
     rows, first_row = [], {}
-    shipped = (moe.SELECTED_EXPERT_ROWS, gemv.MAX_ROWS)
-    variants = {"moemesh": shipped, "moemesh, cuBLAS projections": (shipped[0], 0),
-                "moemesh, grouped GEMM only": (0, shipped[1]), "moemesh, expert_gemv only": (1 << 30, shipped[1])}
-    for name, (moe.SELECTED_EXPERT_ROWS, gemv.MAX_ROWS) in list(variants.items())[:args.variants]:
+    shipped = (moe.SELECTED_EXPERT_ROWS, moe.PER_TOKEN_ROWS, gemv.MAX_ROWS)
+    variants = {"moemesh": shipped, "moemesh, experts per expert only": (shipped[0], 0, shipped[2]),
+                "moemesh, grouped GEMM only": (0, 0, shipped[2]), "moemesh, cuBLAS projections": (*shipped[:2], 0)}
+    for name, (moe.SELECTED_EXPERT_ROWS, moe.PER_TOKEN_ROWS, gemv.MAX_ROWS) in list(variants.items())[:args.variants]:
         for batch in args.batches:
             engine = DecodeEngine(model, max_batch=batch, max_len=args.prompt_len + args.new_tokens + 1)
             batch_prompts = prompts[:batch]
 
-            def run(n):
-                return generate(engine, tokenizer, batch_prompts, SamplingParams(max_tokens=n))
-
-            run(args.new_tokens)  # warm-up: captures the graphs, compiles the kernels
-            one = min(timed(lambda: run(1))[0] for _ in range(2))
-            results = []
-            many = min(timed(lambda: results.append(run(args.new_tokens)))[0] for _ in range(2))
-            step_ms = (many - one) / (args.new_tokens - 1) * 1e3
+            # warm-up: tunes and compiles the kernels, captures the graphs
+            generate(engine, tokenizer, batch_prompts, SamplingParams(max_tokens=args.new_tokens))
+            step_ms, sequences = min((scheduler_step_ms(engine, tokenizer, batch_prompts, args.new_tokens)
+                                      for _ in range(2)), key=lambda timing: timing[0])
             engine_ms = min(engine_step_ms(engine, batch_prompts, args.new_tokens - 1) for _ in range(2))
-            tokens = results[-1][0].token_ids
+            tokens = sequences[0].token_ids
             if name == "moemesh":
                 first_row[batch] = tokens
             rows.append({"side": name, "batch": batch, "ms/token": f"{step_ms:.2f}",
@@ -75,44 +75,64 @@ def moemesh_rows(config, args, device, dtype, prompts) -> tuple[list[dict], dict
                                                     if name == "moemesh" and 1 in first_row else "")})
             del engine
             free()
-    moe.SELECTED_EXPERT_ROWS, gemv.MAX_ROWS = shipped
+    moe.SELECTED_EXPERT_ROWS, moe.PER_TOKEN_ROWS, gemv.MAX_ROWS = shipped
     del model
     free()
     return rows, first_row
 
 
-def engine_step_ms(engine: DecodeEngine, prompts: list[list[int]], steps: int) -> float:
-    """The engine alone, without the scheduler and the text: every row prefilled, one untimed
-    step, then `steps` - 1 decode steps of all rows timed (each reads its new tokens back)."""
+def scheduler_step_ms(engine: DecodeEngine, tokenizer, prompts: list[list[int]], new_tokens: int):
+    """Milliseconds a decode step as `generate` runs it (scheduler, stops, text), the prompts'
+    prefill left out: all prompts submitted, the first round (every prefill and one decode step)
+    untimed, the rest timed until all have `new_tokens`. Returns it and the sequences."""
+    scheduler = Scheduler(engine, tokenizer, max_waiting=len(prompts))
+    sequences = [scheduler.submit(prompt, SamplingParams(max_tokens=new_tokens)) for prompt in prompts]
+    scheduler.step()
+    sync()
+    start, steps = time.perf_counter(), 0
+    while scheduler.step():
+        steps += 1
+    return (time.perf_counter() - start) / steps * 1e3, sequences
+
+
+def engine_steps(engine: DecodeEngine, prompts: list[list[int]]):
+    """The engine alone, without the scheduler and the text: every row prefilled and one decode
+    step run (graphs captured); returns step(i), the (i+1)-th decode step of all rows (it reads
+    the new tokens back, as the scheduler does)."""
     sampling = Sampling()
     tokens = [engine.prefill(row, prompt, sampling) for row, prompt in enumerate(prompts)]
 
-    def step(i: int) -> list[int]:
-        return engine.decode([RowStep(row, tokens[row], len(prompt) + i, i + 1, sampling)
-                              for row, prompt in enumerate(prompts)])
+    def step(i: int) -> None:
+        tokens[:] = engine.decode([RowStep(row, tokens[row], len(prompt) + i, i + 1, sampling)
+                                   for row, prompt in enumerate(prompts)])
 
-    tokens = step(0)
+    step(0)
     sync()
+    return step
+
+
+def engine_step_ms(engine: DecodeEngine, prompts: list[list[int]], steps: int) -> float:
+    """Milliseconds a decode step of all rows, the engine alone, over `steps` - 1 steps."""
+    step = engine_steps(engine, prompts)
     start = time.perf_counter()
     for i in range(1, steps):
-        tokens = step(i)
+        step(i)
     return (time.perf_counter() - start) / (steps - 1) * 1e3
 
 
 def profile_rows(config, args, device, prompts) -> list[dict]:
-    """The GPU kernels of --profile-steps batch-1 decode steps of moemesh, by name: calls and
-    microseconds per step, the busiest first (with CUDA graphs, the kernels of the replays)."""
+    """The GPU kernels of --profile-steps decode steps of the engine at batch --profile-batch,
+    by name: calls and microseconds per step, the busiest first (the kernels of the graphs'
+    replays; the prompts' prefill not included)."""
     from collections import defaultdict
 
     from bench.common import profiled_kernels
 
     model = build(config, seed=0, device=device).eval()
-    engine = DecodeEngine(model, max_batch=1, max_len=args.prompt_len + args.new_tokens + args.profile_steps + 2)
-    tokenizer = ByteTokenizer()
-    tokenizer.eos_id = None
-    generate(engine, tokenizer, prompts[:1], SamplingParams(max_tokens=4))  # capture the graphs
-    steps = args.profile_steps
-    kernels = profiled_kernels(lambda: generate(engine, tokenizer, prompts[:1], SamplingParams(max_tokens=steps + 1)))
+    steps, batch = args.profile_steps, args.profile_batch
+    engine = DecodeEngine(model, max_batch=batch, max_len=args.prompt_len + steps + 2)
+    step = engine_steps(engine, prompts[:batch])
+    kernels = profiled_kernels(lambda: [step(i) for i in range(1, steps + 1)])
     by_name = defaultdict(lambda: [0, 0.0])
     for kernel in kernels:
         by_name[kernel["name"]][0] += 1
@@ -120,7 +140,7 @@ def profile_rows(config, args, device, prompts) -> list[dict]:
     busy = sum(d for _, d in by_name.values())
     rows = [{"kernel": name[:70], "calls/step": f"{calls / steps:.1f}", "µs/step": f"{total / steps:.1f}",
              "share": f"{total / busy:.1%}"} for name, (calls, total) in sorted(by_name.items(), key=lambda kv: -kv[1][1])]
-    rows.insert(0, {"kernel": "all kernels (the prompt's prefill included)", "calls/step": f"{len(kernels) / steps:.0f}",
+    rows.insert(0, {"kernel": f"all kernels, batch {batch}", "calls/step": f"{len(kernels) / steps:.0f}",
                     "µs/step": f"{busy / steps:.0f}", "share": "100%"})
     return rows[:30]
 
@@ -158,11 +178,11 @@ def main():
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--transformers-batches", help="transformers' batch sizes, if not those of --batches")
     parser.add_argument("--variants", type=int, default=4,
-                        help="moemesh's variants to time, in this order: as shipped; its projections by cuBLAS "
-                             "instead of the GEMV kernel; every MoE block on the grouped GEMM; every block on "
-                             "expert_gemv")
+                        help="moemesh's variants to time, in this order: as shipped; experts read per expert at "
+                             "every batch; every MoE block on the grouped GEMM; the projections by cuBLAS")
     parser.add_argument("--profile-steps", type=int, default=0,
-                        help="instead of timing: the GPU kernels of this many batch-1 decode steps")
+                        help="instead of timing: the GPU kernels of this many decode steps")
+    parser.add_argument("--profile-batch", type=int, default=1, help="the batch of --profile-steps")
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -172,7 +192,7 @@ def main():
                                                         args.prompt_len + args.new_tokens + 1),
                             output_router_logits=False)  # generation: no load-balancing loss on either side
     generator = torch.Generator().manual_seed(0)
-    prompts = torch.randint(1, config.vocab_size, (max(args.batches), args.prompt_len), generator=generator).tolist()
+    prompts = torch.randint(1, config.vocab_size, (max(*args.batches, args.profile_batch), args.prompt_len), generator=generator).tolist()
     torch.manual_seed(0)
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (timings are only a smoke check)"
     title = (f"decode, {config.num_hidden_layers} layers, {str(dtype)[6:]}, prompt {args.prompt_len}, "

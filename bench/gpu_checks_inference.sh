@@ -11,8 +11,10 @@
 #       projections; the 6-layer shape at batch 1; the kernels of a 6-layer batch-1 step
 #   bash bench/gpu_checks_inference.sh fused2   the same tests, shown; the 48-layer shape as shipped,
 #       transformers at batch 1 beside it; the kernels of a 6-layer batch-1 step
-#   bash bench/gpu_checks_inference.sh curve    the 48-layer shape as shipped at batch 1, 4, 16, 64 (with
-#       the engine's step alone beside generate's), transformers at batch 1 and 64 beside it
+#   bash bench/gpu_checks_inference.sh curve    the GPU tests of the decoding kernels; the 48-layer shape
+#       at batch 1, 4, 16, 64, as shipped and with the experts read per expert at every batch,
+#       transformers at batch 1 and 64 beside it; the 6-layer shape at batch 1 and 64, transformers
+#       at batch 1; the kernels of a 6-layer decode step at batch 64
 #   bash bench/gpu_checks_inference.sh serve    a 6-layer checkpoint served by `moemesh serve`
 #       under 1, 16 and 64 concurrent streaming clients (bench/serve_load.py); the kernels of a
 #       batch-1 decode step; the kernels' table; checkpoint save/verify/load speed
@@ -48,7 +50,11 @@ fused2)
     timeout 45 python3 bench/decode.py --layers 6 --profile-steps 32 2>&1 | quiet | grep "|" | head -16
     ;;
 curve)
-    timeout 400 python3 bench/decode.py --layers 48 --variants 1 --transformers-batches 1,64 2>&1 | quiet | tail -10
+    timeout 150 python3 -m pytest -q -x tests/test_ops_expert_gemv.py tests/test_ops_decode_kernels.py \
+        tests/test_models_decoding.py 2>&1 | tail -3
+    timeout 330 python3 bench/decode.py --layers 48 --variants 2 --transformers-batches 1,64 2>&1 | quiet | tail -12
+    timeout 100 python3 bench/decode.py --layers 6 --batches 1,64 --variants 1 --transformers-batches 1 2>&1 | quiet | tail -5
+    timeout 60 python3 bench/decode.py --layers 6 --profile-steps 16 --profile-batch 64 2>&1 | quiet | grep "|" | head -14
     ;;
 decode48)
     timeout 560 python3 bench/decode.py --layers 48 2>&1 | quiet | tail -20

@@ -7,7 +7,7 @@
 Prints: effective bandwidth of permute / combine / swiglu (forward and backward) as a fraction of
 a measured device copy, against the plain PyTorch index path; expert_gemv (decoding's MoE path,
 reading only the chosen experts) against its gather + bmm reference and the grouped GEMM over all
-experts, at 1, 4 and 8 tokens; linear_cross_entropy against
+experts, at 1, 4, 16 and 64 tokens; linear_cross_entropy against
 F.cross_entropy on full fp32 logits (time and peak memory); bf16-vs-fp32-reference errors for every
 op, including one problem whose N*H passes 2**31. Times are medians of triton.testing.do_bench.
 Writes nothing, except, when $OUT is set, the printed report to $OUT/kernels.txt (Triton's compile
@@ -170,24 +170,24 @@ def bandwidth_rows(copy_gbps):
 
 
 def expert_gemv_rows(copy_gbps):
-    """Decoding's few tokens through the gate_up bank [E, 2I, H]: expert_gemv (Triton), its gather
-    + bmm reference, and the grouped GEMM over all E groups (the training path). GB/s counts the
-    distinct chosen experts' weights, read once."""
+    """Decoding's tokens through the gate_up bank [E, 2I, H]: expert_gemv (Triton, per expert),
+    its gather + bmm reference, and the grouped GEMM over all E groups (the training path). GB/s
+    counts the distinct chosen experts' weights, read once."""
     k, hidden, experts, inner = (SIZES[n] for n in ("k", "hidden", "experts", "inner"))
     e = torch.finfo(DTYPE).bits // 8
     weight = torch.randn(experts, 2 * inner, hidden, dtype=DTYPE, device=DEVICE)
     report(f"expert_gemv: gate_up [E={experts}, 2I={2 * inner}, H={hidden}] {str(DTYPE)[6:]}, top-{k}")
     report(f"{'tokens':>6}{'experts':>8}{'gemv ms':>9}{'GB/s':>7}{'%copy':>7}{'gather+bmm':>11}{'grouped_mm':>11}"
            f"{'err':>9}")
-    for tokens in (1, 4, 8):
-        x = torch.randn(tokens * k, hidden, dtype=DTYPE, device=DEVICE)
-        ids = torch.stack([torch.randperm(experts, device=DEVICE)[:k] for _ in range(tokens)]).flatten()
-        order = ids.argsort()
-        sizes = torch.bincount(ids, minlength=experts)
+    for tokens in (1, 4, 16, 64):
+        x = torch.randn(tokens, hidden, dtype=DTYPE, device=DEVICE)
+        ids = torch.stack([torch.randperm(experts, device=DEVICE)[:k] for _ in range(tokens)])
+        order = ids.flatten().argsort()
+        sizes = torch.bincount(ids.flatten(), minlength=experts)
         nbytes = int(ids.unique().numel()) * 2 * inner * hidden * e
         gemv = bench_ms(lambda: expert_gemv_triton(x, weight, ids))
         gather = bench_ms(lambda: expert_gemv_reference(x, weight, ids))
-        grouped = bench_ms(lambda: grouped_mm(x[order], weight, sizes))
+        grouped = bench_ms(lambda: grouped_mm(x.repeat_interleave(k, 0)[order], weight, sizes))
         err = rel_err(expert_gemv_triton(x, weight, ids), expert_gemv_reference(x.float(), weight.float(), ids))
         gbps = nbytes / gemv / 1e6
         report(f"{tokens:>6}{int(ids.unique().numel()):>8}{gemv:>9.3f}{gbps:>7.0f}{gbps / copy_gbps:>7.0%}"

@@ -1,54 +1,83 @@
-"""expert_gemv: the Triton kernel (interpreted on CPU) against the gather + batched-matmul
-reference, and the MoE block's selected-experts path against its staged (grouped GEMM) path.
+"""expert_gemv: the per-expert Triton kernel (interpreted on CPU) against the gather + batched-
+matmul reference in fp64, the two per-token kernels against expert_gemv + swiglu + combine, and
+the MoE block's selected-experts path (both forms) against its staged (grouped GEMM) path.
 
-Tolerances: fp32 both sides, the same products summed in another order (the kernel in blocks of
-K): relative error <= 1e-6 for the op, <= 1e-5 for a whole block (two GEMVs, an activation and
-the weighted sum). A wrong expert, a missing bias or a weight applied twice is off by O(1)."""
+Tolerances: fp32 both sides, the same products summed in another order (the kernels in blocks of
+K): relative error <= 1e-6 for an op, <= 1e-5 for a whole block (two GEMVs, an activation and
+the weighted sum). A wrong expert, a row given another's output, a missing bias or a weight
+applied twice is off by O(1). bf16: the roundings of gate, up and the output, <= 1e-2; on a GPU
+only, as in test_ops_decode_kernels.py."""
 
 import pytest
 import torch
 
-from moemesh.models import build
-from moemesh.ops.expert_gemv import expert_gemv, expert_gemv_reference
+from moemesh.models import build, moe
+from moemesh.ops.combine import combine_reference
+from moemesh.ops.expert_gemv import expert_gemv, expert_gemv_combine, expert_gemv_reference, expert_swiglu_gemv
+from moemesh.ops.swiglu import swiglu_reference
 from numerics import rel_err
 from test_models_decoding import FAMILIES
+from test_ops_decode_kernels import DTYPES, tol
 
 
-@pytest.mark.parametrize("rows, experts, out_features, inner", [(1, 5, 7, 300), (13, 3, 33, 17), (0, 4, 8, 8),
-                                                                (6, 1, 1, 513)])
-def test_triton_matches_reference(triton_kernels, rows, experts, out_features, inner):
-    x, weight = torch.randn(rows, inner), torch.randn(experts, out_features, inner)
-    ids = torch.randint(0, experts, (rows,))
+@pytest.mark.parametrize("tokens, k, experts, out_features, inner", [
+    (1, 2, 5, 7, 300), (13, 3, 4, 33, 17), (0, 2, 4, 8, 8), (6, 1, 1, 1, 513),
+    (40, 4, 5, 20, 70),  # some expert chosen by 30+ pairs: more than one block of 16 rows
+    (70, 8, 64, 16, 32)])  # 560 pairs: the scan for an expert's pairs runs over three chunks
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_matches_reference(triton_kernels, tokens, k, experts, out_features, inner, dtype):
+    x, weight = torch.randn(tokens, inner).to(dtype), torch.randn(experts, 2 * out_features, inner).to(dtype)
+    ids = torch.stack([torch.randperm(experts)[:k] for _ in range(tokens)]) if tokens else torch.zeros(0, k).long()
+    expected = expert_gemv_reference(x.double(), weight.double(), ids)
+    for t in range(tokens):  # the reference is what it says
+        for j in range(k):
+            torch.testing.assert_close(expected[t * k + j], weight[ids[t, j]].double() @ x[t].double())
     got = expert_gemv(x, weight, ids)
-    assert got.shape == (rows, out_features)
-    assert rel_err(got, expert_gemv_reference(x, weight, ids)) <= 1e-6 or rows == 0
-    for i in range(rows):  # the reference is what it says
-        torch.testing.assert_close(expert_gemv_reference(x, weight, ids)[i], weight[ids[i]] @ x[i])
+    assert got.shape == (tokens * k, 2 * out_features) and got.dtype == dtype
+    assert tokens == 0 or rel_err(got, expected) <= tol(dtype)
+    glu = expert_gemv(x, weight, ids, glu=True)  # silu(gate)·up, from the same weights
+    assert glu.shape == (tokens * k, out_features)
+    assert tokens == 0 or rel_err(glu, swiglu_reference(expected.to(dtype))) <= tol(dtype)
 
 
-def test_triton_bf16_vs_fp32_reference(triton_kernels):
-    """bf16 weights and inputs, fp32 accumulation: one bf16 rounding of the output, <= 1e-2."""
-    x, weight = torch.randn(5, 130), torch.randn(4, 20, 130)
-    ids = torch.tensor([3, 0, 3, 1, 2])
-    got = expert_gemv(x.bfloat16(), weight.bfloat16(), ids)
-    assert got.dtype == torch.bfloat16
-    assert rel_err(got, expert_gemv_reference(x, weight, ids)) <= 1e-2
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [4, 3])
+def test_per_token_expert_gemvs(triton_kernels, dtype, k):
+    """silu(gate)·up straight from each token's experts, and the down projection summed with the
+    routing weights, against expert_gemv + swiglu + combine (k = 3: the kernel pads the experts to 4)."""
+    tokens, experts, inner, hidden = 3, 6, 40, 70
+    x = torch.randn(tokens, hidden).to(dtype)
+    gate_up, down = torch.randn(experts, 2 * inner, hidden).to(dtype), torch.randn(experts, hidden, inner).to(dtype)
+    ids = torch.stack([torch.randperm(experts)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k)
+    gated = expert_swiglu_gemv(x, gate_up, ids)
+    assert rel_err(gated, swiglu_reference(expert_gemv_reference(x.double(), gate_up.double(), ids))) <= tol(dtype)
+    positions = torch.arange(tokens * k).view(tokens, k)  # the reference from the kernel's own `gated`
+    expected = combine_reference(expert_gemv_reference(gated.double(), down.double(), ids.view(-1, 1)), positions,
+                                 weights.double())
+    assert rel_err(expert_gemv_combine(gated, down, ids, weights), expected) <= tol(dtype)
 
 
 def test_bad_shapes_are_refused():
-    with pytest.raises(ValueError, match=r"need x \[N, K\], weight \[E, O, K\], expert_ids \[N\]"):
-        expert_gemv(torch.randn(3, 4), torch.randn(2, 5, 6), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"need x \[T, K\], weight \[E, O, K\] \(O even with glu\), expert_ids \[T, k\]"):
+        expert_gemv(torch.randn(3, 4), torch.randn(2, 5, 6), torch.zeros(3, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="O even with glu"):
+        expert_gemv(torch.randn(3, 4), torch.randn(2, 5, 4), torch.zeros(3, 1, dtype=torch.long), glu=True)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3", "gemma4"])
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
-def test_selected_experts_equal_the_staged_block(request, monkeypatch, family, kernels):
+@pytest.mark.parametrize("per_token_rows", [moe.PER_TOKEN_ROWS, 0])
+def test_selected_experts_equal_the_staged_block(request, monkeypatch, family, kernels, per_token_rows):
     """Expert biases (GPT-OSS, with its clamped SwiGLU), shared experts and routed scaling
-    (DeepSeek-V3), GeGLU and per-expert scales (Gemma 4); an odd number of tokens. The Triton
-    kernel runs compiled on a GPU, interpreted on a CPU."""
+    (DeepSeek-V3), GeGLU and per-expert scales (Gemma 4); an odd number of tokens; SwiGLU experts
+    per token and per expert. The Triton kernels run compiled on a GPU, interpreted on a CPU."""
     if kernels == "triton":
         request.getfixturevalue("triton_kernels")
+    elif per_token_rows == 0:
+        pytest.skip("the reference path has no per-token form")
     monkeypatch.setenv("MOEMESH_KERNELS", kernels)
+    monkeypatch.setattr(moe, "PER_TOKEN_ROWS", per_token_rows)
     device = "cuda" if kernels == "triton" and torch.cuda.is_available() else "cpu"
     model = build(FAMILIES[family], seed=2, device=device)
     layer = model.model.layers[-1]
@@ -66,5 +95,5 @@ def test_the_block_keeps_the_staged_path_for_gradients_and_many_tokens():
     block = build(FAMILIES["qwen3_moe"], seed=0).model.layers[0].mlp
     assert not block.reads_selected_experts(1)  # gradients on
     with torch.no_grad():
-        assert block.reads_selected_experts(64 // block.gate.top_k)
-        assert not block.reads_selected_experts(64 // block.gate.top_k + 1)
+        assert block.reads_selected_experts(moe.SELECTED_EXPERT_ROWS // block.gate.top_k)
+        assert not block.reads_selected_experts(moe.SELECTED_EXPERT_ROWS // block.gate.top_k + 1)

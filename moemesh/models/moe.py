@@ -35,10 +35,12 @@ from moemesh.ops.swiglu import clamped_swiglu
 from moemesh.ops.topk_softmax import topk_softmax
 
 
-# Token copies (tokens × top-k) up to which a block without gradients reads only the chosen
-# experts' weights (`MoEBlock.selected_experts`); beyond, rows sharing experts make the grouped
-# GEMM cheaper. bench/decode.py measures both paths at each batch size.
-SELECTED_EXPERT_ROWS = 64
+# (token, expert) pairs up to which a block without gradients reads only the chosen experts'
+# weights, each once (`MoEBlock.selected_experts`); beyond, the grouped GEMM (prefill, training).
+# Up to PER_TOKEN_ROWS pairs the SwiGLU experts run per token instead (`ops/expert_gemv.py`).
+# bench/decode.py measures the paths at each batch size (batch 64 of top-8 is 512 pairs).
+SELECTED_EXPERT_ROWS = 1024
+PER_TOKEN_ROWS = 64
 
 
 @dataclass
@@ -214,19 +216,22 @@ class Experts(nn.Module):
     def selected(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H] through each token's experts expert_ids [T, k], summed with the routing
         weights [T, k] -> [T, H] (no autograd through the kernels: inference). SwiGLU experts
-        without biases take the two fused kernels; the rest, expert_gemv per projection."""
+        without biases fuse the activation into the gate/up GEMV, and for the fewest tokens run
+        per token with the weighted sum fused too (`ops/expert_gemv.py`)."""
         plain = self.activation is swiglu and self.gate_up_proj_bias is None
-        if plain and use_triton(x):
-            gated = expert_swiglu_gemv(x, self.gate_up_proj, expert_ids)
-            return expert_gemv_combine(gated, self.down_proj, expert_ids, weights)
-        ids = expert_ids.flatten()
-        rows = x.repeat_interleave(expert_ids.shape[1], dim=0)
-        gate_up = expert_gemv(rows, self.gate_up_proj, ids)
-        if self.gate_up_proj_bias is not None:
-            gate_up = gate_up + self.gate_up_proj_bias[ids].to(gate_up.dtype)
-        out = expert_gemv(self.activation(gate_up), self.down_proj, ids)
+        if plain and use_triton(x) and expert_ids.numel() <= PER_TOKEN_ROWS:
+            return expert_gemv_combine(expert_swiglu_gemv(x, self.gate_up_proj, expert_ids), self.down_proj,
+                                       expert_ids, weights)
+        if plain:
+            gated = expert_gemv(x, self.gate_up_proj, expert_ids, glu=True)
+        else:
+            gate_up = expert_gemv(x, self.gate_up_proj, expert_ids)
+            if self.gate_up_proj_bias is not None:
+                gate_up = gate_up + self.gate_up_proj_bias[expert_ids.flatten()].to(gate_up.dtype)
+            gated = self.activation(gate_up)
+        out = expert_gemv(gated, self.down_proj, expert_ids.view(-1, 1))
         if self.down_proj_bias is not None:
-            out = out + (self.down_proj_bias[ids] * self.down_bias_share).to(out.dtype)
+            out = out + (self.down_proj_bias[expert_ids.flatten()] * self.down_bias_share).to(out.dtype)
         return combine(out, torch.arange(out.shape[0], device=out.device).view_as(expert_ids), weights)
 
 

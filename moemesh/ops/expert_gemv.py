@@ -1,39 +1,119 @@
-"""Expert GEMV: each row times the weight of the expert it chose, reading only chosen weights.
+"""Expert GEMV: each token times the weights of the experts it chose, reading only chosen weights.
 
-    out[i] = weight[expert_ids[i]] @ x[i]        x [N, K], weight [E, O, K], expert_ids [N] -> [N, O]
+    expert_gemv(x, weight, ids)[t·k + j] = weight[ids[t, j]] @ x[t]    x [T, K], weight [E, O, K],
+                                                                       ids [T, k] -> [T·k, O]
 
 For decoding, where a step has a few tokens: a grouped GEMM over the E experts pays for E mostly
-empty groups, and the grouped path's permute and combine for a handful of rows; here each row
-reads its own expert's [O, K] matrix once. The reference gathers the chosen matrices and runs
-one batched matmul (it copies them: about three times the kernel's memory traffic). The Triton
-kernel runs one program per (row, block of outputs), looping over K, accumulating in fp32.
+empty groups, and the grouped path's sort, permute and combine for a handful of rows. Here each
+chosen expert's weight is read once (the reference gathers the chosen matrices and runs one
+batched matmul: it copies them, about three times the kernel's memory traffic). The Triton kernel
+runs one program per (expert, block of outputs): it finds the (token, slot) pairs that chose its
+expert by scanning the ids, then streams its block of the weight once per 16 of them (`tl.dot`
+pads the rows to 16). `glu=True` fuses silu(gate)·up into the gate/up projection.
 
-Decoding's MoE block runs two fused forms (Qwen3, Mixtral: SwiGLU experts without biases), so
-that a token's k experts cost two launches, not six:
+For the fewest tokens, two fused kernels run per token instead, so that a token's k experts cost
+two launches and no separate weighted sum:
 
     expert_swiglu_gemv   a[t·k + j] = silu(gate) * up of weight[ids[t, j]] @ x[t]     -> [T·k, I]
     expert_gemv_combine  out[t] = Σ_j w[t, j] · weight[ids[t, j]] @ a[t·k + j]      -> [T, H]
 
-(no repeated copies of x, no separate activation, no separate weighted sum). They round where the
-unfused path rounds (gate and up, each expert's output) and add up in fp32.
+They read an expert once per token that chose it, as good as once per expert while few tokens
+share one; on an H200 they make a batch-1 step of the 48-layer Qwen3-30B-A3B shape 11% faster than
+the per-expert kernel, which makes batch 64 35% faster than the grouped GEMM (docs/benchmarks.md).
+`models/moe.py` picks by the number of (token, expert) pairs.
 
-Limits: forward only (inference: no autograd); rows that chose the same expert each read it, so
-for many rows the grouped GEMM is faster — the MoE block chooses by the number of rows
-(`models/moe.py`, `SELECTED_EXPERT_ROWS`).
+All round where the unfused path rounds (gate and up, each expert's output) and add up in fp32.
+Limits: forward only (inference: no autograd); SwiGLU is the only activation fused.
 """
 
 import torch
 
 from moemesh.ops.backend import tl, triton, tuned, use_triton
+from moemesh.ops.swiglu import swiglu
 
 
-def expert_gemv(x: torch.Tensor, weight: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-    if x.dim() != 2 or weight.dim() != 3 or expert_ids.shape != x.shape[:1] or weight.shape[2] != x.shape[1]:
-        raise ValueError(f"need x [N, K], weight [E, O, K], expert_ids [N]; got {tuple(x.shape)}, "
-                         f"{tuple(weight.shape)}, {tuple(expert_ids.shape)}")
+def expert_gemv(x: torch.Tensor, weight: torch.Tensor, expert_ids: torch.Tensor, glu: bool = False) -> torch.Tensor:
+    """x [T, K], weight [E, O, K], expert_ids [T, k] -> [T·k, O]; with `glu`, weight is [E, 2I, K]
+    (gate rows, then up rows) and the result silu(gate)·up, [T·k, I]."""
+    if (x.dim() != 2 or weight.dim() != 3 or expert_ids.dim() != 2 or expert_ids.shape[0] != x.shape[0]
+            or weight.shape[2] != x.shape[1] or (glu and weight.shape[1] % 2)):
+        raise ValueError(f"need x [T, K], weight [E, O, K] (O even with glu), expert_ids [T, k]; got "
+                         f"{tuple(x.shape)}, {tuple(weight.shape)}, {tuple(expert_ids.shape)}")
     if use_triton(x):
-        return expert_gemv_triton(x, weight, expert_ids)
-    return expert_gemv_reference(x, weight, expert_ids)
+        return expert_gemv_triton(x, weight, expert_ids, glu)
+    out = expert_gemv_reference(x, weight, expert_ids)
+    return swiglu(out) if glu else out
+
+
+def expert_gemv_reference(x: torch.Tensor, weight: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+    rows = x.repeat_interleave(expert_ids.shape[1], dim=0)
+    return torch.bmm(weight[expert_ids.flatten()], rows.to(weight.dtype).unsqueeze(-1)).squeeze(-1).to(x.dtype)
+
+
+# Tiles tried at a shape's first launch (backend.tuned).
+BY_EXPERT_CONFIGS = [triton.Config({"BLOCK_OUT": o, "BLOCK_K": k}, num_warps=w, num_stages=s)
+                     for o, k, w, s in ((64, 128, 4, 3), (32, 256, 4, 3), (64, 256, 8, 3), (128, 128, 8, 3),
+                                        (32, 128, 4, 4), (16, 256, 4, 4))]
+
+
+def expert_gemv_triton(x: torch.Tensor, weight: torch.Tensor, expert_ids: torch.Tensor, glu: bool = False) -> torch.Tensor:
+    x, weight, expert_ids = x.contiguous(), weight.contiguous(), expert_ids.contiguous()
+    tokens, k = expert_ids.shape
+    out_features = weight.shape[1] // 2 if glu else weight.shape[1]
+    out = x.new_empty(tokens * k, out_features)
+    if tokens and k and out_features:  # a launch grid must not be empty
+        _by_expert_kernel[lambda meta: (weight.shape[0], triton.cdiv(out_features, meta["BLOCK_OUT"]))](
+            x, weight, expert_ids, out, tokens * k, x.shape[1], out_features, PAIRS_PER_X=k, GLU=glu,
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    return out
+
+
+@tuned(BY_EXPERT_CONFIGS, key=["pairs", "inner", "out_features", "PAIRS_PER_X", "GLU"])
+@triton.jit
+def _by_expert_kernel(x_ptr, weight_ptr, ids_ptr, out_ptr, pairs, inner, out_features,
+                      PAIRS_PER_X: tl.constexpr, GLU: tl.constexpr, PRECISION: tl.constexpr,
+                      BLOCK_OUT: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr = 16,
+                      SCAN: tl.constexpr = 256):
+    # One program per (expert, block of outputs). It finds the (token, slot) pairs that chose its
+    # expert by scanning the ids, then streams its block of the expert's weight once per 16 of
+    # them (tl.dot pads to 16 rows): an expert no pair chose costs a scan and no weight read.
+    expert = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
+    count = tl.full([], 0, tl.int32)
+    for s in range(0, pairs, SCAN):
+        js = s + tl.arange(0, SCAN)
+        count += tl.sum((tl.load(ids_ptr + js, mask=js < pairs, other=-1) == expert).to(tl.int32), axis=0)
+    rows_per_expert = 2 * out_features if GLU else out_features
+    matrix = weight_ptr + expert.to(tl.int64) * rows_per_expert * inner + cols[None, :].to(tl.int64) * inner
+    m = tl.arange(0, ROWS)
+    for first in range(0, count, ROWS):
+        # The pairs of rank first .. first + ROWS - 1 among this expert's, in order.
+        pair = tl.zeros([ROWS], dtype=tl.int32)
+        seen = tl.full([], 0, tl.int32)
+        for s in range(0, pairs, SCAN):
+            js = s + tl.arange(0, SCAN)
+            hit = (tl.load(ids_ptr + js, mask=js < pairs, other=-1) == expert).to(tl.int32)
+            rank = seen + tl.cumsum(hit, axis=0) - 1
+            pick = (hit[None, :] == 1) & (rank[None, :] == first + m[:, None])
+            pair += tl.sum(tl.where(pick, js[None, :], 0), axis=1)
+            seen += tl.sum(hit, axis=0)
+        valid = first + m < count
+        x_rows = x_ptr + (pair // PAIRS_PER_X).to(tl.int64)[:, None] * inner
+        acc = tl.zeros([ROWS, BLOCK_OUT], dtype=tl.float32)
+        up = tl.zeros([ROWS, BLOCK_OUT], dtype=tl.float32)
+        for k0 in range(0, inner, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            xs = tl.load(x_rows + ks[None, :], mask=valid[:, None] & (ks[None, :] < inner), other=0.0)
+            w_mask = (cols[None, :] < out_features) & (ks[:, None] < inner)  # [BLOCK_K, BLOCK_OUT]
+            acc += tl.dot(xs, tl.load(matrix + ks[:, None], mask=w_mask, other=0.0), input_precision=PRECISION)
+            if GLU:
+                up += tl.dot(xs, tl.load(matrix + out_features * inner + ks[:, None], mask=w_mask, other=0.0),
+                             input_precision=PRECISION)
+        if GLU:  # gate and up rounded as the unfused path's GEMV output, SwiGLU in fp32
+            gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+            acc = gate / (1.0 + tl.exp(-gate)) * up.to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + pair.to(tl.int64)[:, None] * out_features + cols[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < out_features))
 
 
 # Tiles tried at a shape's first launch (backend.tuned), for each of the two fused kernels.
@@ -45,7 +125,7 @@ COMBINE_CONFIGS = [triton.Config({"BLOCK_OUT": o, "BLOCK_K": k}, num_warps=w)  #
 
 def expert_swiglu_gemv(x: torch.Tensor, gate_up: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
     """x [T, K], gate_up [E, 2I, K] (gate rows, then up rows), expert_ids [T, k] -> [T·k, I]
-    (Triton only: the reference is swiglu(expert_gemv(repeated x, gate_up, ids)))."""
+    (Triton only: the reference is expert_gemv(x, gate_up, ids, glu=True))."""
     x, gate_up = x.contiguous(), gate_up.contiguous()
     tokens, k = expert_ids.shape
     inner = gate_up.shape[1] // 2
@@ -59,7 +139,7 @@ def expert_swiglu_gemv(x: torch.Tensor, gate_up: torch.Tensor, expert_ids: torch
 def expert_gemv_combine(a: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor,
                         weights: torch.Tensor) -> torch.Tensor:
     """a [T·k, I], down [E, H, I], expert_ids and weights [T, k] -> [T, H] (Triton only: the
-    reference is combine(expert_gemv(a, down, ids), positions, weights))."""
+    reference is combine(expert_gemv(a, down, ids.view(-1, 1)), positions, weights))."""
     a, down = a.contiguous(), down.contiguous()
     tokens, k = expert_ids.shape
     hidden = down.shape[1]
@@ -69,38 +149,6 @@ def expert_gemv_combine(a: torch.Tensor, down: torch.Tensor, expert_ids: torch.T
             a, down, expert_ids.contiguous(), weights.contiguous(), out, tokens, a.shape[1], hidden, K=k,
             K_PAD=triton.next_power_of_2(k))
     return out
-
-
-def expert_gemv_reference(x: torch.Tensor, weight: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-    return torch.bmm(weight[expert_ids], x.to(weight.dtype).unsqueeze(-1)).squeeze(-1).to(x.dtype)
-
-
-def expert_gemv_triton(x: torch.Tensor, weight: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-    x, weight = x.contiguous(), weight.contiguous()
-    rows, (_, out_features, inner) = x.shape[0], weight.shape
-    out = x.new_empty(rows, out_features)
-    if rows and out_features:  # a launch grid must not be empty
-        block_out = 16
-        _expert_gemv_kernel[(rows, triton.cdiv(out_features, block_out))](
-            x, weight, expert_ids.contiguous(), out, inner, out_features, BLOCK_OUT=block_out, BLOCK_K=256)
-    return out
-
-
-@triton.jit
-def _expert_gemv_kernel(x_ptr, weight_ptr, ids_ptr, out_ptr, inner, out_features,
-                        BLOCK_OUT: tl.constexpr, BLOCK_K: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
-    expert = tl.load(ids_ptr + row).to(tl.int64)
-    matrix = weight_ptr + expert * out_features * inner  # 64-bit: E·O·K passes 2**31
-    acc = tl.zeros([BLOCK_OUT], dtype=tl.float32)
-    for start in range(0, inner, BLOCK_K):
-        ks = start + tl.arange(0, BLOCK_K)
-        xs = tl.load(x_ptr + row * inner + ks, mask=ks < inner, other=0.0).to(tl.float32)
-        w = tl.load(matrix + cols[:, None].to(tl.int64) * inner + ks[None, :],
-                    mask=(cols[:, None] < out_features) & (ks[None, :] < inner), other=0.0).to(tl.float32)
-        acc += tl.sum(w * xs[None, :], axis=1)
-    tl.store(out_ptr + row * out_features + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < out_features)
 
 
 @tuned(SWIGLU_CONFIGS, key=["tokens", "hidden", "inner", "K"])
