@@ -11,10 +11,12 @@
 #       projections; the 6-layer shape at batch 1; the kernels of a 6-layer batch-1 step
 #   bash bench/gpu_checks_inference.sh fused2   the same tests, shown; the 48-layer shape as shipped,
 #       transformers at batch 1 beside it; the kernels of a 6-layer batch-1 step
-#   bash bench/gpu_checks_inference.sh curve    the GPU tests of the decoding kernels; the 48-layer shape
-#       at batch 1, 4, 16, 64, as shipped and with the experts read per expert at every batch,
-#       transformers at batch 1 and 64 beside it; the 6-layer shape at batch 1 and 64, transformers
-#       at batch 1; the kernels of a 6-layer decode step at batch 64
+#   bash bench/gpu_checks_inference.sh tests    the GPU tests of the decoding kernels and generation
+#       (compiled, bf16 included), a process per file
+#   bash bench/gpu_checks_inference.sh curve    the 48-layer shape at batch 1, 4, 16, 64, as shipped
+#       and with the experts read per expert at every batch, transformers at batch 1 and 64 beside
+#       it; the 6-layer shape at batch 1 and 64, transformers at batch 1
+#   bash bench/gpu_checks_inference.sh profile  the kernels of a 6-layer decode step at batch 1 and 64
 #   bash bench/gpu_checks_inference.sh serve    a 6-layer checkpoint served by `moemesh serve`
 #       under 1, 16 and 64 concurrent streaming clients (bench/serve_load.py); the kernels of a
 #       batch-1 decode step; the kernels' table; checkpoint save/verify/load speed
@@ -49,12 +51,21 @@ fused2)
     timeout 200 python3 bench/decode.py --layers 48 --variants 1 --transformers-batches 1 2>&1 | quiet | tail -8
     timeout 45 python3 bench/decode.py --layers 6 --profile-steps 32 2>&1 | quiet | grep "|" | head -16
     ;;
+tests)  # one process a file: compiling and tuning the kernels for each test's shapes is the slow part
+    for file in ops_expert_gemv ops_decode_kernels models_decoding inference_generate; do
+        timeout 290 python3 -m pytest -q tests/test_$file.py > "$LOGS/gpu_tests_$file.txt" 2>&1 &
+    done
+    wait
+    echo "== GPU tests"; for f in "$LOGS"/gpu_tests_*.txt; do echo "$f: $(tail -1 "$f")"; done
+    ;;
 curve)
-    timeout 150 python3 -m pytest -q -x tests/test_ops_expert_gemv.py tests/test_ops_decode_kernels.py \
-        tests/test_models_decoding.py 2>&1 | tail -3
     timeout 330 python3 bench/decode.py --layers 48 --variants 2 --transformers-batches 1,64 2>&1 | quiet | tail -12
-    timeout 100 python3 bench/decode.py --layers 6 --batches 1,64 --variants 1 --transformers-batches 1 2>&1 | quiet | tail -5
-    timeout 60 python3 bench/decode.py --layers 6 --profile-steps 16 --profile-batch 64 2>&1 | quiet | grep "|" | head -14
+    timeout 60 python3 bench/decode.py --layers 6 --batches 1,64 --variants 1 --transformers-batches 1 2>&1 | quiet | tail -5
+    ;;
+profile)
+    for batch in 1 64; do
+        timeout 60 python3 bench/decode.py --layers 6 --profile-steps 16 --profile-batch $batch 2>&1 | quiet | grep "|" | head -18
+    done
     ;;
 decode48)
     timeout 560 python3 bench/decode.py --layers 48 2>&1 | quiet | tail -20

@@ -31,6 +31,7 @@ from moemesh.ops import combine, permute, swiglu
 from moemesh.ops.backend import use_triton
 from moemesh.ops.expert_gemv import expert_gemv, expert_gemv_combine, expert_swiglu_gemv
 from moemesh.ops.grouped_mm import grouped_mm
+from moemesh.ops.linear import linear
 from moemesh.ops.swiglu import clamped_swiglu
 from moemesh.ops.topk_softmax import topk_softmax
 
@@ -87,10 +88,12 @@ class Router(nn.Module):
         self.norm_topk_prob = config.norm_topk_prob
 
     def forward(self, x: torch.Tensor, stats: bool = True) -> Routing:
-        """`stats=False` (decoding): the choice alone, in one kernel on a Triton device."""
-        logits = F.linear(x, self.weight, self.bias)
+        """`stats=False` (decoding): the choice alone, the logits by `ops/gemv.py` and the choice
+        in one kernel on a Triton device."""
         if not stats and not torch.is_grad_enabled():
+            logits = linear(x, self.weight, self.bias)
             return Routing(*topk_softmax(logits, self.top_k, self.norm_topk_prob), stats=None)
+        logits = F.linear(x, self.weight, self.bias)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
