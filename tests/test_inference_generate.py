@@ -43,6 +43,7 @@ def test_batched_greedy_equals_each_prompt_alone(family):
     params = [SamplingParams(max_tokens=n) for n in MAX_TOKENS]
     # 3 rows for 6 prompts: requests join as others finish (continuous batching)
     engine = DecodeEngine(model, max_batch=3, max_len=32)
+    engine.warm_up()  # steps of padding rows first, as `moemesh serve` starts: they must change nothing
     batched = generate(engine, TOKENIZER, PROMPTS, params)
     for prompt, n, result in zip(PROMPTS, MAX_TOKENS, batched):
         alone = generate(DecodeEngine(model, max_batch=1, max_len=32), TOKENIZER, [prompt], SamplingParams(max_tokens=n))

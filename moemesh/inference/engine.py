@@ -22,6 +22,7 @@ samples the same tokens from the same gathered logits.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -106,6 +107,22 @@ class DecodeEngine:
         self._announce(_DECODE, batch, kv_len, MODES.index(mode))
         tokens = self._run(batch, kv_len, mode).tolist()
         return [tokens[r.row] for r in rows]
+
+    @torch.no_grad()
+    def warm_up(self) -> float:
+        """One greedy step at every batch size, while no sequence runs (padding rows only), so
+        that the kernels are compiled and their tiles tuned (seconds each on a GPU) before the
+        first requests rather than inside them. Returns the seconds it took."""
+        start = time.perf_counter()
+        kv_len = self.kv_lens[0]
+        for batch in self.batch_sizes:
+            self.ints[:batch] = 0
+            self.floats[:batch] = torch.tensor([0.0, 1.0])
+            self._announce(_DECODE, batch, kv_len, MODES.index("greedy"))
+            self._run(batch, kv_len, "greedy")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
 
     def keep_alive(self) -> None:
         """Tell the followers the leader is alive though idle: their wait for the next step

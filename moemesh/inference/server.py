@@ -75,9 +75,14 @@ class Service:
         self.server = None  # the uvicorn server while it runs
 
     def serve(self, host: str = "127.0.0.1", port: int = 8000, sock=None) -> None:
-        """Run until interrupted (or `shutdown`): the scheduler's thread, then uvicorn here."""
+        """Run until interrupted (or `shutdown`): the engine's warm-up, the scheduler's thread,
+        then uvicorn here."""
         import uvicorn
 
+        seconds = self.engine.warm_up()
+        if sock is None:
+            print(f"moemesh serve: decode steps of batch 1 to {self.engine.max_batch} ready in {seconds:.1f} s",
+                  flush=True)
         worker = threading.Thread(target=self.scheduler.serve_forever, name="moemesh-scheduler", daemon=True)
         worker.start()
         self.server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port, log_level="warning",
