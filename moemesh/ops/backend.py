@@ -70,6 +70,8 @@ def use_triton(tensor: torch.Tensor) -> bool:
 def tuned(configs: list, key: list[str]):
     """`triton.autotune` over `configs` (the fastest per value of the `key` arguments, timed at the
     first launch of each): for the decoding kernels, whose best tile depends on the GPU and shape.
+    Their keys hold the number of rows as a size class (the next power of two), so that a prompt
+    of any length meets tiles tuned for the engine's batch sizes (`DecodeEngine.warm_up`).
     The first launch of a shape must not be inside a CUDA graph capture (the engine's eager
     warm-up step comes first). Triton's CPU interpreter cannot time kernels: there the first
     config runs."""

@@ -18,8 +18,9 @@ two launches and no separate weighted sum:
     expert_gemv_combine  out[t] = Σ_j w[t, j] · weight[ids[t, j]] @ a[t·k + j]      -> [T, H]
 
 They read an expert once per token that chose it, as good as once per expert while few tokens
-share one; on an H200 they make a batch-1 step of the 48-layer Qwen3-30B-A3B shape 11% faster than
-the per-expert kernel, which makes batch 64 35% faster than the grouped GEMM (docs/benchmarks.md).
+share one; on an H200 a batch-1 step of the 48-layer Qwen3-30B-A3B shape takes 11% less time with
+them than with the per-expert kernel, and batch 64 takes 35% less with the per-expert kernel than
+with the grouped GEMM (docs/benchmarks.md).
 `models/moe.py` picks by the number of (token, expert) pairs.
 
 All round where the unfused path rounds (gate and up, each expert's output) and add up in fp32.
@@ -63,14 +64,15 @@ def expert_gemv_triton(x: torch.Tensor, weight: torch.Tensor, expert_ids: torch.
     out = x.new_empty(tokens * k, out_features)
     if tokens and k and out_features:  # a launch grid must not be empty
         _by_expert_kernel[lambda meta: (weight.shape[0], triton.cdiv(out_features, meta["BLOCK_OUT"]))](
-            x, weight, expert_ids, out, tokens * k, x.shape[1], out_features, PAIRS_PER_X=k, GLU=glu,
+            x, weight, expert_ids, out, tokens * k, x.shape[1], out_features, triton.next_power_of_2(tokens * k),
+            PAIRS_PER_X=k, GLU=glu,
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     return out
 
 
-@tuned(BY_EXPERT_CONFIGS, key=["pairs", "inner", "out_features", "PAIRS_PER_X", "GLU"])
+@tuned(BY_EXPERT_CONFIGS, key=["size_class", "inner", "out_features", "PAIRS_PER_X", "GLU"])
 @triton.jit
-def _by_expert_kernel(x_ptr, weight_ptr, ids_ptr, out_ptr, pairs, inner, out_features,
+def _by_expert_kernel(x_ptr, weight_ptr, ids_ptr, out_ptr, pairs, inner, out_features, size_class,
                       PAIRS_PER_X: tl.constexpr, GLU: tl.constexpr, PRECISION: tl.constexpr,
                       BLOCK_OUT: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr = 16,
                       SCAN: tl.constexpr = 256):
@@ -132,7 +134,7 @@ def expert_swiglu_gemv(x: torch.Tensor, gate_up: torch.Tensor, expert_ids: torch
     out = x.new_empty(tokens * k, inner)
     if tokens:
         _expert_swiglu_gemv_kernel[lambda meta: (tokens * k, triton.cdiv(inner, meta["BLOCK_OUT"]))](
-            x, gate_up, expert_ids.contiguous(), out, tokens, x.shape[1], inner, K=k)
+            x, gate_up, expert_ids.contiguous(), out, triton.next_power_of_2(tokens), x.shape[1], inner, K=k)
     return out
 
 
@@ -146,14 +148,15 @@ def expert_gemv_combine(a: torch.Tensor, down: torch.Tensor, expert_ids: torch.T
     out = a.new_empty(tokens, hidden)
     if tokens:
         _expert_gemv_combine_kernel[lambda meta: (tokens, triton.cdiv(hidden, meta["BLOCK_OUT"]))](
-            a, down, expert_ids.contiguous(), weights.contiguous(), out, tokens, a.shape[1], hidden, K=k,
+            a, down, expert_ids.contiguous(), weights.contiguous(), out, triton.next_power_of_2(tokens), a.shape[1],
+            hidden, K=k,
             K_PAD=triton.next_power_of_2(k))
     return out
 
 
-@tuned(SWIGLU_CONFIGS, key=["tokens", "hidden", "inner", "K"])
+@tuned(SWIGLU_CONFIGS, key=["size_class", "hidden", "inner", "K"])
 @triton.jit
-def _expert_swiglu_gemv_kernel(x_ptr, weight_ptr, ids_ptr, out_ptr, tokens, hidden, inner, K: tl.constexpr,
+def _expert_swiglu_gemv_kernel(x_ptr, weight_ptr, ids_ptr, out_ptr, size_class, hidden, inner, K: tl.constexpr,
                                BLOCK_OUT: tl.constexpr, BLOCK_K: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # token row // K, its (row % K)-th expert
     cols = tl.program_id(1) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
@@ -175,9 +178,9 @@ def _expert_swiglu_gemv_kernel(x_ptr, weight_ptr, ids_ptr, out_ptr, tokens, hidd
     tl.store(out_ptr + row * inner + cols, out.to(out_ptr.dtype.element_ty), mask=cols < inner)
 
 
-@tuned(COMBINE_CONFIGS, key=["tokens", "inner", "hidden", "K"])
+@tuned(COMBINE_CONFIGS, key=["size_class", "inner", "hidden", "K"])
 @triton.jit
-def _expert_gemv_combine_kernel(a_ptr, weight_ptr, ids_ptr, weights_ptr, out_ptr, tokens, inner, hidden,
+def _expert_gemv_combine_kernel(a_ptr, weight_ptr, ids_ptr, weights_ptr, out_ptr, size_class, inner, hidden,
                                 K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_OUT: tl.constexpr,
                                 BLOCK_K: tl.constexpr):
     # The token's K experts at once, a [K, BLOCK_OUT, BLOCK_K] tile of their weights a step: more

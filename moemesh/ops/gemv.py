@@ -43,14 +43,14 @@ def gemv(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
     def grid(meta):
         return (sum(triton.cdiv(n, meta["BLOCK_OUT"]) for n in sizes),)
 
-    _gemv_kernel[grid](x, *padded, *outs_padded, *sizes, rows, inner, ROWS=MAX_ROWS,
+    _gemv_kernel[grid](x, *padded, *outs_padded, *sizes, rows, inner, triton.next_power_of_2(rows), ROWS=MAX_ROWS,
                        PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     return outs
 
 
-@tuned(CONFIGS, key=["n0", "n1", "n2", "inner", "rows"])
+@tuned(CONFIGS, key=["n0", "n1", "n2", "inner", "size_class"])
 @triton.jit
-def _gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, out0_ptr, out1_ptr, out2_ptr, n0, n1, n2, rows, inner,
+def _gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, out0_ptr, out1_ptr, out2_ptr, n0, n1, n2, rows, inner, size_class,
                  ROWS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_K: tl.constexpr):
     block = tl.program_id(0)
     first1 = tl.cdiv(n0, BLOCK_OUT)  # the first block of weight 1, then of weight 2
