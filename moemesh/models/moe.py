@@ -9,9 +9,10 @@
 all-to-all dispatcher under expert parallelism. Combine ends with the block's `reduce_output`
 (identity here, an all-reduce under tensor parallelism). `forward` is the stages in order.
 
-For a few tokens without gradients (decoding), `selected_experts` is the block in one go: each
-token through its k experts by `expert_gemv`, reading only those experts' weights, then the same
-weighted sum and reduce. The staged path above is its reference.
+For up to SELECTED_EXPERT_ROWS (token, expert) pairs without gradients (decoding),
+`selected_experts` is the block in one go: the tokens through their k experts by `expert_gemv`,
+each chosen expert's weights read once, then the same weighted sum and reduce. The staged path
+above is its reference.
 """
 
 from __future__ import annotations
