@@ -163,9 +163,7 @@ def transformers_rows(config, args, device, prompts) -> list[dict]:
         step_ms = (many - one) / (args.new_tokens - 1) * 1e3
         rows.append({"side": title, "batch": batch, "ms/token": f"{step_ms:.2f}",
                      "tokens/s": f"{batch * 1e3 / step_ms:,.0f}", "engine ms/step": "", "same tokens as batch 1": ""})
-    del model
-    free()
-    return rows
+    return rows  # the model is freed here: transformers runs last
 
 
 def main():
@@ -184,6 +182,8 @@ def main():
                         help="instead of timing: the GPU kernels of this many decode steps")
     parser.add_argument("--profile-batch", type=int, default=1, help="the batch of --profile-steps")
     args = parser.parse_args()
+    if args.new_tokens < 3:
+        parser.error("--new-tokens must be at least 3 (the first two steps are not timed)")
     args.batches = [int(b) for b in args.batches.split(",")]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -60,7 +60,7 @@ def test_profile_on_reference_ops_and_costs():
     assert sum(p.params for p in profiles) == model.num_params()  # the tied weight once
     assert profiles[-1].params == config.hidden_size  # the head keeps only its norm
 
-    costs = profile_costs(profiles, state_bytes_per_param=16, shard=2)
+    costs = profile_costs(profiles, state_bytes_per_param=16, rank_params=[p.params / 2 for p in profiles])
     assert [c.param_bytes for c in costs] == [p.params * 8 for p in profiles]
     in_flight, stage_rank = [3, 1], [0, 0]  # one rank holding both stages, as DualPipeV pairs them
     memory = rank_memory(costs, [range(2), range(2, 4)], in_flight, stage_rank)

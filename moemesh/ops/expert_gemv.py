@@ -65,8 +65,7 @@ def expert_gemv_triton(x: torch.Tensor, weight: torch.Tensor, expert_ids: torch.
     if tokens and k and out_features:  # a launch grid must not be empty
         _by_expert_kernel[lambda meta: (weight.shape[0], triton.cdiv(out_features, meta["BLOCK_OUT"]))](
             x, weight, expert_ids, out, tokens * k, x.shape[1], out_features, triton.next_power_of_2(tokens * k),
-            PAIRS_PER_X=k, GLU=glu,
-            PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+            PAIRS_PER_X=k, GLU=glu, PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     return out
 
 
@@ -149,8 +148,7 @@ def expert_gemv_combine(a: torch.Tensor, down: torch.Tensor, expert_ids: torch.T
     if tokens:
         _expert_gemv_combine_kernel[lambda meta: (tokens, triton.cdiv(hidden, meta["BLOCK_OUT"]))](
             a, down, expert_ids.contiguous(), weights.contiguous(), out, triton.next_power_of_2(tokens), a.shape[1],
-            hidden, K=k,
-            K_PAD=triton.next_power_of_2(k))
+            hidden, K=k, K_PAD=triton.next_power_of_2(k))
     return out
 
 

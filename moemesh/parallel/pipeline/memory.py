@@ -152,12 +152,12 @@ def rank_param_counts(config: RunConfig) -> list[float]:
     return counts
 
 
-def profile_costs(profiles: list[LayerProfile], state_bytes_per_param: int = 16, shard: int = 1,
+def profile_costs(profiles: list[LayerProfile], state_bytes_per_param: int = 16,
                   rank_params: list[float] | None = None) -> list[LayerCost]:
     """LayerCosts from measured profiles, each parameter keeping `state_bytes_per_param` bytes
-    (weight, gradient and optimizer state; 16 for fp32 AdamW) split over `shard` ranks, or
-    `rank_params`: the parameters a rank keeps of each item (`rank_param_counts`)."""
-    rank_params = rank_params or [p.params / shard for p in profiles]
+    (weight, gradient and optimizer state; 16 for fp32 AdamW); `rank_params`: the parameters a
+    rank keeps of each item under its layout (`rank_param_counts`), else all of them."""
+    rank_params = rank_params or [p.params for p in profiles]
     return [LayerCost(p.name, kept * state_bytes_per_param, p.activation_bytes, p.seconds, p.output_bytes)
             for p, kept in zip(profiles, rank_params)]
 
