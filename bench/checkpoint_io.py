@@ -35,7 +35,7 @@ _TENSOR_BYTES = 64 << 20
 def hash_rates(megabytes: int = 512) -> list[dict]:
     """GB/s of each candidate on one thread, over bytes in memory."""
     data = memoryview(os.urandom(megabytes << 20))
-    chunks = [data[i:i + (8 << 20)] for i in range(0, len(data), 8 << 20)]
+    chunks = [data[i : i + (8 << 20)] for i in range(0, len(data), 8 << 20)]
 
     def digest(name):
         h = hashlib.new(name)
@@ -47,10 +47,15 @@ def hash_rates(megabytes: int = 512) -> list[dict]:
         for chunk in chunks:
             value = zlib.crc32(chunk, value)
 
-    candidates = {"sha256 (chosen)": lambda: digest("sha256"), "blake2b": lambda: digest("blake2b"),
-                  "sha1": lambda: digest("sha1"), "crc32 (zlib)": crc32}
-    return [{"hash": name, "GB/s per thread": f"{len(data) / timed(fn)[0] / 1e9:.2f}"}
-            for name, fn in candidates.items()]
+    candidates = {
+        "sha256 (chosen)": lambda: digest("sha256"),
+        "blake2b": lambda: digest("blake2b"),
+        "sha1": lambda: digest("sha1"),
+        "crc32 (zlib)": crc32,
+    }
+    return [
+        {"hash": name, "GB/s per thread": f"{len(data) / timed(fn)[0] / 1e9:.2f}"} for name, fn in candidates.items()
+    ]
 
 
 def main():
@@ -71,19 +76,34 @@ def main():
         seconds = timed(lambda: dcp.save(state, checkpoint_id=bare, no_dist=True))[0]
         rows.append({"what": "dcp.save alone", "s": f"{seconds:.2f}", "GB/s": f"{size_gb / seconds:.2f}"})
         seconds = timed(lambda: save_checkpoint(ours, state, ModelConfig()))[0]
-        rows.append({"what": "save_checkpoint: dcp.save, SHA256SUMS, fsync, rename", "s": f"{seconds:.2f}",
-                     "GB/s": f"{size_gb / seconds:.2f}"})
+        rows.append(
+            {
+                "what": "save_checkpoint: dcp.save, SHA256SUMS, fsync, rename",
+                "s": f"{seconds:.2f}",
+                "GB/s": f"{size_gb / seconds:.2f}",
+            }
+        )
         names = [line.split("  ", 1)[1] for line in (ours / integrity.CHECKSUMS).read_text().splitlines()]
         if args.drop_caches and not drop_page_cache():
             raise SystemExit("--drop-caches: cannot write /proc/sys/vm/drop_caches (it needs root)")
         seconds = timed(lambda: integrity.sha256_of_files(ours, names))[0]
-        rows.append({"what": f"hashing alone ({len(names)} files, in threads)", "s": f"{seconds:.2f}",
-                     "GB/s": f"{size_gb / seconds:.2f}"})
+        rows.append(
+            {
+                "what": f"hashing alone ({len(names)} files, in threads)",
+                "s": f"{seconds:.2f}",
+                "GB/s": f"{size_gb / seconds:.2f}",
+            }
+        )
         if args.drop_caches:
             drop_page_cache()
         seconds = timed(lambda: integrity.problem(ours))[0]
-        rows.append({"what": "verify (sizes + SHA-256 of every file)" + (", cold cache" if args.drop_caches else ""),
-                     "s": f"{seconds:.2f}", "GB/s": f"{size_gb / seconds:.2f}"})
+        rows.append(
+            {
+                "what": "verify (sizes + SHA-256 of every file)" + (", cold cache" if args.drop_caches else ""),
+                "s": f"{seconds:.2f}",
+                "GB/s": f"{size_gb / seconds:.2f}",
+            }
+        )
         print_table(rows, f"checkpoint of {size_gb:.1f} GB in {root} ({os.cpu_count()} CPUs)")
         print_table(hash_rates(), "hash throughput, one thread, bytes in memory")
     finally:

@@ -8,10 +8,10 @@ import os
 import statistics
 import tempfile
 import time
-import warnings
 import tomllib
+import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -123,7 +123,9 @@ def profiled_kernels(fn: Callable[[], object], trace: Path | None = None, host: 
     return [e for e in json.loads(text)["traceEvents"] if e.get("cat") == "kernel"]
 
 
-def kernel_intervals(fn: Callable[[], object], trace: Path | None = None) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+def kernel_intervals(
+    fn: Callable[[], object], trace: Path | None = None
+) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
     """Run fn() under the profiler; returns the merged [start, end) intervals (µs) of the NCCL
     kernels and of all other kernels. `trace`: also keep the Chrome trace there, host side included."""
     kernels = profiled_kernels(fn, trace, host=trace is not None)

@@ -36,12 +36,16 @@ def main() -> int:
         a, b = runs[0][step], runs[1][step]
         diff = abs(a["loss"] - b["loss"]) / abs(a["loss"])
         worst = max(worst, diff)
-        print(f"{step:>5} {a['loss']:>10.4f} {b['loss']:>10.4f} {diff:>10.2e} "
-              f"{a['tokens_per_s']:>10.0f} {b['tokens_per_s']:>10.0f}")
-    tail = sorted(runs[0])[-max(1, len(runs[0]) // 4):]
+        print(
+            f"{step:>5} {a['loss']:>10.4f} {b['loss']:>10.4f} {diff:>10.2e} "
+            f"{a['tokens_per_s']:>10.0f} {b['tokens_per_s']:>10.0f}"
+        )
+    tail = sorted(runs[0])[-max(1, len(runs[0]) // 4) :]
     means = [sum(run[step]["loss"] for step in tail) / len(tail) for run in runs]
-    print(f"mean loss over steps {tail[0]}-{tail[-1]}: {means[0]:.4f} vs {means[1]:.4f} "
-          f"({abs(means[0] - means[1]) / means[0]:.2e} relative)")
+    print(
+        f"mean loss over steps {tail[0]}-{tail[-1]}: {means[0]:.4f} vs {means[1]:.4f} "
+        f"({abs(means[0] - means[1]) / means[0]:.2e} relative)"
+    )
     print(f"largest relative loss difference {worst:.2e} (tolerance {args.tolerance})")
     return 0 if worst <= args.tolerance else 1
 

@@ -54,25 +54,41 @@ def moemesh_rows(config, args, device, dtype, prompts) -> tuple[list[dict], dict
     tokenizer.eos_id = None  # no early stop: every sequence makes --new-tokens tokens
     rows, first_row = [], {}
     shipped = (moe.SELECTED_EXPERT_ROWS, moe.PER_TOKEN_ROWS, gemv.MAX_ROWS)
-    variants = {"moemesh": shipped, "moemesh, experts per expert only": (shipped[0], 0, shipped[2]),
-                "moemesh, grouped GEMM only": (0, 0, shipped[2]), "moemesh, cuBLAS projections": (*shipped[:2], 0)}
-    for name, (moe.SELECTED_EXPERT_ROWS, moe.PER_TOKEN_ROWS, gemv.MAX_ROWS) in list(variants.items())[:args.variants]:
+    variants = {
+        "moemesh": shipped,
+        "moemesh, experts per expert only": (shipped[0], 0, shipped[2]),
+        "moemesh, grouped GEMM only": (0, 0, shipped[2]),
+        "moemesh, cuBLAS projections": (*shipped[:2], 0),
+    }
+    for name, (moe.SELECTED_EXPERT_ROWS, moe.PER_TOKEN_ROWS, gemv.MAX_ROWS) in list(variants.items())[: args.variants]:
         for batch in args.batches:
             engine = DecodeEngine(model, max_batch=batch, max_len=args.prompt_len + args.new_tokens + 1)
             batch_prompts = prompts[:batch]
 
             # warm-up: tunes and compiles the kernels, captures the graphs
             generate(engine, tokenizer, batch_prompts, SamplingParams(max_tokens=args.new_tokens))
-            step_ms, sequences = min((scheduler_step_ms(engine, tokenizer, batch_prompts, args.new_tokens)
-                                      for _ in range(2)), key=lambda timing: timing[0])
+            step_ms, sequences = min(
+                (scheduler_step_ms(engine, tokenizer, batch_prompts, args.new_tokens) for _ in range(2)),
+                key=lambda timing: timing[0],
+            )
             engine_ms = min(engine_step_ms(engine, batch_prompts, args.new_tokens - 1) for _ in range(2))
             tokens = sequences[0].token_ids
             if name == "moemesh":
                 first_row[batch] = tokens
-            rows.append({"side": name, "batch": batch, "ms/token": f"{step_ms:.2f}",
-                         "tokens/s": f"{batch * 1e3 / step_ms:,.0f}", "engine ms/step": f"{engine_ms:.2f}",
-                         "same tokens as batch 1": (f"{sum(a == b for a, b in zip(tokens, first_row[1])) / len(tokens):.0%}"
-                                                    if name == "moemesh" and 1 in first_row else "")})
+            rows.append(
+                {
+                    "side": name,
+                    "batch": batch,
+                    "ms/token": f"{step_ms:.2f}",
+                    "tokens/s": f"{batch * 1e3 / step_ms:,.0f}",
+                    "engine ms/step": f"{engine_ms:.2f}",
+                    "same tokens as batch 1": (
+                        f"{sum(a == b for a, b in zip(tokens, first_row[1])) / len(tokens):.0%}"
+                        if name == "moemesh" and 1 in first_row
+                        else ""
+                    ),
+                }
+            )
             del engine
             free()
     moe.SELECTED_EXPERT_ROWS, moe.PER_TOKEN_ROWS, gemv.MAX_ROWS = shipped
@@ -103,8 +119,9 @@ def engine_steps(engine: DecodeEngine, prompts: list[list[int]]):
     tokens = [engine.prefill(row, prompt, sampling) for row, prompt in enumerate(prompts)]
 
     def step(i: int) -> None:
-        tokens[:] = engine.decode([RowStep(row, tokens[row], len(prompt) + i, i + 1, sampling)
-                                   for row, prompt in enumerate(prompts)])
+        tokens[:] = engine.decode(
+            [RowStep(row, tokens[row], len(prompt) + i, i + 1, sampling) for row, prompt in enumerate(prompts)]
+        )
 
     step(0)
     sync()
@@ -138,10 +155,24 @@ def profile_rows(config, args, device, prompts) -> list[dict]:
         by_name[kernel["name"]][0] += 1
         by_name[kernel["name"]][1] += kernel["dur"]
     busy = sum(d for _, d in by_name.values())
-    rows = [{"kernel": name[:70], "calls/step": f"{calls / steps:.1f}", "µs/step": f"{total / steps:.1f}",
-             "share": f"{total / busy:.1%}"} for name, (calls, total) in sorted(by_name.items(), key=lambda kv: -kv[1][1])]
-    rows.insert(0, {"kernel": f"all kernels, batch {batch}", "calls/step": f"{len(kernels) / steps:.0f}",
-                    "µs/step": f"{busy / steps:.0f}", "share": "100%"})
+    rows = [
+        {
+            "kernel": name[:70],
+            "calls/step": f"{calls / steps:.1f}",
+            "µs/step": f"{total / steps:.1f}",
+            "share": f"{total / busy:.1%}",
+        }
+        for name, (calls, total) in sorted(by_name.items(), key=lambda kv: -kv[1][1])
+    ]
+    rows.insert(
+        0,
+        {
+            "kernel": f"all kernels, batch {batch}",
+            "calls/step": f"{len(kernels) / steps:.0f}",
+            "µs/step": f"{busy / steps:.0f}",
+            "share": "100%",
+        },
+    )
     return rows[:30]
 
 
@@ -154,15 +185,29 @@ def transformers_rows(config, args, device, prompts) -> list[dict]:
 
         def run(n):
             with torch.no_grad():
-                return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                                      do_sample=False, pad_token_id=0)
+                return model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=n,
+                    min_new_tokens=n,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
 
         run(args.new_tokens)
         one = min(timed(lambda: run(1))[0] for _ in range(2))
         many = min(timed(lambda: run(args.new_tokens))[0] for _ in range(2))
         step_ms = (many - one) / (args.new_tokens - 1) * 1e3
-        rows.append({"side": title, "batch": batch, "ms/token": f"{step_ms:.2f}",
-                     "tokens/s": f"{batch * 1e3 / step_ms:,.0f}", "engine ms/step": "", "same tokens as batch 1": ""})
+        rows.append(
+            {
+                "side": title,
+                "batch": batch,
+                "ms/token": f"{step_ms:.2f}",
+                "tokens/s": f"{batch * 1e3 / step_ms:,.0f}",
+                "engine ms/step": "",
+                "same tokens as batch 1": "",
+            }
+        )
     return rows  # the model is freed here: transformers runs last
 
 
@@ -175,11 +220,16 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--transformers-batches", help="transformers' batch sizes, if not those of --batches")
-    parser.add_argument("--variants", type=int, default=4,
-                        help="moemesh's variants to time, in this order: as shipped; experts read per expert at "
-                             "every batch; every MoE block on the grouped GEMM; the projections by cuBLAS")
-    parser.add_argument("--profile-steps", type=int, default=0,
-                        help="instead of timing: the GPU kernels of this many decode steps")
+    parser.add_argument(
+        "--variants",
+        type=int,
+        default=4,
+        help="moemesh's variants to time, in this order: as shipped; experts read per expert at "
+        "every batch; every MoE block on the grouped GEMM; the projections by cuBLAS",
+    )
+    parser.add_argument(
+        "--profile-steps", type=int, default=0, help="instead of timing: the GPU kernels of this many decode steps"
+    )
     parser.add_argument("--profile-batch", type=int, default=1, help="the batch of --profile-steps")
     args = parser.parse_args()
     if args.new_tokens < 3:
@@ -188,15 +238,20 @@ def main():
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = load_config(args.config).model if args.config else qwen3_30b_a3b(args.layers)
-    config = config.replace(max_position_embeddings=max(config.max_position_embeddings,
-                                                        args.prompt_len + args.new_tokens + 1),
-                            output_router_logits=False)  # generation: no load-balancing loss on either side
+    config = config.replace(
+        max_position_embeddings=max(config.max_position_embeddings, args.prompt_len + args.new_tokens + 1),
+        output_router_logits=False,
+    )  # generation: no load-balancing loss on either side
     generator = torch.Generator().manual_seed(0)
-    prompts = torch.randint(1, config.vocab_size, (max(*args.batches, args.profile_batch), args.prompt_len), generator=generator).tolist()
+    prompts = torch.randint(
+        1, config.vocab_size, (max(*args.batches, args.profile_batch), args.prompt_len), generator=generator
+    ).tolist()
     torch.manual_seed(0)
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (timings are only a smoke check)"
-    title = (f"decode, {config.num_hidden_layers} layers, {str(dtype)[6:]}, prompt {args.prompt_len}, "
-             f"{args.new_tokens} new tokens, greedy, {where}, torch {torch.__version__}")
+    title = (
+        f"decode, {config.num_hidden_layers} layers, {str(dtype)[6:]}, prompt {args.prompt_len}, "
+        f"{args.new_tokens} new tokens, greedy, {where}, torch {torch.__version__}"
+    )
     if args.profile_steps:
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)

@@ -103,7 +103,10 @@ def transformers_model(config: ModelConfig, device: torch.device) -> tuple[torch
     model.to(torch.bfloat16).train()
     # what the model actually runs with (it may fall back at construction)
     experts = getattr(model.config, "_experts_implementation", None) or "default (no switch in this version)"
-    return model, f"transformers {transformers.__version__} (attn {model.config._attn_implementation}, experts {experts})"
+    return (
+        model,
+        f"transformers {transformers.__version__} (attn {model.config._attn_implementation}, experts {experts})",
+    )
 
 
 def kernel_summary(step, trace: Path | None = None) -> tuple[list[dict], dict[str, float]]:
@@ -121,8 +124,15 @@ def kernel_summary(step, trace: Path | None = None) -> tuple[list[dict], dict[st
         low = name.lower()
         kind = "NCCL" if "nccl" in low else "GEMM" if any(p in low for p in GEMM_PIECES) else "other"
         shares[kind] += us / all_us
-    top = [{"kernel": (name[:90] + "…") if len(name) > 90 else name, "calls": count[name], "ms": f"{us / 1e3:.2f}",
-            "share": f"{us / all_us:.1%}"} for name, us in total.most_common(10)]
+    top = [
+        {
+            "kernel": (name[:90] + "…") if len(name) > 90 else name,
+            "calls": count[name],
+            "ms": f"{us / 1e3:.2f}",
+            "share": f"{us / all_us:.1%}",
+        }
+        for name, us in total.most_common(10)
+    ]
     busy = merged([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
     shares["GPU idle"] = 1 - interval_length(busy) / (busy[-1][1] - busy[0][0]) if busy else 0.0
     return top, {k: shares[k] for k in ("GEMM", "NCCL", "other", "GPU idle")}
@@ -148,7 +158,7 @@ def run_variant(name: str, model, forward, args, config: ModelConfig, device, fl
     optimizer = adamw(model, device)
     generator = torch.Generator().manual_seed(1234)
     batch = torch.randint(config.vocab_size, (args.batch * WORLD, args.seq), generator=generator)
-    local = batch[RANK * args.batch:(RANK + 1) * args.batch]  # each rank its own sequences
+    local = batch[RANK * args.batch : (RANK + 1) * args.batch]  # each rank its own sequences
     ids = local.to(device)
     losses = []
 
@@ -175,11 +185,18 @@ def run_variant(name: str, model, forward, args, config: ModelConfig, device, fl
     loss = losses[-1].float()
     if WORLD > 1:  # each rank holds its share of the loss: the sum is the global one
         dist.all_reduce(loss)
-    row = {"variant": name, "step ms": f"{ms:.0f}", "tokens/s": f"{tokens_per_s:,.0f}",
-           "tokens/s/GPU": f"{tokens_per_s / WORLD:,.0f}",
-           "MFU": f"{tokens_per_s * flops / (peak * WORLD):.1%}" if peak else "n/a",
-           "peak GiB": "n/a", "loss": f"{loss.item():.4f}", "syncs/step": "n/a",
-           "_tps": tokens_per_s, "_peak": None}
+    row = {
+        "variant": name,
+        "step ms": f"{ms:.0f}",
+        "tokens/s": f"{tokens_per_s:,.0f}",
+        "tokens/s/GPU": f"{tokens_per_s / WORLD:,.0f}",
+        "MFU": f"{tokens_per_s * flops / (peak * WORLD):.1%}" if peak else "n/a",
+        "peak GiB": "n/a",
+        "loss": f"{loss.item():.4f}",
+        "syncs/step": "n/a",
+        "_tps": tokens_per_s,
+        "_peak": None,
+    }
     if on_gpu:
         peak_gib = torch.tensor(torch.cuda.max_memory_allocated(device) / 2**30, device=device)
         if WORLD > 1:
@@ -206,8 +223,9 @@ def moemesh_forward(model, config: ModelConfig, autocast: bool, mesh=None):
         if mesh is None:
             return out.loss  # ce + coef · aux
         # label counts from the host copies: no device sync
-        return rank_loss(out.ce_loss, out.aux_loss, label_tokens(local), label_tokens(batch),
-                         config.router_aux_loss_coef, ranks)
+        return rank_loss(
+            out.ce_loss, out.aux_loss, label_tokens(local), label_tokens(batch), config.router_aux_loss_coef, ranks
+        )
 
     return forward
 
@@ -228,12 +246,18 @@ def main():
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--moemesh-fp32-master", action="store_true",
-                        help="add a row (one GPU) or use (ep) fp32 weights and AdamW state under bf16 autocast")
+    parser.add_argument(
+        "--moemesh-fp32-master",
+        action="store_true",
+        help="add a row (one GPU) or use (ep) fp32 weights and AdamW state under bf16 autocast",
+    )
     parser.add_argument("--layout", choices=["ep", "dp_shard"], default="ep", help="the two-GPU layout (torchrun)")
     parser.add_argument("--trace-dir", help="keep each rank's Chrome trace of the profiled step here (gzipped)")
-    parser.add_argument("--no-reshard", action="store_true",
-                        help="dp_shard: keep each block's gathered weights from forward to backward (one all-gather per step)")
+    parser.add_argument(
+        "--no-reshard",
+        action="store_true",
+        help="dp_shard: keep each block's gathered weights from forward to backward (one all-gather per step)",
+    )
     parser.add_argument("--single-gpu-baseline", type=float, help="moemesh tokens/s on one GPU: print the scaling")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True  # only the fp32 leftovers; GEMMs run in bf16
@@ -246,8 +270,18 @@ def main():
     rows = []
     if WORLD == 1:
         model, title = transformers_model(config, device)
-        rows.append(run_variant(title, model, lambda ids, local, batch: model(input_ids=ids, labels=ids).loss,
-                                args, config, device, flops, {}))
+        rows.append(
+            run_variant(
+                title,
+                model,
+                lambda ids, local, batch: model(input_ids=ids, labels=ids).loss,
+                args,
+                config,
+                device,
+                flops,
+                {},
+            )
+        )
         del model
         free()
         variants = [("moemesh (bf16)", torch.bfloat16, False)]
@@ -255,8 +289,18 @@ def main():
             variants.append(("moemesh (fp32 master, bf16 autocast)", None, True))
         for name, dtype, autocast in variants:
             model = build(config, seed=args.seed, device=device, dtype=dtype)
-            rows.append(run_variant(name, model, moemesh_forward(model, config, autocast), args, config, device, flops,
-                                    {"moemesh": True, "profile": len(rows) == 1, "mesh": init_mesh(ParallelDims())}))
+            rows.append(
+                run_variant(
+                    name,
+                    model,
+                    moemesh_forward(model, config, autocast),
+                    args,
+                    config,
+                    device,
+                    flops,
+                    {"moemesh": True, "profile": len(rows) == 1, "mesh": init_mesh(ParallelDims())},
+                )
+            )
             del model
             free()
     else:
@@ -267,8 +311,18 @@ def main():
         apply_fsdp(model, mesh, param_dtype=torch.bfloat16, reshard_after_forward=not args.no_reshard)  # dp_shard only
         keep = ", gathered weights kept for backward" if args.no_reshard and args.layout == "dp_shard" else ""
         name = f"moemesh {args.layout}={WORLD} ({'fp32 master, bf16 autocast' if fp32 else 'bf16'}{keep})"
-        rows.append(run_variant(name, model, moemesh_forward(model, config, fp32, mesh), args, config, device, flops,
-                                {"moemesh": True, "profile": True, "mesh": mesh}))
+        rows.append(
+            run_variant(
+                name,
+                model,
+                moemesh_forward(model, config, fp32, mesh),
+                args,
+                config,
+                device,
+                flops,
+                {"moemesh": True, "profile": True, "mesh": mesh},
+            )
+        )
         if args.single_gpu_baseline:
             rows[0]["scaling"] = f"{rows[0]['_tps'] / (args.single_gpu_baseline * WORLD):.0%} of {WORLD}× 1 GPU"
 
@@ -279,15 +333,23 @@ def main():
                 row["tokens/s vs transformers"] = f"{row['_tps'] / base['_tps']:.2f}x"
                 row["memory vs transformers"] = f"{row['_peak'] / base['_peak']:.2f}x" if base["_peak"] else "n/a"
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-        print(f"device: {WORLD}× {gpu}, torch {torch.__version__}; model: {args.config or f'{args.layers}-layer Qwen3-30B-A3B shape'}, "
-              f"{args.batch}×{args.seq} tokens per GPU, {flops / 1e9:.3g} GFLOP per token")
+        model = args.config or f"{args.layers}-layer Qwen3-30B-A3B shape"
+        print(
+            f"device: {WORLD}× {gpu}, torch {torch.__version__}; model: {model}, "
+            f"{args.batch}×{args.seq} tokens per GPU, {flops / 1e9:.3g} GFLOP per token"
+        )
         profiles = [(row["variant"], row.pop("_profile")) for row in rows if "_profile" in row]
-        print_table([{k: v for k, v in row.items() if not k.startswith("_")} for row in rows],
-                    f"Training step (forward, backward, clipping, AdamW), {WORLD} {'GPU' if WORLD == 1 else 'GPUs'}")
+        print_table(
+            [{k: v for k, v in row.items() if not k.startswith("_")} for row in rows],
+            f"Training step (forward, backward, clipping, AdamW), {WORLD} {'GPU' if WORLD == 1 else 'GPUs'}",
+        )
         for variant, (top, shares) in profiles:
-            print_table(top, f"Top kernels of one step, {variant} (rank 0): GEMM {shares['GEMM']:.0%}, "
-                             f"NCCL {shares['NCCL']:.0%}, other {shares['other']:.0%} of kernel time; "
-                             f"GPU idle {shares['GPU idle']:.0%} of the step")
+            print_table(
+                top,
+                f"Top kernels of one step, {variant} (rank 0): GEMM {shares['GEMM']:.0%}, "
+                f"NCCL {shares['NCCL']:.0%}, other {shares['other']:.0%} of kernel time; "
+                f"GPU idle {shares['GPU idle']:.0%} of the step",
+            )
         if not profiles:
             print("\nprofiler summary: n/a (no GPU)")
     if WORLD > 1:

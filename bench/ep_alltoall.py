@@ -57,10 +57,20 @@ def main():
 
     if rank == 0:
         rows = [
-            dict(path="moemesh dispatch+combine", bytes_sent_per_rank=f"{sent / 2**20:.1f} MiB", ms=f"{ms:.3f}",
-                 GB_per_s=f"{sent / ms / 1e6:.1f}", vs_raw=f"{raw_ms / ms:.2f}x"),
-            dict(path="raw all_to_all_single", bytes_sent_per_rank=f"{raw_in.numel() / 2**20:.1f} MiB",
-                 ms=f"{raw_ms:.3f}", GB_per_s=f"{raw_in.numel() / raw_ms / 1e6:.1f}", vs_raw="1.00x"),
+            dict(
+                path="moemesh dispatch+combine",
+                bytes_sent_per_rank=f"{sent / 2**20:.1f} MiB",
+                ms=f"{ms:.3f}",
+                GB_per_s=f"{sent / ms / 1e6:.1f}",
+                vs_raw=f"{raw_ms / ms:.2f}x",
+            ),
+            dict(
+                path="raw all_to_all_single",
+                bytes_sent_per_rank=f"{raw_in.numel() / 2**20:.1f} MiB",
+                ms=f"{raw_ms:.3f}",
+                GB_per_s=f"{raw_in.numel() / raw_ms / 1e6:.1f}",
+                vs_raw="1.00x",
+            ),
         ]
         print(f"device: {torch.cuda.get_device_name()} x{world}, torch {torch.__version__}, tokens/rank {args.tokens}")
         print_table(rows, "EP dispatch + combine vs raw all-to-all (bf16, H=2048, E=128, top-8)")

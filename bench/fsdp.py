@@ -44,12 +44,23 @@ def comm_overlap(trainer: Trainer) -> tuple[float, float]:
 
 def run_variant(name: str, parallel: dict, args) -> dict:
     world = WORLD
-    model = load_config(args.config, [f"parallel.dp_shard={WORLD}"]).model if args.config else qwen3_30b_a3b(args.layers)
-    config = RunConfig(model=model, parallel=ParallelConfig(**parallel),
-                       train=TrainConfig(global_batch=args.sequences * world, micro_batch=args.sequences * world,
-                                         seq_len=args.seq, eval_sequences=world, run_dir="/tmp/bench_fsdp",
-                                         warmup_steps=1, steps=100),
-                       data=DataConfig())
+    model = (
+        load_config(args.config, [f"parallel.dp_shard={WORLD}"]).model if args.config else qwen3_30b_a3b(args.layers)
+    )
+    config = RunConfig(
+        model=model,
+        parallel=ParallelConfig(**parallel),
+        train=TrainConfig(
+            global_batch=args.sequences * world,
+            micro_batch=args.sequences * world,
+            seq_len=args.seq,
+            eval_sequences=world,
+            run_dir="/tmp/bench_fsdp",
+            warmup_steps=1,
+            steps=100,
+        ),
+        data=DataConfig(),
+    )
     trainer = Trainer(config, stream=open(os.devnull, "w"))
     records = []
     on_gpu = trainer.device.type == "cuda"
@@ -58,21 +69,33 @@ def run_variant(name: str, parallel: dict, args) -> dict:
         torch.cuda.reset_peak_memory_stats()  # the whole model built on each GPU before sharding is not
     step_ms = median_ms(lambda: records.append(trainer.train_step()), warmup=args.warmup, repeat=args.steps)
     tokens = args.sequences * world * args.seq
-    row = {"variant": name, "layout": " ".join(f"{k}={v}" for k, v in parallel.items()), "step ms": f"{step_ms:.0f}",
-           "tokens/s": f"{tokens / step_ms * 1e3:,.0f}", "loss": f"{records[-1]['loss']:.4f}"}
+    row = {
+        "variant": name,
+        "layout": " ".join(f"{k}={v}" for k, v in parallel.items()),
+        "step ms": f"{step_ms:.0f}",
+        "tokens/s": f"{tokens / step_ms * 1e3:,.0f}",
+        "loss": f"{records[-1]['loss']:.4f}",
+    }
     if on_gpu:
         peak = torch.tensor(torch.cuda.max_memory_allocated(trainer.device) / 2**30, device=trainer.device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         comm_ms, overlapped = comm_overlap(trainer)
-        row.update({"peak GiB/GPU": f"{peak.item():.1f}", "NCCL ms/step": f"{comm_ms:.0f}",
-                    "NCCL overlapped": f"{overlapped:.0%}"})
+        row.update(
+            {
+                "peak GiB/GPU": f"{peak.item():.1f}",
+                "NCCL ms/step": f"{comm_ms:.0f}",
+                "NCCL overlapped": f"{overlapped:.0%}",
+            }
+        )
     return row
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--config", help="take the model from this run config instead (configs/tiny.toml: a CPU smoke run)")
+    parser.add_argument(
+        "--config", help="take the model from this run config instead (configs/tiny.toml: a CPU smoke run)"
+    )
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--sequences", type=int, default=2, help="sequences per GPU per step")
     parser.add_argument("--warmup", type=int, default=2)
@@ -92,8 +115,7 @@ def main():
     if dist.get_rank() == 0:
         rows = [{key: row.get(key, "") for key in max(rows, key=len)} for row in rows]
         model = args.config or f"{args.layers}-layer Qwen3-30B-A3B shape"
-        print_table(rows, f"FSDP vs replicated, {model}, "
-                          f"{args.sequences}×{args.seq} tokens per GPU, {WORLD} GPUs")
+        print_table(rows, f"FSDP vs replicated, {model}, {args.sequences}×{args.seq} tokens per GPU, {WORLD} GPUs")
     dist.destroy_process_group()
 
 

@@ -37,8 +37,11 @@ from moemesh.ops.combine import _Combine, combine_reference  # noqa: E402
 from moemesh.ops.expert_gemv import expert_gemv_reference, expert_gemv_triton  # noqa: E402
 from moemesh.ops.grouped_mm import grouped_mm  # noqa: E402
 from moemesh.ops.linear_cross_entropy import linear_cross_entropy_reference  # noqa: E402
-from moemesh.ops.permute import _PermuteRows, permute_rows_reference  # noqa: E402
-from moemesh.ops.permute import routing_layout  # noqa: E402
+from moemesh.ops.permute import (  # noqa: E402
+    _PermuteRows,
+    permute_rows_reference,
+    routing_layout,  # noqa: E402
+)
 from moemesh.ops.swiglu import _SwiGLU, swiglu_reference  # noqa: E402
 
 DEVICE = "cpu" if SMOKE else "cuda"
@@ -177,8 +180,10 @@ def expert_gemv_rows(copy_gbps):
     e = torch.finfo(DTYPE).bits // 8
     weight = torch.randn(experts, 2 * inner, hidden, dtype=DTYPE, device=DEVICE)
     report(f"expert_gemv: gate_up [E={experts}, 2I={2 * inner}, H={hidden}] {str(DTYPE)[6:]}, top-{k}")
-    report(f"{'tokens':>6}{'experts':>8}{'gemv ms':>9}{'GB/s':>7}{'%copy':>7}{'gather+bmm':>11}{'grouped_mm':>11}"
-           f"{'err':>9}")
+    report(
+        f"{'tokens':>6}{'experts':>8}{'gemv ms':>9}{'GB/s':>7}{'%copy':>7}{'gather+bmm':>11}{'grouped_mm':>11}"
+        f"{'err':>9}"
+    )
     for tokens in (1, 4, 16, 64):
         x = torch.randn(tokens, hidden, dtype=DTYPE, device=DEVICE)
         ids = torch.stack([torch.randperm(experts, device=DEVICE)[:k] for _ in range(tokens)])
@@ -190,8 +195,10 @@ def expert_gemv_rows(copy_gbps):
         grouped = bench_ms(lambda: grouped_mm(x.repeat_interleave(k, 0)[order], weight, sizes))
         err = rel_err(expert_gemv_triton(x, weight, ids), expert_gemv_reference(x.float(), weight.float(), ids))
         gbps = nbytes / gemv / 1e6
-        report(f"{tokens:>6}{int(ids.unique().numel()):>8}{gemv:>9.3f}{gbps:>7.0f}{gbps / copy_gbps:>7.0%}"
-               f"{gather:>11.3f}{grouped:>11.3f}{err:>9.1e}")
+        report(
+            f"{tokens:>6}{int(ids.unique().numel()):>8}{gemv:>9.3f}{gbps:>7.0f}{gbps / copy_gbps:>7.0%}"
+            f"{gather:>11.3f}{grouped:>11.3f}{err:>9.1e}"
+        )
 
 
 def linear_cross_entropy_rows():

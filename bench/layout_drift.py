@@ -35,8 +35,11 @@ def launcher(layout: str) -> list[str]:
     processes = 1
     for item in layout.split(",") if layout else []:
         processes *= int(item.partition("=")[2])
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes)] \
-        if processes > 1 else [sys.executable]
+    return (
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes)]
+        if processes > 1
+        else [sys.executable]
+    )
 
 
 def execute(command: list[str], threads: int = 1) -> str:
@@ -53,16 +56,45 @@ def sizes(layout: str) -> list[str]:
 
 def train(run_dir: Path, args, layout: str = "", threads: int = 1, extra: tuple[str, ...] = ()) -> list[dict]:
     """`moemesh train` in `layout`: its per-step records."""
-    execute([*launcher(layout), "-m", "moemesh", "train", "--config", args.config, "--set", *args.set,
-             f"train.steps={args.steps}", "train.device=cpu", "train.eval_every=0", f"train.run_dir={run_dir}",
-             *sizes(layout), *extra], threads)
+    execute(
+        [
+            *launcher(layout),
+            "-m",
+            "moemesh",
+            "train",
+            "--config",
+            args.config,
+            "--set",
+            *args.set,
+            f"train.steps={args.steps}",
+            "train.device=cpu",
+            "train.eval_every=0",
+            f"train.run_dir={run_dir}",
+            *sizes(layout),
+            *extra,
+        ],
+        threads,
+    )
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
 
 
 def run(args, layout: str, *worker_args: str) -> str:
     """This script in worker mode, in `layout`."""
-    return execute([*launcher(layout), __file__, "--config", args.config, "--steps", str(args.steps),
-                    "--set", *args.set, *worker_args, "--layout-set", *sizes(layout)])
+    return execute(
+        [
+            *launcher(layout),
+            __file__,
+            "--config",
+            args.config,
+            "--steps",
+            str(args.steps),
+            "--set",
+            *args.set,
+            *worker_args,
+            "--layout-set",
+            *sizes(layout),
+        ]
+    )
 
 
 def one_step(args) -> None:
@@ -73,8 +105,10 @@ def one_step(args) -> None:
     from moemesh.config import load_config
     from moemesh.train.trainer import Trainer
 
-    config = load_config(args.config, [*args.set, f"train.steps={args.steps}", "train.device=cpu",
-                                       f"train.run_dir={args.run_dir}", *args.layout_set])
+    config = load_config(
+        args.config,
+        [*args.set, f"train.steps={args.steps}", "train.device=cpu", f"train.run_dir={args.run_dir}", *args.layout_set],
+    )
     trainer = Trainer(config, stream=open(os.devnull, "w"))
     trainer.restore(Path(args.from_checkpoint))
     record = trainer.train_step()
@@ -91,8 +125,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--layouts", default="dp_replicate=2;ep=2;tp=2;dp_shard=2")
     parser.add_argument("--at", default="10,15,18,20,30,40,60", help="steps the first table shows")
-    parser.add_argument("--forced-every", type=int, default=15, help="each layout takes one step from one "
-                        "process's checkpoint every this many steps")
+    parser.add_argument(
+        "--forced-every",
+        type=int,
+        default=15,
+        help="each layout takes one step from one process's checkpoint every this many steps",
+    )
     parser.add_argument("--plot", help="draw |loss − one process| per step into this PNG")
     parser.add_argument("--from-checkpoint", help=argparse.SUPPRESS)  # worker mode (one_step)
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
@@ -103,27 +141,48 @@ def main() -> None:
     layouts = [layout for layout in args.layouts.split(";") if layout]
     work = Path(tempfile.mkdtemp(prefix="layout_drift-"))
 
-    reference = train(work / "one-process", args, extra=(f"train.save_every={args.forced_every}",
-                                                         "train.keep_checkpoints=0"))  # each is forced from
-    curves = {"one process, 2 threads (noise floor)": train(work / "two-threads", args, threads=2,
-                                                            extra=("train.save_every=-1",))}
+    reference = train(
+        work / "one-process", args, extra=(f"train.save_every={args.forced_every}", "train.keep_checkpoints=0")
+    )  # each is forced from
+    curves = {
+        "one process, 2 threads (noise floor)": train(
+            work / "two-threads", args, threads=2, extra=("train.save_every=-1",)
+        )
+    }
     for layout in layouts:
         curves[layout] = train(work / layout, args, layout, extra=("train.save_every=-1",))
     at = [s for s in (int(s) for s in args.at.split(",")) if s <= args.steps]
-    rows = [{"run": name, **{f"step {s}": f"{abs(curve[s - 1]['loss'] - reference[s - 1]['loss']):.1e}" for s in at}}
-            for name, curve in curves.items()]
+    rows = [
+        {"run": name, **{f"step {s}": f"{abs(curve[s - 1]['loss'] - reference[s - 1]['loss']):.1e}" for s in at}}
+        for name, curve in curves.items()
+    ]
     print_table(rows, f"|loss − one process| of free-running curves ({args.config}, {args.steps} steps)")
 
     forced_rows = []
     for step in range(args.forced_every, args.steps, args.forced_every):
         checkpoint = work / "one-process" / "checkpoints" / f"step_{step}"
         for layout in ["", *layouts]:
-            record = json.loads(run(args, layout, "--from-checkpoint", str(checkpoint), "--run-dir",
-                                    str(work / f"{layout or 'one-process'}-from-{step}")).splitlines()[-1])
+            record = json.loads(
+                run(
+                    args,
+                    layout,
+                    "--from-checkpoint",
+                    str(checkpoint),
+                    "--run-dir",
+                    str(work / f"{layout or 'one-process'}-from-{step}"),
+                ).splitlines()[-1]
+            )
             expected = reference[step]  # the record of step + 1
-            forced_rows.append({"layout": layout or "one process", "from step": step, **{
-                f"{key} rel. diff": f"{abs(record[key] - expected[key]) / expected[key]:.1e}"
-                for key in ("loss", "grad_norm")}})
+            forced_rows.append(
+                {
+                    "layout": layout or "one process",
+                    "from step": step,
+                    **{
+                        f"{key} rel. diff": f"{abs(record[key] - expected[key]) / expected[key]:.1e}"
+                        for key in ("loss", "grad_norm")
+                    },
+                }
+            )
     print_table(forced_rows, "one step from one process's checkpoint: relative difference from one process's step")
     if args.plot:
         plot(reference, curves, args.plot)

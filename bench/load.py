@@ -70,8 +70,13 @@ def build_rows(layers: list[int]) -> list[dict]:
         config = qwen3_30b_a3b(n)
         seconds, model = timed(lambda: materialize(meta_model(config, torch.bfloat16), DEVICE, seed=0))
         params = model.num_params()
-        rows.append({"what": f"build from the seed, {n} layers ({params / 1e9:.1f}B parameters, bf16)",
-                     "moemesh s": f"{seconds:.2f}", "before s": ""})
+        rows.append(
+            {
+                "what": f"build from the seed, {n} layers ({params / 1e9:.1f}B parameters, bf16)",
+                "moemesh s": f"{seconds:.2f}",
+                "before s": "",
+            }
+        )
         del model
         release()
         if n == min(layers):
@@ -82,8 +87,13 @@ def build_rows(layers: list[int]) -> list[dict]:
             release()
     trainer_config = load_config(CONFIG, [f"train.device={DEVICE}"])
     seconds, trainer = timed(lambda: Trainer(trainer_config, stream=open(os.devnull, "w")))
-    rows.append({"what": f"Trainer setup, {CONFIG.name} (data, model, optimizer)",
-                 "moemesh s": f"{seconds:.2f}", "before s": ""})
+    rows.append(
+        {
+            "what": f"Trainer setup, {CONFIG.name} (data, model, optimizer)",
+            "moemesh s": f"{seconds:.2f}",
+            "before s": "",
+        }
+    )
     del trainer
     release()
     return rows
@@ -103,8 +113,10 @@ def write_cut(directory: Path, layers: int) -> int:
     config = qwen3_30b_a3b(layers)
     shapes = meta_model(config, torch.bfloat16).state_dict()
     generator = torch.Generator(device=DEVICE).manual_seed(0)
-    tensors = ((name, (torch.randn(t.shape, generator=generator, device=DEVICE, dtype=torch.bfloat16) * 0.02))
-               for name, t in shapes.items())
+    tensors = (
+        (name, (torch.randn(t.shape, generator=generator, device=DEVICE, dtype=torch.bfloat16) * 0.02))
+        for name, t in shapes.items()
+    )
     shutil.rmtree(directory, ignore_errors=True)
     write_pretrained(tensors, config, directory)
     return sum(t.numel() * 2 for t in shapes.values())
@@ -120,11 +132,14 @@ def load_row(directory: Path, layers: int, model_bytes: int) -> dict:
     host_peak = resident("VmHWM") - host_before
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     gpu_peak = torch.cuda.max_memory_allocated() / weights if DEVICE == "cuda" else float("nan")
-    return {"what": f"load for generation, {layers} layers, {model_bytes / 1e9:.1f} GB bf16 "
-                    f"({'cold: page cache dropped' if dropped else 'page cache not droppable: warm'})",
-            "moemesh s": f"{seconds:.1f}", "GB/s": f"{model_bytes / seconds / 1e9:.2f}",
-            "host peak / model": f"{host_peak / model_bytes:.1%}",
-            "GPU peak / weights": f"{gpu_peak:.3f}"}
+    return {
+        "what": f"load for generation, {layers} layers, {model_bytes / 1e9:.1f} GB bf16 "
+        f"({'cold: page cache dropped' if dropped else 'page cache not droppable: warm'})",
+        "moemesh s": f"{seconds:.1f}",
+        "GB/s": f"{model_bytes / seconds / 1e9:.2f}",
+        "host peak / model": f"{host_peak / model_bytes:.1%}",
+        "GPU peak / weights": f"{gpu_peak:.3f}",
+    }
 
 
 def main() -> None:

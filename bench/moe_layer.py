@@ -21,8 +21,7 @@ from bench.common import median_ms, peak_bytes, print_table, rel_err
 from moemesh.models import ModelConfig
 from moemesh.models.moe import MoEBlock
 
-SHAPE = dict(hidden_size=2048, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
-             norm_topk_prob=True)
+SHAPE = dict(hidden_size=2048, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True)
 
 
 def transformers_block(device) -> tuple[torch.nn.Module, str]:
@@ -85,14 +84,24 @@ def main():
         error = rel_err(forward().detach(), reference)
         ms = median_ms(step)
         peak = peak_bytes(step)
-        rows.append(dict(variant=name, fwd_bwd_ms=f"{ms:.2f}", peak_GiB=f"{peak / 2**30:.2f}",
-                         rel_err_vs_fp32=f"{error:.2e}", ms=ms, peak=peak))
+        rows.append(
+            dict(
+                variant=name,
+                fwd_bwd_ms=f"{ms:.2f}",
+                peak_GiB=f"{peak / 2**30:.2f}",
+                rel_err_vs_fp32=f"{error:.2e}",
+                ms=ms,
+                peak=peak,
+            )
+        )
     base_ms, base_peak = rows[0]["ms"], rows[0]["peak"]
     for row in rows:
         row["speedup_vs_transformers"] = f"{base_ms / row.pop('ms'):.2f}x"
         row["memory_vs_transformers"] = f"{row.pop('peak') / base_peak:.2f}x"
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, transformers "
-          f"{transformers.__version__}, tokens {args.tokens}")
+    print(
+        f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, transformers "
+        f"{transformers.__version__}, tokens {args.tokens}"
+    )
     print_table(rows, "MoE layer forward+backward (bf16)")
 
 

@@ -33,13 +33,23 @@ from moemesh.parallel.pipeline.schedule import peak_in_flight, simulate
 from moemesh.train.trainer import Trainer
 
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
-VARIANTS = {"dualpipev": ["parallel.pp_schedule=dualpipev", f"parallel.pp={WORLD}"],
-            "1f1b": ["parallel.pp_schedule=1f1b", f"parallel.pp={WORLD}"],
-            "ep (no pipeline)": [f"parallel.ep={WORLD}"]}
+VARIANTS = {
+    "dualpipev": ["parallel.pp_schedule=dualpipev", f"parallel.pp={WORLD}"],
+    "1f1b": ["parallel.pp_schedule=1f1b", f"parallel.pp={WORLD}"],
+    "ep (no pipeline)": [f"parallel.ep={WORLD}"],
+}
 if WORLD >= 4 and WORLD % 2 == 0:  # pp × ep=2: DualPipeV's paired chunks overlapped (EP all-to-alls hidden) or not
-    VARIANTS.update({f"dualpipev-ep2-{mode}": ["parallel.pp_schedule=dualpipev", f"parallel.pp={WORLD // 2}",
-                                                "parallel.ep=2", f"parallel.pp_overlap={str(on).lower()}"]
-                     for mode, on in (("overlap", True), ("sequential", False))})
+    VARIANTS.update(
+        {
+            f"dualpipev-ep2-{mode}": [
+                "parallel.pp_schedule=dualpipev",
+                f"parallel.pp={WORLD // 2}",
+                "parallel.ep=2",
+                f"parallel.pp_overlap={str(on).lower()}",
+            ]
+            for mode, on in (("overlap", True), ("sequential", False))
+        }
+    )
 
 
 def idle_share(trainer: Trainer, trace: Path | None = None) -> float:
@@ -71,8 +81,12 @@ def state_bytes(trainer: Trainer) -> int:
     """Bytes of this rank's parameter state during a step: parameters, their gradients (as large
     as the parameters) and the optimizer state."""
     params = sum(2 * p.numel() * p.element_size() for p in trainer.model.parameters())
-    return params + sum(v.numel() * v.element_size() for state in trainer.optimizer.state.values()
-                        for v in state.values() if torch.is_tensor(v))
+    return params + sum(
+        v.numel() * v.element_size()
+        for state in trainer.optimizer.state.values()
+        for v in state.values()
+        if torch.is_tensor(v)
+    )
 
 
 def op_trace(trainer: Trainer) -> list[dict]:
@@ -92,9 +106,17 @@ def op_trace(trainer: Trainer) -> list[dict]:
             ids = list(args[:2])
             if name == "FB":  # an FB operation passes its Op: name both of its chunks
                 ids = [args[0].stage, args[0].micro, args[0].b_stage, args[0].b_micro]
-            records.append({"op": name, "args": ids, "before": before,
-                            "peak": torch.cuda.max_memory_allocated(), "after": torch.cuda.memory_allocated(),
-                            "_events": (start, end)})
+            records.append(
+                {
+                    "op": name,
+                    "args": ids,
+                    "before": before,
+                    "peak": torch.cuda.max_memory_allocated(),
+                    "after": torch.cuda.memory_allocated(),
+                    "_events": (start, end),
+                }
+            )
+
         return traced
 
     runner._forward, runner._backward = wrap("F", runner._forward), wrap("B", runner._backward)
@@ -115,8 +137,17 @@ def op_trace(trainer: Trainer) -> list[dict]:
 
 
 def run_variant(name: str, overrides: list[str], args) -> dict:
-    config = load_config(args.config, [*overrides, f"train.seq_len={args.seq}", f"train.global_batch={args.micro * 8}",
-                                       f"train.micro_batch={args.micro}", "train.eval_sequences=8", *args.set])
+    config = load_config(
+        args.config,
+        [
+            *overrides,
+            f"train.seq_len={args.seq}",
+            f"train.global_batch={args.micro * 8}",
+            f"train.micro_batch={args.micro}",
+            "train.eval_sequences=8",
+            *args.set,
+        ],
+    )
     trainer = Trainer(config, stream=open(os.devnull, "w"))
     records = []
     on_gpu = trainer.device.type == "cuda"
@@ -125,12 +156,20 @@ def run_variant(name: str, overrides: list[str], args) -> dict:
         torch.cuda.reset_peak_memory_stats()
     step_ms = median_ms(lambda: records.append(trainer.train_step()), warmup=args.warmup, repeat=args.steps)
     tokens = config.train.global_batch * config.train.seq_len
-    row = {"variant": name, "step ms": f"{step_ms:.0f}", "tokens/s": f"{tokens / step_ms * 1e3:,.0f}",
-           "loss": f"{records[-1]['loss']:.4f}"}
+    row = {
+        "variant": name,
+        "step ms": f"{step_ms:.0f}",
+        "tokens/s": f"{tokens / step_ms * 1e3:,.0f}",
+        "loss": f"{records[-1]['loss']:.4f}",
+    }
     if on_gpu:
         peaks = [torch.zeros(WORLD, device=trainer.device) for _ in range(3)]
         peaks[0][dist.get_rank()] = torch.cuda.max_memory_allocated(trainer.device) / 2**30
-        trace = Path(args.trace_dir) / f"profile_{name.split()[0]}_rank{dist.get_rank()}.json.gz" if args.trace_dir else None
+        trace = (
+            Path(args.trace_dir) / f"profile_{name.split()[0]}_rank{dist.get_rank()}.json.gz"
+            if args.trace_dir
+            else None
+        )
         peaks[1][dist.get_rank()] = idle_share(trainer, trace if name == "dualpipev" else None)
         if trainer.pipeline is not None:
             peaks[2][dist.get_rank()] = bubble_share(trainer)
@@ -141,8 +180,9 @@ def run_variant(name: str, overrides: list[str], args) -> dict:
         if trainer.pipeline is not None:
             schedule = trainer.pipeline.schedule
             costs = run_costs(config)
-            estimate = rank_memory(costs, stage_ranges(schedule, costs), peak_in_flight(schedule),
-                                            list(schedule.stage_rank))
+            estimate = rank_memory(
+                costs, stage_ranges(schedule, costs), peak_in_flight(schedule), list(schedule.stage_rank)
+            )
             row["estimate GiB per rank"] = " / ".join(f"{e / 2**30:.1f}" for e in estimate)
             row["measured bubble per rank"] = " / ".join(f"{p:.0%}" for p in peaks[2].tolist())
             timeline = simulate(schedule, f=1.0, b=1.0, w=1.0)  # backward = input + weight gradient = 2F
@@ -165,9 +205,12 @@ def save_trace(trainer: Trainer, name: str, trace_dir: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"state_bytes": state, "ops": records}))
     top = max(records, key=lambda r: r["peak"])
-    print(f"[{name} rank {dist.get_rank()}] parameter state {state / 2**30:.2f} GiB; peak {top['peak'] / 2**30:.2f} GiB "
-          f"in {top['op']}{top['args']} (allocated before it {top['before'] / 2**30:.2f} GiB, after "
-          f"{top['after'] / 2**30:.2f}); {len(records)} operations; step {records[-1]['end ms']:.0f} ms", flush=True)
+    print(
+        f"[{name} rank {dist.get_rank()}] parameter state {state / 2**30:.2f} GiB; peak {top['peak'] / 2**30:.2f} GiB "
+        f"in {top['op']}{top['args']} (allocated before it {top['before'] / 2**30:.2f} GiB, after "
+        f"{top['after'] / 2**30:.2f}); {len(records)} operations; step {records[-1]['end ms']:.0f} ms",
+        flush=True,
+    )
 
 
 def main():
@@ -192,8 +235,11 @@ def main():
             print(rows[-1], flush=True)
     if dist.get_rank() == 0:
         rows = [{key: row.get(key, "") for key in max(rows, key=len)} for row in rows]
-        print_table(rows, f"pipeline vs expert parallelism, {args.config}, 8 micro-batches of {args.micro}×{args.seq} "
-                          f"tokens, {WORLD} GPUs")
+        print_table(
+            rows,
+            f"pipeline vs expert parallelism, {args.config}, 8 micro-batches of {args.micro}×{args.seq} "
+            f"tokens, {WORLD} GPUs",
+        )
     dist.destroy_process_group()
 
 

@@ -55,8 +55,10 @@ def main():
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     with autocast:
         h = model.run_layers(model.model.embed_tokens(ids), positions, range(args.layer))[0].detach().requires_grad_()
-        items = {f"layer {args.layer}": lambda: model.run_layers(h, positions, [args.layer]),
-                 "head": lambda: model.head(model.model.norm(h), ids, return_logits=False)}
+        items = {
+            f"layer {args.layer}": lambda: model.run_layers(h, positions, [args.layer]),
+            "head": lambda: model.head(model.model.norm(h), ids, return_logits=False),
+        }
         for name, forward in items.items():
             rows = saved_by_line(forward, parameters)
             print(f"\n## {name}: {sum(r[3] for r in rows) / 2**20:.1f} MiB saved")
@@ -72,8 +74,11 @@ def main():
     estimate = estimate_layers(config, args.micro * args.seq, dtype_bytes, args.seq)
     print(f"\n## activations per item, measured ({device.type}) vs analytical")
     for profile, (name, _, activations, _) in zip(profiles, estimate):
-        print(f"  {name:<10} measured {profile.activation_bytes / 2**20:9.1f} MiB  analytical {activations / 2**20:9.1f} MiB"
-              f"  ratio {profile.activation_bytes / max(activations, 1):.3f}")
+        print(
+            f"  {name:<10} measured {profile.activation_bytes / 2**20:9.1f} MiB"
+            f"  analytical {activations / 2**20:9.1f} MiB"
+            f"  ratio {profile.activation_bytes / max(activations, 1):.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -55,8 +55,13 @@ def one_client(url: str, headers: dict, args, seed: int, results: list) -> None:
     with httpx.Client(base_url=url, headers=headers, timeout=600) as http:
         for _ in range(args.requests):
             prompt = "".join(chr(rng.randint(97, 122)) for _ in range(args.prompt_len))
-            body = {"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
-                    "stream_options": {"include_usage": True}}
+            body = {
+                "prompt": prompt,
+                "max_tokens": args.max_tokens,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             sent, first, tokens = time.perf_counter(), None, 0
             with http.stream("POST", "/v1/completions", json=body) as reply:
                 reply.raise_for_status()
@@ -90,8 +95,9 @@ def main():
     rows = []
     for clients in (int(c) for c in args.clients.split(",")):
         results: list = []
-        threads = [threading.Thread(target=one_client, args=(args.url, headers, args, i, results))
-                   for i in range(clients)]
+        threads = [
+            threading.Thread(target=one_client, args=(args.url, headers, args, i, results)) for i in range(clients)
+        ]
         start = time.perf_counter()
         for t in threads:
             t.start()
@@ -100,12 +106,21 @@ def main():
         wall = time.perf_counter() - start
         ttft = sorted(first for first, _ in results if first is not None)
         tokens = sum(n for _, n in results)
-        rows.append({"clients": clients, "requests": len(results), "completion tokens": tokens,
-                     "tokens/s": f"{tokens / wall:,.0f}",
-                     "TTFT p50 ms": f"{statistics.median(ttft) * 1e3:.0f}",
-                     "TTFT p99 ms": f"{ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] * 1e3:.0f}"})
-    print_table(rows, f"moemesh serve load ({model} at {args.url}): prompt {args.prompt_len} bytes, "
-                      f"{args.max_tokens} tokens a request, {args.requests} requests a client, greedy, streamed")
+        rows.append(
+            {
+                "clients": clients,
+                "requests": len(results),
+                "completion tokens": tokens,
+                "tokens/s": f"{tokens / wall:,.0f}",
+                "TTFT p50 ms": f"{statistics.median(ttft) * 1e3:.0f}",
+                "TTFT p99 ms": f"{ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] * 1e3:.0f}",
+            }
+        )
+    print_table(
+        rows,
+        f"moemesh serve load ({model} at {args.url}): prompt {args.prompt_len} bytes, "
+        f"{args.max_tokens} tokens a request, {args.requests} requests a client, greedy, streamed",
+    )
 
 
 if __name__ == "__main__":

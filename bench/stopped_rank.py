@@ -35,14 +35,34 @@ def main():
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=60.0, help="parallel.timeout_s")
     parser.add_argument("--kill", action="store_true", help="SIGKILL the stopped rank after the first line")
-    parser.add_argument("--set", dest="overrides", nargs="*", default=["parallel.dp_shard=2"],
-                        help="config overrides of the run (default: parallel.dp_shard=2)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        nargs="*",
+        default=["parallel.dp_shard=2"],
+        help="config overrides of the run (default: parallel.dp_shard=2)",
+    )
     args = parser.parse_args()
 
     run_dir = tempfile.mkdtemp(prefix="moemesh-stopped-")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc), "-m", "moemesh",
-               "train", "--set", *args.overrides, f"parallel.timeout_s={args.timeout}", "train.steps=100000",
-               "train.save_every=-1", "train.eval_every=0", "train.log_every=1", f"train.run_dir={run_dir}"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(args.nproc),
+        "-m",
+        "moemesh",
+        "train",
+        "--set",
+        *args.overrides,
+        f"parallel.timeout_s={args.timeout}",
+        "train.steps=100000",
+        "train.save_every=-1",
+        "train.eval_every=0",
+        "train.log_every=1",
+        f"train.run_dir={run_dir}",
+    ]
     agent = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     rows = []
     try:

@@ -64,8 +64,9 @@ def main() -> int:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
     # A one-layer model, so that apply_tp shards its block by the family plan, with its checks.
-    config = ModelConfig(**shape, norm_topk_prob=True, num_hidden_layers=1, vocab_size=128, num_attention_heads=4,
-                         num_key_value_heads=2)
+    config = ModelConfig(
+        **shape, norm_topk_prob=True, num_hidden_layers=1, vocab_size=128, num_attention_heads=4, num_key_value_heads=2
+    )
     full = build(config, seed=0, device=device)
     one_device = copy.deepcopy(full.model.layers[0].mlp).bfloat16()
     delayed = apply_tp(copy.deepcopy(full), mesh).model.layers[0].mlp.bfloat16()
@@ -85,22 +86,34 @@ def main() -> int:
 
     reference = step(one_device)
     rows, failed = [], False
-    for name, block in [("one device, unsharded", one_device), ("TP: delayed all-reduce (moemesh)", delayed),
-                        ("TP: per-slot all-reduce", per_slot)]:
+    for name, block in [
+        ("one device, unsharded", one_device),
+        ("TP: delayed all-reduce (moemesh)", delayed),
+        ("TP: per-slot all-reduce", per_slot),
+    ]:
         comm.reset_counts()
         errors = [rel_err(ours, theirs) for ours, theirs in zip(step(block), reference)]
         failed |= max(errors) > TOLERANCE
         sent = {phase: comm.sent_bytes[("all_reduce", phase)] for phase in ("forward", "backward")}
         ms = median_ms(lambda block=block: step(block), repeat=20)
-        rows.append(dict(variant=name, fwd_bwd_ms=f"{ms:.2f}", all_reduce_fwd=_size(sent["forward"]),
-                         all_reduce_bwd=_size(sent["backward"]),
-                         rel_err_out_dx_drouter=" / ".join(f"{e:.1e}" for e in errors), ms=ms))
+        rows.append(
+            dict(
+                variant=name,
+                fwd_bwd_ms=f"{ms:.2f}",
+                all_reduce_fwd=_size(sent["forward"]),
+                all_reduce_bwd=_size(sent["backward"]),
+                rel_err_out_dx_drouter=" / ".join(f"{e:.1e}" for e in errors),
+                ms=ms,
+            )
+        )
     if mesh.rank("tp") == 0:
         for row in rows:
             row["vs_per_slot"] = f"{rows[2]['ms'] / row.pop('ms'):.2f}x"
         where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-        print(f"device: {where} x{world}, torch {torch.__version__}, tokens {tokens}, H={config.hidden_size}, "
-              f"E={config.num_experts}, top-{config.num_experts_per_tok}, I={config.moe_intermediate_size}")
+        print(
+            f"device: {where} x{world}, torch {torch.__version__}, tokens {tokens}, H={config.hidden_size}, "
+            f"E={config.num_experts}, top-{config.num_experts_per_tok}, I={config.moe_intermediate_size}"
+        )
         print_table(rows, f"MoE block forward+backward under TP={world} (bf16)")
         print(f"TP vs the one-device block: {'FAIL' if failed else 'ok'} (tolerance {TOLERANCE})")
     dist.destroy_process_group()

@@ -43,17 +43,27 @@ def _parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser("train", help="train a model (default: configs/tiny.toml on the stdlib corpus)")
     train.add_argument("--config", help="TOML config file (default: configs/tiny.toml)")
-    train.add_argument("--set", dest="overrides", action="append", nargs="+", default=[], metavar="KEY=VALUE",
-                       help="override a config value, e.g. --set train.steps=100 model.num_experts=16")
+    train.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set train.steps=100 model.num_experts=16",
+    )
 
     generate = commands.add_parser("generate", help="continue prompts with a trained model")
     _model_arguments(generate)
     prompts = generate.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", help="one prompt: the prompt and its continuation are printed")
-    prompts.add_argument("--prompts-file", metavar="FILE",
-                         help="many prompts, generated together: one a line, or a .jsonl file of "
-                              '{"prompt": ..., optional "max_tokens", "temperature", "top_p", "seed", "stop"}; '
-                              "writes one JSON object a line (prompt, text, finish_reason, token counts)")
+    prompts.add_argument(
+        "--prompts-file",
+        metavar="FILE",
+        help="many prompts, generated together: one a line, or a .jsonl file of "
+        '{"prompt": ..., optional "max_tokens", "temperature", "top_p", "seed", "stop"}; '
+        "writes one JSON object a line (prompt, text, finish_reason, token counts)",
+    )
     generate.add_argument("--output", metavar="FILE", help="where the JSON lines go (default: standard output)")
     generate.add_argument("--max-new-tokens", type=int, default=200)
     generate.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
@@ -61,53 +71,89 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument("--stop", action="append", default=[], help="a string that ends the text (repeatable)")
 
-    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, "
-                                              "/v1/chat/completions) with continuous batching")
+    serve = commands.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions) with continuous batching",
+    )
     _model_arguments(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", help="clients must send it as a bearer token (default: env MOEMESH_API_KEY; "
-                                         "unset: no key)")
+    serve.add_argument(
+        "--api-key", help="clients must send it as a bearer token (default: env MOEMESH_API_KEY; unset: no key)"
+    )
     serve.add_argument("--model-name", help="the model's name in the API (default: the checkpoint directory's)")
-    serve.add_argument("--max-waiting", type=int, default=64,
-                       help="requests that may wait for a free row; beyond, 503 (default 64)")
+    serve.add_argument(
+        "--max-waiting", type=int, default=64, help="requests that may wait for a free row; beyond, 503 (default 64)"
+    )
     serve.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger bodies get 413 (default 1 MiB)")
 
     estimate = commands.add_parser("estimate", help="per-layer memory and time, pipeline stages, per-rank memory")
     estimate.add_argument("--config", help="TOML config file (default: configs/tiny.toml)")
-    estimate.add_argument("--set", dest="overrides", action="append", nargs="+", default=[], metavar="KEY=VALUE",
-                          help="override a config value, as for `moemesh train`")
+    estimate.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, as for `moemesh train`",
+    )
     estimate.add_argument("--pp", type=int, help="pipeline ranks (default: parallel.pp)")
     estimate.add_argument("--schedule", choices=("dualpipev", "1f1b"), help="default: parallel.pp_schedule")
-    estimate.add_argument("--profile", action="store_true",
-                          help="measure each layer (one forward and backward on random tokens, on the "
-                               "config's device) instead of the analytical estimate")
+    estimate.add_argument(
+        "--profile",
+        action="store_true",
+        help="measure each layer (one forward and backward on random tokens, on the "
+        "config's device) instead of the analytical estimate",
+    )
 
     convert = commands.add_parser("convert", help="Hugging Face directory <-> moemesh checkpoint (direction from SRC)")
     convert.add_argument("source", metavar="SRC", help="Hugging Face directory, checkpoint or run directory")
     convert.add_argument("target", metavar="DST", help="new directory to write")
-    convert.add_argument("--dtype", choices=_DTYPE_NAMES,
-                         help="weight dtype of a written Hugging Face directory (default float32)")
+    convert.add_argument(
+        "--dtype", choices=_DTYPE_NAMES, help="weight dtype of a written Hugging Face directory (default float32)"
+    )
     return parser
 
 
 def _model_arguments(command: argparse.ArgumentParser) -> None:
-    command.add_argument("--checkpoint", required=True,
-                         help="checkpoint directory, run directory (newest checkpoint) or Hugging Face directory")
+    command.add_argument(
+        "--checkpoint",
+        required=True,
+        help="checkpoint directory, run directory (newest checkpoint) or Hugging Face directory",
+    )
     command.add_argument("--tokenizer", help="'bytes' or a tokenizer.json (default: the checkpoint's, else bytes)")
     command.add_argument("--device", default="auto", help="cpu, cuda[:N] or auto")
-    command.add_argument("--dtype", choices=("auto", *_DTYPE_NAMES), default="auto",
-                         help="weights and KV cache (auto: bfloat16 on a GPU, float32 on a CPU)")
+    command.add_argument(
+        "--dtype",
+        choices=("auto", *_DTYPE_NAMES),
+        default="auto",
+        help="weights and KV cache (auto: bfloat16 on a GPU, float32 on a CPU)",
+    )
     command.add_argument("--max-batch", type=int, default=16, help="sequences decoded together (cache rows)")
-    command.add_argument("--max-len", type=int,
-                         help="tokens a sequence may hold, prompt included (default: what the prompts need; "
-                              "for serve min(max_position_embeddings, 4096))")
-    command.add_argument("--tp", type=int, default=1,
-                         help="tensor-parallel ranks, launched as `torchrun --nproc-per-node N -m moemesh ... --tp N`: "
-                              "each rank reads only its shard (attention heads and their KV cache, expert slices, "
-                              "vocabulary); rank 0 prints or serves")
-    command.add_argument("--set", dest="overrides", action="append", nargs="+", default=[],
-                         metavar="parallel.tp=N", help="the same as --tp N, spelled as for `moemesh train`")
+    command.add_argument(
+        "--max-len",
+        type=int,
+        help="tokens a sequence may hold, prompt included (default: what the prompts need; "
+        "for serve min(max_position_embeddings, 4096))",
+    )
+    command.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks, launched as `torchrun --nproc-per-node N -m moemesh ... --tp N`: "
+        "each rank reads only its shard (attention heads and their KV cache, expert slices, "
+        "vocabulary); rank 0 prints or serves",
+    )
+    command.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        nargs="+",
+        default=[],
+        metavar="parallel.tp=N",
+        help="the same as --tp N, spelled as for `moemesh train`",
+    )
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -147,9 +193,19 @@ def _generate(args: argparse.Namespace) -> None:
         if args.prompt is not None:
             print(args.prompt + results[0].text)
             return
-        lines = [json.dumps({"prompt": text, "text": r.text, "finish_reason": r.finish_reason,
-                             "prompt_tokens": len(r.prompt_ids), "completion_tokens": len(r.token_ids)},
-                            ensure_ascii=False) for (text, _), r in zip(prompts, results)]
+        lines = [
+            json.dumps(
+                {
+                    "prompt": text,
+                    "text": r.text,
+                    "finish_reason": r.finish_reason,
+                    "prompt_tokens": len(r.prompt_ids),
+                    "completion_tokens": len(r.token_ids),
+                },
+                ensure_ascii=False,
+            )
+            for (text, _), r in zip(prompts, results)
+        ]
         if args.output:
             Path(args.output).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
         else:
@@ -169,9 +225,16 @@ def _serve(args: argparse.Namespace) -> None:
         engine = DecodeEngine(model, max_batch=args.max_batch, max_len=max_len, group=group)
         if not engine.leader:
             return engine.follow()
-        serve(engine, tokenizer, host=args.host, port=args.port, api_key=api_key,
-              model_name=args.model_name or Path(args.checkpoint).resolve().name, max_waiting=args.max_waiting,
-              max_request_bytes=args.max_request_bytes)
+        serve(
+            engine,
+            tokenizer,
+            host=args.host,
+            port=args.port,
+            api_key=api_key,
+            model_name=args.model_name or Path(args.checkpoint).resolve().name,
+            max_waiting=args.max_waiting,
+            max_request_bytes=args.max_request_bytes,
+        )
 
 
 def _checked(params) -> None:
@@ -182,8 +245,9 @@ def _checked(params) -> None:
     except RequestError as e:  # named as the command line spells it
         flag = "--" + {"max_tokens": "max-new-tokens", "top_p": "top-p"}.get(e.param, e.param)
         message = str(e)
-        raise MoemeshError(flag + message.removeprefix(e.param) if message.startswith(e.param)
-                           else f"{flag}: {message}") from None
+        raise MoemeshError(
+            flag + message.removeprefix(e.param) if message.startswith(e.param) else f"{flag}: {message}"
+        ) from None
 
 
 @contextlib.contextmanager
@@ -218,7 +282,9 @@ def _tensor_parallel_size(args: argparse.Namespace) -> int:
     for item in (item for group in args.overrides for item in group):
         key, _, value = item.partition("=")
         if key != "parallel.tp" or not value.isdigit():
-            raise MoemeshError(f"{args.command} --set takes only parallel.tp=N (the tensor-parallel size), got {item!r}")
+            raise MoemeshError(
+                f"{args.command} --set takes only parallel.tp=N (the tensor-parallel size), got {item!r}"
+            )
         tp = int(value)
     if tp < 1:
         raise MoemeshError(f"--tp must be >= 1, got {tp}")
@@ -259,8 +325,10 @@ def _say(line: str) -> None:
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:  # as torchelastic's ErrorHandler writes it; torchrun shows "py_callstack"
         with open(error_file, "w") as f:
-            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
-                                                                  "timestamp": str(int(time.time()))}}}, f)
+            json.dump(
+                {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}},
+                f,
+            )
 
 
 def _say_once(line: str) -> None:
@@ -287,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
 # What to change when a command runs out of GPU memory (after the allocator's own message).
 _MEMORY_ADVICE = {
     "train": "lower train.micro_batch or train.seq_len, or spread the model over more GPUs (parallel.ep, "
-             "parallel.dp_shard, parallel.pp); `moemesh estimate` with the same config predicts each GPU's memory",
+    "parallel.dp_shard, parallel.pp); `moemesh estimate` with the same config predicts each GPU's memory",
     "generate": "lower --max-batch or --max-len, or split the model with --tp",
     "serve": "lower --max-batch or --max-len, or split the model with --tp",
 }
@@ -295,8 +363,9 @@ _MEMORY_ADVICE = {
 
 def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
-    run = {"train": _train, "generate": _generate, "serve": _serve, "estimate": _estimate,
-           "convert": _convert}[args.command]
+    run = {"train": _train, "generate": _generate, "serve": _serve, "estimate": _estimate, "convert": _convert}[
+        args.command
+    ]
     try:
         run(args)
     except MoemeshError as e:
@@ -309,14 +378,18 @@ def _main(argv: list[str] | None) -> int:
         from moemesh.parallel.comm import peer_failure
 
         if type(e).__name__ == "OutOfMemoryError":  # torch's, without importing torch here
-            _say(f"moemesh {args.command}: error: rank {os.environ.get('RANK', '0')}: out of GPU memory "
-                 f"({str(e).splitlines()[0].rstrip('.')}); {_MEMORY_ADVICE.get(args.command, '')}")
+            _say(
+                f"moemesh {args.command}: error: rank {os.environ.get('RANK', '0')}: out of GPU memory "
+                f"({str(e).splitlines()[0].rstrip('.')}); {_MEMORY_ADVICE.get(args.command, '')}"
+            )
             return 1
         reason = peer_failure(e)
         if reason is None:
             raise
         # Every rank that waited on the failed peer says so: which rank saw what tells where it failed.
-        _say(f"moemesh {args.command}: error: rank {os.environ.get('RANK', '0')}: a collective failed: {reason} "
-             "(a peer stopped, died or exceeded parallel.timeout_s)")
+        _say(
+            f"moemesh {args.command}: error: rank {os.environ.get('RANK', '0')}: a collective failed: {reason} "
+            "(a peer stopped, died or exceeded parallel.timeout_s)"
+        )
         return 1
     return 0

@@ -150,8 +150,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
     """Read `path` (the default config when None), apply `section.key=value` overrides, check
     (with `launched`, also that torchrun started the processes the layout needs)."""
     if path is None and not DEFAULT_CONFIG.is_file():
-        raise ConfigError(f"no --config given, and the default {DEFAULT_CONFIG} is missing: moemesh was "
-                          "installed without its source checkout; pass --config FILE")
+        raise ConfigError(
+            f"no --config given, and the default {DEFAULT_CONFIG} is missing: moemesh was "
+            "installed without its source checkout; pass --config FILE"
+        )
     path = Path(path) if path is not None else DEFAULT_CONFIG
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
@@ -179,7 +181,9 @@ def config_from_dict(raw: dict[str, Any], launched: bool = True) -> RunConfig:
             raise ConfigError(f"config section [{key}] must be a table, got {value!r}")
     built = {name: _build_section(name, cls, raw.get(name, {})) for name, cls in _SECTIONS.items()}
     if built["train"].init_from:
-        model = _model_of(built["train"].init_from, raw.get("model", {}), built["data"], "tokenizer" in raw.get("data", {}))
+        model = _model_of(
+            built["train"].init_from, raw.get("model", {}), built["data"], "tokenizer" in raw.get("data", {})
+        )
     else:
         model = _build_model(raw.get("model", {}))
     config = RunConfig(model=model, **built)
@@ -212,8 +216,10 @@ def _model_of(source: str, given: dict[str, Any], data: DataConfig, tokenizer_gi
     model, ours = ModelConfig.from_hf_dict(source_hf), ModelConfig.from_hf_dict({**source_hf, **given_hf})
     for name in names:
         if name not in TRAINING_KEYS and getattr(ours, name) != getattr(model, name):
-            raise ConfigError(f"model.{name} = {getattr(ours, name)!r} contradicts train.init_from {source}, whose "
-                              f"config.json has {name} = {getattr(model, name)!r} (leave it out of [model])")
+            raise ConfigError(
+                f"model.{name} = {getattr(ours, name)!r} contradicts train.init_from {source}, whose "
+                f"config.json has {name} = {getattr(model, name)!r} (leave it out of [model])"
+            )
     model = ours
     tokenizer = newest_directory(source) / TOKENIZER_FILE
     if not tokenizer_given and tokenizer.is_file():
@@ -302,35 +308,58 @@ def _validate(config: RunConfig) -> None:
     for name in ["steps", "global_batch", "micro_batch", "seq_len", "eval_sequences", "log_every", "max_bad_steps"]:
         need(getattr(train, name) >= 1, f"train.{name} must be >= 1, got {getattr(train, name)}")
     need(train.save_every >= -1, f"train.save_every must be >= -1, got {train.save_every}")
-    for name in ["warmup_steps", "eval_every", "seed", "weight_decay", "grad_clip", "router_bias_update_rate",
-                 "keep_checkpoints"]:
+    for name in [
+        "warmup_steps",
+        "eval_every",
+        "seed",
+        "weight_decay",
+        "grad_clip",
+        "router_bias_update_rate",
+        "keep_checkpoints",
+    ]:
         need(getattr(train, name) >= 0, f"train.{name} must be >= 0, got {getattr(train, name)}")
     need(train.lr > 0, f"train.lr must be > 0, got {train.lr}")
-    need(not (train.resume and train.overwrite),
-         "train.resume=true continues the run in train.run_dir and train.overwrite=true deletes it: choose one")
+    need(
+        not (train.resume and train.overwrite),
+        "train.resume=true continues the run in train.run_dir and train.overwrite=true deletes it: choose one",
+    )
     need(0 <= train.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {train.min_lr_ratio}")
-    need(len(train.betas) == 2 and all(0 <= b < 1 for b in train.betas),
-         f"train.betas must be two numbers in [0, 1), got {train.betas}")
-    need(train.dtype in ("auto", "float32", "bfloat16"),
-         f"train.dtype must be 'auto', 'float32' or 'bfloat16', got {train.dtype!r}")
-    need(train.param_dtype in ("float32", "bfloat16"),
-         f"train.param_dtype must be 'float32' or 'bfloat16', got {train.param_dtype!r}")
+    need(
+        len(train.betas) == 2 and all(0 <= b < 1 for b in train.betas),
+        f"train.betas must be two numbers in [0, 1), got {train.betas}",
+    )
+    need(
+        train.dtype in ("auto", "float32", "bfloat16"),
+        f"train.dtype must be 'auto', 'float32' or 'bfloat16', got {train.dtype!r}",
+    )
+    need(
+        train.param_dtype in ("float32", "bfloat16"),
+        f"train.param_dtype must be 'float32' or 'bfloat16', got {train.param_dtype!r}",
+    )
     _check_device_name(train.device, "train.device")
     need(0 < data.val_fraction < 1, f"data.val_fraction must be in (0, 1), got {data.val_fraction}")
-    need(train.seq_len <= model.max_position_embeddings,
-         f"train.seq_len ({train.seq_len}) exceeds model.max_position_embeddings ({model.max_position_embeddings})")
+    need(
+        train.seq_len <= model.max_position_embeddings,
+        f"train.seq_len ({train.seq_len}) exceeds model.max_position_embeddings ({model.max_position_embeddings})",
+    )
     for name in ["dp_replicate", "dp_shard", "ep", "tp", "pp"]:
         need(getattr(config.parallel, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(config.parallel, name)}")
     need(config.parallel.timeout_s > 0, f"parallel.timeout_s must be > 0, got {config.parallel.timeout_s}")
     # The micro-batches of a step, and each rank's slice of them, must not depend on the layout.
     ranks = config.parallel.batch_ranks
-    need(train.global_batch % train.micro_batch == 0,
-         f"train.global_batch ({train.global_batch}) must be divisible by train.micro_batch ({train.micro_batch})")
-    need(train.micro_batch % ranks == 0,
-         f"train.micro_batch ({train.micro_batch}) must be divisible by the data-parallel size "
-         f"(parallel.dp_replicate × parallel.dp_shard × parallel.ep = {ranks})")
-    need(model.num_experts % config.parallel.ep == 0,
-         f"parallel.ep ({config.parallel.ep}) must divide model.num_experts ({model.num_experts})")
+    need(
+        train.global_batch % train.micro_batch == 0,
+        f"train.global_batch ({train.global_batch}) must be divisible by train.micro_batch ({train.micro_batch})",
+    )
+    need(
+        train.micro_batch % ranks == 0,
+        f"train.micro_batch ({train.micro_batch}) must be divisible by the data-parallel size "
+        f"(parallel.dp_replicate × parallel.dp_shard × parallel.ep = {ranks})",
+    )
+    need(
+        model.num_experts % config.parallel.ep == 0,
+        f"parallel.ep ({config.parallel.ep}) must divide model.num_experts ({model.num_experts})",
+    )
     _check_tp_sizes(model, config.parallel.tp)
     _check_pipeline(config)
 
@@ -353,19 +382,26 @@ def _check_pipeline(config: RunConfig) -> None:
     parallel, train = config.parallel, config.train
     if parallel.pp == 1:
         return
-    needed, micro_batches = min_micro_batches(parallel.pp_schedule, parallel.pp), train.global_batch // train.micro_batch
+    needed, micro_batches = (
+        min_micro_batches(parallel.pp_schedule, parallel.pp),
+        train.global_batch // train.micro_batch,
+    )
     if micro_batches < needed:
-        raise ConfigError(f"parallel.pp_schedule = {parallel.pp_schedule!r} with parallel.pp={parallel.pp} needs at "
-                          f"least {needed} micro-batches per step, got train.global_batch / train.micro_batch = "
-                          f"{train.global_batch} / {train.micro_batch} = {micro_batches}")
+        raise ConfigError(
+            f"parallel.pp_schedule = {parallel.pp_schedule!r} with parallel.pp={parallel.pp} needs at "
+            f"least {needed} micro-batches per step, got train.global_batch / train.micro_batch = "
+            f"{train.global_batch} / {train.micro_batch} = {micro_batches}"
+        )
 
 
 def _check_layout_available(parallel: ParallelConfig) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     needed = parallel.world_size
     if world != needed:
-        raise ConfigError(f"the layout parallel.dp_replicate × dp_shard × ep × tp × pp needs {needed} processes, "
-                          f"but {world} were launched (WORLD_SIZE={world}); use torchrun --nproc-per-node {needed}")
+        raise ConfigError(
+            f"the layout parallel.dp_replicate × dp_shard × ep × tp × pp needs {needed} processes, "
+            f"but {world} were launched (WORLD_SIZE={world}); use torchrun --nproc-per-node {needed}"
+        )
 
 
 def dumps_toml(sections: dict[str, dict[str, Any]]) -> str:

@@ -59,8 +59,14 @@ def install(point: str, nth: int) -> None:
     _patch(integrity, "publish", "publish", point, nth)
     _patch(integrity, "publish", "published", point, nth, after=True)
     # integrity.remove renames the doomed directory to .tmp-deleting-<name>, then deletes it
-    _patch(shutil, "rmtree", "prune", point, nth,
-           only=lambda path, *rest: Path(path).name.startswith(".tmp-deleting-") and Path(path).exists())
+    _patch(
+        shutil,
+        "rmtree",
+        "prune",
+        point,
+        nth,
+        only=lambda path, *rest: Path(path).name.startswith(".tmp-deleting-") and Path(path).exists(),
+    )
 
 
 if __name__ == "__main__":

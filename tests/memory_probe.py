@@ -30,8 +30,16 @@ def main() -> None:
 
     mode, model_dir, run_dir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     if mode == "train":
-        raw = tiny_raw(run_dir, run_dir.parent / "corpus.txt", steps=1, global_batch=4, micro_batch=4, seq_len=16,
-                       save_every=-1, eval_every=0)
+        raw = tiny_raw(
+            run_dir,
+            run_dir.parent / "corpus.txt",
+            steps=1,
+            global_batch=4,
+            micro_batch=4,
+            seq_len=16,
+            save_every=-1,
+            eval_every=0,
+        )
         del raw["model"]
         raw["train"]["init_from"] = model_dir
         raw["parallel"] = {"ep": 4}

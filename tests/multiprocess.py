@@ -25,12 +25,12 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, timeout_s: fl
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)  # several ranks share the machine's few cores
     # Collectives give up before the parent does, so a rank stuck on a failed peer reports too.
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s / 2))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s / 2))
     while (task := tasks.get()) is not None:
         fn, args = task
         try:
@@ -47,9 +47,12 @@ class WorkerPool:
         self.tasks = [context.Queue() for _ in range(world_size)]
         self.results = context.Queue()
         port = free_port()
-        self.processes = [context.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results,
-                                                                 timeout_s), daemon=True)
-                          for r in range(world_size)]
+        self.processes = [
+            context.Process(
+                target=_worker, args=(r, world_size, port, self.tasks[r], self.results, timeout_s), daemon=True
+            )
+            for r in range(world_size)
+        ]
         for p in self.processes:
             p.start()
 

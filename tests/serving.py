@@ -15,8 +15,10 @@ import torch
 from moemesh.checkpoint.hf import save_pretrained
 from moemesh.models import ModelConfig, build
 
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 
 def write_checkpoint(directory: Path, chat_template: bool = True) -> Path:
@@ -27,12 +29,26 @@ def write_checkpoint(directory: Path, chat_template: bool = True) -> Path:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(["def main():\n    return 0\n", "the quick brown fox", "hello world"] * 20, trainer)
-    config = ModelConfig(model_type="qwen3_moe", vocab_size=320, hidden_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
-                         moe_intermediate_size=64, max_position_embeddings=1024, initializer_range=0.2)
+    config = ModelConfig(
+        model_type="qwen3_moe",
+        vocab_size=320,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+    )
     model = build(config, seed=3)
     with torch.no_grad():  # the special tokens' logits 0: a random model never ends a text on its own
         model.lm_head.weight[:3] = 0.0

@@ -23,13 +23,14 @@ import torch.nn.functional as F
 import transformers
 from safetensors.torch import load_file
 
+from moemesh.checkpoint.load import load_model
 from moemesh.cli import main
 from moemesh.config import config_from_dict
-from moemesh.checkpoint.load import load_model
 from moemesh.errors import ConfigError
 from moemesh.train.trainer import Trainer
 from test_models_deepseek import TINY as DEEPSEEK_TINY
-from test_models_gemma4 import TINY as GEMMA4_TINY, randomise_scales
+from test_models_gemma4 import TINY as GEMMA4_TINY
+from test_models_gemma4 import randomise_scales
 from test_models_gpt_oss import TINY as GPT_OSS_TINY
 from test_models_hf_parity import TINY as QWEN3_TINY
 from tiny_run import tiny_raw, write_corpus
@@ -44,29 +45,68 @@ BYTES = dict(vocab_size=256)  # the byte tokenizer's vocabulary
 def hf_models() -> dict:
     """Family -> a tiny transformers model (8 experts, heads that TP 2 divides)."""
     torch.manual_seed(0)
-    qwen3 = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-        **{**QWEN3_TINY, **BYTES}, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True))
-    mixtral = transformers.MixtralForCausalLM(transformers.MixtralConfig(
-        **{**QWEN3_TINY, **BYTES}, num_local_experts=8, num_experts_per_tok=2, intermediate_size=16))
-    deepseek = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
-        **{**DEEPSEEK_TINY, **BYTES}, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
-        q_lora_rank=12, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True))
+    qwen3 = transformers.Qwen3MoeForCausalLM(
+        transformers.Qwen3MoeConfig(
+            **{**QWEN3_TINY, **BYTES},
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            norm_topk_prob=True,
+        )
+    )
+    mixtral = transformers.MixtralForCausalLM(
+        transformers.MixtralConfig(
+            **{**QWEN3_TINY, **BYTES}, num_local_experts=8, num_experts_per_tok=2, intermediate_size=16
+        )
+    )
+    deepseek = transformers.DeepseekV3ForCausalLM(
+        transformers.DeepseekV3Config(
+            **{**DEEPSEEK_TINY, **BYTES},
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            n_group=4,
+            topk_group=2,
+            q_lora_rank=12,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+        )
+    )
     with torch.no_grad():  # a correction bias that matters
         for name, buffer in deepseek.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0.0, 0.1)
-    gpt_oss = transformers.GptOssForCausalLM(transformers.GptOssConfig(
-        **{**GPT_OSS_TINY, **BYTES}, num_local_experts=8, num_experts_per_tok=2, intermediate_size=16))
+    gpt_oss = transformers.GptOssForCausalLM(
+        transformers.GptOssConfig(
+            **{**GPT_OSS_TINY, **BYTES}, num_local_experts=8, num_experts_per_tok=2, intermediate_size=16
+        )
+    )
     with torch.no_grad():  # transformers starts the biases and sinks at zero: make them count
         for name, param in gpt_oss.named_parameters():
             if "bias" in name or name.endswith("sinks"):
                 param.normal_(0.0, 0.3)
-    gemma4 = randomise_scales(transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(
-        **{**GEMMA4_TINY, **BYTES}, num_experts=8, top_k_experts=2, global_head_dim=16, final_logit_softcapping=3.0,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"])))
-    return {name: model.float().eval() for name, model in
-            {"qwen3_moe": qwen3, "mixtral": mixtral, "deepseek_v3": deepseek, "gpt_oss": gpt_oss,
-             "gemma4_text": gemma4}.items()}
+    gemma4 = randomise_scales(
+        transformers.Gemma4ForCausalLM(
+            transformers.Gemma4TextConfig(
+                **{**GEMMA4_TINY, **BYTES},
+                num_experts=8,
+                top_k_experts=2,
+                global_head_dim=16,
+                final_logit_softcapping=3.0,
+                layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            )
+        )
+    )
+    return {
+        name: model.float().eval()
+        for name, model in {
+            "qwen3_moe": qwen3,
+            "mixtral": mixtral,
+            "deepseek_v3": deepseek,
+            "gpt_oss": gpt_oss,
+            "gemma4_text": gemma4,
+        }.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -184,8 +224,11 @@ def check_initial_values(rank, family: str, layout: dict) -> bool:
 
 
 @pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3", "gemma4"])
-@pytest.mark.parametrize("layout", [dict(ep=2, tp=2), dict(dp_shard=2, tp=2), dict(dp_shard=2, ep=2)],
-                         ids=["ep2-tp2", "dp_shard2-tp2", "dp_shard2-ep2"])
+@pytest.mark.parametrize(
+    "layout",
+    [dict(ep=2, tp=2), dict(dp_shard=2, tp=2), dict(dp_shard=2, ep=2)],
+    ids=["ep2-tp2", "dp_shard2-tp2", "dp_shard2-ep2"],
+)
 def test_every_layout_initialises_the_values_of_one_process(pool, family, layout):
     assert all(pool.run(check_initial_values, family, layout))
 
@@ -202,8 +245,17 @@ def test_bad_init_from_is_one_line(sources, tmp_path, capsys):
     _, source = models["qwen3_moe"]
 
     def train_from(path, *more):
-        return _fails(capsys, ["train", "--set", f"train.init_from={path}", f"data.path={directory / 'corpus.txt'}",
-                               f"train.run_dir={tmp_path / 'run'}", *more])
+        return _fails(
+            capsys,
+            [
+                "train",
+                "--set",
+                f"train.init_from={path}",
+                f"data.path={directory / 'corpus.txt'}",
+                f"train.run_dir={tmp_path / 'run'}",
+                *more,
+            ],
+        )
 
     assert f"checkpoint not found: {tmp_path / 'gone'}" in train_from(tmp_path / "gone")
     (tmp_path / "no_weights").mkdir()

@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from moemesh.cli import main
 from moemesh.checkpoint.load import from_pretrained, load_model
+from moemesh.cli import main
 from moemesh.train.trainer import train
-
 from tiny_run import tiny_config, write_corpus, write_tiny_toml
 
 
@@ -40,12 +39,15 @@ def _fails(capsys, argv: list[str]) -> str:
     return err
 
 
-@pytest.mark.parametrize("override, message", [
-    ("train.stpes=3", "unknown config key 'train.stpes' (did you mean 'train.steps'?)"),
-    ("model.num_experts_per_tok=5", "num_experts_per_tok (5) must be <= num_experts (4)"),
-    ("train.global_batch=5", "train.global_batch (5) must be divisible by train.micro_batch (2)"),
-    ("parallel.pp=2", "parallel.pp_schedule = 'dualpipev' with parallel.pp=2 needs at least 4 micro-batches"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.stpes=3", "unknown config key 'train.stpes' (did you mean 'train.steps'?)"),
+        ("model.num_experts_per_tok=5", "num_experts_per_tok (5) must be <= num_experts (4)"),
+        ("train.global_batch=5", "train.global_batch (5) must be divisible by train.micro_batch (2)"),
+        ("parallel.pp=2", "parallel.pp_schedule = 'dualpipev' with parallel.pp=2 needs at least 4 micro-batches"),
+    ],
+)
 def test_config_mistakes(tmp_path, capsys, override, message):
     err = _fails(capsys, ["train", "--config", str(write_tiny_toml(tmp_path)), "--set", override])
     assert err.startswith("moemesh train: error: ") and message in err
@@ -91,8 +93,13 @@ def test_resume_into_a_different_model_is_refused(tmp_path, capsys, trained):
 def test_the_command_line_exits_2_without_a_traceback(tmp_path):
     repo = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": str(repo)}  # works installed or not
-    result = subprocess.run([sys.executable, "-m", "moemesh", "train", "--set", "train.step=3"],
-                            capture_output=True, text=True, cwd=tmp_path, env=env)
+    result = subprocess.run(
+        [sys.executable, "-m", "moemesh", "train", "--set", "train.step=3"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+    )
     assert result.returncode == 2
     assert result.stderr == "moemesh train: error: unknown config key 'train.step' (did you mean 'train.steps'?)\n"
 
@@ -120,29 +127,64 @@ def test_generate_many_prompts_from_a_file(tmp_path, capsys, trained):
     assert capsys.readouterr().out == "def " + lines[0]["text"] + "\n"  # batched: the text of the prompt alone
 
     (tmp_path / "p.txt").write_text("def \nclass \n")
-    assert main([*checkpoint, "--prompts-file", str(tmp_path / "p.txt"), "--max-new-tokens", "20",
-                 "--output", str(tmp_path / "out.jsonl")]) == 0
+    assert (
+        main(
+            [
+                *checkpoint,
+                "--prompts-file",
+                str(tmp_path / "p.txt"),
+                "--max-new-tokens",
+                "20",
+                "--output",
+                str(tmp_path / "out.jsonl"),
+            ]
+        )
+        == 0
+    )
     written = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert written[0] == lines[0] and written[1]["prompt"] == "class "
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--temperature", "nan"], "--temperature must be a finite number >= 0, got nan"),
-    (["--temperature", "inf"], "--temperature must be a finite number >= 0, got inf"),
-    (["--temperature", "-1"], "--temperature must be a finite number >= 0, got -1.0"),
-    (["--top-p", "nan"], "--top-p must be in (0, 1], got nan"),
-    (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
-    (["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1, got 0"),
-    (["--tp", "0"], "--tp must be >= 1, got 0"),
-    (["--device", "tpu"], "--device must be 'auto', 'cpu' or 'cuda[:N]', got 'tpu'"),
-    (["--temperature", "hot"], "argument --temperature: invalid float value: 'hot'"),
-    (["--prompt", "caf\udce9"], "--prompt: the prompt is not UTF-8 text (a byte such as 0xe9 at character 3 is "
-                                 "not valid UTF-8)"),
-    (["--prompt", "x" * 200], "--prompt: the prompt has 201 tokens; the context holds 128 (the prompt and at least "
-                              "one new token)"),
-    (["--tokenizer", "gone.json"], "tokenizer file not found: gone.json (a tokenizer is 'bytes' or a tokenizer.json file)"),
-], ids=["temperature-nan", "temperature-inf", "temperature-negative", "top-p-nan", "top-p-0", "max-new-tokens-0",
-        "tp-0", "device-tpu", "temperature-word", "prompt-latin-1", "prompt-too-long", "tokenizer-missing"])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--temperature", "nan"], "--temperature must be a finite number >= 0, got nan"),
+        (["--temperature", "inf"], "--temperature must be a finite number >= 0, got inf"),
+        (["--temperature", "-1"], "--temperature must be a finite number >= 0, got -1.0"),
+        (["--top-p", "nan"], "--top-p must be in (0, 1], got nan"),
+        (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1, got 0"),
+        (["--tp", "0"], "--tp must be >= 1, got 0"),
+        (["--device", "tpu"], "--device must be 'auto', 'cpu' or 'cuda[:N]', got 'tpu'"),
+        (["--temperature", "hot"], "argument --temperature: invalid float value: 'hot'"),
+        (
+            ["--prompt", "caf\udce9"],
+            "--prompt: the prompt is not UTF-8 text (a byte such as 0xe9 at character 3 is not valid UTF-8)",
+        ),
+        (
+            ["--prompt", "x" * 200],
+            "--prompt: the prompt has 201 tokens; the context holds 128 (the prompt and at least one new token)",
+        ),
+        (
+            ["--tokenizer", "gone.json"],
+            "tokenizer file not found: gone.json (a tokenizer is 'bytes' or a tokenizer.json file)",
+        ),
+    ],
+    ids=[
+        "temperature-nan",
+        "temperature-inf",
+        "temperature-negative",
+        "top-p-nan",
+        "top-p-0",
+        "max-new-tokens-0",
+        "tp-0",
+        "device-tpu",
+        "temperature-word",
+        "prompt-latin-1",
+        "prompt-too-long",
+        "tokenizer-missing",
+    ],
+)
 def test_each_bad_generate_argument_is_named(capsys, trained, args, message):
     """One line naming the argument at fault (a non-UTF-8 prompt reaches Python as lone surrogates,
     as "caf\\xe9" in Latin-1 does here)."""
@@ -164,13 +206,19 @@ def test_generation_stops_at_the_models_last_position(capsys, trained):
 
 def test_bad_estimate_and_convert_arguments(tmp_path, capsys, trained):
     assert _fails(capsys, ["estimate", "--pp", "0"]) == "moemesh estimate: error: --pp must be >= 1, got 0\n"
-    assert _fails(capsys, ["convert", str(trained)]) == \
-        "moemesh convert: error: the following arguments are required: DST\n"
+    assert (
+        _fails(capsys, ["convert", str(trained)])
+        == "moemesh convert: error: the following arguments are required: DST\n"
+    )
     (tmp_path / "file").write_text("")
-    assert _fails(capsys, ["convert", str(trained), str(tmp_path / "file")]) == \
-        f"moemesh convert: error: {tmp_path / 'file'} exists and is not a directory; choose a new directory\n"
-    assert _fails(capsys, ["convert", str(trained), str(tmp_path / "file" / "hf")]) == \
-        f"moemesh convert: error: cannot write {tmp_path / 'file' / 'hf'}: Not a directory\n"
+    assert (
+        _fails(capsys, ["convert", str(trained), str(tmp_path / "file")])
+        == f"moemesh convert: error: {tmp_path / 'file'} exists and is not a directory; choose a new directory\n"
+    )
+    assert (
+        _fails(capsys, ["convert", str(trained), str(tmp_path / "file" / "hf")])
+        == f"moemesh convert: error: cannot write {tmp_path / 'file' / 'hf'}: Not a directory\n"
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # nothing half-written
 
 
@@ -215,6 +263,7 @@ def test_out_of_memory_is_one_line_with_advice(monkeypatch, capsys):
     assert main(["train"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "Traceback" not in err
-    assert err.startswith("moemesh train: error: rank 3: out of GPU memory "
-                          "(CUDA out of memory. Tried to allocate 2.00 GiB)")
+    assert err.startswith(
+        "moemesh train: error: rank 3: out of GPU memory (CUDA out of memory. Tried to allocate 2.00 GiB)"
+    )
     assert "train.micro_batch" in err and "moemesh estimate" in err

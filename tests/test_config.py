@@ -9,7 +9,6 @@ import pytest
 
 from moemesh.config import DEFAULT_CONFIG, config_from_dict, load_config
 from moemesh.errors import ConfigError
-
 from tiny_run import tiny_raw
 
 REPO_CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
@@ -30,21 +29,34 @@ def test_every_shipped_config_is_valid(path):
 
 
 def test_overrides_are_toml_values_or_bare_strings():
-    config = load_config(None, ["train.lr=1e-4", "train.resume=true", "data.path=some/file.txt",
-                                "train.betas=[0.8, 0.99]", "model.num_experts=16"])
+    config = load_config(
+        None,
+        [
+            "train.lr=1e-4",
+            "train.resume=true",
+            "data.path=some/file.txt",
+            "train.betas=[0.8, 0.99]",
+            "model.num_experts=16",
+        ],
+    )
     assert config.train.lr == 1e-4 and config.train.resume is True
     assert config.data.path == "some/file.txt"
     assert config.train.betas == [0.8, 0.99]
     assert config.model.num_experts == 16
 
 
-@pytest.mark.parametrize("override, message", [
-    ("train.step=5", "unknown config key 'train.step' (did you mean 'train.steps'?)"),
-    ("model.num_expert=4", "unknown config key 'model.num_expert' (did you mean 'model.num_experts'?)"),
-    ("trian.steps=5", "unknown config section [trian] (did you mean [train]?); sections: model, parallel, "
-                      "train, data"),
-    ("parallel.ep_size=2", "unknown config key 'parallel.ep_size' (did you mean 'parallel.ep'?)"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.step=5", "unknown config key 'train.step' (did you mean 'train.steps'?)"),
+        ("model.num_expert=4", "unknown config key 'model.num_expert' (did you mean 'model.num_experts'?)"),
+        (
+            "trian.steps=5",
+            "unknown config section [trian] (did you mean [train]?); sections: model, parallel, train, data",
+        ),
+        ("parallel.ep_size=2", "unknown config key 'parallel.ep_size' (did you mean 'parallel.ep'?)"),
+    ],
+)
 def test_unknown_keys_name_the_closest_valid_key(override, message):
     with pytest.raises(ConfigError) as error:
         load_config(None, [override])
@@ -64,28 +76,43 @@ def test_a_key_outside_any_section_finds_its_section(tmp_path):
     assert str(error.value) == "unknown config key 'steps' (did you mean 'train.steps'?)"
 
 
-@pytest.mark.parametrize("override, message", [
-    ("train.steps=abc", "train.steps must be of type int, got 'abc'"),
-    ("train.resume=1", "train.resume must be of type bool, got 1"),
-    ("train.steps=0", "train.steps must be >= 1, got 0"),
-    ("train.save_every=-2", "train.save_every must be >= -1, got -2"),
-    ("train.router_bias_update_rate=-0.001", "train.router_bias_update_rate must be >= 0, got -0.001"),
-    ("train.dtype=float16", "train.dtype must be 'auto', 'float32' or 'bfloat16'"),
-    ("model.num_experts_per_tok=9", "num_experts_per_tok (9) must be <= num_experts (8)"),
-    ("train.global_batch=12", "train.global_batch (12) must be divisible by train.micro_batch (8)"),
-    ("parallel.dp_shard=3", "train.micro_batch (8) must be divisible by the data-parallel size "
-                            "(parallel.dp_replicate × parallel.dp_shard × parallel.ep = 3)"),
-    ("train.seq_len=4096", "train.seq_len (4096) exceeds model.max_position_embeddings (1024)"),
-    ("parallel.ep=2", "the layout parallel.dp_replicate × dp_shard × ep × tp × pp needs 2 processes, but 1 were launched"),
-    ("parallel.tp=2", "the layout parallel.dp_replicate × dp_shard × ep × tp × pp needs 2 processes, but 1 were launched"),
-    ("parallel.tp=3", "parallel.tp (3) must divide model.num_attention_heads (4)"),
-    ("parallel.tp=2 model.vocab_size=257", "parallel.tp (2) must divide model.vocab_size (257)"),
-    ("parallel.pp=2", "parallel.pp_schedule = 'dualpipev' with parallel.pp=2 needs at least 4 micro-batches per "
-                      "step, got train.global_batch / train.micro_batch = 16 / 8 = 2"),
-    ("parallel.pp=2 parallel.pp_schedule=zb", "unknown pipeline schedule 'zb'; known: dualpipev, 1f1b"),
-    ("parallel.pp_overlap=yes", "parallel.pp_overlap must be of type bool, got 'yes'"),
-    ("data.val_fraction=1.5", "data.val_fraction must be in (0, 1)"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.steps=abc", "train.steps must be of type int, got 'abc'"),
+        ("train.resume=1", "train.resume must be of type bool, got 1"),
+        ("train.steps=0", "train.steps must be >= 1, got 0"),
+        ("train.save_every=-2", "train.save_every must be >= -1, got -2"),
+        ("train.router_bias_update_rate=-0.001", "train.router_bias_update_rate must be >= 0, got -0.001"),
+        ("train.dtype=float16", "train.dtype must be 'auto', 'float32' or 'bfloat16'"),
+        ("model.num_experts_per_tok=9", "num_experts_per_tok (9) must be <= num_experts (8)"),
+        ("train.global_batch=12", "train.global_batch (12) must be divisible by train.micro_batch (8)"),
+        (
+            "parallel.dp_shard=3",
+            "train.micro_batch (8) must be divisible by the data-parallel size "
+            "(parallel.dp_replicate × parallel.dp_shard × parallel.ep = 3)",
+        ),
+        ("train.seq_len=4096", "train.seq_len (4096) exceeds model.max_position_embeddings (1024)"),
+        (
+            "parallel.ep=2",
+            "the layout parallel.dp_replicate × dp_shard × ep × tp × pp needs 2 processes, but 1 were launched",
+        ),
+        (
+            "parallel.tp=2",
+            "the layout parallel.dp_replicate × dp_shard × ep × tp × pp needs 2 processes, but 1 were launched",
+        ),
+        ("parallel.tp=3", "parallel.tp (3) must divide model.num_attention_heads (4)"),
+        ("parallel.tp=2 model.vocab_size=257", "parallel.tp (2) must divide model.vocab_size (257)"),
+        (
+            "parallel.pp=2",
+            "parallel.pp_schedule = 'dualpipev' with parallel.pp=2 needs at least 4 micro-batches per "
+            "step, got train.global_batch / train.micro_batch = 16 / 8 = 2",
+        ),
+        ("parallel.pp=2 parallel.pp_schedule=zb", "unknown pipeline schedule 'zb'; known: dualpipev, 1f1b"),
+        ("parallel.pp_overlap=yes", "parallel.pp_overlap must be of type bool, got 'yes'"),
+        ("data.val_fraction=1.5", "data.val_fraction must be in (0, 1)"),
+    ],
+)
 def test_invalid_values_are_named(override, message):
     with pytest.raises(ConfigError) as error:
         load_config(None, override.split())
@@ -94,8 +121,11 @@ def test_invalid_values_are_named(override, message):
 
 def test_the_number_of_processes_must_match_the_layout(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
-    with pytest.raises(ConfigError, match=r"needs 1 processes, but 4 were launched \(WORLD_SIZE=4\); "
-                                          r"use torchrun --nproc-per-node 1"):
+    with pytest.raises(
+        ConfigError,
+        match=r"needs 1 processes, but 4 were launched \(WORLD_SIZE=4\); "
+        r"use torchrun --nproc-per-node 1",
+    ):
         load_config()
     load_config(None, ["parallel.ep=4"])  # the expert-parallel layout of four processes
 

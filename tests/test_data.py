@@ -108,15 +108,18 @@ def test_data_parallel_ranks_take_contiguous_slices_of_each_micro_batch():
     assert torch.equal(torch.cat(halves), micro_batch)
 
 
-@pytest.mark.parametrize("write, message", [
-    (None, "data file not found"),
-    (lambda p: p.with_suffix(".npy").write_bytes(b"not numpy"), "cannot read token file"),
-    (lambda p: p.with_suffix(".bin").write_bytes(b"abc"), "not a whole number of uint16 tokens"),
-    (lambda p: p.with_suffix(".jsonl").write_text('{"text": "ok"}\n{"text": \n'), "line 2: invalid JSON"),
-    (lambda p: p.with_suffix(".jsonl").write_text('{"body": "x"}\n'), 'line 1: expected an object with a "text"'),
-    (lambda p: p.with_suffix(".txt").write_bytes(b"caf\xe9"), "is not UTF-8 text"),
-    (lambda p: p.with_suffix(".txt").write_text(""), "holds no tokens"),
-])
+@pytest.mark.parametrize(
+    "write, message",
+    [
+        (None, "data file not found"),
+        (lambda p: p.with_suffix(".npy").write_bytes(b"not numpy"), "cannot read token file"),
+        (lambda p: p.with_suffix(".bin").write_bytes(b"abc"), "not a whole number of uint16 tokens"),
+        (lambda p: p.with_suffix(".jsonl").write_text('{"text": "ok"}\n{"text": \n'), "line 2: invalid JSON"),
+        (lambda p: p.with_suffix(".jsonl").write_text('{"body": "x"}\n'), 'line 1: expected an object with a "text"'),
+        (lambda p: p.with_suffix(".txt").write_bytes(b"caf\xe9"), "is not UTF-8 text"),
+        (lambda p: p.with_suffix(".txt").write_text(""), "holds no tokens"),
+    ],
+)
 def test_bad_data_files_are_named(tmp_path, write, message):
     path = tmp_path / "data.txt"
     if write is not None:

@@ -34,14 +34,13 @@ import pytest
 import torch
 
 import moemesh.train.trainer as trainer_module
-from moemesh.checkpoint.load import load_model
 from moemesh.checkpoint.dcp import checkpoint_path, latest_checkpoint, prune_checkpoints
+from moemesh.checkpoint.load import load_model
 from moemesh.cli import main
 from moemesh.config import config_from_dict, load_config
 from moemesh.errors import CheckpointError, ConfigError, DivergedError
 from moemesh.train.metrics import read_metrics
 from moemesh.train.trainer import Trainer, train
-
 from test_parallel_train import torchrun
 from tiny_run import tiny_config, tiny_raw, write_corpus, write_tiny_toml
 
@@ -80,14 +79,22 @@ def test_kill_9_anywhere_then_resume_equals_an_uninterrupted_run(tmp_path):
     then one that finishes: every figure of every step, and the final weights, are bitwise those of
     a run that was never interrupted; the run directory holds the two newest checkpoints, no more."""
     config = write_tiny_toml(tmp_path)
-    straight = _python("-m", "moemesh", "train", "--config", str(config), "--set", *KILL_RUN,
-                       f"train.run_dir={tmp_path / 'straight'}")
+    straight = _python(
+        "-m", "moemesh", "train", "--config", str(config), "--set", *KILL_RUN, f"train.run_dir={tmp_path / 'straight'}"
+    )
     assert straight.returncode == 0, straight.stderr[-2000:]
 
     rng = random.Random(20)
     plan = [(point, rng.randint(1, 2)) for point in rng.sample(KILL_POINTS, len(KILL_POINTS))]
-    run = ["train", "--config", str(config), "--set", *KILL_RUN, f"train.run_dir={tmp_path / 'killed'}",
-           "train.resume=true"]
+    run = [
+        "train",
+        "--config",
+        str(config),
+        "--set",
+        *KILL_RUN,
+        f"train.run_dir={tmp_path / 'killed'}",
+        "train.resume=true",
+    ]
     for point, nth in plan:
         killed = _python(str(TESTS / "kill_point.py"), point, str(nth), *run)
         assert killed.returncode == -signal.SIGKILL, (point, nth, killed.returncode, killed.stderr[-2000:])
@@ -127,15 +134,23 @@ def _flip_a_byte(file: Path) -> None:
 
 
 CORRUPTIONS = {
-    "a flipped bit": (lambda c: _flip_a_byte(_data_file(c)),
-                      lambda c: f"is corrupted ({_data_file(c).name} does not match its SHA-256 in SHA256SUMS)"),
-    "a truncated file": (lambda c: os.truncate(_data_file(c), 1000),
-                         lambda c: f"is not a complete checkpoint ({_data_file(c).name} is missing or truncated)"),
+    "a flipped bit": (
+        lambda c: _flip_a_byte(_data_file(c)),
+        lambda c: f"is corrupted ({_data_file(c).name} does not match its SHA-256 in SHA256SUMS)",
+    ),
+    "a truncated file": (
+        lambda c: os.truncate(_data_file(c), 1000),
+        lambda c: f"is not a complete checkpoint ({_data_file(c).name} is missing or truncated)",
+    ),
     "no .metadata": (lambda c: (c / ".metadata").unlink(), lambda c: "is not a complete checkpoint (no .metadata)"),
-    "a changed config.json": (lambda c: (c / "config.json").write_text("{}"),
-                              lambda c: "is corrupted (config.json does not match its SHA-256 in SHA256SUMS)"),
-    "a garbled SHA256SUMS": (lambda c: (c / "SHA256SUMS").write_text("garbage\n"),
-                             lambda c: "is corrupted (SHA256SUMS line 1 is not '<sha256>  <file>')"),
+    "a changed config.json": (
+        lambda c: (c / "config.json").write_text("{}"),
+        lambda c: "is corrupted (config.json does not match its SHA-256 in SHA256SUMS)",
+    ),
+    "a garbled SHA256SUMS": (
+        lambda c: (c / "SHA256SUMS").write_text("garbage\n"),
+        lambda c: "is corrupted (SHA256SUMS line 1 is not '<sha256>  <file>')",
+    ),
 }
 
 
@@ -161,8 +176,10 @@ def test_resume_generate_and_convert_fall_back_from_a_corrupted_checkpoint(tmp_p
 
     # asked for by name, it is refused; through the run directory, the previous one answers
     assert main(["generate", "--checkpoint", str(newest), "--prompt", "def "]) == 2
-    assert capsys.readouterr().err == (f"moemesh generate: error: {newest} is corrupted ({_data_file(newest).name} "
-                                       "does not match its SHA-256 in SHA256SUMS)\n")
+    assert capsys.readouterr().err == (
+        f"moemesh generate: error: {newest} is corrupted ({_data_file(newest).name} "
+        "does not match its SHA-256 in SHA256SUMS)\n"
+    )
     args = ["--prompt", "def ", "--max-new-tokens", "20"]
     assert main(["generate", "--checkpoint", str(previous), *args]) == 0
     expected = capsys.readouterr().out
@@ -190,7 +207,9 @@ def test_resume_refuses_when_no_checkpoint_verifies(tmp_path, trained):
     for step in (10, 20):
         (checkpoint_path(run_dir, step) / ".metadata").unlink()
     lines = io.StringIO()
-    with pytest.raises(CheckpointError, match="train.resume: none of the 2 checkpoints in .* verifies .*train.overwrite=true"):
+    with pytest.raises(
+        CheckpointError, match="train.resume: none of the 2 checkpoints in .* verifies .*train.overwrite=true"
+    ):
         train(tiny_config(run_dir, tmp_path / "corpus.txt", resume=True), stream=lines)
     assert lines.getvalue().count("skipping") == 2
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_10", "step_20"]
@@ -237,10 +256,16 @@ def _poison_step(monkeypatch, step: int, rank: int = 0):
 
 
 def _snapshot(trainer: Trainer) -> dict:
-    return {"weights": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
-            "optimizer": {n: {k: v.clone() if torch.is_tensor(v) else v for k, v in trainer.optimizer.state[p].items()}
-                          for n, p in trainer.model.named_parameters() if p in trainer.optimizer.state},
-            "lr": trainer.scheduler.get_last_lr()[0], "scheduler_step": trainer.scheduler.last_epoch}
+    return {
+        "weights": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
+        "optimizer": {
+            n: {k: v.clone() if torch.is_tensor(v) else v for k, v in trainer.optimizer.state[p].items()}
+            for n, p in trainer.model.named_parameters()
+            if p in trainer.optimizer.state
+        },
+        "lr": trainer.scheduler.get_last_lr()[0],
+        "scheduler_step": trainer.scheduler.last_epoch,
+    }
 
 
 def test_a_skipped_step_changes_nothing_but_the_data_position(tmp_path, monkeypatch):
@@ -271,8 +296,11 @@ def test_non_finite_weights_are_never_saved(tmp_path):
     with torch.no_grad():
         trainer.model.lm_head.weight[0, 0] = float("inf")
     trainer.train_step()
-    with pytest.raises(DivergedError, match=r"step 2: the weights hold non-finite values, so no checkpoint is "
-                                            r"written; the newest checkpoint is .*step_1"):
+    with pytest.raises(
+        DivergedError,
+        match=r"step 2: the weights hold non-finite values, so no checkpoint is "
+        r"written; the newest checkpoint is .*step_1",
+    ):
         trainer.save()
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_1"]
 
@@ -294,8 +322,13 @@ def _skips_under_layout(rank: int, raw: dict, directory: str) -> dict:
         monkeypatch.undo()
 
 
-LAYOUTS = {"dp_replicate2": {"dp_replicate": 2}, "dp_shard2": {"dp_shard": 2}, "ep2": {"ep": 2}, "tp2": {"tp": 2},
-           "pp2": {"pp": 2}}
+LAYOUTS = {
+    "dp_replicate2": {"dp_replicate": 2},
+    "dp_shard2": {"dp_shard": 2},
+    "ep2": {"ep": 2},
+    "tp2": {"tp": 2},
+    "pp2": {"pp": 2},
+}
 
 
 def test_every_rank_of_every_layout_skips_the_same_step(pool, tmp_path):
@@ -324,9 +357,11 @@ def test_a_rerun_without_resume_deletes_nothing(tmp_path, capsys):
     before = _files(checkpoints)
     capsys.readouterr()
     assert main(["train", "--config", str(config)]) == 2
-    assert capsys.readouterr().err == (f"moemesh train: error: {checkpoints} holds the checkpoints of an earlier run "
-                                       "(the newest: step_10): train.resume=true continues that run, "
-                                       "train.overwrite=true deletes them and starts afresh\n")
+    assert capsys.readouterr().err == (
+        f"moemesh train: error: {checkpoints} holds the checkpoints of an earlier run "
+        "(the newest: step_10): train.resume=true continues that run, "
+        "train.overwrite=true deletes them and starts afresh\n"
+    )
     assert _files(checkpoints) == before
 
     assert main(["train", "--config", str(config), "--set", "train.overwrite=true", "train.steps=5"]) == 0
@@ -338,11 +373,14 @@ def test_a_rerun_without_resume_deletes_nothing(tmp_path, capsys):
 
 
 def test_retention_keeps_the_newest(tmp_path):
-    result = train(tiny_config(tmp_path / "run", tmp_path / "corpus.txt", save_every=2, keep_checkpoints=3),
-                   stream=io.StringIO())
+    result = train(
+        tiny_config(tmp_path / "run", tmp_path / "corpus.txt", save_every=2, keep_checkpoints=3), stream=io.StringIO()
+    )
     assert sorted(p.name for p in (result.run_dir / "checkpoints").iterdir()) == ["step_16", "step_18", "step_20"]
-    result = train(tiny_config(tmp_path / "all", tmp_path / "corpus.txt", steps=6, save_every=2, keep_checkpoints=0),
-                   stream=io.StringIO())
+    result = train(
+        tiny_config(tmp_path / "all", tmp_path / "corpus.txt", steps=6, save_every=2, keep_checkpoints=0),
+        stream=io.StringIO(),
+    )
     assert sorted(p.name for p in (result.run_dir / "checkpoints").iterdir()) == ["step_2", "step_4", "step_6"]
 
 
@@ -373,8 +411,7 @@ def test_files_and_directories_reach_the_disk_before_a_checkpoint_is_published(t
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "rename", rename)
-    result = train(tiny_config(tmp_path / "run", tmp_path / "corpus.txt", steps=2, save_every=0),
-                   stream=io.StringIO())
+    result = train(tiny_config(tmp_path / "run", tmp_path / "corpus.txt", steps=2, save_every=0), stream=io.StringIO())
     published = result.run_dir / "checkpoints" / "step_2"
     tmp = published.with_name(".tmp-step_2")
     at = events.index(("rename", str(tmp), str(published)))
@@ -394,8 +431,10 @@ def test_files_and_directories_reach_the_disk_before_a_checkpoint_is_published(t
 def test_a_config_error_under_torchrun_is_said_once(tmp_path):
     config = write_tiny_toml(tmp_path)
     result = torchrun(2, "-m", "moemesh", "train", "--config", str(config), "--set", "parallel.ep=3", timeout=120)
-    line = ("moemesh train: error: train.micro_batch (2) must be divisible by the data-parallel size "
-            "(parallel.dp_replicate × parallel.dp_shard × parallel.ep = 3)")
+    line = (
+        "moemesh train: error: train.micro_batch (2) must be divisible by the data-parallel size "
+        "(parallel.dp_replicate × parallel.dp_shard × parallel.ep = 3)"
+    )
     assert result.stderr.startswith(line + "\n") and result.stderr.count(line) == 2  # and in torchrun's report:
     assert f"traceback : {line}" in result.stderr and "exitcode  : 2" in result.stderr
     assert result.returncode == 1  # torchrun's own, whatever its workers return
@@ -417,10 +456,24 @@ def test_a_stopped_rank_fails_its_peers_after_the_timeout(tmp_path):
     machine, where a step can take seconds). The stopped rank is then killed here: torchrun would
     SIGKILL it only 30 s after its SIGTERM, which a stopped process cannot act on."""
     config = write_tiny_toml(tmp_path, steps=2000, save_every=-1, eval_every=0, log_every=1)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "moemesh", "train",
-               "--config", str(config), "--set", "parallel.dp_shard=2", "parallel.timeout_s=15"]
-    agent = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "moemesh",
+        "train",
+        "--config",
+        str(config),
+        "--set",
+        "parallel.dp_shard=2",
+        "parallel.timeout_s=15",
+    ]
+    agent = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     try:
         for line in agent.stdout:  # "step   10/2000 loss ..."
             if (step := re.match(r"step +(\d+)/", line)) and int(step.group(1)) >= 10:
@@ -434,7 +487,10 @@ def test_a_stopped_rank_fails_its_peers_after_the_timeout(tmp_path):
         agent.communicate(timeout=60)
     finally:
         agent.kill()
-    assert re.fullmatch(r"moemesh train: error: rank 0: a collective failed: Timed out waiting 15000ms for (recv|send) "
-                        r"operation to complete \(a peer stopped, died or exceeded parallel.timeout_s\)\n", first), first
+    assert re.fullmatch(
+        r"moemesh train: error: rank 0: a collective failed: Timed out waiting 15000ms for (recv|send) "
+        r"operation to complete \(a peer stopped, died or exceeded parallel.timeout_s\)\n",
+        first,
+    ), first
     assert 14 < waited < 40, waited
     assert agent.returncode == 1

@@ -21,8 +21,14 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_bf16_logits_track_fp32(model_type, tmp_path):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
-    common = dict(vocab_size=1024, hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
-                  num_key_value_heads=2, num_experts_per_tok=4)
+    common = dict(
+        vocab_size=1024,
+        hidden_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        num_experts_per_tok=4,
+    )
     if model_type == "qwen3_moe":
         config = transformers.Qwen3MoeConfig(**common, num_experts=16, moe_intermediate_size=256, norm_topk_prob=True)
         theirs = transformers.Qwen3MoeForCausalLM(config)

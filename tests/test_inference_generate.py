@@ -33,7 +33,7 @@ def reference(model, prompt: list[int], max_tokens: int, eos_id: int = 0) -> lis
             if token == eos_id:
                 break
             ids.append(token)
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3", "gemma4_k_eq_v"])
@@ -46,7 +46,9 @@ def test_batched_greedy_equals_each_prompt_alone(family):
     engine.warm_up()  # steps of padding rows first, as `moemesh serve` starts: they must change nothing
     batched = generate(engine, TOKENIZER, PROMPTS, params)
     for prompt, n, result in zip(PROMPTS, MAX_TOKENS, batched):
-        alone = generate(DecodeEngine(model, max_batch=1, max_len=32), TOKENIZER, [prompt], SamplingParams(max_tokens=n))
+        alone = generate(
+            DecodeEngine(model, max_batch=1, max_len=32), TOKENIZER, [prompt], SamplingParams(max_tokens=n)
+        )
         expected = reference(model, prompt, n)
         assert result.token_ids == alone[0].token_ids == expected
         assert result.finish_reason == ("length" if len(expected) == n else "stop")
@@ -62,9 +64,13 @@ def test_stop_strings_end_requests_at_their_first_occurrence(model):
     engine = DecodeEngine(model, max_batch=4, max_len=64)
     free = generate(engine, TOKENIZER, ["ab"], SamplingParams(max_tokens=40))[0].text
     stop = free[10:12]
-    cut = free[:free.index(stop)]
-    stopped = generate(engine, TOKENIZER, ["ab", "ab"], [SamplingParams(max_tokens=40, stop=(stop,)),
-                                                         SamplingParams(max_tokens=40, stop=("\x00never",))])
+    cut = free[: free.index(stop)]
+    stopped = generate(
+        engine,
+        TOKENIZER,
+        ["ab", "ab"],
+        [SamplingParams(max_tokens=40, stop=(stop,)), SamplingParams(max_tokens=40, stop=("\x00never",))],
+    )
     assert stopped[0].text == cut and stopped[0].finish_reason == "stop"
     assert stopped[1].text == free and stopped[1].finish_reason == "length"
 
@@ -81,10 +87,17 @@ def test_seeded_sampling_does_not_depend_on_the_batch(model):
     engine = DecodeEngine(model, max_batch=4, max_len=64)
     params = SamplingParams(max_tokens=15, temperature=1.0, top_p=0.9, seed=11)
     alone = generate(engine, TOKENIZER, ["xy"], params)[0].token_ids
-    together = generate(engine, TOKENIZER, ["q", "xy", "long prompt"],
-                        [SamplingParams(max_tokens=7, temperature=0.5, seed=1), params, SamplingParams(max_tokens=20)])
+    together = generate(
+        engine,
+        TOKENIZER,
+        ["q", "xy", "long prompt"],
+        [SamplingParams(max_tokens=7, temperature=0.5, seed=1), params, SamplingParams(max_tokens=20)],
+    )
     assert together[1].token_ids == alone
-    assert generate(engine, TOKENIZER, ["xy"], SamplingParams(max_tokens=15, temperature=1.0, seed=12))[0].token_ids != alone
+    assert (
+        generate(engine, TOKENIZER, ["xy"], SamplingParams(max_tokens=15, temperature=1.0, seed=12))[0].token_ids
+        != alone
+    )
 
 
 def test_streamed_pieces_add_up_to_the_text_and_hold_back_a_possible_stop(model):
@@ -93,10 +106,13 @@ def test_streamed_pieces_add_up_to_the_text_and_hold_back_a_possible_stop(model)
     stop = free[20:23]
     pieces = []
     scheduler = Scheduler(engine, TOKENIZER)
-    sequence = scheduler.submit(prompt_ids(TOKENIZER, "ab"), SamplingParams(max_tokens=30, stop=(stop,)),
-                                on_update=lambda s, text: pieces.append((text, s.finish_reason)))
+    sequence = scheduler.submit(
+        prompt_ids(TOKENIZER, "ab"),
+        SamplingParams(max_tokens=30, stop=(stop,)),
+        on_update=lambda s, text: pieces.append((text, s.finish_reason)),
+    )
     scheduler.run_until_idle()
-    assert "".join(text for text, _ in pieces) == sequence.text == free[:free.index(stop)]
+    assert "".join(text for text, _ in pieces) == sequence.text == free[: free.index(stop)]
     assert pieces[-1][1] == "stop" and all(reason is None for _, reason in pieces[:-1])
 
 
@@ -115,13 +131,16 @@ def test_the_queue_is_bounded_and_a_cancelled_request_gives_its_row_back(model):
     assert scheduler.free_rows == [0] and not scheduler.running and not scheduler.waiting
 
 
-@pytest.mark.parametrize("params, message", [
-    (SamplingParams(max_tokens=0), "max_tokens must be an integer >= 1"),
-    (SamplingParams(temperature=float("nan")), "temperature must be a finite number >= 0"),
-    (SamplingParams(temperature=-1), "temperature must be a finite number >= 0"),
-    (SamplingParams(top_p=0), r"top_p must be in \(0, 1\]"),
-    (SamplingParams(stop=("",)), "stop must be non-empty strings"),
-])
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        (SamplingParams(max_tokens=0), "max_tokens must be an integer >= 1"),
+        (SamplingParams(temperature=float("nan")), "temperature must be a finite number >= 0"),
+        (SamplingParams(temperature=-1), "temperature must be a finite number >= 0"),
+        (SamplingParams(top_p=0), r"top_p must be in \(0, 1\]"),
+        (SamplingParams(stop=("",)), "stop must be non-empty strings"),
+    ],
+)
 def test_bad_settings_are_named(model, params, message):
     with pytest.raises(RequestError, match=message):
         generate(DecodeEngine(model, max_batch=1, max_len=8), TOKENIZER, ["x"], params)
@@ -133,11 +152,16 @@ def test_prompts_files(tmp_path):
     assert read_prompts(tmp_path / "p.txt", defaults) == [("first", defaults), ("{not json}", defaults)]
     (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b", "temperature": 0.5, "stop": "x"}\n')
     assert read_prompts(tmp_path / "p.jsonl", defaults) == [
-        ("a", defaults), ("b", SamplingParams(max_tokens=5, temperature=0.5, stop=("x",)))]
-    for line, message in [("{oops", "line 1: invalid JSON"), ('{"text": "a"}', 'line 1: expected an object'),
-                          ('{"prompt": "a", "temp": 1}', "line 1: unknown field 'temp'"),
-                          ('{"prompt": "a", "top_p": 2}', r"line 1: top_p must be in \(0, 1\]"),
-                          ('{"prompt": "a", "stop": 5}', "line 1: stop must be non-empty strings")]:
+        ("a", defaults),
+        ("b", SamplingParams(max_tokens=5, temperature=0.5, stop=("x",))),
+    ]
+    for line, message in [
+        ("{oops", "line 1: invalid JSON"),
+        ('{"text": "a"}', "line 1: expected an object"),
+        ('{"prompt": "a", "temp": 1}', "line 1: unknown field 'temp'"),
+        ('{"prompt": "a", "top_p": 2}', r"line 1: top_p must be in \(0, 1\]"),
+        ('{"prompt": "a", "stop": 5}', "line 1: stop must be non-empty strings"),
+    ]:
         (tmp_path / "bad.jsonl").write_text(line + "\n")
         with pytest.raises(DataError, match=message):
             read_prompts(tmp_path / "bad.jsonl", defaults)

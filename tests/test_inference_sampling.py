@@ -16,8 +16,14 @@ PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
 
 def _draws(logits, temperature, top_p, n=4000, mode="nucleus"):
     rows = logits.expand(n, -1)
-    return sample(rows, torch.full((n,), temperature), torch.full((n,), top_p), torch.arange(n),
-                  torch.zeros(n, dtype=torch.long), mode)
+    return sample(
+        rows,
+        torch.full((n,), temperature),
+        torch.full((n,), top_p),
+        torch.arange(n),
+        torch.zeros(n, dtype=torch.long),
+        mode,
+    )
 
 
 def test_draws_follow_the_softmax_at_the_temperature():
@@ -41,16 +47,23 @@ def test_greedy_rows_take_the_argmax_in_any_mode():
     logits = torch.randn(6, 50)
     temperature = torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0, 1.0])
     for mode in ("greedy", "sample", "nucleus"):
-        out = sample(logits, temperature, torch.full((6,), 0.9), torch.arange(6), torch.zeros(6, dtype=torch.long),
-                     mode)
+        out = sample(
+            logits, temperature, torch.full((6,), 0.9), torch.arange(6), torch.zeros(6, dtype=torch.long), mode
+        )
         assert torch.equal(out[::2], logits.argmax(-1)[::2])
 
 
 def test_a_draw_depends_on_its_seed_and_step_alone():
     logits = torch.randn(1, 1000)
     alone = sample(logits, torch.ones(1), torch.ones(1), torch.tensor([7]), torch.tensor([3]), "sample")
-    batch = sample(torch.cat([torch.randn(2, 1000), logits]), torch.ones(3), torch.ones(3), torch.tensor([1, 2, 7]),
-                   torch.tensor([0, 5, 3]), "sample")
+    batch = sample(
+        torch.cat([torch.randn(2, 1000), logits]),
+        torch.ones(3),
+        torch.ones(3),
+        torch.tensor([1, 2, 7]),
+        torch.tensor([0, 5, 3]),
+        "sample",
+    )
     assert batch[2] == alone[0]
     noise = gumbel_noise(torch.tensor([7, 7, 8]), torch.tensor([3, 4, 3]), 1000)
     assert not torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[2])
@@ -59,7 +72,9 @@ def test_a_draw_depends_on_its_seed_and_step_alone():
     assert abs(noise.mean() - 0.5772) < 0.05 and abs(noise.var() - 1.6449) < 0.15
 
 
-@pytest.mark.parametrize("temperatures, top_ps, mode", [([0, 0], [0.5, 1], "greedy"), ([0, 1], [0.5, 1], "sample"),
-                                                        ([1, 0], [0.5, 1], "nucleus")])
+@pytest.mark.parametrize(
+    "temperatures, top_ps, mode",
+    [([0, 0], [0.5, 1], "greedy"), ([0, 1], [0.5, 1], "sample"), ([1, 0], [0.5, 1], "nucleus")],
+)
 def test_the_mode_is_the_cheapest_that_serves_every_row(temperatures, top_ps, mode):
     assert mode_for(temperatures, top_ps) == mode

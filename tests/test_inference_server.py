@@ -37,8 +37,14 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(checkpoint):
     model, tokenizer = load_for_generation(checkpoint)
-    service = Service(DecodeEngine(model, max_batch=4, max_len=1024), tokenizer, model_name="tiny", api_key=KEY,
-                      max_waiting=16, max_request_bytes=LIMIT)
+    service = Service(
+        DecodeEngine(model, max_batch=4, max_len=1024),
+        tokenizer,
+        model_name="tiny",
+        api_key=KEY,
+        max_waiting=16,
+        max_request_bytes=LIMIT,
+    )
     running = ServerThread(service)
     yield running
     running.stop()
@@ -71,8 +77,10 @@ def test_a_greedy_completion_is_what_moemesh_generate_writes(client, checkpoint,
 
 
 def test_a_list_of_prompts_gets_one_choice_each(client):
-    alone = [client.completions.create(model="tiny", prompt=p, max_tokens=8, temperature=0).choices[0].text
-             for p in ("hello", "the quick")]
+    alone = [
+        client.completions.create(model="tiny", prompt=p, max_tokens=8, temperature=0).choices[0].text
+        for p in ("hello", "the quick")
+    ]
     reply = client.completions.create(model="tiny", prompt=["hello", "the quick"], max_tokens=8, temperature=0)
     assert [c.index for c in reply.choices] == [0, 1]
     assert [c.text for c in reply.choices] == alone
@@ -85,13 +93,25 @@ def test_seeded_sampling_repeats(client):
 
 def test_streaming_adds_up_to_the_completion_and_ends_with_done(client, server):
     whole = client.completions.create(model="tiny", prompt="hello", max_tokens=15, temperature=0)
-    chunks = list(client.completions.create(model="tiny", prompt="hello", max_tokens=15, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt="hello",
+            max_tokens=15,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
-    raw = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
-                     json={"prompt": "hello", "max_tokens": 3, "stream": True}, timeout=30)
+    raw = httpx.post(
+        server.url + "/v1/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"prompt": "hello", "max_tokens": 3, "stream": True},
+        timeout=30,
+    )
     assert raw.headers["content-type"].startswith("text/event-stream") and raw.text.endswith("data: [DONE]\n\n")
 
 
@@ -105,12 +125,14 @@ def test_chat_completions_render_the_template(client, checkpoint):
     model, tokenizer = load_for_generation(checkpoint)
     prompt = tokenizer.encode("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n")
     end = tokenizer.encode("<|im_end|>")
-    expected = generate(DecodeEngine(model, max_batch=1), tokenizer, [prompt],
-                        SamplingParams(max_tokens=10, stop_token_ids=tuple(end)))[0]
+    expected = generate(
+        DecodeEngine(model, max_batch=1), tokenizer, [prompt], SamplingParams(max_tokens=10, stop_token_ids=tuple(end))
+    )[0]
     assert reply.choices[0].message.content == expected.text
     assert reply.usage.prompt_tokens == len(prompt)
-    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
-                                                 stream=True))
+    chunks = list(
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0, stream=True)
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
 
@@ -140,11 +162,17 @@ BAD = [
 @pytest.mark.parametrize("body, status, param, message", BAD)
 def test_malformed_requests_get_openai_errors(server, body, status, param, message):
     content = body if isinstance(body, str) else json.dumps(body)
-    reply = httpx.post(server.url + "/v1/completions", content=content, timeout=30,
-                       headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    reply = httpx.post(
+        server.url + "/v1/completions",
+        content=content,
+        timeout=30,
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
     assert reply.status_code == status
     error = reply.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param and message in error["message"]
+    assert (
+        set(error) == {"message", "type", "param", "code"} and error["param"] == param and message in error["message"]
+    )
 
 
 def test_the_openai_client_sees_the_errors(client):
@@ -170,8 +198,9 @@ def test_key_size_limit_and_full_queue(server, client, monkeypatch):
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         reply = httpx.post(server.url + "/v1/completions", json={"prompt": "a"}, headers=headers)
         assert reply.status_code == 401 and reply.json()["error"]["code"] == "invalid_api_key"
-    reply = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
-                       json={"prompt": "a" * (LIMIT + 1)})
+    reply = httpx.post(
+        server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, json={"prompt": "a" * (LIMIT + 1)}
+    )
     assert reply.status_code == 413 and reply.json()["error"]["code"] == "request_too_large"
     monkeypatch.setattr(server.service.scheduler, "max_waiting", 0)  # as if the queue were full
     with pytest.raises(openai.InternalServerError) as error:
@@ -197,8 +226,12 @@ def test_concurrent_clients_share_decode_steps(server, client):
 
     def ask(i):
         start.wait()
-        texts[i] = "".join(c.choices[0].text for c in client.completions.create(
-            model="tiny", prompt=f"hello {i}", max_tokens=60, temperature=0, stream=True))
+        texts[i] = "".join(
+            c.choices[0].text
+            for c in client.completions.create(
+                model="tiny", prompt=f"hello {i}", max_tokens=60, temperature=0, stream=True
+            )
+        )
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
     for t in threads:
@@ -208,13 +241,18 @@ def test_concurrent_clients_share_decode_steps(server, client):
     assert len(texts) == 4
     assert max(server.service.scheduler.decode_batches) >= 2  # some steps decoded several requests at once
     for i in range(4):  # and each is still what it is alone
-        assert texts[i] == client.completions.create(model="tiny", prompt=f"hello {i}", max_tokens=60,
-                                                     temperature=0).choices[0].text
+        assert (
+            texts[i]
+            == client.completions.create(model="tiny", prompt=f"hello {i}", max_tokens=60, temperature=0)
+            .choices[0]
+            .text
+        )
 
 
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         import os
+
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
@@ -230,8 +268,12 @@ def test_soak(server):
         with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
             for _ in range(15):
                 kind = rng.choice(["plain", "stream", "drop", "bad"])
-                body = {"prompt": rng.choice(["hello", "def main", "the quick"]), "max_tokens": rng.randint(1, 40),
-                        "temperature": rng.choice([0, 0.8]), "seed": rng.randint(0, 9)}
+                body = {
+                    "prompt": rng.choice(["hello", "def main", "the quick"]),
+                    "max_tokens": rng.randint(1, 40),
+                    "temperature": rng.choice([0, 0.8]),
+                    "seed": rng.randint(0, 9),
+                }
                 if kind == "bad":
                     body[rng.choice(["max_tokens", "temperature", "top_p"])] = -3
                     assert http.post("/v1/completions", json=body).status_code == 400

@@ -6,9 +6,19 @@ import torch
 from moemesh.models import ModelConfig, build
 from moemesh.models.moe import MoEBlock
 
-CONFIG = ModelConfig(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                     num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, intermediate_size=24,
-                     mlp_only_layers=[1], initializer_range=0.1)
+CONFIG = ModelConfig(
+    vocab_size=64,
+    hidden_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_experts=6,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    intermediate_size=24,
+    mlp_only_layers=[1],
+    initializer_range=0.1,
+)
 
 
 def test_build_is_deterministic_per_seed():

@@ -34,7 +34,7 @@ def decode_stepwise(model, input_ids: torch.Tensor, prefill: list[int]) -> torch
     logits = [[] for _ in range(batch)]
     for b, n in enumerate(prefill):
         cache.row_start, cache.kv_len = b, n
-        logits[b].append(model(input_ids[b:b + 1, :n], cache=cache).logits[0])
+        logits[b].append(model(input_ids[b : b + 1, :n], cache=cache).logits[0])
     cache.row_start = 0
     for step in range(seq - min(prefill)):
         positions = torch.tensor([min(n + step, seq - 1) for n in prefill])
@@ -61,5 +61,8 @@ def test_the_cache_refuses_rows_or_entries_it_does_not_have():
     model = build(FAMILIES["qwen3_moe"], seed=1).eval()
     cache = KVCache(rows=2, max_len=8)
     cache.row_start = 1
-    with torch.no_grad(), pytest.raises(ValueError, match=r"rows \[1, 3\) x 8 entries do not fit a cache of 2 rows x 8"):
+    with (
+        torch.no_grad(),
+        pytest.raises(ValueError, match=r"rows \[1, 3\) x 8 entries do not fit a cache of 2 rows x 8"),
+    ):
         model(torch.zeros(2, 1, dtype=torch.long), cache=cache)

@@ -9,38 +9,91 @@ the weights, a missed scaling factor or a mis-rotated rope dim is orders larger.
 transformers computes no load-balancing loss for these families; moemesh's (documented in
 moemesh/models/deepseek.py) is checked against the routing transformers' own routers produce."""
 
-
 import pytest
 import torch
 import transformers
 
-from moemesh.checkpoint.load import from_pretrained
 from hf_oracle import assert_same_gradients, batch, compare_with_transformers, gradients, save_round_trip
+from moemesh.checkpoint.load import from_pretrained
 from numerics import rel_err
 
 RTOL = 1e-5
 
-TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
-            intermediate_size=40, moe_intermediate_size=12, initializer_range=0.1, kv_lora_rank=16,
-            qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=10, first_k_dense_replace=1,
-            rope_parameters={"rope_type": "default", "rope_theta": 5000.0})
+TINY = dict(
+    vocab_size=96,
+    hidden_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    intermediate_size=40,
+    moe_intermediate_size=12,
+    initializer_range=0.1,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=6,
+    v_head_dim=10,
+    first_k_dense_replace=1,
+    rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+)
 
 CASES = {
     # V3: q latent, sigmoid scores, 4 groups of 2 choose 2, renormalised and scaled, interleaved rope
-    "v3_groups": ("deepseek_v3", dict(n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
-                                      q_lora_rank=12, n_shared_experts=1, routed_scaling_factor=2.5,
-                                      norm_topk_prob=True, rope_interleave=True)),
+    "v3_groups": (
+        "deepseek_v3",
+        dict(
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            n_group=4,
+            topk_group=2,
+            q_lora_rank=12,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            rope_interleave=True,
+        ),
+    ),
     # V3 without interleave or renormalisation, two shared experts, tied embeddings
-    "v3_plain_rope": ("deepseek_v3", dict(n_routed_experts=6, num_experts_per_tok=2, n_group=2, topk_group=1,
-                                          q_lora_rank=12, n_shared_experts=2, routed_scaling_factor=1.5,
-                                          norm_topk_prob=False, rope_interleave=False, tie_word_embeddings=True)),
+    "v3_plain_rope": (
+        "deepseek_v3",
+        dict(
+            n_routed_experts=6,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            q_lora_rank=12,
+            n_shared_experts=2,
+            routed_scaling_factor=1.5,
+            norm_topk_prob=False,
+            rope_interleave=False,
+            tie_word_embeddings=True,
+        ),
+    ),
     # V2-Lite style: no q latent, greedy softmax top-k
-    "v2_lite_greedy": ("deepseek_v2", dict(n_routed_experts=6, num_experts_per_tok=2, q_lora_rank=None,
-                                           n_shared_experts=2, topk_method="greedy", routed_scaling_factor=1.0)),
+    "v2_lite_greedy": (
+        "deepseek_v2",
+        dict(
+            n_routed_experts=6,
+            num_experts_per_tok=2,
+            q_lora_rank=None,
+            n_shared_experts=2,
+            topk_method="greedy",
+            routed_scaling_factor=1.0,
+        ),
+    ),
     # V2: group-limited greedy, scaled
-    "v2_groups": ("deepseek_v2", dict(n_routed_experts=8, num_experts_per_tok=2, q_lora_rank=12, n_shared_experts=1,
-                                      topk_method="group_limited_greedy", n_group=4, topk_group=2,
-                                      routed_scaling_factor=1.7)),
+    "v2_groups": (
+        "deepseek_v2",
+        dict(
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            q_lora_rank=12,
+            n_shared_experts=1,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=1.7,
+        ),
+    ),
 }
 
 
@@ -56,8 +109,6 @@ def hf_model(model_type: str, overrides: dict, seed: int = 0):
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0.0, 0.1)
     return model
-
-
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -81,7 +132,7 @@ def test_aux_loss_is_the_switch_loss_of_transformers_routing(case, tmp_path):
     ours = from_pretrained(tmp_path)
     input_ids, labels = batch(theirs.config.vocab_size, seed=4)
     routed = []
-    for layer in theirs.model.layers[theirs.config.first_k_dense_replace:]:
+    for layer in theirs.model.layers[theirs.config.first_k_dense_replace :]:
         layer.mlp.gate.register_forward_hook(lambda module, args, out: routed.append(out))
     with torch.no_grad():
         theirs(input_ids=input_ids)

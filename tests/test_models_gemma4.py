@@ -13,36 +13,59 @@ import pytest
 import torch
 import transformers
 
-from moemesh.errors import ConfigError
+from hf_oracle import assert_same_gradients, batch, compare_with_transformers, gradients, save_round_trip
 from moemesh.checkpoint.hf import save_pretrained
 from moemesh.checkpoint.load import from_pretrained
+from moemesh.errors import ConfigError
 from moemesh.models import ModelConfig, build
 from moemesh.models.registry import family
 from moemesh.parallel import comm
 from moemesh.parallel.data import apply_data_parallel, reduce_gradients
 from moemesh.parallel.mesh import ParallelDims, init_mesh
 from moemesh.parallel.tensor import apply_tp
-from hf_oracle import assert_same_gradients, batch, compare_with_transformers, gradients, save_round_trip
 from numerics import rel_err
 from test_parallel_families import GEMMA4
 
 RTOL = 1e-5
 
-TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=24, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, enable_moe_block=True, moe_intermediate_size=12,
-            hidden_size_per_layer_input=0, sliding_window=4, initializer_range=0.1,
-            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
-                             "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
-                                                "rope_theta": 1000.0}})
+TINY = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=24,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    enable_moe_block=True,
+    moe_intermediate_size=12,
+    hidden_size_per_layer_input=0,
+    sliding_window=4,
+    initializer_range=0.1,
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 1000.0},
+    },
+)
 
 CASES = {
     # full layer with a wider head, soft-capped logits, tied embeddings
-    "e4_k2_capped": dict(num_experts=4, top_k_experts=2, global_head_dim=16, final_logit_softcapping=3.0,
-                         layer_types=["sliding_attention", "full_attention", "full_attention"]),
+    "e4_k2_capped": dict(
+        num_experts=4,
+        top_k_experts=2,
+        global_head_dim=16,
+        final_logit_softcapping=3.0,
+        layer_types=["sliding_attention", "full_attention", "full_attention"],
+    ),
     # values from the keys on the full layers, with their own (fewer) key/value heads; untied
-    "e6_k3_k_eq_v": dict(num_experts=6, top_k_experts=3, global_head_dim=12, attention_k_eq_v=True,
-                         num_global_key_value_heads=1, tie_word_embeddings=False,
-                         layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+    "e6_k3_k_eq_v": dict(
+        num_experts=6,
+        top_k_experts=3,
+        global_head_dim=12,
+        attention_k_eq_v=True,
+        num_global_key_value_heads=1,
+        tie_word_embeddings=False,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    ),
 }
 
 
@@ -55,8 +78,9 @@ def randomise_scales(model):
     model = model.float().eval()
     with torch.no_grad():
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            if name.endswith(("norm.weight", "norm_1.weight", "norm_2.weight", "router.scale", "per_expert_scale",
-                              "layer_scalar")):
+            if name.endswith(
+                ("norm.weight", "norm_1.weight", "norm_2.weight", "router.scale", "per_expert_scale", "layer_scalar")
+            ):
                 tensor.uniform_(0.5, 1.5)
     return model
 
@@ -102,11 +126,14 @@ def test_save_pretrained_loads_in_transformers_with_the_same_logits(case, tmp_pa
     assert written["per_layer_config"] == json.loads((tmp_path / "hf" / "config.json").read_text())["per_layer_config"]
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(hidden_size_per_layer_input=8), "hidden_size_per_layer_input"),
-    (dict(num_kv_shared_layers=1), "num_kv_shared_layers"),
-    (dict(enable_moe_block=False), "enable_moe_block"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(hidden_size_per_layer_input=8), "hidden_size_per_layer_input"),
+        (dict(num_kv_shared_layers=1), "num_kv_shared_layers"),
+        (dict(enable_moe_block=False), "enable_moe_block"),
+    ],
+)
 def test_unsupported_features_raise_a_config_error(change, message, tmp_path):
     hf = hf_model(CASES["e4_k2_capped"]).config.to_dict()
     with pytest.raises(ConfigError, match=message):
@@ -114,19 +141,29 @@ def test_unsupported_features_raise_a_config_error(change, message, tmp_path):
 
 
 # ---- the hub's multimodal checkpoints (Gemma4ForConditionalGeneration) -------------------------
-needs_multimodal = pytest.mark.skipif(not hasattr(transformers, "Gemma4ForConditionalGeneration"),
-                                      reason="this transformers has no Gemma4ForConditionalGeneration")
+needs_multimodal = pytest.mark.skipif(
+    not hasattr(transformers, "Gemma4ForConditionalGeneration"),
+    reason="this transformers has no Gemma4ForConditionalGeneration",
+)
 
 
 def hf_multimodal(overrides: dict, seed: int = 0):
     """A tiny Gemma4ForConditionalGeneration: the text model of `overrides` and a one-layer vision
     tower (no audio), tied as the text config says (transformers ties by the outer flag)."""
     torch.manual_seed(seed)
-    vision = transformers.Gemma4VisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                             num_attention_heads=2, num_key_value_heads=2, head_dim=8)
-    config = transformers.Gemma4Config(text_config=transformers.Gemma4TextConfig(**TINY, **overrides),
-                                       vision_config=vision,
-                                       tie_word_embeddings=overrides.get("tie_word_embeddings", True))
+    vision = transformers.Gemma4VisionConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
+    config = transformers.Gemma4Config(
+        text_config=transformers.Gemma4TextConfig(**TINY, **overrides),
+        vision_config=vision,
+        tie_word_embeddings=overrides.get("tie_word_embeddings", True),
+    )
     return randomise_scales(transformers.Gemma4ForConditionalGeneration(config))
 
 
@@ -136,8 +173,9 @@ def test_multimodal_checkpoint_loads_its_language_model(case, tmp_path, caplog):
     """Logits, loss and every language-model gradient equal transformers' multimodal model on
     text; the vision tower is skipped with one log line; we save the text model alone."""
     theirs = hf_multimodal(CASES[case], seed=len(case))
-    vision_tensors = sum(name.startswith(("model.vision_tower.", "model.embed_vision."))
-                         for name in theirs.state_dict())
+    vision_tensors = sum(
+        name.startswith(("model.vision_tower.", "model.embed_vision.")) for name in theirs.state_dict()
+    )
     with caplog.at_level("WARNING", logger="moemesh.checkpoint.hf"):
         ours, out, ref = compare_with_transformers(theirs, tmp_path / "hf", len(case) + 1, RTOL)
     assert [r.getMessage() for r in caplog.records if f"skipped {vision_tensors} tensors" in r.getMessage()]
@@ -146,8 +184,11 @@ def test_multimodal_checkpoint_loads_its_language_model(case, tmp_path, caplog):
     ref.loss.backward()
     out.loss.backward()
     prefix = "model.language_model."
-    text_grads = {name.replace(prefix, "model."): grad for name, grad in gradients(theirs).items()
-                  if name.startswith(prefix) or name == "lm_head.weight"}
+    text_grads = {
+        name.replace(prefix, "model."): grad
+        for name, grad in gradients(theirs).items()
+        if name.startswith(prefix) or name == "lm_head.weight"
+    }
     assert_same_gradients(gradients(ours), as_ours(text_grads, ours.config), RTOL)
 
     save_pretrained(ours, tmp_path / "ours")
@@ -168,8 +209,10 @@ def test_multimodal_checkpoint_with_an_unknown_part_or_text_model_is_an_error(tm
     weights = tmp_path / "model.safetensors"
     tensors = load_file(weights)
     save_file({**tensors, "model.multi_modal_projector.weight": torch.zeros(2, 2)}, weights)
-    with pytest.raises(CheckpointError, match="unexpected weight 'model.multi_modal_projector.weight' in a "
-                                              "Gemma4ForConditionalGeneration checkpoint"):
+    with pytest.raises(
+        CheckpointError,
+        match="unexpected weight 'model.multi_modal_projector.weight' in a Gemma4ForConditionalGeneration checkpoint",
+    ):
         from_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     config["text_config"]["model_type"] = "gemma3_text"
@@ -210,8 +253,8 @@ def check_per_expert_scale_before_the_one_reduce(rank):
     (out * upstream).sum().backward()
     reduce_gradients(model, mesh)
     for name in ["per_expert_scale", "gate.scale", "gate.proj.weight"]:
-        ours, = [p.grad for n, p in model.named_parameters() if n.endswith(name)]
-        theirs, = [p.grad for n, p in reference.named_parameters() if n.endswith(name)]
+        (ours,) = [p.grad for n, p in model.named_parameters() if n.endswith(name)]
+        (theirs,) = [p.grad for n, p in reference.named_parameters() if n.endswith(name)]
         assert rel_err(ours, theirs) <= RTOL, name
     return True
 

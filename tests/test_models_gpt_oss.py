@@ -7,28 +7,42 @@ in different operation orders (grouped expert loop and softmax -> top-k -> renor
 per-expert masks and top-k -> softmax there), which leaves differences near 1e-7; a wrong clamp,
 a bias added twice, a mis-interleaved gate/up column or a missing sink is orders larger."""
 
-
 import pytest
 import torch
 import transformers
 
-from moemesh.models.registry import family
 from hf_oracle import assert_same_gradients, batch, compare_with_transformers, gradients, save_round_trip
+from moemesh.models.registry import family
 from numerics import rel_err
 
 RTOL = 1e-5
 
-TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=12, initializer_range=0.1, router_aux_loss_coef=0.02, sliding_window=4,
-            rope_parameters={"rope_type": "default", "rope_theta": 5000.0})
+TINY = dict(
+    vocab_size=96,
+    hidden_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=12,
+    initializer_range=0.1,
+    router_aux_loss_coef=0.02,
+    sliding_window=4,
+    rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+)
 
 CASES = {
     # a limit small enough that both clamps bite; odd expert count
     "e5_k2_clamped": dict(num_local_experts=5, num_experts_per_tok=2, intermediate_size=20, swiglu_limit=0.4),
     # top-3, tied embeddings, explicit layer types, no attention bias
-    "e6_k3_tied_types": dict(num_local_experts=6, num_experts_per_tok=3, intermediate_size=12, swiglu_alpha=1.3,
-                             tie_word_embeddings=True, attention_bias=False,
-                             layer_types=["full_attention", "sliding_attention", "sliding_attention"]),
+    "e6_k3_tied_types": dict(
+        num_local_experts=6,
+        num_experts_per_tok=3,
+        intermediate_size=12,
+        swiglu_alpha=1.3,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+    ),
 }
 
 
@@ -40,8 +54,6 @@ def hf_model(overrides: dict, seed: int = 0):
             if "bias" in name or name.endswith("sinks"):
                 param.normal_(0.0, 0.3)
     return model
-
-
 
 
 def as_ours(tensors: dict, config) -> dict:

@@ -13,37 +13,67 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
+from hf_oracle import assert_same_gradients, batch, compare_with_transformers, gradients, save_round_trip
+from moemesh.checkpoint.load import from_pretrained
 from moemesh.errors import CheckpointError, ConfigError
 from moemesh.models import ModelConfig
-from moemesh.checkpoint.load import from_pretrained
-from hf_oracle import assert_same_gradients, batch, compare_with_transformers, gradients, save_round_trip
 from numerics import rel_err
 
 RTOL = 1e-5
 
-TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-            initializer_range=0.1, router_aux_loss_coef=0.02)
+TINY = dict(
+    vocab_size=96,
+    hidden_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    initializer_range=0.1,
+    router_aux_loss_coef=0.02,
+)
 
 CASES = {
     # experts not a power of two, head_dim != hidden/heads, a dense layer in the middle
-    "qwen3_e6_k2_headdim_dense": ("qwen3_moe", dict(num_experts=6, num_experts_per_tok=2, head_dim=12,
-                                                    norm_topk_prob=False, mlp_only_layers=[1],
-                                                    intermediate_size=40, moe_intermediate_size=16)),
+    "qwen3_e6_k2_headdim_dense": (
+        "qwen3_moe",
+        dict(
+            num_experts=6,
+            num_experts_per_tok=2,
+            head_dim=12,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],
+            intermediate_size=40,
+            moe_intermediate_size=16,
+        ),
+    ),
     # top-1, renormalised, dense layers by sparse step, tied embeddings, non-default rope theta
-    "qwen3_e5_k1_norm_tied_step2": ("qwen3_moe", dict(num_experts=5, num_experts_per_tok=1, norm_topk_prob=True,
-                                                      decoder_sparse_step=2, tie_word_embeddings=True,
-                                                      intermediate_size=24, moe_intermediate_size=20,
-                                                      rope_parameters={"rope_type": "default",
-                                                                       "rope_theta": 5000.0})),
+    "qwen3_e5_k1_norm_tied_step2": (
+        "qwen3_moe",
+        dict(
+            num_experts=5,
+            num_experts_per_tok=1,
+            norm_topk_prob=True,
+            decoder_sparse_step=2,
+            tie_word_embeddings=True,
+            intermediate_size=24,
+            moe_intermediate_size=20,
+            rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+        ),
+    ),
     # top-3 with attention bias
-    "qwen3_e7_k3_norm_bias": ("qwen3_moe", dict(num_experts=7, num_experts_per_tok=3, norm_topk_prob=True,
-                                                attention_bias=True, moe_intermediate_size=12)),
+    "qwen3_e7_k3_norm_bias": (
+        "qwen3_moe",
+        dict(num_experts=7, num_experts_per_tok=3, norm_topk_prob=True, attention_bias=True, moe_intermediate_size=12),
+    ),
     # a sliding window shorter than the sequence
-    "qwen3_sliding_window": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, use_sliding_window=True,
-                                               sliding_window=4, moe_intermediate_size=8)),
+    "qwen3_sliding_window": (
+        "qwen3_moe",
+        dict(num_experts=4, num_experts_per_tok=2, use_sliding_window=True, sliding_window=4, moe_intermediate_size=8),
+    ),
     "mixtral_e5_k2": ("mixtral", dict(num_local_experts=5, num_experts_per_tok=2, intermediate_size=20)),
-    "mixtral_e6_k3_tied": ("mixtral", dict(num_local_experts=6, num_experts_per_tok=3, intermediate_size=12,
-                                           tie_word_embeddings=True, head_dim=16)),
+    "mixtral_e6_k3_tied": (
+        "mixtral",
+        dict(num_local_experts=6, num_experts_per_tok=3, intermediate_size=12, tie_word_embeddings=True, head_dim=16),
+    ),
 }
 
 
@@ -55,8 +85,6 @@ def hf_model(model_type: str, overrides: dict, seed: int = 0):
     }[model_type]
     config = config_cls(**TINY, **overrides)
     return model_cls(config).float().eval()
-
-
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -140,10 +168,13 @@ def test_unknown_model_type_is_named(tmp_path):
         from_pretrained(tmp_path)
 
 
-@pytest.mark.parametrize("key, message", [
-    ("model.layers.2.self_attn.k_norm.weight", r"missing weight 'model.layers.2.self_attn.k_norm.weight'"),
-    ("model.layers.0.mlp.experts.4.up_proj.weight", r"missing weight model.layers.0.mlp.experts.4.up_proj.weight"),
-])
+@pytest.mark.parametrize(
+    "key, message",
+    [
+        ("model.layers.2.self_attn.k_norm.weight", r"missing weight 'model.layers.2.self_attn.k_norm.weight'"),
+        ("model.layers.0.mlp.experts.4.up_proj.weight", r"missing weight model.layers.0.mlp.experts.4.up_proj.weight"),
+    ],
+)
 def test_missing_weight_is_named(tmp_path, key, message):
     from safetensors.torch import load_file
 
@@ -159,8 +190,11 @@ def test_shape_mismatch_names_key_and_shapes(tmp_path):
     config = _saved(tmp_path)
     config["moe_intermediate_size"] = 17
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match=r"'model.layers.0.mlp.experts.gate_up_proj' has shape "
-                                              r"\(6, 32, 32\), the config expects \(6, 34, 32\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"'model.layers.0.mlp.experts.gate_up_proj' has shape "
+        r"\(6, 32, 32\), the config expects \(6, 34, 32\)",
+    ):
         from_pretrained(tmp_path)
 
 
@@ -169,11 +203,14 @@ def test_not_a_model_directory(tmp_path):
         from_pretrained(tmp_path)
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("num_experts_per_tok", 9, r"num_experts_per_tok \(9\) must be <= num_experts \(8\)"),
-    ("num_key_value_heads", 3, r"multiple of num_key_value_heads"),
-    ("hidden_act", "gelu", r"hidden_act 'gelu' is not supported"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("num_experts_per_tok", 9, r"num_experts_per_tok \(9\) must be <= num_experts \(8\)"),
+        ("num_key_value_heads", 3, r"multiple of num_key_value_heads"),
+        ("hidden_act", "gelu", r"hidden_act 'gelu' is not supported"),
+    ],
+)
 def test_invalid_config_values(field, value, message):
     with pytest.raises(ConfigError, match=message):
         ModelConfig(**{field: value})

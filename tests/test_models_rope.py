@@ -17,50 +17,126 @@ import torch
 import transformers
 from transformers.modeling_rope_utils import _compute_proportional_rope_parameters, _compute_yarn_parameters
 
+from hf_oracle import assert_same_gradients, batch, compare_with_transformers, gradients, save_round_trip
+from moemesh.checkpoint.load import from_pretrained
 from moemesh.errors import ConfigError
 from moemesh.models import ModelConfig
-from moemesh.checkpoint.load import from_pretrained
 from moemesh.models.registry import family
 from moemesh.models.rope import RotaryEmbedding, proportional, yarn
-from hf_oracle import assert_same_gradients, batch, compare_with_transformers, gradients, save_round_trip
 from numerics import rel_err
 
 RTOL = 1e-5
 THETA = 100.0
-YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4, "beta_fast": 1.0,
-        "beta_slow": 0.25, "truncate": False}
-COMMON = dict(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, initializer_range=0.1,
-              max_position_embeddings=16)
+YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 4,
+    "beta_fast": 1.0,
+    "beta_slow": 0.25,
+    "truncate": False,
+}
+COMMON = dict(
+    vocab_size=96,
+    hidden_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    initializer_range=0.1,
+    max_position_embeddings=16,
+)
 
 CASES = {
-    "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM,
-                dict(num_key_value_heads=2, head_dim=12, num_local_experts=4, num_experts_per_tok=2,
-                     intermediate_size=16, sliding_window=6, rope_parameters=YARN)),
+    "gpt_oss": (
+        transformers.GptOssConfig,
+        transformers.GptOssForCausalLM,
+        dict(
+            num_key_value_heads=2,
+            head_dim=12,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=16,
+            sliding_window=6,
+            rope_parameters=YARN,
+        ),
+    ),
     # mscale != mscale_all_dim: cos/sin scaled, and the softmax scale too
-    "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM,
-                    dict(num_key_value_heads=4, intermediate_size=40, moe_intermediate_size=12, kv_lora_rank=16,
-                         qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=10, first_k_dense_replace=1,
-                         n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, q_lora_rank=12,
-                         rope_parameters={**YARN, "mscale": 1.3, "mscale_all_dim": 0.7, "truncate": True})),
+    "deepseek_v3": (
+        transformers.DeepseekV3Config,
+        transformers.DeepseekV3ForCausalLM,
+        dict(
+            num_key_value_heads=4,
+            intermediate_size=40,
+            moe_intermediate_size=12,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=10,
+            first_k_dense_replace=1,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=4,
+            topk_group=2,
+            q_lora_rank=12,
+            rope_parameters={**YARN, "mscale": 1.3, "mscale_all_dim": 0.7, "truncate": True},
+        ),
+    ),
     # the old spelling (type), no factor: the ratio of the context lengths
-    "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM,
-                    dict(num_key_value_heads=4, intermediate_size=40, moe_intermediate_size=12, kv_lora_rank=16,
-                         qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=10, n_routed_experts=6,
-                         num_experts_per_tok=2, q_lora_rank=None, n_shared_experts=1,
-                         rope_parameters={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4,
-                                          "mscale": 1.0, "mscale_all_dim": 1.0})),
+    "deepseek_v2": (
+        transformers.DeepseekV2Config,
+        transformers.DeepseekV2ForCausalLM,
+        dict(
+            num_key_value_heads=4,
+            intermediate_size=40,
+            moe_intermediate_size=12,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=10,
+            n_routed_experts=6,
+            num_experts_per_tok=2,
+            q_lora_rank=None,
+            n_shared_experts=1,
+            rope_parameters={
+                "type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 4,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+        ),
+    ),
     # an explicit attention factor, transformers' default betas
-    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
-                  dict(num_key_value_heads=2, head_dim=12, intermediate_size=40, moe_intermediate_size=12,
-                       num_experts=6, num_experts_per_tok=2,
-                       rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4,
-                                        "attention_factor": 1.25})),
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        dict(
+            num_key_value_heads=2,
+            head_dim=12,
+            intermediate_size=40,
+            moe_intermediate_size=12,
+            num_experts=6,
+            num_experts_per_tok=2,
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 4,
+                "attention_factor": 1.25,
+            },
+        ),
+    ),
     # a quarter of the pairs rotated, all slowed by factor
-    "qwen3_moe_proportional": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
-                               dict(num_key_value_heads=2, head_dim=16, intermediate_size=40, moe_intermediate_size=12,
-                                    num_experts=6, num_experts_per_tok=2,
-                                    rope_parameters={"rope_type": "proportional", "partial_rotary_factor": 0.25,
-                                                     "factor": 2.0})),
+    "qwen3_moe_proportional": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        dict(
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=40,
+            moe_intermediate_size=12,
+            num_experts=6,
+            num_experts_per_tok=2,
+            rope_parameters={"rope_type": "proportional", "partial_rotary_factor": 0.25, "factor": 2.0},
+        ),
+    ),
 }
 
 
@@ -71,20 +147,40 @@ def hf_model(case: str, seed: int = 0):
     return model_cls(config_cls(**COMMON, **overrides)).float().eval()
 
 
-@pytest.mark.parametrize("rope", [
-    YARN,
-    {**YARN, "truncate": True, "beta_fast": 8.0, "beta_slow": 0.5},
-    {"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 16},  # factor from the ratio
-    {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 16, "mscale": 1.0,
-     "mscale_all_dim": 0.5},
-    {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
-     "truncate": False},  # GPT-OSS's own
-])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        YARN,
+        {**YARN, "truncate": True, "beta_fast": 8.0, "beta_slow": 0.5},
+        {"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 16},  # factor from the ratio
+        {
+            "rope_type": "yarn",
+            "factor": 40.0,
+            "original_max_position_embeddings": 16,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.5,
+        },
+        {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+        },  # GPT-OSS's own
+    ],
+)
 @pytest.mark.parametrize("dim", [8, 64])
 def test_yarn_tables_equal_transformers(rope, dim):
     theta = 150000.0 if rope["original_max_position_embeddings"] == 4096 else THETA
-    hf_config = SimpleNamespace(rope_parameters={**rope, "rope_theta": theta}, head_dim=dim, hidden_size=dim,
-                                num_attention_heads=1, max_position_embeddings=64, standardize_rope_params=lambda: None)
+    hf_config = SimpleNamespace(
+        rope_parameters={**rope, "rope_theta": theta},
+        head_dim=dim,
+        hidden_size=dim,
+        num_attention_heads=1,
+        max_position_embeddings=64,
+        standardize_rope_params=lambda: None,
+    )
     expected_inv_freq, expected_factor = _compute_yarn_parameters(hf_config)
     inv_freq, factor = yarn(dim, theta, rope, max_position_embeddings=64)
     assert torch.equal(inv_freq, expected_inv_freq)
@@ -93,12 +189,14 @@ def test_yarn_tables_equal_transformers(rope, dim):
     assert not torch.allclose(inv_freq, plain)  # the scaling does something here
 
 
-@pytest.mark.parametrize("dim, rope", [(8, {"partial_rotary_factor": 0.25}), (12, {"partial_rotary_factor": 0.5,
-                                                                                    "factor": 3.0}), (16, {})])
+@pytest.mark.parametrize(
+    "dim, rope", [(8, {"partial_rotary_factor": 0.25}), (12, {"partial_rotary_factor": 0.5, "factor": 3.0}), (16, {})]
+)
 def test_proportional_table_equals_transformers(dim, rope):
     rope = {"rope_type": "proportional", **rope}
-    hf_config = SimpleNamespace(rope_parameters={**rope, "rope_theta": THETA}, head_dim=dim,
-                                standardize_rope_params=lambda: None)
+    hf_config = SimpleNamespace(
+        rope_parameters={**rope, "rope_theta": THETA}, head_dim=dim, standardize_rope_params=lambda: None
+    )
     expected, factor = _compute_proportional_rope_parameters(hf_config)
     assert torch.equal(proportional(dim, THETA, rope), expected) and factor == 1.0
 
@@ -142,14 +240,17 @@ def test_deepseek_softmax_scale_uses_mscale_all_dim(tmp_path):
     assert ours.model.layers[0].self_attn.scale == theirs.model.layers[0].self_attn.scaling
 
 
-@pytest.mark.parametrize("rope, message", [
-    ({"rope_type": "linear", "factor": 2.0}, "rope_type 'linear' is not supported"),
-    ({"type": "dynamic", "factor": 2.0}, "rope_type 'dynamic' is not supported"),
-    ({**YARN, "partial_rotary_factor": 0.5}, "partial_rotary_factor"),
-    ({**YARN, "factor": 0.5}, "factor must be a number >= 1"),
-    ({"rope_type": "proportional", "original_max_position_embeddings": 4}, "original_max_position_embeddings"),
-    ({"rope_type": "proportional", "partial_rotary_factor": 1.5}, r"partial_rotary_factor must be in \[0, 1\]"),
-])
+@pytest.mark.parametrize(
+    "rope, message",
+    [
+        ({"rope_type": "linear", "factor": 2.0}, "rope_type 'linear' is not supported"),
+        ({"type": "dynamic", "factor": 2.0}, "rope_type 'dynamic' is not supported"),
+        ({**YARN, "partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ({**YARN, "factor": 0.5}, "factor must be a number >= 1"),
+        ({"rope_type": "proportional", "original_max_position_embeddings": 4}, "original_max_position_embeddings"),
+        ({"rope_type": "proportional", "partial_rotary_factor": 1.5}, r"partial_rotary_factor must be in \[0, 1\]"),
+    ],
+)
 def test_unsupported_rope_parameters_raise_a_config_error(rope, message):
     hf = family("qwen3_moe").config_to_hf(ModelConfig())
     with pytest.raises(ConfigError, match=message):
@@ -158,8 +259,14 @@ def test_unsupported_rope_parameters_raise_a_config_error(rope, message):
 
 def test_run_config_table_becomes_rope_scaling():
     """A run config (TOML) writes rope_parameters as a table, like config.json."""
-    config = ModelConfig.from_hf_dict({"model_type": "gpt_oss", "max_position_embeddings": 64, "rope_theta": 500.0,
-                                       "rope_parameters": {"rope_type": "yarn", "factor": 8.0}})
+    config = ModelConfig.from_hf_dict(
+        {
+            "model_type": "gpt_oss",
+            "max_position_embeddings": 64,
+            "rope_theta": 500.0,
+            "rope_parameters": {"rope_type": "yarn", "factor": 8.0},
+        }
+    )
     assert config.rope_theta == 500.0
     assert config.rope_scaling == {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64}
     assert ModelConfig.from_hf_dict({"model_type": "qwen3_moe"}).rope_scaling is None

@@ -20,9 +20,16 @@ from moemesh.ops.topk_softmax import topk_softmax, topk_softmax_reference
 from numerics import rel_err
 from test_models_decoding import FAMILIES, decode_stepwise
 
-DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="Triton's CPU interpreter computes tl.dot wrongly in bf16 and truncates fp32 to bf16"))]
+DTYPES = [
+    torch.float32,
+    pytest.param(
+        torch.bfloat16,
+        marks=pytest.mark.skipif(
+            not torch.cuda.is_available(),
+            reason="Triton's CPU interpreter computes tl.dot wrongly in bf16 and truncates fp32 to bf16",
+        ),
+    ),
+]
 
 
 def tol(dtype) -> float:

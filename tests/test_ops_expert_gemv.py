@@ -20,10 +20,17 @@ from test_models_decoding import FAMILIES
 from test_ops_decode_kernels import DTYPES, tol
 
 
-@pytest.mark.parametrize("tokens, k, experts, out_features, inner", [
-    (1, 2, 5, 7, 300), (13, 3, 4, 33, 17), (0, 2, 4, 8, 8), (6, 1, 1, 1, 513),
-    (40, 4, 5, 20, 70),  # some expert chosen by 30+ pairs: more than one block of 16 rows
-    (70, 8, 64, 16, 32)])  # 560 pairs: the scan for an expert's pairs runs over three chunks
+@pytest.mark.parametrize(
+    "tokens, k, experts, out_features, inner",
+    [
+        (1, 2, 5, 7, 300),
+        (13, 3, 4, 33, 17),
+        (0, 2, 4, 8, 8),
+        (6, 1, 1, 1, 513),
+        (40, 4, 5, 20, 70),  # some expert chosen by 30+ pairs: more than one block of 16 rows
+        (70, 8, 64, 16, 32),
+    ],
+)  # 560 pairs: the scan for an expert's pairs runs over three chunks
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_triton_matches_reference(triton_kernels, tokens, k, experts, out_features, inner, dtype):
     x, weight = torch.randn(tokens, inner).to(dtype), torch.randn(experts, 2 * out_features, inner).to(dtype)
@@ -54,21 +61,25 @@ def test_per_token_expert_gemvs(triton_kernels, dtype, k):
     gated = expert_swiglu_gemv(x, gate_up, ids)
     assert rel_err(gated, swiglu_reference(expert_gemv_reference(x.double(), gate_up.double(), ids))) <= tol(dtype)
     positions = torch.arange(tokens * k).view(tokens, k)  # the reference from the kernel's own `gated`
-    expected = combine_reference(expert_gemv_reference(gated.double(), down.double(), ids.view(-1, 1)), positions,
-                                 weights.double())
+    expected = combine_reference(
+        expert_gemv_reference(gated.double(), down.double(), ids.view(-1, 1)), positions, weights.double()
+    )
     assert rel_err(expert_gemv_combine(gated, down, ids, weights), expected) <= tol(dtype)
 
 
 def test_bad_shapes_are_refused():
-    with pytest.raises(ValueError, match=r"need x \[T, K\], weight \[E, O, K\] \(O even with glu\), expert_ids \[T, k\]"):
+    with pytest.raises(
+        ValueError, match=r"need x \[T, K\], weight \[E, O, K\] \(O even with glu\), expert_ids \[T, k\]"
+    ):
         expert_gemv(torch.randn(3, 4), torch.randn(2, 5, 6), torch.zeros(3, 1, dtype=torch.long))
     with pytest.raises(ValueError, match="O even with glu"):
         expert_gemv(torch.randn(3, 4), torch.randn(2, 5, 4), torch.zeros(3, 1, dtype=torch.long), glu=True)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3", "gemma4"])
-@pytest.mark.parametrize("kernels, per_token_rows", [("torch", moe.PER_TOKEN_ROWS), ("triton", moe.PER_TOKEN_ROWS),
-                                                     ("triton", 0)])  # the reference has no per-token form
+@pytest.mark.parametrize(
+    "kernels, per_token_rows", [("torch", moe.PER_TOKEN_ROWS), ("triton", moe.PER_TOKEN_ROWS), ("triton", 0)]
+)  # the reference has no per-token form
 def test_selected_experts_equal_the_staged_block(request, monkeypatch, family, kernels, per_token_rows):
     """Expert biases (GPT-OSS, with its clamped SwiGLU), shared experts and routed scaling
     (DeepSeek-V3), GeGLU and per-expert scales (Gemma 4); an odd number of tokens; SwiGLU experts

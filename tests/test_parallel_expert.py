@@ -19,10 +19,21 @@ from numerics import rel_err
 
 WORLD = 4
 RTOL = 1e-5
-CONFIG = ModelConfig(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                     num_experts=8, num_experts_per_tok=3, moe_intermediate_size=16, intermediate_size=24,
-                     mlp_only_layers=[1], initializer_range=0.2, router_aux_loss_coef=0.05,
-                     output_router_logits=True)
+CONFIG = ModelConfig(
+    vocab_size=64,
+    hidden_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_experts=8,
+    num_experts_per_tok=3,
+    moe_intermediate_size=16,
+    intermediate_size=24,
+    mlp_only_layers=[1],
+    initializer_range=0.2,
+    router_aux_loss_coef=0.05,
+    output_router_logits=True,
+)
 
 
 def micro_batch(seed=0, batch=8, seq=9):
@@ -51,8 +62,9 @@ def sharded_step(dims: ParallelDims, config: ModelConfig, input_ids, labels, pre
     comm.reset_counts()
     out = model(input_ids[local], labels=labels[local])
     forward_bytes = dict(comm.sent_bytes)
-    loss = rank_loss(out.ce_loss, out.aux_loss, label_tokens(labels[local]), label_tokens(labels),
-                     config.router_aux_loss_coef, ranks)
+    loss = rank_loss(
+        out.ce_loss, out.aux_loss, label_tokens(labels[local]), label_tokens(labels), config.router_aux_loss_coef, ranks
+    )
     loss.backward()
     reduce_gradients(model, mesh)
     summed = loss.detach().clone()
@@ -70,8 +82,9 @@ def check_matches_single_process(rank, dp, ep, kernels="auto"):
 
 def _check_matches_single_process(dp, ep):
     input_ids, labels = micro_batch(seed=dp * 10 + ep)
-    reference, ref_out, model, loss, out, local, mesh, _ = sharded_step(ParallelDims(dp_replicate=dp, ep=ep), CONFIG,
-                                                                        input_ids, labels)
+    reference, ref_out, model, loss, out, local, mesh, _ = sharded_step(
+        ParallelDims(dp_replicate=dp, ep=ep), CONFIG, input_ids, labels
+    )
     assert rel_err(loss, ref_out.loss.detach()) <= RTOL
     assert rel_err(out.logits, ref_out.logits[local].detach()) <= RTOL
     assert rel_err(out.aux_loss, ref_out.aux_loss) <= RTOL  # the same value on every rank
@@ -80,7 +93,7 @@ def _check_matches_single_process(dp, ep):
     for name, param in model.named_parameters():
         expected = ref_params[name].grad
         if is_expert_parameter(name):
-            expected = expected[ep_rank * local_experts:(ep_rank + 1) * local_experts]
+            expected = expected[ep_rank * local_experts : (ep_rank + 1) * local_experts]
             assert param.shape[0] == local_experts
         assert param.grad is not None and expected.norm() > 0, name
         assert rel_err(param.grad, expected) <= RTOL, name
@@ -107,7 +120,8 @@ def check_degenerate_routing(rank, top_k):
     local_experts = config.num_experts // WORLD
     input_ids, labels = micro_batch(seed=5)
     reference, ref_out, model, loss, out, local, mesh, forward_bytes = sharded_step(
-        ParallelDims(ep=WORLD), config, input_ids, labels, _zero_router)
+        ParallelDims(ep=WORLD), config, input_ids, labels, _zero_router
+    )
     chosen = set(model.model.layers[0].mlp.route(torch.randn(6, config.hidden_size)).expert_ids.flatten().tolist())
     assert len(chosen) == top_k
     holders = {e // local_experts for e in chosen}
@@ -116,7 +130,7 @@ def check_degenerate_routing(rank, top_k):
     for name, param in model.named_parameters():
         expected = ref_params[name].grad
         if is_expert_parameter(name):
-            expected = expected[rank * local_experts:(rank + 1) * local_experts]
+            expected = expected[rank * local_experts : (rank + 1) * local_experts]
             assert (param.grad.norm() > 0) == (rank in holders), name
         assert (rel_err(param.grad, expected) <= RTOL) if expected.norm() > 0 else param.grad.norm() == 0, name
     # Each token travels once to each holder (its row, k weights and k local ids); only holders
@@ -142,14 +156,19 @@ def check_collective_counts(rank):
     input_ids, labels = micro_batch(seed=7, batch=WORLD)
     moe_layers = sum(CONFIG.is_moe_layer(i) for i in range(CONFIG.num_hidden_layers))
     comm.reset_counts()
-    out = model(input_ids[rank:rank + 1], labels=labels[rank:rank + 1])
+    out = model(input_ids[rank : rank + 1], labels=labels[rank : rank + 1])
     forward = dict(comm.calls)
     out.loss.backward()
     backward = {key: n - forward.get(key, 0) for key, n in comm.calls.items()}
-    assert forward == {("exchange_sizes", "forward"): moe_layers, ("all_to_all", "forward"): 2 * moe_layers,
-                       ("all_reduce", "forward"): 1}, forward
-    assert {k: v for k, v in backward.items() if v} == {("all_to_all", "backward"): 2 * moe_layers,
-                                                        ("all_reduce", "backward"): 1}, backward
+    assert forward == {
+        ("exchange_sizes", "forward"): moe_layers,
+        ("all_to_all", "forward"): 2 * moe_layers,
+        ("all_reduce", "forward"): 1,
+    }, forward
+    assert {k: v for k, v in backward.items() if v} == {
+        ("all_to_all", "backward"): 2 * moe_layers,
+        ("all_reduce", "backward"): 1,
+    }, backward
     return True
 
 

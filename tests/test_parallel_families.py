@@ -25,35 +25,88 @@ WORLD = 4
 RTOL = 1e-5
 # GPT-OSS: biases everywhere (router, experts, attention), sinks, sliding window on two layers,
 # a SwiGLU limit small enough to clamp.
-GPT_OSS = ModelConfig(model_type="gpt_oss", vocab_size=64, hidden_size=32, num_hidden_layers=3,
-                      num_attention_heads=8, num_key_value_heads=4, num_experts=8, num_experts_per_tok=3,
-                      moe_intermediate_size=16, sliding_window=4, attention_bias=True,
-                      layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-                      swiglu_alpha=1.702, swiglu_limit=0.5, initializer_range=0.2, router_aux_loss_coef=0.05,
-                      output_router_logits=True)
+GPT_OSS = ModelConfig(
+    model_type="gpt_oss",
+    vocab_size=64,
+    hidden_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    num_experts=8,
+    num_experts_per_tok=3,
+    moe_intermediate_size=16,
+    sliding_window=4,
+    attention_bias=True,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    swiglu_alpha=1.702,
+    swiglu_limit=0.5,
+    initializer_range=0.2,
+    router_aux_loss_coef=0.05,
+    output_router_logits=True,
+)
 # DeepSeek V3: latent attention with a q latent, a dense first layer, shared experts, sigmoid
 # group-limited routing with a (non-zero) correction bias, interleaved rope.
-DEEPSEEK_V3 = ModelConfig(model_type="deepseek_v3", vocab_size=64, hidden_size=32, num_hidden_layers=3,
-                          num_attention_heads=8, num_key_value_heads=8, num_experts=8, num_experts_per_tok=3,
-                          moe_intermediate_size=16, intermediate_size=24, q_lora_rank=12, kv_lora_rank=16,
-                          qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=10, head_dim=6, rope_interleave=True,
-                          n_shared_experts=2, first_k_dense_replace=1, n_group=4, topk_group=2,
-                          norm_topk_prob=True, routed_scaling_factor=2.5, attention_bias=True,
-                          initializer_range=0.2, router_aux_loss_coef=0.05, output_router_logits=True)
+DEEPSEEK_V3 = ModelConfig(
+    model_type="deepseek_v3",
+    vocab_size=64,
+    hidden_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    num_experts=8,
+    num_experts_per_tok=3,
+    moe_intermediate_size=16,
+    intermediate_size=24,
+    q_lora_rank=12,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=6,
+    v_head_dim=10,
+    head_dim=6,
+    rope_interleave=True,
+    n_shared_experts=2,
+    first_k_dense_replace=1,
+    n_group=4,
+    topk_group=2,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+    attention_bias=True,
+    initializer_range=0.2,
+    router_aux_loss_coef=0.05,
+    output_router_logits=True,
+)
 # DeepSeek V2-Lite style: a full-rank q_proj, softmax group-limited greedy routing.
-DEEPSEEK_V2 = DEEPSEEK_V3.replace(model_type="deepseek_v2", q_lora_rank=None, topk_method="group_limited_greedy",
-                                  attention_bias=False, routed_scaling_factor=1.5)
+DEEPSEEK_V2 = DEEPSEEK_V3.replace(
+    model_type="deepseek_v2",
+    q_lora_rank=None,
+    topk_method="group_limited_greedy",
+    attention_bias=False,
+    routed_scaling_factor=1.5,
+)
 # Gemma 4: a dense GeGLU MLP beside every expert block, per-head q/k/v norms, a full layer with a
 # wider head and proportional rope, soft-capped logits.
-GEMMA4 = ModelConfig(model_type="gemma4_text", vocab_size=64, hidden_size=32, num_hidden_layers=3,
-                     num_attention_heads=8, num_key_value_heads=4, head_dim=4, global_head_dim=8,
-                     num_experts=8, num_experts_per_tok=3,
-                     moe_intermediate_size=16, intermediate_size=24, hidden_act="gelu_pytorch_tanh", sliding_window=4,
-                     layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-                     full_attention_rope={"rope_type": "proportional", "partial_rotary_factor": 0.5,
-                                          "rope_theta": 1000.0},
-                     final_logit_softcapping=5.0, initializer_range=0.2, router_aux_loss_coef=0.05,
-                     output_router_logits=True)
+GEMMA4 = ModelConfig(
+    model_type="gemma4_text",
+    vocab_size=64,
+    hidden_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=4,
+    global_head_dim=8,
+    num_experts=8,
+    num_experts_per_tok=3,
+    moe_intermediate_size=16,
+    intermediate_size=24,
+    hidden_act="gelu_pytorch_tanh",
+    sliding_window=4,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    full_attention_rope={"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 1000.0},
+    final_logit_softcapping=5.0,
+    initializer_range=0.2,
+    router_aux_loss_coef=0.05,
+    output_router_logits=True,
+)
 CONFIGS = {"gpt_oss": GPT_OSS, "deepseek_v3": DEEPSEEK_V3, "deepseek_v2": DEEPSEEK_V2, "gemma4": GEMMA4}
 # Gemma 4 26B-A4B's shape, tiny: the full layer's values are its keys (attention_k_eq_v, no
 # v_proj), with 2 key/value heads of their own size beside the sliding layers' 4 — TP=2 splits
@@ -129,13 +182,18 @@ def check_gemma4_26b_a4b_decoding(rank):
     config = GEMMA4_26B_A4B.replace(vocab_size=256)
     one_reduce_block(config.replace(num_hidden_layers=1, layer_types=None), tp=2)
     prompts = [[0, 100, 101, 102], [0, 7], [0, *range(40, 49)]]
-    params = [SamplingParams(max_tokens=10), SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, seed=3),
-              SamplingParams(max_tokens=6)]
-    expected = generate(DecodeEngine(build_with_biases(config).eval(), max_batch=2, max_len=32), ByteTokenizer(),
-                        prompts, params)
+    params = [
+        SamplingParams(max_tokens=10),
+        SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, seed=3),
+        SamplingParams(max_tokens=6),
+    ]
+    expected = generate(
+        DecodeEngine(build_with_biases(config).eval(), max_batch=2, max_len=32), ByteTokenizer(), prompts, params
+    )
     mesh = init_mesh(ParallelDims(dp_replicate=2, tp=2))
-    engine = DecodeEngine(apply_tp(build_with_biases(config), mesh).eval(), max_batch=2, max_len=32,
-                          group=mesh.group("tp"))
+    engine = DecodeEngine(
+        apply_tp(build_with_biases(config), mesh).eval(), max_batch=2, max_len=32, group=mesh.group("tp")
+    )
     assert engine.model.model.layers[1].self_attn.num_kv_heads == 1  # the full layer's 2 shared k/v heads, split
     if not engine.leader:
         engine.follow()
@@ -186,7 +244,10 @@ def check_checkpoint_pieces(rank, family, layout: dict):
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
-@pytest.mark.parametrize("layout", [dict(tp=4), dict(ep=2, tp=2), dict(dp_shard=2, tp=2), dict(dp_shard=2, ep=2)],
-                         ids=["tp4", "ep2-tp2", "dp_shard2-tp2", "dp_shard2-ep2"])
+@pytest.mark.parametrize(
+    "layout",
+    [dict(tp=4), dict(ep=2, tp=2), dict(dp_shard=2, tp=2), dict(dp_shard=2, ep=2)],
+    ids=["tp4", "ep2-tp2", "dp_shard2-tp2", "dp_shard2-ep2"],
+)
 def test_checkpoint_pieces_equal_one_process(pool, family, layout):
     assert all(pool.run(check_checkpoint_pieces, family, layout))

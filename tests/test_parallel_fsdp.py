@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
+from moemesh.checkpoint.load import load_model
 from moemesh.config import config_from_dict
 from moemesh.models import ModelConfig
 from moemesh.parallel import comm
@@ -27,7 +28,6 @@ from moemesh.parallel.fsdp import apply_fsdp, shard_dim
 from moemesh.parallel.mesh import ParallelDims, init_mesh
 from moemesh.parallel.stored import HALVES, packed_dim, stored_state
 from moemesh.parallel.tensor import apply_tp
-from moemesh.checkpoint.load import load_model
 from moemesh.train.trainer import Trainer
 from numerics import rel_err
 from test_parallel_tensor import QWEN3, build_with_biases, micro_batch
@@ -35,8 +35,12 @@ from tiny_run import tiny_raw, write_corpus
 
 WORLD = 4
 RTOL = 1e-5
-LAYOUTS = {"dp_shard4": dict(dp_shard=4), "dp_shard2-tp2": dict(dp_shard=2, tp=2),
-           "dp_shard2-ep2": dict(dp_shard=2, ep=2), "hsdp2x2": dict(dp_replicate=2, dp_shard=2)}
+LAYOUTS = {
+    "dp_shard4": dict(dp_shard=4),
+    "dp_shard2-tp2": dict(dp_shard=2, tp=2),
+    "dp_shard2-ep2": dict(dp_shard=2, ep=2),
+    "hsdp2x2": dict(dp_replicate=2, dp_shard=2),
+}
 
 
 def whole(state: dict) -> dict:
@@ -64,8 +68,14 @@ def check_gradients_and_bytes(rank, config: ModelConfig, layout: dict):
     rows = input_ids.shape[0] // dims.batch_size
     part = slice(mesh.rank("batch") * rows, (mesh.rank("batch") + 1) * rows)
     out = model(input_ids[part], labels=labels[part])
-    loss = rank_loss(out.ce_loss, out.aux_loss, label_tokens(labels[part]), label_tokens(labels),
-                     config.router_aux_loss_coef, dims.batch_size)
+    loss = rank_loss(
+        out.ce_loss,
+        out.aux_loss,
+        label_tokens(labels[part]),
+        label_tokens(labels),
+        config.router_aux_loss_coef,
+        dims.batch_size,
+    )
     loss.backward()
     reduce_gradients(model, mesh)
     comm.all_reduce_sum_([summed := loss.detach().clone()], mesh.group("batch"))
@@ -143,11 +153,13 @@ def assert_records_match(ours: list[dict], theirs: list[dict]) -> None:
 def train_and_gather(rank, raw: dict, steps: int) -> tuple[list[dict], dict]:
     """`train_steps`, and this layout's weights after them, gathered whole as a checkpoint stores them."""
     records = train_steps(rank, raw, steps)
-    trainer = Trainer(config_from_dict({**raw, "train": {**raw["train"], "run_dir": raw["train"]["run_dir"] + "-b"}}),
-                      io.StringIO())
+    trainer = Trainer(
+        config_from_dict({**raw, "train": {**raw["train"], "run_dir": raw["train"]["run_dir"] + "-b"}}), io.StringIO()
+    )
     trainer.restore(Path(raw["train"]["run_dir"]) / "checkpoints" / f"step_{steps}")
-    gathered = whole(stored_state({"model": dict(trainer.model.named_parameters())}, trainer.model,
-                                  trainer.mesh)["model"])
+    gathered = whole(
+        stored_state({"model": dict(trainer.model.named_parameters())}, trainer.model, trainer.mesh)["model"]
+    )
     return records, {key: tensor.detach() for key, tensor in gathered.items()}
 
 
@@ -182,7 +194,8 @@ def test_resume_in_another_layout(pool, reference, tmp_path):
     raw_b = {**raw, "parallel": LAYOUTS["dp_shard2-tp2"], "train": {**raw["train"], "run_dir": str(tmp_path / "b")}}
     for rank_records in pool.run(train_steps, raw_b, 1, saved):
         assert_records_match(rank_records, records[STEPS:])
-    single = Trainer(config_from_dict({**raw, "train": {**raw["train"], "run_dir": str(tmp_path / "c")}}),
-                     io.StringIO())
+    single = Trainer(
+        config_from_dict({**raw, "train": {**raw["train"], "run_dir": str(tmp_path / "c")}}), io.StringIO()
+    )
     single.restore(Path(saved))
     assert_records_match([single.train_step()], records[STEPS:])

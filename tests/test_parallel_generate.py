@@ -10,13 +10,13 @@ import sys
 
 import pytest
 
+from moemesh.checkpoint.hf import save_pretrained
 from moemesh.cli import main
 from moemesh.data.tokenizer import ByteTokenizer
 from moemesh.inference.engine import DecodeEngine
 from moemesh.inference.generate import generate
 from moemesh.inference.request import SamplingParams
 from moemesh.models import ModelConfig, build
-from moemesh.checkpoint.hf import save_pretrained
 from moemesh.parallel import comm
 from moemesh.parallel.mesh import ParallelDims, init_mesh
 from moemesh.parallel.tensor import apply_tp
@@ -28,19 +28,24 @@ TP = 2
 # differences of the sharded sums to flip.
 CONFIG = ModelConfig(**TINY_MODEL, initializer_range=0.2)
 PROMPTS = [[0, 100, 101, 102], [0, 7], [0, 50, 51, 52, 53, 54]]
-PARAMS = [SamplingParams(max_tokens=12), SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, seed=3),
-          SamplingParams(max_tokens=10, temperature=0.7, seed=4)]
+PARAMS = [
+    SamplingParams(max_tokens=12),
+    SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, seed=3),
+    SamplingParams(max_tokens=10, temperature=0.7, seed=4),
+]
 
 
 def generate_under_tp(config, prompts, params, max_len) -> DecodeEngine:
     """Warm up and generate on the TP group (the leader checks one process's tokens; the others
     follow) with the collectives counted from the TP engine's start; -> this rank's engine."""
     tokenizer = ByteTokenizer()
-    expected = generate(DecodeEngine(build(config, seed=5).eval(), max_batch=2, max_len=max_len), tokenizer,
-                        prompts, params)
+    expected = generate(
+        DecodeEngine(build(config, seed=5).eval(), max_batch=2, max_len=max_len), tokenizer, prompts, params
+    )
     mesh = init_mesh(ParallelDims(tp=TP))
-    engine = DecodeEngine(apply_tp(build(config, seed=5), mesh).eval(), max_batch=2, max_len=max_len,
-                          group=mesh.group("tp"))
+    engine = DecodeEngine(
+        apply_tp(build(config, seed=5), mesh).eval(), max_batch=2, max_len=max_len, group=mesh.group("tp")
+    )
     comm.reset_counts()
     if engine.leader:
         engine.warm_up()  # as `moemesh serve` starts: the followers run its steps too
@@ -108,10 +113,24 @@ def test_generate_command_under_torchrun(tmp_path, capsys):
     assert len(expected) > len("def \n")
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(TP),
-                             "-m", "moemesh", *args, "--set", f"parallel.tp={TP}"], capture_output=True, text=True,
-                            env=env,
-                            timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(TP),
+            "-m",
+            "moemesh",
+            *args,
+            "--set",
+            f"parallel.tp={TP}",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout == expected  # rank 0 alone prints, the same text
 
@@ -119,7 +138,9 @@ def test_generate_command_under_torchrun(tmp_path, capsys):
 def test_generate_refuses_a_layout_torchrun_did_not_launch(tmp_path, capsys):
     assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "x", "--tp", "3"]) == 2
     err = capsys.readouterr().err
-    assert "parallel layout pp=1 × dp_replicate=1 × dp_shard=1 × ep=1 × tp=3 needs 3 processes, but 1 were launched" in err
+    assert (
+        "parallel layout pp=1 × dp_replicate=1 × dp_shard=1 × ep=1 × tp=3 needs 3 processes, but 1 were launched" in err
+    )
 
 
 def test_generate_set_takes_only_the_tensor_parallel_size(tmp_path, capsys):

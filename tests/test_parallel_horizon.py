@@ -34,8 +34,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from moemesh.config import config_from_dict
 from moemesh.checkpoint.dcp import checkpoint_path
+from moemesh.config import config_from_dict
 from moemesh.train.trainer import Trainer
 from numerics import rel_err
 from test_train_router_bias import MODEL as DEEPSEEK_V3_MODEL
@@ -48,20 +48,38 @@ FORCED = (2, 12, 30)  # the steps whose checkpoint each layout takes one step fr
 DRIFT_MULTIPLE = 8
 FLIP = 5e-4
 
-TRAIN = {"steps": STEPS, "warmup_steps": 5, "lr": 1e-2, "weight_decay": 0.1, "global_batch": 16,
-         "micro_batch": 4, "eval_every": 0, "save_every": -1, "router_bias_update_rate": 1e-3}
+TRAIN = {
+    "steps": STEPS,
+    "warmup_steps": 5,
+    "lr": 1e-2,
+    "weight_decay": 0.1,
+    "global_batch": 16,
+    "micro_batch": 4,
+    "eval_every": 0,
+    "save_every": -1,
+    "router_bias_update_rate": 1e-3,
+}
 MODELS = {
     "qwen3": {"num_experts": 8, "num_experts_per_tok": 3, "num_key_value_heads": 4},
     "deepseek_v3": DEEPSEEK_V3_MODEL,  # MLA, shared experts, the auxiliary-loss-free router bias
 }
 LAYOUTS = {
-    "dp_replicate4": dict(dp_replicate=4), "dp_shard4": dict(dp_shard=4), "ep4": dict(ep=4), "tp4": dict(tp=4),
-    "ep2-tp2": dict(ep=2, tp=2), "dp_shard2-ep2": dict(dp_shard=2, ep=2), "dp_shard2-tp2": dict(dp_shard=2, tp=2),
-    "hsdp2x2": dict(dp_replicate=2, dp_shard=2), "pp2-ep2": dict(pp=2, ep=2), "pp2-tp2": dict(pp=2, tp=2),
-    "pp2-dp_shard2": dict(pp=2, dp_shard=2), "pp2-dp_replicate2": dict(pp=2, dp_replicate=2),
+    "dp_replicate4": dict(dp_replicate=4),
+    "dp_shard4": dict(dp_shard=4),
+    "ep4": dict(ep=4),
+    "tp4": dict(tp=4),
+    "ep2-tp2": dict(ep=2, tp=2),
+    "dp_shard2-ep2": dict(dp_shard=2, ep=2),
+    "dp_shard2-tp2": dict(dp_shard=2, tp=2),
+    "hsdp2x2": dict(dp_replicate=2, dp_shard=2),
+    "pp2-ep2": dict(pp=2, ep=2),
+    "pp2-tp2": dict(pp=2, tp=2),
+    "pp2-dp_shard2": dict(pp=2, dp_shard=2),
+    "pp2-dp_replicate2": dict(pp=2, dp_replicate=2),
 }
-CASES = [("qwen3", name) for name in LAYOUTS] + [("deepseek_v3", name) for name in
-                                                 ("ep2-tp2", "dp_shard2-ep2", "pp2-ep2")]
+CASES = [("qwen3", name) for name in LAYOUTS] + [
+    ("deepseek_v3", name) for name in ("ep2-tp2", "dp_shard2-ep2", "pp2-ep2")
+]
 
 
 def run_config(directory: Path, family: str, layout: str) -> dict:
@@ -175,8 +193,11 @@ def drift(pool, references):
 def test_layout_follows_one_process_over_the_run(pool, references, drift, family, layout):
     directory, records, reference_run = references(family)
     bound, replicate_runs = drift(family)
-    runs = replicate_runs if layout == "dp_replicate4" else \
-        pool.run(layout_run, run_config(directory, family, layout), str(reference_run))
+    runs = (
+        replicate_runs
+        if layout == "dp_replicate4"
+        else pool.run(layout_run, run_config(directory, family, layout), str(reference_run))
+    )
     for free, forced in runs:  # every rank reports the same figures
         for step, forced_record in zip([s + i for s in FORCED for i in (0, 1)], forced, strict=True):
             assert_same_record(forced_record, records[step])

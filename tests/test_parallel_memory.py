@@ -24,9 +24,19 @@ from moemesh.models.build import meta_model
 from test_parallel_train import torchrun
 from tiny_run import write_corpus
 
-CONFIG = ModelConfig(model_type="qwen3_moe", vocab_size=256, hidden_size=256, num_hidden_layers=4,
-                     num_attention_heads=4, num_key_value_heads=4, head_dim=64, num_experts=64,
-                     num_experts_per_tok=2, moe_intermediate_size=512, max_position_embeddings=64)
+CONFIG = ModelConfig(
+    model_type="qwen3_moe",
+    vocab_size=256,
+    hidden_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=64,
+    num_experts=64,
+    num_experts_per_tok=2,
+    moe_intermediate_size=512,
+    max_position_embeddings=64,
+)
 
 
 @pytest.fixture(scope="module")

@@ -22,12 +22,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from moemesh.checkpoint.load import load_model
 from moemesh.config import config_from_dict
 from moemesh.errors import ConfigError
 from moemesh.parallel import comm
 from moemesh.parallel.data import reduce_gradients
 from moemesh.parallel.stored import stored_state
-from moemesh.checkpoint.load import load_model
 from moemesh.train.trainer import Trainer
 from numerics import rel_err
 from test_parallel_fsdp import assert_records_match, presented, train_steps
@@ -39,9 +39,14 @@ RTOL = 1e-5
 STEPS = 5
 MODEL = {"num_hidden_layers": 6, "num_experts": 8, "num_experts_per_tok": 3, "mlp_only_layers": [0]}
 TRAIN = {"steps": STEPS, "global_batch": 16, "micro_batch": 2, "eval_every": 0, "save_every": 0}  # 8 micro-batches
-LAYOUTS = {"pp2-ep2": dict(pp=2, ep=2, pp_overlap=True), "pp2-tp2": dict(pp=2, tp=2), "pp2-dp2": dict(pp=2, dp_replicate=2),
-           "pp2-dp_shard2": dict(pp=2, dp_shard=2),
-           "pp4": dict(pp=4), "pp2-ep2-1f1b": dict(pp=2, ep=2, pp_schedule="1f1b")}
+LAYOUTS = {
+    "pp2-ep2": dict(pp=2, ep=2, pp_overlap=True),
+    "pp2-tp2": dict(pp=2, tp=2),
+    "pp2-dp2": dict(pp=2, dp_replicate=2),
+    "pp2-dp_shard2": dict(pp=2, dp_shard=2),
+    "pp4": dict(pp=4),
+    "pp2-ep2-1f1b": dict(pp=2, ep=2, pp_schedule="1f1b"),
+}
 
 
 def run_config(directory, layout: dict, name: str) -> dict:
@@ -72,8 +77,9 @@ def first_step_gradients(rank, raw: dict):
     ce, aux = trainer.pipeline.train(micro)
     reduce_gradients(trainer.model, trainer.mesh)
     comm.all_reduce_sum_([ce], trainer.mesh.group("batch"))
-    grads = stored_state({"model": {n: p.grad for n, p in trainer.model.named_parameters()}},
-                         trainer.model, trainer.mesh)["model"]
+    grads = stored_state(
+        {"model": {n: p.grad for n, p in trainer.model.named_parameters()}}, trainer.model, trainer.mesh
+    )["model"]
     grads = {key: g.full_tensor() if isinstance(g, DTensor) else g for key, g in grads.items()}
     return ce.item(), aux.item(), grads
 
@@ -112,9 +118,14 @@ def count_reduce_scatters(rank, raw: dict) -> tuple[int, int]:
     finally:
         for n, f in originals.items():
             setattr(dist, n, f)
+
     def has_own_parameters(unit) -> bool:  # rank 1's root holds none: no embedding, no head
-        nested = {id(p) for child in unit.modules() if child is not unit and isinstance(child, FSDPModule)
-                  for p in child.parameters()}
+        nested = {
+            id(p)
+            for child in unit.modules()
+            if child is not unit and isinstance(child, FSDPModule)
+            for p in child.parameters()
+        }
         return any(id(p) not in nested for p in unit.parameters())
 
     units = [m for m in trainer.pipeline.module.modules() if isinstance(m, FSDPModule)]
@@ -149,22 +160,38 @@ def test_torchrun_pp2_trains_like_one_process(reference):
     overrides = [f"model.{k}={v}".replace(" ", "") for k, v in MODEL.items()]
     overrides += [f"train.{k}={v}" for k, v in TRAIN.items()] + ["parallel.pp=2"]
     run_dir = directory / "torchrun-pp2"
-    result = torchrun(2, "-m", "moemesh", "train", "--config", str(config_file), "--set", *overrides,
-                      f"train.run_dir={run_dir}", f"data.path={directory / 'corpus.txt'}")
+    result = torchrun(
+        2,
+        "-m",
+        "moemesh",
+        "train",
+        "--config",
+        str(config_file),
+        "--set",
+        *overrides,
+        f"train.run_dir={run_dir}",
+        f"data.path={directory / 'corpus.txt'}",
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "layout  pp=2" in result.stdout
     assert_records_match([r for r in metrics(run_dir) if "loss" in r], records)
     assert_same_weights(run_dir, weights)
 
 
-@pytest.mark.parametrize("override, message", [
-    ("parallel.pp=2 train.global_batch=6 train.micro_batch=2",
-     "parallel.pp_schedule = 'dualpipev' with parallel.pp=2 needs at least 4 micro-batches per step, got "
-     "train.global_batch / train.micro_batch = 6 / 2 = 3"),
-    ("parallel.pp=2 parallel.pp_schedule=gpipe", "gpipe"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "parallel.pp=2 train.global_batch=6 train.micro_batch=2",
+            "parallel.pp_schedule = 'dualpipev' with parallel.pp=2 needs at least 4 micro-batches per step, got "
+            "train.global_batch / train.micro_batch = 6 / 2 = 3",
+        ),
+        ("parallel.pp=2 parallel.pp_schedule=gpipe", "gpipe"),
+    ],
+)
 def test_pipeline_config_errors(override, message):
     from moemesh.config import load_config
+
     with pytest.raises(ConfigError, match=None) as error:
         load_config(None, override.split())
     assert message in str(error.value)
@@ -175,8 +202,7 @@ def traced_step(rank, raw: dict, overlap: bool):
     gradients, the FB ops' pieces in order). A piece is ("launch" | "wait", "forward" | "backward")
     of an all-to-all of tokens, or ("compute", "forward" | "backward") when a decoder layer's
     attention or experts start their forward or backward; ("FB", op index) opens each FB op."""
-    trainer = Trainer(config_from_dict({**raw, "parallel": {**raw["parallel"], "pp_overlap": overlap}}),
-                      io.StringIO())
+    trainer = Trainer(config_from_dict({**raw, "parallel": {**raw["parallel"], "pp_overlap": overlap}}), io.StringIO())
     runner = trainer.pipeline
     batch = trainer.dataset.train_sequences(0, trainer.train_config.global_batch)
     micro = [trainer._micro_batch(m) for m in batch.split(trainer.train_config.micro_batch)]
@@ -209,12 +235,14 @@ def traced_step(rank, raw: dict, overlap: bool):
             pieces.append(("FB", op_index))
             method(op, op_index)
             in_fb[0] = False
+
         return run
 
     def starts(direction):
         def hook(module, args):
             if in_fb[0]:
                 pieces.append(("compute", direction))
+
         return hook
 
     for i in sorted(i for stage in runner.stages.values() for i in stage.layers):
@@ -283,5 +311,5 @@ def _in_flight(pieces: list) -> list[tuple[str, list]]:
     for i, (kind, direction) in enumerate(pieces):
         if kind == "launch":
             end = pieces.index(("wait", direction), i + 1)
-            flights.append((direction, pieces[i + 1:end]))
+            flights.append((direction, pieces[i + 1 : end]))
     return flights

@@ -21,10 +21,22 @@ from numerics import rel_err
 WORLD = 4
 RTOL = 1e-5
 # Qwen3: q/k norms, a dense layer (1) among MoE layers, attention biases.
-QWEN3 = ModelConfig(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=4,
-                    num_experts=8, num_experts_per_tok=3, moe_intermediate_size=16, intermediate_size=24,
-                    mlp_only_layers=[1], attention_bias=True, initializer_range=0.2, router_aux_loss_coef=0.05,
-                    output_router_logits=True)
+QWEN3 = ModelConfig(
+    vocab_size=64,
+    hidden_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    num_experts=8,
+    num_experts_per_tok=3,
+    moe_intermediate_size=16,
+    intermediate_size=24,
+    mlp_only_layers=[1],
+    attention_bias=True,
+    initializer_range=0.2,
+    router_aux_loss_coef=0.05,
+    output_router_logits=True,
+)
 # Mixtral: every layer MoE, no q/k norm; with the LM head tied to the embedding.
 MIXTRAL = QWEN3.replace(model_type="mixtral", tie_word_embeddings=True)
 
@@ -56,12 +68,25 @@ def local_slice(name: str, full: torch.Tensor, rank: int, tp: int) -> torch.Tens
     if name.endswith(("experts.gate_up_proj", "experts.gate_up_proj_bias")):  # matching gate and up slices
         gate, up = full.chunk(2, dim=1)
         return torch.cat([gate.chunk(tp, dim=1)[rank], up.chunk(tp, dim=1)[rank]], dim=1)
-    if name.endswith(("o_proj.weight", "mlp.down_proj.weight", "shared_experts.down_proj.weight",
-                      "experts.down_proj")):
+    if name.endswith(("o_proj.weight", "mlp.down_proj.weight", "shared_experts.down_proj.weight", "experts.down_proj")):
         return full.chunk(tp, dim=-1)[rank]
-    if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_proj.bias", "k_proj.bias", "v_proj.bias",
-                      "self_attn.sinks", "q_b_proj.weight", "kv_b_proj.weight", "gate_proj.weight", "up_proj.weight",
-                      "embed_tokens.weight", "lm_head.weight")):
+    if name.endswith(
+        (
+            "q_proj.weight",
+            "k_proj.weight",
+            "v_proj.weight",
+            "q_proj.bias",
+            "k_proj.bias",
+            "v_proj.bias",
+            "self_attn.sinks",
+            "q_b_proj.weight",
+            "kv_b_proj.weight",
+            "gate_proj.weight",
+            "up_proj.weight",
+            "embed_tokens.weight",
+            "lm_head.weight",
+        )
+    ):
         return full.chunk(tp, dim=0)[rank]
     return full  # norms, router, o_proj bias, experts' down_proj_bias, latent projections: whole on every rank
 
@@ -87,8 +112,14 @@ def check_matches_single_process(rank, config, dp, ep, tp):
     rows = input_ids.shape[0] // (dp * ep)
     local = slice(batch_rank * rows, (batch_rank + 1) * rows)
     out = model(input_ids[local], labels=labels[local])
-    loss = rank_loss(out.ce_loss, out.aux_loss, label_tokens(labels[local]), label_tokens(labels),
-                     config.router_aux_loss_coef, dp * ep)
+    loss = rank_loss(
+        out.ce_loss,
+        out.aux_loss,
+        label_tokens(labels[local]),
+        label_tokens(labels),
+        config.router_aux_loss_coef,
+        dp * ep,
+    )
     loss.backward()
     reduce_gradients(model, mesh)
     comm.all_reduce_sum_([summed := loss.detach().clone()], mesh.group("batch"))
@@ -110,10 +141,11 @@ def check_matches_single_process(rank, config, dp, ep, tp):
     return True
 
 
-@pytest.mark.parametrize("config, dp, ep, tp", [(QWEN3, 1, 1, 4), (QWEN3, 2, 1, 2), (QWEN3, 1, 2, 2),
-                                                (MIXTRAL, 1, 1, 4), (MIXTRAL, 2, 1, 2)],
-                         ids=["qwen3-tp4", "qwen3-dp2-tp2", "qwen3-ep2-tp2", "mixtral-tied-tp4",
-                              "mixtral-tied-dp2-tp2"])
+@pytest.mark.parametrize(
+    "config, dp, ep, tp",
+    [(QWEN3, 1, 1, 4), (QWEN3, 2, 1, 2), (QWEN3, 1, 2, 2), (MIXTRAL, 1, 1, 4), (MIXTRAL, 2, 1, 2)],
+    ids=["qwen3-tp4", "qwen3-dp2-tp2", "qwen3-ep2-tp2", "mixtral-tied-tp4", "mixtral-tied-dp2-tp2"],
+)
 def test_tp_equals_one_process(pool, config, dp, ep, tp):
     """ep2-tp2: each EP rank's experts split again over TP (apply_tp after apply_ep, wrapping the
     all-to-all dispatcher)."""
@@ -139,11 +171,13 @@ def check_collective_counts(rank):
 
     assert out.logits.shape[-1] == QWEN3.vocab_size // WORLD  # the loss took this rank's vocabulary slice only
     embedding, loss = 1, 1
-    assert forward == {("all_reduce", "forward"): embedding + 2 * layers + loss,
-                       ("all_reduce_max", "forward"): 1}, forward
+    assert forward == {("all_reduce", "forward"): embedding + 2 * layers + loss, ("all_reduce_max", "forward"): 1}, (
+        forward
+    )
     attention, head = 1, 1
     assert {k: v for k, v in backward.items() if v} == {
-        ("all_reduce", "backward"): layers * attention + 2 * moe + (layers - moe) + head}, backward
+        ("all_reduce", "backward"): layers * attention + 2 * moe + (layers - moe) + head
+    }, backward
     comm.reset_counts()
     reduce_gradients(model, mesh)
     qk_norms = [p for n, p in model.named_parameters() if n.endswith(("q_norm.weight", "k_norm.weight"))]
@@ -166,17 +200,39 @@ def test_collective_counts_per_layer(pool):
 PLAN = family("mixtral").tp_plan(MIXTRAL)
 
 
-@pytest.mark.parametrize("plan, tp, message", [
-    ({**PLAN, "model.layers.*.self_attn.qkv_proj": "colwise"}, 2, r"'model.layers.\*.self_attn.qkv_proj' .* nothing"),
-    ({k: v for k, v in PLAN.items() if "experts" not in k}, 2, "no entry for model.layers.0.mlp.experts.gate_up_proj"),
-    ({**PLAN, "lm_head": "colwise_rep"}, 2, "unknown style 'colwise_rep'"),
-    (PLAN, 3, r"tp=3: model.embed_tokens \(vocab\) has 64 rows on dim 0"),
-    (PLAN, 8, "tp=8 must divide the 4 key/value attention heads"),
-    ({**PLAN, "model.layers.*.mlp.experts.gate_up_proj": "replicated"}, 2,
-     r"experts.down_proj \(rowwise\) cannot take a Replicated\(\) input"),
-    ({**PLAN, "model.layers.*.self_attn.k_proj": "replicated"}, 2, "q_proj/k_proj/v_proj need one style"),
-], ids=["unmatched-entry", "experts-left-replicated", "unknown-style", "indivisible-vocab", "indivisible-heads",
-        "mixed-expert-styles", "mixed-qkv-styles"])
+@pytest.mark.parametrize(
+    "plan, tp, message",
+    [
+        (
+            {**PLAN, "model.layers.*.self_attn.qkv_proj": "colwise"},
+            2,
+            r"'model.layers.\*.self_attn.qkv_proj' .* nothing",
+        ),
+        (
+            {k: v for k, v in PLAN.items() if "experts" not in k},
+            2,
+            "no entry for model.layers.0.mlp.experts.gate_up_proj",
+        ),
+        ({**PLAN, "lm_head": "colwise_rep"}, 2, "unknown style 'colwise_rep'"),
+        (PLAN, 3, r"tp=3: model.embed_tokens \(vocab\) has 64 rows on dim 0"),
+        (PLAN, 8, "tp=8 must divide the 4 key/value attention heads"),
+        (
+            {**PLAN, "model.layers.*.mlp.experts.gate_up_proj": "replicated"},
+            2,
+            r"experts.down_proj \(rowwise\) cannot take a Replicated\(\) input",
+        ),
+        ({**PLAN, "model.layers.*.self_attn.k_proj": "replicated"}, 2, "q_proj/k_proj/v_proj need one style"),
+    ],
+    ids=[
+        "unmatched-entry",
+        "experts-left-replicated",
+        "unknown-style",
+        "indivisible-vocab",
+        "indivisible-heads",
+        "mixed-expert-styles",
+        "mixed-qkv-styles",
+    ],
+)
 def test_bad_plan_is_fatal_and_leaves_the_model_whole(plan, tp, message):
     model = build(MIXTRAL.replace(tie_word_embeddings=False), seed=1)
     shapes = {name: p.shape for name, p in model.named_parameters()}
@@ -185,8 +241,11 @@ def test_bad_plan_is_fatal_and_leaves_the_model_whole(plan, tp, message):
     assert {name: p.shape for name, p in model.named_parameters()} == shapes
 
 
-@pytest.mark.parametrize("config", [QWEN3.replace(mlp_only_layers=[]), QWEN3.replace(num_experts=0), MIXTRAL],
-                         ids=["qwen3-all-moe", "qwen3-dense", "mixtral"])
+@pytest.mark.parametrize(
+    "config",
+    [QWEN3.replace(mlp_only_layers=[]), QWEN3.replace(num_experts=0), MIXTRAL],
+    ids=["qwen3-all-moe", "qwen3-dense", "mixtral"],
+)
 def test_family_plans_fit_their_models(config):
     """Each family's plan has entries for exactly what the config builds (no dense-MLP entries
     without dense layers, no q/k norm entries without q/k norms)."""

@@ -1,5 +1,5 @@
-"""`torchrun ... moemesh train --set parallel.ep=N parallel.tp=M` (or parallel.dp_shard=N) on CPU (gloo) against the same
-run in one process: the same per-step losses and gradient norms (1e-5 relative: the sharded run sums the same
+"""`torchrun ... moemesh train --set parallel.ep=N parallel.tp=M` (or parallel.dp_shard=N) on CPU (gloo) against the
+same run in one process: the same per-step losses and gradient norms (1e-5 relative: the sharded run sums the same
 fp32 terms in another order), and a checkpoint that loads back into one process."""
 
 import json
@@ -12,16 +12,23 @@ import time
 
 import pytest
 
+from moemesh.checkpoint.load import load_model
 from moemesh.config import load_config
 from moemesh.models import build
-from moemesh.checkpoint.load import load_model
 from moemesh.train.progress import format_count
 from moemesh.train.trainer import train
 from tiny_run import write_tiny_toml
 
 STEPS = 5
-OVERRIDES = [f"train.steps={STEPS}", "train.global_batch=8", "train.micro_batch=4", "train.eval_every=0",
-             "train.save_every=0", "model.num_experts=8", "model.num_experts_per_tok=3"]
+OVERRIDES = [
+    f"train.steps={STEPS}",
+    "train.global_batch=8",
+    "train.micro_batch=4",
+    "train.eval_every=0",
+    "train.save_every=0",
+    "model.num_experts=8",
+    "model.num_experts_per_tok=3",
+]
 
 
 def torchrun(nproc: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -43,23 +50,39 @@ def reference(tmp_path_factory):
     return config_file, run_dir
 
 
-LAYOUTS = {"ep2": {"ep": 2}, "ep4": {"ep": 4}, "tp2": {"tp": 2}, "ep2-tp2": {"ep": 2, "tp": 2},
-           "dp_shard2": {"dp_shard": 2}}
+LAYOUTS = {
+    "ep2": {"ep": 2},
+    "ep4": {"ep": 4},
+    "tp2": {"tp": 2},
+    "ep2-tp2": {"ep": 2, "tp": 2},
+    "dp_shard2": {"dp_shard": 2},
+}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
 def test_parallel_training_equals_one_process(reference, layout):
     config_file, single_dir = reference
     run_dir = config_file.parent / "-".join(f"{axis}{size}" for axis, size in layout.items())
-    result = torchrun(math.prod(layout.values()), "-m", "moemesh", "train", "--config", str(config_file), "--set",
-                      *OVERRIDES, *(f"parallel.{axis}={size}" for axis, size in layout.items()),
-                      f"train.run_dir={run_dir}")
+    result = torchrun(
+        math.prod(layout.values()),
+        "-m",
+        "moemesh",
+        "train",
+        "--config",
+        str(config_file),
+        "--set",
+        *OVERRIDES,
+        *(f"parallel.{axis}={size}" for axis, size in layout.items()),
+        f"train.run_dir={run_dir}",
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     # parameter counts (and so MFU) are those of the whole model, not of one rank's experts
     model = load_config(config_file, OVERRIDES).model
     full = build(model)
-    assert f"{format_count(full.num_params())} parameters, {format_count(full.num_params(active=True))} active" \
+    assert (
+        f"{format_count(full.num_params())} parameters, {format_count(full.num_params(active=True))} active"
         in result.stdout
+    )
     ours = [r for r in metrics(run_dir) if "loss" in r]
     theirs = [r for r in metrics(single_dir) if "loss" in r]
     assert len(ours) == len(theirs) == STEPS
@@ -83,7 +106,8 @@ def test_a_dead_rank_stops_the_others_instead_of_hanging(tmp_path):
         "mesh = init_mesh(ParallelDims(ep=2), timeout_s=20)\n"
         "if dist.get_rank() == 1:\n"
         "    os._exit(3)  # dies without a word to its peer\n"
-        "dist.all_reduce(torch.ones(1))  # rank 0 waits for a peer that is gone\n")
+        "dist.all_reduce(torch.ones(1))  # rank 0 waits for a peer that is gone\n"
+    )
     started = time.monotonic()
     result = torchrun(2, str(script), timeout=120)
     assert result.returncode != 0
@@ -97,8 +121,18 @@ def test_parallel_resume_continues_exactly(reference, layout):
     single-process run (so the sharded weights and AdamW moments came back in place)."""
     config_file, single_dir = reference
     run_dir = config_file.parent / f"{layout}_resume"
-    args = ["-m", "moemesh", "train", "--config", str(config_file), "--set", *OVERRIDES, layout,
-            f"train.run_dir={run_dir}", "train.save_every=3"]
+    args = [
+        "-m",
+        "moemesh",
+        "train",
+        "--config",
+        str(config_file),
+        "--set",
+        *OVERRIDES,
+        layout,
+        f"train.run_dir={run_dir}",
+        "train.save_every=3",
+    ]
     assert torchrun(2, *args).returncode == 0
     shutil.rmtree(run_dir / "checkpoints" / f"step_{STEPS}")
     result = torchrun(2, *args, "train.resume=true")
@@ -119,8 +153,18 @@ def test_pipeline_with_bf16_weights_tracks_one_process(reference, tmp_path):
     bf16 = [*OVERRIDES, "train.param_dtype=bfloat16", "train.micro_batch=2"]  # 4 micro-batches
     single, piped = tmp_path / "single", tmp_path / "pp2"
     train(load_config(config_file, [*bf16, f"train.run_dir={single}"]))
-    result = torchrun(2, "-m", "moemesh", "train", "--config", str(config_file), "--set", *bf16,
-                      "parallel.pp=2", f"train.run_dir={piped}")
+    result = torchrun(
+        2,
+        "-m",
+        "moemesh",
+        "train",
+        "--config",
+        str(config_file),
+        "--set",
+        *bf16,
+        "parallel.pp=2",
+        f"train.run_dir={piped}",
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     ours, theirs = ([r for r in metrics(d) if "loss" in r] for d in (piped, single))
     assert len(ours) == len(theirs) == STEPS

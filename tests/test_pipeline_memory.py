@@ -19,12 +19,19 @@ def _tiny_model_config(**changes):
 
 # (weights' dtype, autocast to bf16): fp32 throughout; fp32 weights under bf16 autocast, as `moemesh
 # train` runs on a GPU (an fp32 residual stream, bf16 matmuls); bf16 weights (train.param_dtype).
-PRECISIONS = {"fp32": (None, False), "fp32-weights-bf16-autocast": (None, True), "bf16-weights": (torch.bfloat16, False)}
+PRECISIONS = {
+    "fp32": (None, False),
+    "fp32-weights-bf16-autocast": (None, True),
+    "bf16-weights": (torch.bfloat16, False),
+}
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("changes", [{}, {"mlp_only_layers": [0], "intermediate_size": 96, "qk_norm": False,
-                                          "norm_topk_prob": False}], ids=["moe", "dense-first"])
+@pytest.mark.parametrize(
+    "changes",
+    [{}, {"mlp_only_layers": [0], "intermediate_size": 96, "qk_norm": False, "norm_topk_prob": False}],
+    ids=["moe", "dense-first"],
+)
 def test_analytical_activations_match_profile(triton_kernels, changes, precision):
     """On the kernel path (here Triton's interpreter on CPU) the formula counts the very tensors
     autograd saves, so it agrees to the byte, in each precision a run uses: any change to what a
@@ -37,8 +44,14 @@ def test_analytical_activations_match_profile(triton_kernels, changes, precision
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         profiles = profile_layers(model, ids, ids)
     dtype_bytes = 2 if autocast or weights is not None else 4
-    estimates = estimate_layer_costs(config, batch * seq, dtype_bytes=dtype_bytes, state_bytes_per_param=1,
-                                     seq_len=seq, residual_bytes=2 if weights is not None else 4)
+    estimates = estimate_layer_costs(
+        config,
+        batch * seq,
+        dtype_bytes=dtype_bytes,
+        state_bytes_per_param=1,
+        seq_len=seq,
+        residual_bytes=2 if weights is not None else 4,
+    )
 
     assert [p.name for p in profiles] == ["embedding", "layer 0", "layer 1", "head"]
     assert [e.name for e in estimates] == [p.name for p in profiles]
@@ -64,8 +77,9 @@ def test_profile_on_reference_ops_and_costs():
     assert [c.param_bytes for c in costs] == [p.params * 8 for p in profiles]
     in_flight, stage_rank = [3, 1], [0, 0]  # one rank holding both stages, as DualPipeV pairs them
     memory = rank_memory(costs, [range(2), range(2, 4)], in_flight, stage_rank)
-    expected = sum(c.param_bytes for c in costs) + sum(c.activation_bytes * (3 if i < 2 else 1)
-                                                       for i, c in enumerate(costs))
+    expected = sum(c.param_bytes for c in costs) + sum(
+        c.activation_bytes * (3 if i < 2 else 1) for i, c in enumerate(costs)
+    )
     hidden_states = 2 * 16 * config.hidden_size * 4  # the first stage's output, fp32, per micro-batch in flight
     assert profiles[1].output_bytes == hidden_states and profiles[-1].output_bytes == 4  # the loss
     assert memory == [pytest.approx(expected + 3 * hidden_states)]
@@ -94,8 +108,10 @@ def _stage_rows(output: str) -> list[tuple[int, str, str]]:
     return rows
 
 
-@pytest.mark.parametrize("argv", [["--pp", "2", "--schedule", "1f1b"],
-                                  ["--pp", "2", "--schedule", "dualpipev", "--set", "train.micro_batch=4"]])
+@pytest.mark.parametrize(
+    "argv",
+    [["--pp", "2", "--schedule", "1f1b"], ["--pp", "2", "--schedule", "dualpipev", "--set", "train.micro_batch=4"]],
+)
 def test_estimate_command(capsys, argv):
     assert main(["estimate", "--config", "configs/tiny.toml", *argv]) == 0
     output = capsys.readouterr().out
@@ -107,14 +123,28 @@ def test_estimate_command(capsys, argv):
     covered = []
     for _, first, last in rows:  # consecutive stages, each a run of consecutive layers
         assert names.index(first) == len(covered)
-        covered += names[names.index(first): names.index(last) + 1]
+        covered += names[names.index(first) : names.index(last) + 1]
     assert covered == names
     assert output.count("  pipeline rank ") == 2
 
 
 def test_estimate_command_errors(capsys):
-    assert main(["estimate", "--config", "configs/tiny.toml", "--pp", "8", "--schedule", "1f1b",
-                 "--set", "train.micro_batch=2"]) == 2
+    assert (
+        main(
+            [
+                "estimate",
+                "--config",
+                "configs/tiny.toml",
+                "--pp",
+                "8",
+                "--schedule",
+                "1f1b",
+                "--set",
+                "train.micro_batch=2",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot split 6 layers" in err and "into 8 non-empty pipeline stages" in err
 
@@ -133,8 +163,11 @@ def test_head_working_memory_counts_once_per_stage():
     assert one[1] == pytest.approx(sum(c.param_bytes for c in costs[2:]) + per_micro + costs[-1].working_bytes)
 
 
-@pytest.mark.parametrize("layout", [{"ep": 4}, {"tp": 2}, {"dp_shard": 2}, {"dp_shard": 2, "ep": 2, "tp": 2}],
-                         ids=["ep4", "tp2", "dp_shard2", "dp_shard2-ep2-tp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [{"ep": 4}, {"tp": 2}, {"dp_shard": 2}, {"dp_shard": 2, "ep": 2, "tp": 2}],
+    ids=["ep4", "tp2", "dp_shard2", "dp_shard2-ep2-tp2"],
+)
 def test_a_rank_keeps_its_share_of_each_item(layout):
     """The parameter state `moemesh estimate` charges a rank: of each item, the experts over ep ×
     tp × dp_shard, the other matrices over tp (the router stays whole) and, under FSDP, over
@@ -148,8 +181,13 @@ def test_a_rank_keeps_its_share_of_each_item(layout):
     model = meta_model(config.model)
     expected = [0.0] * (2 + config.model.num_hidden_layers)
     for name, param in model.named_parameters():
-        item = 0 if "embed_tokens" in name else -1 if name.startswith(("lm_head", "model.norm")) else \
-            1 + int(name.split(".")[2])
+        item = (
+            0
+            if "embed_tokens" in name
+            else -1
+            if name.startswith(("lm_head", "model.norm"))
+            else 1 + int(name.split(".")[2])
+        )
         if ".mlp.experts." in name:
             share = ep * tp * dp_shard
         elif param.dim() >= 2:  # attention, router (replicated under TP), embedding and head

@@ -72,7 +72,10 @@ def test_exact_against_brute_force():
 
 def _model_costs() -> list[LayerCost]:
     """A big embedding and head, two cheap dense layers, then heavy MoE layers (noisy sizes)."""
-    noise = lambda: 1 + 0.05 * torch.rand(()).item()
+
+    def noise():
+        return 1 + 0.05 * torch.rand(()).item()
+
     costs = [LayerCost("embedding", 800 * noise(), 1 * noise(), 0.1)]
     costs += [LayerCost(f"layer {i}", 20 * noise(), 30 * noise(), 2 * noise()) for i in range(2)]
     costs += [LayerCost(f"layer {i}", 200 * noise(), 40 * noise(), 3 * noise()) for i in range(2, 10)]

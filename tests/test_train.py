@@ -13,16 +13,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import moemesh.train.trainer as trainer_module
+from moemesh.checkpoint.dcp import latest_checkpoint
+from moemesh.checkpoint.load import load_model
 from moemesh.config import TrainConfig, config_from_dict
 from moemesh.errors import CheckpointError, ConfigError
 from moemesh.models import build
-from moemesh.checkpoint.load import load_model
-from moemesh.checkpoint.dcp import latest_checkpoint
 from moemesh.train.flops import flops_per_token
 from moemesh.train.metrics import read_metrics
 from moemesh.train.optim import build_optimizer, lr_factor
 from moemesh.train.trainer import train
-
 from numerics import rel_err
 from tiny_run import tiny_config, tiny_raw, write_corpus
 
@@ -189,11 +188,15 @@ def test_bfloat16_autocast_trains(tmp_path):
 def test_bfloat16_weights_train_and_load(tmp_path):
     # train.param_dtype = bfloat16: weights and AdamW moments in bf16 (half the memory).
     write_corpus(tmp_path)
-    trainer = trainer_module.Trainer(tiny_config(tmp_path / "bf16w", tmp_path / "corpus.txt", steps=10,
-                                                 dtype="bfloat16", param_dtype="bfloat16"), stream=io.StringIO())
+    trainer = trainer_module.Trainer(
+        tiny_config(tmp_path / "bf16w", tmp_path / "corpus.txt", steps=10, dtype="bfloat16", param_dtype="bfloat16"),
+        stream=io.StringIO(),
+    )
     result = trainer.run()
     assert {p.dtype for p in trainer.model.parameters()} == {torch.bfloat16}
-    assert {t.dtype for state in trainer.optimizer.state.values() for t in state.values() if t.dim()} == {torch.bfloat16}
+    assert {t.dtype for state in trainer.optimizer.state.values() for t in state.values() if t.dim()} == {
+        torch.bfloat16
+    }
     records = read_metrics(result.run_dir / "metrics.jsonl")
     assert all(math.isfinite(r["loss"]) for r in records[1:])
     assert result.last_val_loss < result.first_val_loss - 1.0

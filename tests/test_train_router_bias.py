@@ -11,11 +11,10 @@ import io
 import pytest
 import torch
 
+from moemesh.checkpoint.hf import save_pretrained
+from moemesh.checkpoint.load import from_pretrained, load_model
 from moemesh.config import config_from_dict
 from moemesh.models import build
-from moemesh.checkpoint.hf import save_pretrained
-from moemesh.checkpoint.load import from_pretrained
-from moemesh.checkpoint.load import load_model
 from moemesh.train.router_bias import update_router_bias
 from moemesh.train.trainer import Trainer
 from test_parallel_families import DEEPSEEK_V3
@@ -26,15 +25,39 @@ RATE = 0.01
 STEPS = 3
 BIAS = "e_score_correction_bias"
 
-MODEL = {"model_type": "deepseek_v3", "vocab_size": 256, "hidden_size": 32, "num_hidden_layers": 3,
-         "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 12, "kv_lora_rank": 16,
-         "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8, "intermediate_size": 32,
-         "moe_intermediate_size": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
-         "first_k_dense_replace": 1, "n_group": 4, "topk_group": 2, "max_position_embeddings": 128,
-         "output_router_logits": True, "router_aux_loss_coef": 0.01}
+MODEL = {
+    "model_type": "deepseek_v3",
+    "vocab_size": 256,
+    "hidden_size": 32,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 12,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 4,
+    "v_head_dim": 8,
+    "intermediate_size": 32,
+    "moe_intermediate_size": 16,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "n_group": 4,
+    "topk_group": 2,
+    "max_position_embeddings": 128,
+    "output_router_logits": True,
+    "router_aux_loss_coef": 0.01,
+}
 # 2 micro-batches of 4 sequences per step: each of 2 data-parallel ranks routes 2 sequences of each
-TRAIN = {"steps": STEPS, "global_batch": 8, "micro_batch": 4, "eval_every": 0, "save_every": 0,
-         "router_bias_update_rate": RATE}
+TRAIN = {
+    "steps": STEPS,
+    "global_batch": 8,
+    "micro_batch": 4,
+    "eval_every": 0,
+    "save_every": 0,
+    "router_bias_update_rate": RATE,
+}
 
 
 def biases(model) -> dict[str, torch.Tensor]:
@@ -60,8 +83,9 @@ def test_the_rule_moves_each_bias_by_rate_toward_balance():
     model.train()
 
     layers = len(routers(model))
-    expected_loads = [torch.bincount(torch.cat(chosen[i:2 * layers:layers]).flatten(), minlength=8)
-                      for i in range(layers)]
+    expected_loads = [
+        torch.bincount(torch.cat(chosen[i : 2 * layers : layers]).flatten(), minlength=8) for i in range(layers)
+    ]
     for router, load in zip(routers(model), expected_loads):
         assert torch.equal(router.expert_load, load)
     update_router_bias(model, RATE, group=None)
@@ -127,8 +151,13 @@ def test_training_moves_the_bias_and_rate_zero_does_not(reference):
     assert all(v == [0.0] * 8 for v in train_steps(0, off, save=False).values())
 
 
-LAYOUTS = {"dp2": dict(dp_replicate=2), "dp_shard2": dict(dp_shard=2), "ep2": dict(ep=2), "tp2": dict(tp=2),
-           "pp2": dict(pp=2, pp_schedule="1f1b")}
+LAYOUTS = {
+    "dp2": dict(dp_replicate=2),
+    "dp_shard2": dict(dp_shard=2),
+    "ep2": dict(ep=2),
+    "tp2": dict(tp=2),
+    "pp2": dict(pp=2, pp_schedule="1f1b"),
+}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())

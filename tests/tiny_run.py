@@ -11,14 +11,32 @@ from pathlib import Path
 from moemesh.config import RunConfig, config_from_dict, dumps_toml
 
 TINY_MODEL = {
-    "model_type": "qwen3_moe", "vocab_size": 256, "hidden_size": 32, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2,
-    "moe_intermediate_size": 32, "max_position_embeddings": 128, "output_router_logits": True,
+    "model_type": "qwen3_moe",
+    "vocab_size": 256,
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "max_position_embeddings": 128,
+    "output_router_logits": True,
     "router_aux_loss_coef": 0.01,
 }
 
-TINY_TRAIN = {"steps": 20, "global_batch": 4, "micro_batch": 2, "seq_len": 32, "lr": 1e-2, "warmup_steps": 3,
-              "eval_every": 10, "eval_sequences": 4, "save_every": 10, "device": "cpu"}
+TINY_TRAIN = {
+    "steps": 20,
+    "global_batch": 4,
+    "micro_batch": 2,
+    "seq_len": 32,
+    "lr": 1e-2,
+    "warmup_steps": 3,
+    "eval_every": 10,
+    "eval_sequences": 4,
+    "save_every": 10,
+    "device": "cpu",
+}
 
 
 def write_corpus(directory: Path) -> Path:
@@ -29,8 +47,11 @@ def write_corpus(directory: Path) -> Path:
 
 
 def tiny_raw(run_dir: Path, data_path: Path, **train) -> dict:
-    return {"model": dict(TINY_MODEL), "train": {**TINY_TRAIN, "run_dir": str(run_dir), **train},
-            "data": {"path": str(data_path)}}
+    return {
+        "model": dict(TINY_MODEL),
+        "train": {**TINY_TRAIN, "run_dir": str(run_dir), **train},
+        "data": {"path": str(data_path)},
+    }
 
 
 def tiny_config(run_dir: Path, data_path: Path, **train) -> RunConfig:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -43,8 +43,9 @@ def export_hf(source: str | os.PathLike, target: str | os.PathLike, dtype: torch
     return checkpoint
 
 
-def _stored_tensors(checkpoint: Path, config: ModelConfig,
-                    dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+def _stored_tensors(
+    checkpoint: Path, config: ModelConfig, dtype: torch.dtype | None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Each weight of the model, whole, read from the checkpoint one at a time (in `dtype`)."""
     stored = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
     names = meta_model(config).state_dict()
@@ -68,7 +69,9 @@ def import_hf(source: str | os.PathLike, target: str | os.PathLike) -> None:
     _check_target(target)
     model, _ = load_model(source)
     tokenizer = Path(source) / TOKENIZER_FILE
-    save_checkpoint(Path(target), {"model": model.state_dict()}, model.config, tokenizer if tokenizer.is_file() else None)
+    save_checkpoint(
+        Path(target), {"model": model.state_dict()}, model.config, tokenizer if tokenizer.is_file() else None
+    )
 
 
 def _check_target(target: str | os.PathLike) -> None:

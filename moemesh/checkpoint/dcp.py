@@ -25,9 +25,10 @@ import re
 import shutil
 import sys
 import warnings
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -78,7 +79,7 @@ def prune_checkpoints(run_dir: str | os.PathLike, keep: int, saved: Path) -> Non
     if keep == 0 or not _is_main():
         return
     older = [path for step, path in checkpoint_steps(run_dir) if path != saved and step < _step_of(saved)]
-    for path in older[keep - 1:]:
+    for path in older[keep - 1 :]:
         integrity.remove(path)
     for leftover in (Path(run_dir) / CHECKPOINTS).glob(integrity.TMP_PREFIX + "*"):
         shutil.rmtree(leftover, ignore_errors=True)
@@ -111,9 +112,14 @@ def _single_process_quietly():
         yield
 
 
-def save_checkpoint(path: Path, state: dict[str, Any], model_config: ModelConfig,
-                    tokenizer_file: str | os.PathLike | None = None, model: nn.Module | None = None,
-                    mesh: Mesh | None = None) -> None:
+def save_checkpoint(
+    path: Path,
+    state: dict[str, Any],
+    model_config: ModelConfig,
+    tokenizer_file: str | os.PathLike | None = None,
+    model: nn.Module | None = None,
+    mesh: Mesh | None = None,
+) -> None:
     """Write `state` (nested dicts of tensors and small Python values; the parts of `model` on
     `mesh` where it is sharded) with DCP as `stored_state` presents it, plus config.json (and
     tokenizer.json) and SHA256SUMS, all under a temporary name and flushed to disk, then rename to
@@ -184,17 +190,25 @@ def _first_cause(error: BaseException) -> str:
     return f"{type(cause).__name__}: {cause}"
 
 
-def training_state(model: nn.Module, optimizer: torch.optim.Optimizer,
-                   scheduler: torch.optim.lr_scheduler.LRScheduler, trainer: dict[str, Any]) -> dict[str, Any]:
+def training_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    trainer: dict[str, Any],
+) -> dict[str, Any]:
     """What a training checkpoint holds (this rank's part of it)."""
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    return {"model": model_state, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
-            "trainer": trainer}
+    return {"model": model_state, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "trainer": trainer}
 
 
-def load_training_state(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                        scheduler: torch.optim.lr_scheduler.LRScheduler, trainer: dict[str, Any],
-                        mesh: Mesh | None = None) -> dict[str, Any]:
+def load_training_state(
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    trainer: dict[str, Any],
+    mesh: Mesh | None = None,
+) -> dict[str, Any]:
     """Restore model, optimizer and scheduler from the checkpoint `path` (one that
     `latest_checkpoint` or `resolve_checkpoint` found to verify) into this rank of `mesh`; returns
     `trainer` filled from it."""

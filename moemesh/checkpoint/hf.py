@@ -19,9 +19,8 @@ import logging
 import os
 import re
 from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
-
-from typing import Iterable
 
 import torch
 from safetensors.torch import save_file
@@ -52,8 +51,7 @@ def read_config(path: str | os.PathLike) -> tuple[ModelConfig, Multimodal | None
     return ModelConfig.from_hf_dict(wrapper.text_config(hf) if wrapper else hf), wrapper
 
 
-def read_state(path: str | os.PathLike, config: ModelConfig,
-               wrapper: Multimodal | None = None) -> dict[str, Lazy]:
+def read_state(path: str | os.PathLike, config: ModelConfig, wrapper: Multimodal | None = None) -> dict[str, Lazy]:
     """Every tensor of the directory, unread, under moemesh's (= transformers 5's) names, experts
     fused; of a multimodal checkpoint (`wrapper`), those of its language model."""
     path, fam = Path(path), family(config.model_type)
@@ -73,8 +71,10 @@ def read_state(path: str | os.PathLike, config: ModelConfig,
             continue
         tensors[_rename_moe_prefix(name, fam)] = tensor
     if skipped:
-        _log.warning(f"{path}: loading the language model of a {wrapper.architecture} checkpoint; skipped {skipped} "
-                     f"tensors of its parts moemesh does not model ({', '.join(wrapper.skipped_prefixes)})")
+        _log.warning(
+            f"{path}: loading the language model of a {wrapper.architecture} checkpoint; skipped {skipped} "
+            f"tensors of its parts moemesh does not model ({', '.join(wrapper.skipped_prefixes)})"
+        )
     if fam.state_from_hf is not None:
         return fam.state_from_hf(tensors, config)
     return _fuse_experts(tensors, fam, config)
@@ -113,6 +113,7 @@ def _fuse_experts(tensors: dict[str, Lazy], fam: Family, config: ModelConfig) ->
             fused[key] = tensor
     gate_name, up_name, down_name = fam.hub_expert_names
     for prefix, pieces in per_expert.items():
+
         def piece(name: str, j: int) -> Lazy:
             if (name, j) not in pieces:
                 raise CheckpointError(f"missing weight {prefix}.{j}.{name}.weight")
@@ -120,7 +121,8 @@ def _fuse_experts(tensors: dict[str, Lazy], fam: Family, config: ModelConfig) ->
 
         experts = range(config.num_experts)
         fused[f"{prefix}.gate_up_proj"] = torch.stack(
-            [torch.cat([piece(gate_name, j), piece(up_name, j)]) for j in experts])
+            [torch.cat([piece(gate_name, j), piece(up_name, j)]) for j in experts]
+        )
         fused[f"{prefix}.down_proj"] = torch.stack([piece(down_name, j) for j in experts])
         extra = sorted(j for _, j in pieces if j >= config.num_experts)
         if extra:
@@ -160,8 +162,12 @@ def save_pretrained(model: MoECausalLM, path: str | os.PathLike, max_shard_bytes
     write_pretrained(state.items(), model.config, path, max_shard_bytes)
 
 
-def write_pretrained(tensors: Iterable[tuple[str, torch.Tensor]], config: ModelConfig, path: str | os.PathLike,
-                     max_shard_bytes: int = 5 * 2**30) -> None:
+def write_pretrained(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    config: ModelConfig,
+    path: str | os.PathLike,
+    max_shard_bytes: int = 5 * 2**30,
+) -> None:
     """Write moemesh tensors, given one at a time, as a Hugging Face directory: each shard of at
     most `max_shard_bytes` is written once full, so memory holds one shard. Every file is written
     under a temporary name and renamed when complete; config.json comes last."""
@@ -188,13 +194,18 @@ def write_pretrained(tensors: Iterable[tuple[str, torch.Tensor]], config: ModelC
             pending_bytes += size
             total += size
     flush()
-    names = ["model.safetensors"] if len(shards) == 1 else \
-        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     for i, name in enumerate(names):
         os.replace(path / f".shard-{i:05d}.safetensors", path / name)
     if len(shards) > 1:
-        index = {"metadata": {"total_size": total},
-                 "weight_map": {key: name for name, keys in zip(names, shards) for key in keys}}
+        index = {
+            "metadata": {"total_size": total},
+            "weight_map": {key: name for name, keys in zip(names, shards) for key in keys},
+        }
         _atomic_write(path / INDEX_FILE, lambda tmp: Path(tmp).write_text(json.dumps(index, indent=2)))
     hf_config = config.to_hf_dict()
     hf_config["dtype"] = str(dtype).removeprefix("torch.")

@@ -21,9 +21,18 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 _MAX_RUNS = 16  # a dim wanted in at most this many separate runs is read run by run
 
 
@@ -54,7 +63,7 @@ class Lazy:
         key = key if isinstance(key, tuple) else (key,)
         if Ellipsis in key:
             at = key.index(Ellipsis)
-            key = key[:at] + (slice(None),) * (self.ndim - len(key) + 1) + key[at + 1:]
+            key = key[:at] + (slice(None),) * (self.ndim - len(key) + 1) + key[at + 1 :]
         out = self
         for d, item in enumerate(key):
             if not isinstance(item, slice):
@@ -120,7 +129,7 @@ class Stored(Lazy):
         if split is None:
             block = self._box(boxes)
         else:  # one dim in a few runs: read each (index increasing, so the runs come in its order)
-            block = torch.cat([self._box(boxes[:split] + [run] + boxes[split + 1:]) for run in runs[split]], split)
+            block = torch.cat([self._box(boxes[:split] + [run] + boxes[split + 1 :]) for run in runs[split]], split)
         for d, (i, (start, stop)) in enumerate(zip(index, boxes)):
             if d != split and len(i) != stop - start:
                 block = block.index_select(d, i - start)
@@ -145,7 +154,7 @@ class _Indexed(Lazy):
 
     def __init__(self, source: Lazy, dim: int, positions: torch.Tensor):
         self.source, self.dim_, self.positions = source, dim, positions
-        self.shape = source.shape[:dim] + (len(positions),) + source.shape[dim + 1:]
+        self.shape = source.shape[:dim] + (len(positions),) + source.shape[dim + 1 :]
         self.dtype = source.dtype
 
     def _read_into(self, out, index):

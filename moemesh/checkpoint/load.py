@@ -23,7 +23,7 @@ from torch import nn
 from moemesh.checkpoint.dcp import CHECKPOINTS, _load, checkpoint_steps, resolve_checkpoint
 from moemesh.checkpoint.hf import DTYPES, read_config, read_state
 from moemesh.errors import CheckpointError
-from moemesh.models import MoECausalLM, ModelConfig
+from moemesh.models import ModelConfig, MoECausalLM
 from moemesh.models.build import meta_model
 from moemesh.parallel.mesh import Mesh
 from moemesh.parallel.parallelize import materialize
@@ -95,12 +95,15 @@ def _load_hf(model: MoECausalLM, path: Path) -> None:
         if name not in tensors:
             raise CheckpointError(f"{path}: missing weight {name!r} (shape {tuple(shape)})")
         if tensors[name].shape != shape:
-            raise CheckpointError(f"{path}: weight {name!r} has shape {tuple(tensors[name].shape)}, "
-                                  f"the config expects {tuple(shape)}")
+            raise CheckpointError(
+                f"{path}: weight {name!r} has shape {tuple(tensors[name].shape)}, the config expects {tuple(shape)}"
+            )
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
-        raise CheckpointError(f"{path}: unexpected weight {unexpected[0]!r} (not in a {config.model_type} "
-                              f"model with this config; {len(unexpected)} such weights)")
+        raise CheckpointError(
+            f"{path}: unexpected weight {unexpected[0]!r} (not in a {config.model_type} "
+            f"model with this config; {len(unexpected)} such weights)"
+        )
     for name, target in model.state_dict(keep_vars=True).items():
         if name in expected:  # not the tied head
             local, _, index = local_view(target)
@@ -110,8 +113,9 @@ def _load_hf(model: MoECausalLM, path: Path) -> None:
                 raise CheckpointError(f"{path}: cannot read {name!r} ({error})") from None
 
 
-def load_model(path: str | os.PathLike, device: torch.device | str = "cpu",
-               dtype: torch.dtype | None = None) -> tuple[nn.Module, Path]:
+def load_model(
+    path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+) -> tuple[nn.Module, Path]:
     """The whole model of a Hugging Face directory (in `dtype`, default the one its config.json
     names, else float32) or of a moemesh checkpoint or run directory (default float32), with the
     directory it came from. One process; no host copy beyond the tensor being read."""
@@ -123,8 +127,9 @@ def load_model(path: str | os.PathLike, device: torch.device | str = "cpu",
     return model, load_weights(model, path)
 
 
-def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None,
-                    device: torch.device | str | None = None) -> MoECausalLM:
+def from_pretrained(
+    path: str | os.PathLike, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+) -> MoECausalLM:
     """A Hugging Face model directory (written by transformers' `save_pretrained` or ours), whole."""
     if not is_hf_directory(path):
         raise CheckpointError(f"{path} is not a Hugging Face model directory (config.json + *.safetensors)")

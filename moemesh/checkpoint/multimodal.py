@@ -28,8 +28,10 @@ class Multimodal:
         text = hf.get("text_config")
         if not isinstance(text, dict) or text.get("model_type") != self.text_model_type:
             got = text.get("model_type") if isinstance(text, dict) else text
-            raise ConfigError(f"model config: a {hf['model_type']} ({self.architecture}) config needs a text_config "
-                              f"of model_type {self.text_model_type!r}, got {got!r}")
+            raise ConfigError(
+                f"model config: a {hf['model_type']} ({self.architecture}) config needs a text_config "
+                f"of model_type {self.text_model_type!r}, got {got!r}"
+            )
         text = dict(text)
         # transformers ties the head by the outer config's flag, and writes the dtype there
         text["tie_word_embeddings"] = hf.get("tie_word_embeddings", self.tie_default)
@@ -47,13 +49,19 @@ class Multimodal:
             return key
         if key.startswith(self.skipped_prefixes):
             return None
-        raise CheckpointError(f"unexpected weight {key!r} in a {self.architecture} checkpoint (neither the language "
-                         f"model under {self.text_prefix!r}, lm_head, nor the parts moemesh skips: "
-                         f"{', '.join(self.skipped_prefixes)})")
+        raise CheckpointError(
+            f"unexpected weight {key!r} in a {self.architecture} checkpoint (neither the language "
+            f"model under {self.text_prefix!r}, lm_head, nor the parts moemesh skips: "
+            f"{', '.join(self.skipped_prefixes)})"
+        )
 
 
 WRAPPERS = {
-    "gemma4": Multimodal("Gemma4ForConditionalGeneration", "gemma4_text", "model.language_model.",
-                         ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio."),
-                         tie_default=True),
+    "gemma4": Multimodal(
+        "Gemma4ForConditionalGeneration",
+        "gemma4_text",
+        "model.language_model.",
+        ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio."),
+        tie_default=True,
+    ),
 }

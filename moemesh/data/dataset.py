@@ -29,7 +29,8 @@ class TokenDataset:
         if self.num_train_windows == 0 or self.num_val_windows == 0:
             raise DataError(
                 f"{source} has {len(tokens)} tokens: too few for one training and one validation sequence of "
-                f"train.seq_len={seq_len} tokens with data.val_fraction={val_fraction}")
+                f"train.seq_len={seq_len} tokens with data.val_fraction={val_fraction}"
+            )
         self._epoch_order: tuple[int, np.ndarray] | None = None
 
     def _window_order(self, epoch: int) -> np.ndarray:
@@ -59,14 +60,16 @@ def rank_slice(batch: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:
     """A data-parallel rank's contiguous share of a micro-batch (the micro-batches themselves are
     the same on every layout)."""
     rows = len(batch) // ranks
-    return batch[rank * rows:(rank + 1) * rows]
+    return batch[rank * rows : (rank + 1) * rows]
 
 
 def load_dataset(data: DataConfig, seq_len: int, seed: int, vocab_size: int) -> tuple[TokenDataset, Tokenizer]:
     tokenizer = load_tokenizer(data.tokenizer)
     if tokenizer.vocab_size > vocab_size:
-        raise ConfigError(f"model.vocab_size ({vocab_size}) is smaller than the tokenizer's vocabulary "
-                          f"({tokenizer.vocab_size}, data.tokenizer={data.tokenizer!r})")
+        raise ConfigError(
+            f"model.vocab_size ({vocab_size}) is smaller than the tokenizer's vocabulary "
+            f"({tokenizer.vocab_size}, data.tokenizer={data.tokenizer!r})"
+        )
     tokens = load_tokens(data.path, tokenizer)
     low, high = int(tokens.min()), int(tokens.max())
     if low < 0 or high >= vocab_size:

@@ -63,5 +63,5 @@ class HFTokenizer:
 
 
 def load_tokenizer(spec: str | Path) -> Tokenizer:
-    """"bytes" or the path of a tokenizer.json."""
+    """ "bytes" or the path of a tokenizer.json."""
     return ByteTokenizer() if str(spec) == "bytes" else HFTokenizer(spec)

@@ -26,10 +26,13 @@ class ChatTemplate:
         def raise_exception(message):
             raise TemplateError(message)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
         env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
-        env.globals.update(raise_exception=raise_exception,
-                           strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+        env.globals.update(
+            raise_exception=raise_exception, strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt)
+        )
         self.template = env.from_string(source)
         self.bos_token, self.eos_token = bos_token, eos_token
 
@@ -37,8 +40,12 @@ class ChatTemplate:
         from jinja2.exceptions import TemplateError
 
         try:
-            return self.template.render(messages=messages, add_generation_prompt=True, bos_token=self.bos_token or "",
-                                        eos_token=self.eos_token or "")
+            return self.template.render(
+                messages=messages,
+                add_generation_prompt=True,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
         except TemplateError as e:  # the template's own checks (roles in order, ...)
             raise RequestError(f"the chat template refused the messages: {e}", "messages") from None
 

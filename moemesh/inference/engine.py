@@ -54,8 +54,15 @@ class RowStep:
 
 
 class DecodeEngine:
-    def __init__(self, model: MoECausalLM, max_batch: int = 16, max_len: int | None = None,
-                 cuda_graphs: bool | None = None, prefill_chunk: int = 1024, group=None):
+    def __init__(
+        self,
+        model: MoECausalLM,
+        max_batch: int = 16,
+        max_len: int | None = None,
+        cuda_graphs: bool | None = None,
+        prefill_chunk: int = 1024,
+        group=None,
+    ):
         self.model = model
         self.device = next(model.parameters()).device
         limit = model.config.max_position_embeddings
@@ -63,8 +70,9 @@ class DecodeEngine:
         self.max_batch = max_batch
         self.batch_sizes = sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length() + 1)})
         # 64, 128, ... up to max_len: attention reads at most twice the entries in use
-        self.kv_lens = sorted({min(1 << i, self.max_len) for i in range(6, self.max_len.bit_length() + 1)}
-                              | {self.max_len})
+        self.kv_lens = sorted(
+            {min(1 << i, self.max_len) for i in range(6, self.max_len.bit_length() + 1)} | {self.max_len}
+        )
         self.cache = KVCache(max_batch, self.max_len)
         self.prefill_chunk = prefill_chunk
         self.group = group
@@ -82,8 +90,10 @@ class DecodeEngine:
     def prefill(self, row: int, prompt_ids: list[int], sampling: Sampling) -> int:
         """Put a prompt into cache row `row` (positions 0..len-1) and sample its first new token."""
         if not 0 < len(prompt_ids) <= self.max_len or not 0 <= row < self.max_batch:
-            raise ValueError(f"prefill of {len(prompt_ids)} tokens into row {row}: the cache has "
-                             f"{self.max_batch} rows of {self.max_len}")
+            raise ValueError(
+                f"prefill of {len(prompt_ids)} tokens into row {row}: the cache has "
+                f"{self.max_batch} rows of {self.max_len}"
+            )
         ids = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
         settings = torch.tensor([sampling.temperature, sampling.top_p], dtype=torch.float64, device=self.device)
         self._announce(_PREFILL, row, len(prompt_ids), sampling.seed, ids, settings)
@@ -165,7 +175,7 @@ class DecodeEngine:
     def _prefill(self, row: int, ids: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         self.cache.row_start = row
         for start in range(0, len(ids), self.prefill_chunk):
-            chunk = ids[start:start + self.prefill_chunk]
+            chunk = ids[start : start + self.prefill_chunk]
             self.cache.kv_len = start + len(chunk)
             positions = torch.arange(start, start + len(chunk), device=self.device)[None]
             logits = self.model.next_token_logits(chunk[None], self.cache, positions)

@@ -10,9 +10,9 @@ it reads as the start of a document.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence as Seq
 from dataclasses import replace
 from pathlib import Path
-from typing import Sequence as Seq
 
 import torch
 
@@ -31,8 +31,13 @@ from moemesh.parallel.mesh import Mesh
 from moemesh.parallel.parallelize import materialize, parallelize
 
 
-def load_for_generation(path: str | os.PathLike, tokenizer: str | None = None, device: str = "cpu",
-                        dtype: torch.dtype | None = None, mesh: Mesh | None = None) -> tuple[MoECausalLM, Tokenizer]:
+def load_for_generation(
+    path: str | os.PathLike,
+    tokenizer: str | None = None,
+    device: str = "cpu",
+    dtype: torch.dtype | None = None,
+    mesh: Mesh | None = None,
+) -> tuple[MoECausalLM, Tokenizer]:
     """A model from a checkpoint, run directory or Hugging Face directory, laid out for `mesh`
     (tensor parallelism: each rank reads only its heads, expert slices and vocabulary slice) and
     read straight into `dtype` on `device` (default bfloat16 on a GPU, float32 on a CPU), with its
@@ -58,23 +63,34 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
     try:
         ids = ([] if tokenizer.eos_id is None else [tokenizer.eos_id]) + tokenizer.encode(prompt)
     except UnicodeEncodeError as e:  # a command line's undecodable bytes arrive as lone surrogates
-        raise RequestError(f"the prompt is not UTF-8 text (a byte such as 0x{ord(e.object[e.start]) & 0xff:02x} at "
-                           f"character {e.start} is not valid UTF-8)", "prompt") from None
+        raise RequestError(
+            f"the prompt is not UTF-8 text (a byte such as 0x{ord(e.object[e.start]) & 0xFF:02x} at "
+            f"character {e.start} is not valid UTF-8)",
+            "prompt",
+        ) from None
     if not ids:
         raise RequestError("the prompt is empty and the tokenizer has no end-of-document token to start from", "prompt")
     return ids
 
 
-def generate(engine: DecodeEngine, tokenizer: Tokenizer, prompts: Seq[str | list[int]],
-             params: SamplingParams | Seq[SamplingParams] = SamplingParams()) -> list[Sequence]:
+def generate(
+    engine: DecodeEngine,
+    tokenizer: Tokenizer,
+    prompts: Seq[str | list[int]],
+    params: SamplingParams | Seq[SamplingParams] | None = None,
+) -> list[Sequence]:
     """Every prompt (text, or token ids taken as they are) continued, in the order given; one
     SamplingParams for all or one per prompt. Each result has `text`, `token_ids` and
     `finish_reason` ("stop": the end-of-document token or a stop string, "length")."""
+    if params is None:
+        params = SamplingParams()
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
     scheduler = Scheduler(engine, tokenizer, max_waiting=len(prompts))
-    sequences = [scheduler.submit(p if isinstance(p, list) else prompt_ids(tokenizer, p), q)
-                 for p, q in zip(prompts, params, strict=True)]
+    sequences = [
+        scheduler.submit(p if isinstance(p, list) else prompt_ids(tokenizer, p), q)
+        for p, q in zip(prompts, params, strict=True)
+    ]
     scheduler.run_until_idle()
     return sequences
 
@@ -105,8 +121,9 @@ def _prompt_line(path: Path, number: int, item, defaults: SamplingParams) -> tup
         raise DataError(f'{path} line {number}: expected an object with a string "prompt"')
     unknown = set(item) - {"prompt", *_PER_PROMPT}
     if unknown:
-        raise DataError(f"{path} line {number}: unknown field {sorted(unknown)[0]!r} (known: prompt, "
-                        f"{', '.join(_PER_PROMPT)})")
+        raise DataError(
+            f"{path} line {number}: unknown field {sorted(unknown)[0]!r} (known: prompt, {', '.join(_PER_PROMPT)})"
+        )
     settings = {k: item[k] for k in _PER_PROMPT if k in item}
     if isinstance(settings.get("stop"), (str, list)):
         settings["stop"] = (settings["stop"],) if isinstance(settings["stop"], str) else tuple(settings["stop"])

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from moemesh.data.tokenizer import Tokenizer
 from moemesh.errors import RequestError
@@ -33,6 +33,7 @@ class SamplingParams:
 
     def check(self) -> None:
         """A RequestError naming the first field out of range."""
+
         def is_int(value):
             return isinstance(value, int) and not isinstance(value, bool)
 
@@ -61,8 +62,11 @@ def check_request(prompt_ids: list[int], params: SamplingParams, context: int) -
     if not prompt_ids:
         raise RequestError("the prompt is empty", "prompt")
     if len(prompt_ids) >= context:
-        raise RequestError(f"the prompt has {len(prompt_ids)} tokens; the context holds {context} "
-                           "(the prompt and at least one new token)", "prompt")
+        raise RequestError(
+            f"the prompt has {len(prompt_ids)} tokens; the context holds {context} "
+            "(the prompt and at least one new token)",
+            "prompt",
+        )
 
 
 class IncrementalText:
@@ -74,19 +78,19 @@ class IncrementalText:
     def add(self, token: int) -> str:
         """Append a token; return the text that became final (maybe "")."""
         self.ids.append(token)
-        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
-        now = self.tokenizer.decode(self.ids[self.prefix:])
+        before = self.tokenizer.decode(self.ids[self.prefix : self.read])
+        now = self.tokenizer.decode(self.ids[self.prefix :])
         if len(now) <= len(before) or now.endswith("\ufffd"):
             return ""
         self.prefix, self.read = self.read, len(self.ids)
-        return now[len(before):]
+        return now[len(before) :]
 
     def flush(self) -> str:
         """Whatever is left, as it reads now (at the end of the request)."""
-        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
-        now = self.tokenizer.decode(self.ids[self.prefix:])
+        before = self.tokenizer.decode(self.ids[self.prefix : self.read])
+        now = self.tokenizer.decode(self.ids[self.prefix :])
         self.prefix = self.read = len(self.ids)
-        return now[len(before):]
+        return now[len(before) :]
 
 
 class Sequence:
@@ -94,8 +98,13 @@ class Sequence:
     thread for every token sampled (new_text: what became final, maybe "") and once more when
     the request finishes."""
 
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, tokenizer: Tokenizer,
-                 on_update: Callable[[Sequence, str], None] | None = None):
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Tokenizer,
+        on_update: Callable[[Sequence, str], None] | None = None,
+    ):
         self.prompt_ids, self.params = prompt_ids, params
         self.stop_ids = {tokenizer.eos_id, *params.stop_token_ids} - {None}
         self.token_ids: list[int] = []
@@ -148,5 +157,5 @@ class Sequence:
     def _emit(self, final: int) -> None:
         """Tell `on_update` of every token (with the text that became final, maybe none)."""
         if self.on_update is not None:
-            new, self._sent = self.text[self._sent:max(final, self._sent)], max(final, self._sent)
+            new, self._sent = self.text[self._sent : max(final, self._sent)], max(final, self._sent)
             self.on_update(self, new)

@@ -29,8 +29,14 @@ def mode_for(temperatures: list[float], top_ps: list[float]) -> str:
     return "nucleus" if any(p < 1 for p in sampled) else "sample"
 
 
-def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, seed: torch.Tensor,
-           step: torch.Tensor, mode: str) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    seed: torch.Tensor,
+    step: torch.Tensor,
+    mode: str,
+) -> torch.Tensor:
     """logits [B, V]; temperature, top_p [B] float; seed, step [B] int64 -> token ids [B] int64.
     Rows at temperature 0 take the argmax whatever the mode."""
     greedy = logits.argmax(dim=-1)

@@ -15,7 +15,7 @@ import heapq
 import threading
 import traceback
 from collections import Counter, deque
-from typing import Callable
+from collections.abc import Callable
 
 from moemesh.data.tokenizer import Tokenizer
 from moemesh.errors import MoemeshError
@@ -37,8 +37,9 @@ class Scheduler:
         self.closed = False
         self._wake = threading.Condition()
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams,
-               on_update: Callable[[Sequence, str], None] | None = None) -> Sequence:
+    def submit(
+        self, prompt_ids: list[int], params: SamplingParams, on_update: Callable[[Sequence, str], None] | None = None
+    ) -> Sequence:
         """Queue a request (RequestError if it cannot run, QueueFull if the queue is full)."""
         check_request(prompt_ids, params, self.engine.max_len)
         sequence = Sequence(prompt_ids, params, self.tokenizer, on_update)
@@ -62,8 +63,7 @@ class Scheduler:
         self._retire()
         if not self.running:
             return admitted
-        rows = [RowStep(s.row, s.token_ids[-1], s.position, len(s.token_ids), s.params.sampling)
-                for s in self.running]
+        rows = [RowStep(s.row, s.token_ids[-1], s.position, len(s.token_ids), s.params.sampling) for s in self.running]
         self.decode_batches[len(rows)] += 1
         for sequence, token in zip(self.running, self.engine.decode(rows)):
             sequence.add(token, self.engine.max_len)

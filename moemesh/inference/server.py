@@ -8,9 +8,9 @@ scheduler, so that the official `openai` client works unchanged.
 
 Both POSTs take max_tokens (default 16), temperature (default 1, as OpenAI's), top_p, seed
 (default: a random one), stop (a string or a list), n (only 1) and stream: server-sent events,
-one chunk per token (with the text that became final, maybe ""), ending in `data: [DONE]`; with stream_options.include_usage a
-last chunk carries the usage. Requests run in the scheduler's thread, batched continuously; the
-HTTP side only queues them and relays their text.
+one chunk per token (with the text that became final, maybe ""), ending in `data: [DONE]`; with
+stream_options.include_usage a last chunk carries the usage. Requests run in the scheduler's thread,
+batched continuously; the HTTP side only queues them and relays their text.
 
 Bad requests get OpenAI's error object {"error": {"message", "type", "param", "code"}} and the
 server carries on: 400 for bad JSON or fields (a missing or non-string prompt, max_tokens < 1 or
@@ -48,8 +48,14 @@ from moemesh.inference.scheduler import QueueFull, Scheduler
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
@@ -60,8 +66,15 @@ class ApiError(Exception):
 class Service:
     """The scheduler on its own thread and the HTTP app that feeds it."""
 
-    def __init__(self, engine: DecodeEngine, tokenizer: Tokenizer, model_name: str = "moemesh",
-                 api_key: str | None = None, max_waiting: int = 64, max_request_bytes: int = 1 << 20):
+    def __init__(
+        self,
+        engine: DecodeEngine,
+        tokenizer: Tokenizer,
+        model_name: str = "moemesh",
+        api_key: str | None = None,
+        max_waiting: int = 64,
+        max_request_bytes: int = 1 << 20,
+    ):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.api_key, self.max_request_bytes = api_key, max_request_bytes
         self.scheduler = Scheduler(engine, tokenizer, max_waiting)
@@ -81,12 +94,15 @@ class Service:
 
         seconds = self.engine.warm_up()
         if sock is None:
-            print(f"moemesh serve: decode steps of batch 1 to {self.engine.max_batch} ready in {seconds:.1f} s",
-                  flush=True)
+            print(
+                f"moemesh serve: decode steps of batch 1 to {self.engine.max_batch} ready in {seconds:.1f} s",
+                flush=True,
+            )
         worker = threading.Thread(target=self.scheduler.serve_forever, name="moemesh-scheduler", daemon=True)
         worker.start()
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port, log_level="warning",
-                                                    timeout_graceful_shutdown=5))
+        self.server = uvicorn.Server(
+            uvicorn.Config(self.app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+        )
         try:
             if sock is None:
                 print(f"moemesh serve: {self.model_name} on http://{host}:{port}", flush=True)
@@ -123,10 +139,14 @@ def _params(body: dict, prompt_tokens: int, context: int, stop_token_ids: tuple[
     stop = field("stop", (), (str, list, tuple))
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
     seed = body.get("seed")
-    params = SamplingParams(max_tokens=field("max_tokens", 16, (int,)), temperature=field("temperature", 1.0, (int, float)),
-                            top_p=field("top_p", 1.0, (int, float)),
-                            seed=secrets.randbits(31) if seed is None else seed, stop=stop,
-                            stop_token_ids=stop_token_ids)
+    params = SamplingParams(
+        max_tokens=field("max_tokens", 16, (int,)),
+        temperature=field("temperature", 1.0, (int, float)),
+        top_p=field("top_p", 1.0, (int, float)),
+        seed=secrets.randbits(31) if seed is None else seed,
+        stop=stop,
+        stop_token_ids=stop_token_ids,
+    )
     if field("n", 1, (int,)) != 1:
         raise ApiError(400, "only n = 1 is supported", "n")
     try:
@@ -134,11 +154,20 @@ def _params(body: dict, prompt_tokens: int, context: int, stop_token_ids: tuple[
     except RequestError as e:
         raise ApiError(400, str(e), e.param) from None
     if prompt_tokens >= context:
-        raise ApiError(400, f"the prompt has {prompt_tokens} tokens; the context holds {context}", "prompt",
-                       "context_length_exceeded")
+        raise ApiError(
+            400,
+            f"the prompt has {prompt_tokens} tokens; the context holds {context}",
+            "prompt",
+            "context_length_exceeded",
+        )
     if prompt_tokens + params.max_tokens > context:
-        raise ApiError(400, f"max_tokens ({params.max_tokens}) and the prompt ({prompt_tokens} tokens) exceed the "
-                            f"context ({context} tokens)", "max_tokens", "context_length_exceeded")
+        raise ApiError(
+            400,
+            f"max_tokens ({params.max_tokens}) and the prompt ({prompt_tokens} tokens) exceed the "
+            f"context ({context} tokens)",
+            "max_tokens",
+            "context_length_exceeded",
+        )
     return params
 
 
@@ -152,8 +181,9 @@ def _messages(body: dict) -> list[dict]:
             raise ApiError(400, "each message needs a string role", "messages")
         content = message.get("content", "")
         if isinstance(content, list):  # parts: only text ones
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+            ):
                 raise ApiError(400, "message content parts must be text", "messages")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
@@ -191,8 +221,9 @@ def _create_app(service: Service) -> FastAPI:
         async for chunk in request.stream():
             body += chunk
             if len(body) > service.max_request_bytes:
-                raise ApiError(413, f"the request body is over {service.max_request_bytes} bytes",
-                               code="request_too_large")
+                raise ApiError(
+                    413, f"the request body is over {service.max_request_bytes} bytes", code="request_too_large"
+                )
         try:
             data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -201,8 +232,12 @@ def _create_app(service: Service) -> FastAPI:
             raise ApiError(400, "the body must be a JSON object")
         model = data.get("model", service.model_name)
         if model != service.model_name:
-            raise ApiError(404, f"the model {model!r} does not exist; this server has {service.model_name!r}", "model",
-                           "model_not_found")
+            raise ApiError(
+                404,
+                f"the model {model!r} does not exist; this server has {service.model_name!r}",
+                "model",
+                "model_not_found",
+            )
         return data
 
     @app.get("/health")
@@ -212,8 +247,10 @@ def _create_app(service: Service) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request):
         authorize(request)
-        return {"object": "list", "data": [{"id": service.model_name, "object": "model", "created": service.created,
-                                            "owned_by": "moemesh"}]}
+        return {
+            "object": "list",
+            "data": [{"id": service.model_name, "object": "model", "created": service.created, "owned_by": "moemesh"}],
+        }
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -236,12 +273,17 @@ def _create_app(service: Service) -> FastAPI:
         authorize(request)
         body = await read_json(request)
         if service.chat_template is None:
-            raise ApiError(400, "this model's tokenizer has no chat template (chat_template in tokenizer_config.json "
-                                "or chat_template.jinja beside tokenizer.json): use /v1/completions", "messages")
+            raise ApiError(
+                400,
+                "this model's tokenizer has no chat template (chat_template in tokenizer_config.json "
+                "or chat_template.jinja beside tokenizer.json): use /v1/completions",
+                "messages",
+            )
         text = service.chat_template.render(_messages(body))
         ids = service.tokenizer.encode(text)
-        return await respond(request, body, [ids], [_params(body, len(ids), service.engine.max_len,
-                                                             service.chat_stop_ids)], chat=True)
+        return await respond(
+            request, body, [ids], [_params(body, len(ids), service.engine.max_len, service.chat_stop_ids)], chat=True
+        )
 
     async def respond(request: Request, body: dict, ids: list[list[int]], params: list[SamplingParams], chat: bool):
         loop = asyncio.get_running_loop()
@@ -251,6 +293,7 @@ def _create_app(service: Service) -> FastAPI:
         def relay(index: int):
             def on_update(sequence: Sequence, text: str) -> None:  # on the scheduler's thread
                 loop.call_soon_threadsafe(updates.put_nowait, (index, text, sequence.finish_reason))
+
             return on_update
 
         try:
@@ -271,7 +314,7 @@ def _create_app(service: Service) -> FastAPI:
             while finished < len(sequences):
                 try:
                     _, _, reason = await asyncio.wait_for(updates.get(), timeout=0.5)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     if await request.is_disconnected():
                         return None
                     continue
@@ -328,11 +371,20 @@ class _Reply:
 
     def whole(self) -> dict:
         if self.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": s.text}, "finish_reason": s.finish_reason,
-                        "logprobs": None} for i, s in enumerate(self.sequences)]
+            choices = [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": s.text},
+                    "finish_reason": s.finish_reason,
+                    "logprobs": None,
+                }
+                for i, s in enumerate(self.sequences)
+            ]
         else:
-            choices = [{"index": i, "text": s.text, "finish_reason": s.finish_reason, "logprobs": None}
-                       for i, s in enumerate(self.sequences)]
+            choices = [
+                {"index": i, "text": s.text, "finish_reason": s.finish_reason, "logprobs": None}
+                for i, s in enumerate(self.sequences)
+            ]
         return {**self._head(False), "choices": choices, "usage": self.usage()}
 
     def event(self, index: int, text: str | None, reason: str | None, first: bool = False) -> str:

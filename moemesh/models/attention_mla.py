@@ -48,8 +48,13 @@ class MLAttention(nn.Module):
             x = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
         return apply_rotary(x, cos, sin)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
-                cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        positions: torch.Tensor,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
         batch, seq, _ = x.shape
         if self.q_proj is not None:
             q = self.q_proj(x)

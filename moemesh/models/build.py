@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
+
 from moemesh.models.config import ModelConfig
 from moemesh.models.transformer import MoECausalLM
 
@@ -39,8 +40,9 @@ def meta_model(config: ModelConfig, dtype: torch.dtype | None = None) -> MoECaus
     return model
 
 
-def build(config: ModelConfig, seed: int = 0, device: torch.device | str | None = None,
-          dtype: torch.dtype | None = None) -> MoECausalLM:
+def build(
+    config: ModelConfig, seed: int = 0, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+) -> MoECausalLM:
     """The whole model, initialised from `seed`, on one device (one process; tests; tools)."""
     model = meta_model(config, dtype)
     model.to_empty(device=device or "cpu")
@@ -77,15 +79,16 @@ def parameter_seed(seed: int, name: str) -> int:
 _CHUNK = 1 << 24  # elements generated at once (int64 temporaries of 128 MiB)
 
 
-def fill_normal(out: torch.Tensor, std: float, key: int, shape: torch.Size,
-                index: tuple[torch.Tensor, ...] | None = None) -> None:
+def fill_normal(
+    out: torch.Tensor, std: float, key: int, shape: torch.Size, index: tuple[torch.Tensor, ...] | None = None
+) -> None:
     """out = the block `index` (per dim, indices into `shape`) of a tensor of `shape` whose element
     at flat index i is std · N(0, 1) drawn from (key, i) alone."""
     if out.numel() == 0:
         return
     device = out.device
     index = index or tuple(torch.arange(n) for n in shape)
-    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
     # Flat offsets of one local row (all dims but the first), then rows in chunks.
     inner = torch.zeros((), dtype=torch.long, device=device)
     for d in range(1, len(shape)):
@@ -94,8 +97,8 @@ def fill_normal(out: torch.Tensor, std: float, key: int, shape: torch.Size,
     flat_out = out.view(len(rows), -1) if shape else out.view(1, 1)
     per_chunk = max(1, _CHUNK // max(1, inner.numel()))
     for start in range(0, len(rows), per_chunk):
-        flat = (rows[start:start + per_chunk, None] + inner.reshape(1, -1))
-        flat_out[start:start + per_chunk] = (_standard_normal(flat, key) * std).to(out.dtype)
+        flat = rows[start : start + per_chunk, None] + inner.reshape(1, -1)
+        flat_out[start : start + per_chunk] = (_standard_normal(flat, key) * std).to(out.dtype)
 
 
 def _int64(value: int) -> int:

@@ -120,55 +120,82 @@ class ModelConfig:
             if not ok:
                 raise ConfigError(f"model config: {message}")
 
-        positive = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                    "num_key_value_heads", "num_experts_per_tok", "decoder_sparse_step"]
+        positive = [
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "num_experts_per_tok",
+            "decoder_sparse_step",
+        ]
         for name in positive:
             value = getattr(self, name)
             need(isinstance(value, int) and value > 0, f"{name} must be a positive integer, got {value!r}")
         need(self.num_experts >= 0, f"num_experts must be >= 0, got {self.num_experts}")
         if self.num_experts > 0:
-            need(self.num_experts_per_tok <= self.num_experts,
-                 f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= num_experts ({self.num_experts})")
+            need(
+                self.num_experts_per_tok <= self.num_experts,
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= num_experts ({self.num_experts})",
+            )
             need(self.moe_intermediate_size > 0, "moe_intermediate_size must be positive")
-        need(self.num_attention_heads % self.num_key_value_heads == 0,
-             f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-             f"num_key_value_heads ({self.num_key_value_heads})")
-        need(self.head_dim is not None or self.hidden_size % self.num_attention_heads == 0,
-             f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
-             f"({self.num_attention_heads}) when head_dim is not given")
+        need(
+            self.num_attention_heads % self.num_key_value_heads == 0,
+            f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+            f"num_key_value_heads ({self.num_key_value_heads})",
+        )
+        need(
+            self.head_dim is not None or self.hidden_size % self.num_attention_heads == 0,
+            f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+            f"({self.num_attention_heads}) when head_dim is not given",
+        )
         need(self.attention_head_dim % 2 == 0, f"head_dim must be even for RoPE, got {self.attention_head_dim}")
-        need(self.hidden_act in ("silu", "gelu_pytorch_tanh"),
-             f"hidden_act {self.hidden_act!r} is not supported (only 'silu' and 'gelu_pytorch_tanh')")
+        need(
+            self.hidden_act in ("silu", "gelu_pytorch_tanh"),
+            f"hidden_act {self.hidden_act!r} is not supported (only 'silu' and 'gelu_pytorch_tanh')",
+        )
         bad_layers = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
         need(not bad_layers, f"mlp_only_layers has indices outside 0..{self.num_hidden_layers - 1}: {bad_layers}")
         if self.layer_types is not None:
-            need(len(self.layer_types) == self.num_hidden_layers,
-                 f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+            need(
+                len(self.layer_types) == self.num_hidden_layers,
+                f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers",
+            )
             bad_types = sorted(set(self.layer_types) - {"sliding_attention", "full_attention"})
             need(not bad_types, f"layer_types has unknown types {bad_types}")
         if self.kv_lora_rank is not None:
             dims = ["qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"]
-            need(all(isinstance(getattr(self, d), int) and getattr(self, d) > 0 for d in dims),
-                 f"multi-head latent attention needs positive {', '.join(dims)}")
-            need(self.num_key_value_heads == self.num_attention_heads,
-                 "multi-head latent attention has one key/value head per query head "
-                 f"(num_key_value_heads {self.num_key_value_heads} != num_attention_heads {self.num_attention_heads})")
+            need(
+                all(isinstance(getattr(self, d), int) and getattr(self, d) > 0 for d in dims),
+                f"multi-head latent attention needs positive {', '.join(dims)}",
+            )
+            need(
+                self.num_key_value_heads == self.num_attention_heads,
+                "multi-head latent attention has one key/value head per query head "
+                f"(num_key_value_heads {self.num_key_value_heads} != num_attention_heads {self.num_attention_heads})",
+            )
         if self.rope_scaling is not None:
             self._validate_rope_scaling(need, self.rope_scaling)
         if self.full_attention_rope is not None:
-            need(isinstance(self.full_attention_rope.get("rope_theta"), (int, float)),
-                 "full_attention_rope needs a rope_theta")
+            need(
+                isinstance(self.full_attention_rope.get("rope_theta"), (int, float)),
+                "full_attention_rope needs a rope_theta",
+            )
             scaling = {k: v for k, v in self.full_attention_rope.items() if k != "rope_theta"}
             if scaling.get("rope_type", "default") != "default":
                 self._validate_rope_scaling(need, scaling)
         need(self.scoring_func in ("softmax", "sigmoid"), f"scoring_func {self.scoring_func!r} is not supported")
-        need(self.topk_method in (None, "greedy", "group_limited_greedy", "noaux_tc"),
-             f"topk_method {self.topk_method!r} is not supported")
+        need(
+            self.topk_method in (None, "greedy", "group_limited_greedy", "noaux_tc"),
+            f"topk_method {self.topk_method!r} is not supported",
+        )
         groups = self.n_group or 1
         need(self.num_experts % groups == 0, f"n_group ({groups}) must divide num_experts ({self.num_experts})")
         need(1 <= (self.topk_group or 1) <= groups, f"topk_group ({self.topk_group}) must be in 1..n_group ({groups})")
-        need((self.swiglu_alpha is None) == (self.swiglu_limit is None),
-             "swiglu_alpha and swiglu_limit are given together or not at all")
+        need(
+            (self.swiglu_alpha is None) == (self.swiglu_limit is None),
+            "swiglu_alpha and swiglu_limit are given together or not at all",
+        )
         if any(not self.is_moe_layer(i) for i in range(self.num_hidden_layers)):
             need(self.intermediate_size > 0, "intermediate_size must be positive when dense layers exist")
 
@@ -177,28 +204,36 @@ class ModelConfig:
         from moemesh.models.rope import KEYS
 
         rope_type = scaling.get("rope_type")
-        need(rope_type in KEYS,
-             f"rope_type {rope_type!r} is not supported (only 'default', {', '.join(map(repr, KEYS))})")
+        need(
+            rope_type in KEYS,
+            f"rope_type {rope_type!r} is not supported (only 'default', {', '.join(map(repr, KEYS))})",
+        )
         unknown = sorted(set(scaling) - KEYS[rope_type])
         need(not unknown, f"{rope_type} rope parameters {unknown} are not supported")
         factor = scaling.get("factor")
-        need(factor is None or (isinstance(factor, (int, float)) and factor >= 1),
-             f"rope factor must be a number >= 1, got {factor!r}")
+        need(
+            factor is None or (isinstance(factor, (int, float)) and factor >= 1),
+            f"rope factor must be a number >= 1, got {factor!r}",
+        )
         if rope_type == "yarn":
             original = scaling.get("original_max_position_embeddings")
-            need(isinstance(original, int) and original > 0,
-                 f"yarn needs a positive original_max_position_embeddings, got {original!r}")
+            need(
+                isinstance(original, int) and original > 0,
+                f"yarn needs a positive original_max_position_embeddings, got {original!r}",
+            )
         else:
             fraction = scaling.get("partial_rotary_factor", 1.0)
-            need(isinstance(fraction, (int, float)) and 0 <= fraction <= 1,
-                 f"partial_rotary_factor must be in [0, 1], got {fraction!r}")
+            need(
+                isinstance(fraction, (int, float)) and 0 <= fraction <= 1,
+                f"partial_rotary_factor must be in [0, 1], got {fraction!r}",
+            )
 
     # ---- HF translation ---------------------------------------------------------------------
     @classmethod
     def family_fields(cls) -> list[str]:
         """The fields after `pad_token_id`: only some families have them in config.json."""
         names = cls.field_names()
-        return names[names.index("pad_token_id") + 1:]
+        return names[names.index("pad_token_id") + 1 :]
 
     @classmethod
     def field_names(cls) -> list[str]:

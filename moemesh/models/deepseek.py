@@ -21,10 +21,23 @@ from moemesh.models.family import Family
 # transformers' defaults for what a config.json leaves out. Not q_lora_rank: absent means none (a
 # full-rank q_proj, V2-Lite), as TOML run configs, which have no null, must say it.
 _MLA = {"kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
-_V2_DEFAULTS = {**_MLA, "n_shared_experts": 2, "first_k_dense_replace": 0, "topk_method": "greedy",
-                "routed_scaling_factor": 1.0}
-_V3_DEFAULTS = {**_MLA, "n_shared_experts": 1, "first_k_dense_replace": 3, "n_group": 8, "topk_group": 4,
-                "routed_scaling_factor": 2.5, "norm_topk_prob": True, "rope_interleave": True}
+_V2_DEFAULTS = {
+    **_MLA,
+    "n_shared_experts": 2,
+    "first_k_dense_replace": 0,
+    "topk_method": "greedy",
+    "routed_scaling_factor": 1.0,
+}
+_V3_DEFAULTS = {
+    **_MLA,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 3,
+    "n_group": 8,
+    "topk_group": 4,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "rope_interleave": True,
+}
 
 
 def _reader(defaults: dict):
@@ -60,34 +73,72 @@ def _tp_plan(config: ModelConfig) -> dict[str, str]:
     if config.q_lora_rank is None:
         plan[f"{attn}.q_proj"] = "colwise"
     else:
-        plan.update({f"{attn}.q_a_proj": "replicated_with_grad_allreduce",
-                     f"{attn}.q_a_layernorm": "replicated_with_grad_allreduce", f"{attn}.q_b_proj": "colwise"})
+        plan.update(
+            {
+                f"{attn}.q_a_proj": "replicated_with_grad_allreduce",
+                f"{attn}.q_a_layernorm": "replicated_with_grad_allreduce",
+                f"{attn}.q_b_proj": "colwise",
+            }
+        )
     if any(config.is_moe_layer(i) for i in layers):
-        plan.update({"model.layers.*.mlp.gate": "replicated",
-                     "model.layers.*.mlp.experts.gate_up_proj": "packed_colwise",
-                     "model.layers.*.mlp.experts.down_proj": "rowwise"})
+        plan.update(
+            {
+                "model.layers.*.mlp.gate": "replicated",
+                "model.layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+                "model.layers.*.mlp.experts.down_proj": "rowwise",
+            }
+        )
         if config.n_shared_experts:  # its partial joins the routed experts' in the block's one reduce
-            plan.update({"model.layers.*.mlp.shared_experts.gate_proj": "colwise",
-                         "model.layers.*.mlp.shared_experts.up_proj": "colwise",
-                         "model.layers.*.mlp.shared_experts.down_proj": "rowwise"})
+            plan.update(
+                {
+                    "model.layers.*.mlp.shared_experts.gate_proj": "colwise",
+                    "model.layers.*.mlp.shared_experts.up_proj": "colwise",
+                    "model.layers.*.mlp.shared_experts.down_proj": "rowwise",
+                }
+            )
     if not all(config.is_moe_layer(i) for i in layers):
-        plan.update({"model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
-                     "model.layers.*.mlp.down_proj": "rowwise"})
+        plan.update(
+            {
+                "model.layers.*.mlp.gate_proj": "colwise",
+                "model.layers.*.mlp.up_proj": "colwise",
+                "model.layers.*.mlp.down_proj": "rowwise",
+            }
+        )
     return plan
 
 
-_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_shared_experts",
-           "first_k_dense_replace", "n_group", "topk_group", "routed_scaling_factor")
-_COMMON = dict(renames={"n_routed_experts": "num_experts", "num_local_experts": "num_experts"},
-               write_renames={"num_experts": "n_routed_experts"}, write_hook=_write, tp_plan=_tp_plan,
-               not_in_hf=("sliding_window",))
+_FIELDS = (
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "n_shared_experts",
+    "first_k_dense_replace",
+    "n_group",
+    "topk_group",
+    "routed_scaling_factor",
+)
+_COMMON = dict(
+    renames={"n_routed_experts": "num_experts", "num_local_experts": "num_experts"},
+    write_renames={"num_experts": "n_routed_experts"},
+    write_hook=_write,
+    tp_plan=_tp_plan,
+    not_in_hf=("sliding_window",),
+)
 
 V2 = Family(
     model_type="deepseek_v2",
     architecture="DeepseekV2ForCausalLM",
     # V2 rotates its rope dims as complex pairs (interleaved) and never renormalises the top-k.
-    fixed={"qk_norm": False, "decoder_sparse_step": 1, "mlp_only_layers": [], "scoring_func": "softmax",
-           "rope_interleave": True, "norm_topk_prob": False},
+    fixed={
+        "qk_norm": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "scoring_func": "softmax",
+        "rope_interleave": True,
+        "norm_topk_prob": False,
+    },
     hf_fields=(*_FIELDS, "topk_method"),
     read_hook=_reader(_V2_DEFAULTS),
     **_COMMON,
@@ -96,8 +147,13 @@ V2 = Family(
 V3 = Family(
     model_type="deepseek_v3",
     architecture="DeepseekV3ForCausalLM",
-    fixed={"qk_norm": False, "decoder_sparse_step": 1, "mlp_only_layers": [], "scoring_func": "sigmoid",
-           "topk_method": "noaux_tc"},
+    fixed={
+        "qk_norm": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+    },
     hf_fields=(*_FIELDS, "rope_interleave"),
     read_hook=_reader(_V3_DEFAULTS),
     **_COMMON,

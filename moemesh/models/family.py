@@ -3,8 +3,9 @@ checkpoint keys are spelled. The network itself is `transformer.MoECausalLM` for
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from moemesh.models.config import ModelConfig
 
@@ -79,7 +80,8 @@ def _read_rope(hf: dict[str, Any]) -> None:
         # wins, else the pretraining length defaults to max_position_embeddings.
         if "original_max_position_embeddings" in hf:
             rope["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
-        rope.setdefault("original_max_position_embeddings",
-                        hf.get("max_position_embeddings", ModelConfig.max_position_embeddings))
+        rope.setdefault(
+            "original_max_position_embeddings", hf.get("max_position_embeddings", ModelConfig.max_position_embeddings)
+        )
     if rope["rope_type"] != "default":
         hf["rope_scaling"] = rope

@@ -36,16 +36,16 @@ from moemesh.errors import ConfigError
 from moemesh.models import mixtral
 from moemesh.models.config import ModelConfig
 from moemesh.models.family import Family
-from moemesh.models.layers import (Attention, DenseMLP, KVCache, RMSNorm, apply_rotary, attention_mask,
-                                   grouped_attention)
+from moemesh.models.layers import Attention, DenseMLP, KVCache, RMSNorm, apply_rotary, attention_mask, grouped_attention
 from moemesh.models.moe import MoEBlock, Routing, router_stats
 from moemesh.models.rope import RotaryEmbedding
 from moemesh.models.transformer import DecoderLayer
 from moemesh.ops.linear import Linear
 
-_DEFAULT_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-                 "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
-                                    "rope_theta": 1_000_000.0}}
+_DEFAULT_ROPE = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+}
 
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -71,11 +71,15 @@ class LayerTypeRotary:
         full = dict(config.full_attention_rope or {"rope_theta": config.rope_theta, **(config.rope_scaling or {})})
         theta = full.pop("rope_theta")
         self.tables = {
-            "sliding_attention": RotaryEmbedding(config.attention_head_dim, config.rope_theta, config.rope_scaling,
-                                                 config.max_position_embeddings),
-            "full_attention": RotaryEmbedding(_head_dim(config, "full_attention"), theta,
-                                              None if full.get("rope_type", "default") == "default" else full,
-                                              config.max_position_embeddings),
+            "sliding_attention": RotaryEmbedding(
+                config.attention_head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
+            ),
+            "full_attention": RotaryEmbedding(
+                _head_dim(config, "full_attention"),
+                theta,
+                None if full.get("rope_type", "default") == "default" else full,
+                config.max_position_embeddings,
+            ),
         }
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -104,8 +108,9 @@ class Gemma4Attention(Attention):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.sinks = None
 
-    def forward(self, x: torch.Tensor, rope: dict, positions: torch.Tensor,
-                cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: dict, positions: torch.Tensor, cache: KVCache | None = None
+    ) -> torch.Tensor:
         batch, seq, _ = x.shape
         cos, sin = rope[self.layer_type]
         q = self.q_norm(self.q_proj(x).view(batch, seq, -1, self.head_dim))
@@ -121,8 +126,15 @@ class Gemma4Attention(Attention):
         else:
             plain_causal = self.sliding_window is None or seq <= self.sliding_window
             mask = None if plain_causal else attention_mask(positions, seq, self.sliding_window)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=plain_causal, scale=1.0,
-                                                 enable_gqa=self.num_kv_heads != self.num_heads)
+            out = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                is_causal=plain_causal,
+                scale=1.0,
+                enable_gqa=self.num_kv_heads != self.num_heads,
+            )
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -191,8 +203,14 @@ def _read(hf: dict) -> None:
     if not hf.pop("enable_moe_block", False):
         raise ConfigError("model config: gemma4 without enable_moe_block is a dense model (not supported)")
     hf.pop("use_double_wide_mlp", None)  # only widens the MLPs of key/value-sharing layers
-    defaults = {"tie_word_embeddings": True, "sliding_window": 512, "rms_norm_eps": 1e-6, "head_dim": 256,
-                "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131_072}
+    defaults = {
+        "tie_word_embeddings": True,
+        "sliding_window": 512,
+        "rms_norm_eps": 1e-6,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 131_072,
+    }
     for name, value in defaults.items():
         hf.setdefault(name, value)
     layers = hf.get("num_hidden_layers", ModelConfig.num_hidden_layers)
@@ -255,8 +273,10 @@ def _tp_plan(config: ModelConfig) -> dict[str, str]:
     return {
         **mixtral.FAMILY.tp_plan(config),
         # one norm shared by all heads, applied here to this rank's heads
-        f"{attn}.q_norm": "replicated_with_grad_allreduce", f"{attn}.k_norm": "replicated_with_grad_allreduce",
-        "model.layers.*.dense_mlp.gate_proj": "colwise", "model.layers.*.dense_mlp.up_proj": "colwise",
+        f"{attn}.q_norm": "replicated_with_grad_allreduce",
+        f"{attn}.k_norm": "replicated_with_grad_allreduce",
+        "model.layers.*.dense_mlp.gate_proj": "colwise",
+        "model.layers.*.dense_mlp.up_proj": "colwise",
         "model.layers.*.dense_mlp.down_proj": "rowwise",
     }
 

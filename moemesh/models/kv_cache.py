@@ -27,29 +27,32 @@ class KVCache:
         self.row_start = 0  # the batch's first row; batch row b is cache row row_start + b
         self.kv_len = max_len  # entries attention reads (they must cover every query's position)
 
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
-               positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k/v [B, kv_heads, T, D] at `positions` ([T] for every row, or [B, T]) of the
         batch's rows; return the rows' first kv_len keys and values (views, not copies)."""
         batch = k.shape[0]
         rows = torch.arange(batch, device=k.device)[:, None]
         out = []
         for buffer, new in zip(self.buffers(layer_idx, batch, k, v.shape[3]), (k, v)):
-            mine = buffer[self.row_start:self.row_start + batch]
+            mine = buffer[self.row_start : self.row_start + batch]
             mine[rows, :, positions] = new.transpose(1, 2).to(buffer.dtype)  # [B, T, heads, D] by advanced indexing
-            out.append(mine[:, :, :self.kv_len])
+            out.append(mine[:, :, : self.kv_len])
         return out[0], out[1]
 
-    def buffers(self, layer_idx: int, batch: int, like: torch.Tensor,
-                value_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def buffers(
+        self, layer_idx: int, batch: int, like: torch.Tensor, value_dim: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's whole key and value buffers (allocated at its first write, in the dtype
         and with the kv heads and key size of `like` [B, kv_heads, T, D]), after checking that
         `batch` rows from row_start and kv_len entries fit."""
         if self.row_start + batch > self.rows or self.kv_len > self.max_len:
-            raise ValueError(f"rows [{self.row_start}, {self.row_start + batch}) x {self.kv_len} entries do not "
-                             f"fit a cache of {self.rows} rows x {self.max_len}")
+            raise ValueError(
+                f"rows [{self.row_start}, {self.row_start + batch}) x {self.kv_len} entries do not "
+                f"fit a cache of {self.rows} rows x {self.max_len}"
+            )
         if layer_idx not in self.keys:
             self.keys[layer_idx] = like.new_zeros(self.rows, like.shape[1], self.max_len, like.shape[3])
             self.values[layer_idx] = like.new_zeros(self.rows, like.shape[1], self.max_len, value_dim)
         return self.keys[layer_idx], self.values[layer_idx]
-

@@ -73,11 +73,21 @@ class Attention(nn.Module):
         # One learned logit per head, competing with the keys in the softmax's denominator.
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if config.attention_sinks else None
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
-                cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        positions: torch.Tensor,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
         batch, seq, _ = x.shape
-        if cache is not None and seq == 1 and self.sinks is None and use_triton(x) \
-                and decode_attention.fits(self.head_dim, rope[0].shape[-1]):
+        if (
+            cache is not None
+            and seq == 1
+            and self.sinks is None
+            and use_triton(x)
+            and decode_attention.fits(self.head_dim, rope[0].shape[-1])
+        ):
             return self.decode(x, rope, positions, cache)
         q = self.q_proj(x).view(batch, seq, -1, self.head_dim)
         k = self.k_proj(x).view(batch, seq, -1, self.head_dim)
@@ -95,12 +105,14 @@ class Attention(nn.Module):
         else:
             plain_causal = self.sliding_window is None or seq <= self.sliding_window
             mask = None if plain_causal else attention_mask(positions, seq, self.sliding_window)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=plain_causal,
-                                                 enable_gqa=self.num_kv_heads != self.num_heads)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=plain_causal, enable_gqa=self.num_kv_heads != self.num_heads
+            )
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
-    def decode(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
-               cache: KVCache) -> torch.Tensor:
+    def decode(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor, cache: KVCache
+    ) -> torch.Tensor:
         """One token per row [B, 1, H] through the decoding kernels (ops/gemv.py,
         ops/decode_attention.py): the forward above in three or four launches and o_proj."""
         batch = x.shape[0]
@@ -118,16 +130,23 @@ class Attention(nn.Module):
         eps = self.q_norm.eps if self.q_norm is not None else 0.0
         at = positions.reshape(-1).expand(batch)  # each row's position
         q = decode_attention.rope_to_cache(q, k, v, cos, sin, *norms, eps, keys, values, cache.row_start, at)
-        out = decode_attention.cached_attention(q, keys, values, cache.row_start, at, cache.kv_len,
-                                                self.head_dim**-0.5, self.sliding_window)
+        out = decode_attention.cached_attention(
+            q, keys, values, cache.row_start, at, cache.kv_len, self.head_dim**-0.5, self.sliding_window
+        )
         return self.o_proj(out[:, None])
 
 
-def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+def grouped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """softmax(q·k · scale, masked) · v, computed explicitly, for q [B, h, T, D] against k
-    [B, h_kv, L, D] and v [B, h_kv, L, Dv] (a KV cache's), mask [T, L] or [B, T, L] (True: visible). The h / h_kv query heads
-    that share a key/value head are multiplied as one matrix, so each cached entry is read once
+    [B, h_kv, L, D] and v [B, h_kv, L, Dv] (a KV cache's), mask [T, L] or [B, T, L] (True: visible).
+    The h / h_kv query heads that share a key/value head are multiplied as one matrix, so each cached entry is read once
     (no repeated keys). With `sinks` (GPT-OSS: one logit per head), each head's softmax has one
     more column that takes probability and returns nothing. Scores and softmax in fp32."""
     batch, heads, seq, _ = q.shape

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +36,6 @@ from moemesh.ops.grouped_mm import grouped_mm
 from moemesh.ops.linear import linear
 from moemesh.ops.swiglu import clamped_swiglu
 from moemesh.ops.topk_softmax import topk_softmax
-
 
 # (token, expert) pairs up to which a block without gradients reads only the chosen experts'
 # weights, each once (`MoEBlock.selected_experts`); beyond, the grouped GEMM (prefill, training).
@@ -201,8 +201,13 @@ class Experts(nn.Module):
         # output a partial sum that is reduced once per block, so there every rank adds bias / tp.
         self.down_bias_share = 1.0
 
-    def forward(self, grouped: torch.Tensor, group_sizes: torch.Tensor | None = None,
-                expert_ids: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        grouped: torch.Tensor,
+        group_sizes: torch.Tensor | None = None,
+        expert_ids: torch.Tensor | None = None,
+        weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """grouped [N, H], rows sorted by expert, group_sizes [E] of them each: the grouped GEMMs.
         Or, given expert_ids and routing weights [T, k], grouped is x [T, H] and each token goes
         through its chosen experts, weighted and summed (`selected`). Both through `forward`, so
@@ -224,8 +229,9 @@ class Experts(nn.Module):
         per token with the weighted sum fused too (`ops/expert_gemv.py`)."""
         plain = self.activation is swiglu and self.gate_up_proj_bias is None
         if plain and use_triton(x) and expert_ids.numel() <= PER_TOKEN_ROWS:
-            return expert_gemv_combine(expert_swiglu_gemv(x, self.gate_up_proj, expert_ids), self.down_proj,
-                                       expert_ids, weights)
+            return expert_gemv_combine(
+                expert_swiglu_gemv(x, self.gate_up_proj, expert_ids), self.down_proj, expert_ids, weights
+            )
         if plain:
             gated = expert_gemv(x, self.gate_up_proj, expert_ids, glu=True)
         else:
@@ -268,8 +274,9 @@ class LocalDispatcher:
         permuted = permute(x, routing.expert_ids, num_experts)
         return Dispatched(permuted.grouped, permuted.offsets.diff(), state=permuted.position)
 
-    def combine(self, expert_out: torch.Tensor, dispatched: Dispatched, routing: Routing,
-                num_tokens: int) -> torch.Tensor:
+    def combine(
+        self, expert_out: torch.Tensor, dispatched: Dispatched, routing: Routing, num_tokens: int
+    ) -> torch.Tensor:
         return combine(expert_out, dispatched.state, routing.weights)
 
 
@@ -282,8 +289,9 @@ class MoEBlock(nn.Module):
         # DeepSeek's shared experts: one dense SwiGLU that every token passes through.
         self.shared_experts = None
         if config.n_shared_experts:
-            self.shared_experts = DenseMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
-                                           config.hidden_act)
+            self.shared_experts = DenseMLP(
+                config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, config.hidden_act
+            )
         self.dispatcher = LocalDispatcher()
         # Tensor parallelism replaces this with the block's one all-reduce: the expert outputs are
         # partial sums there, and the weighted top-k sum of combine is linear in them.
@@ -302,15 +310,19 @@ class MoEBlock(nn.Module):
     def compute_experts(self, dispatched: Dispatched) -> torch.Tensor:
         return self.experts(dispatched.grouped, dispatched.group_sizes)
 
-    def combine(self, expert_out: torch.Tensor, dispatched: Dispatched, routing: Routing,
-                num_tokens: int) -> torch.Tensor:
+    def combine(
+        self, expert_out: torch.Tensor, dispatched: Dispatched, routing: Routing, num_tokens: int
+    ) -> torch.Tensor:
         return self._finish(self.dispatcher.combine(expert_out, dispatched, routing, num_tokens), routing)
 
     def reads_selected_experts(self, num_tokens: int) -> bool:
         """Whether `selected_experts` serves these tokens: few of them, no gradients, every
         expert on this rank."""
-        return (not torch.is_grad_enabled() and num_tokens * self.gate.top_k <= SELECTED_EXPERT_ROWS
-                and self.dispatcher.local)
+        return (
+            not torch.is_grad_enabled()
+            and num_tokens * self.gate.top_k <= SELECTED_EXPERT_ROWS
+            and self.dispatcher.local
+        )
 
     def selected_experts(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """x [T, H] -> [T, H], reading only the chosen experts' weights."""

@@ -8,8 +8,9 @@ from moemesh.errors import ConfigError
 from moemesh.models import deepseek, gemma4, gpt_oss, mixtral, qwen3_moe
 from moemesh.models.family import Family
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in [qwen3_moe.FAMILY, mixtral.FAMILY, gpt_oss.FAMILY,
-                                                          deepseek.V2, deepseek.V3, gemma4.FAMILY]}
+FAMILIES: dict[str, Family] = {
+    f.model_type: f for f in [qwen3_moe.FAMILY, mixtral.FAMILY, gpt_oss.FAMILY, deepseek.V2, deepseek.V3, gemma4.FAMILY]
+}
 
 
 def family(model_type: str | None) -> Family:

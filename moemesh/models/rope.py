@@ -17,8 +17,17 @@ import torch
 
 # The rope_scaling keys transformers reads, per rope_type (rope_theta lives on ModelConfig).
 KEYS = {
-    "yarn": {"rope_type", "factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
-             "mscale", "mscale_all_dim", "truncate"},
+    "yarn": {
+        "rope_type",
+        "factor",
+        "original_max_position_embeddings",
+        "attention_factor",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "truncate",
+    },
     "proportional": {"rope_type", "factor", "partial_rotary_factor"},
 }
 
@@ -85,8 +94,9 @@ class RotaryEmbedding:
     """cos/sin tables for given positions. Not a module: it holds no state worth saving, and the
     inverse frequencies are computed on the CPU in fp32 (like transformers) so every device agrees."""
 
-    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None = None,
-                 max_position_embeddings: int = 0):
+    def __init__(
+        self, head_dim: int, theta: float, scaling: dict[str, Any] | None = None, max_position_embeddings: int = 0
+    ):
         rope_type = (scaling or {}).get("rope_type", "default")
         self.attention_factor = 1.0
         if rope_type == "yarn":

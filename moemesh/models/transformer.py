@@ -7,15 +7,15 @@ that a pipeline runtime can interleave them; `forward` runs them in order.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moemesh.models.config import ModelConfig
 from moemesh.models.attention_mla import MLAttention
+from moemesh.models.config import ModelConfig
 from moemesh.models.layers import Attention, DenseMLP, KVCache, RMSNorm
 from moemesh.models.moe import Dispatched, MoEBlock, RouterStats, Routing, load_balancing_loss
 from moemesh.models.rope import RotaryEmbedding
@@ -39,8 +39,11 @@ class DecoderLayer(nn.Module):
         latent = config.kv_lora_rank is not None
         self.self_attn = MLAttention(config, layer_idx) if latent else Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MoEBlock(config) if self.is_moe else DenseMLP(config.hidden_size, config.intermediate_size,
-                                                                 config.hidden_act)
+        self.mlp = (
+            MoEBlock(config)
+            if self.is_moe
+            else DenseMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        )
 
     # ---- stages ---------------------------------------------------------------------------------
     def attention(self, h: torch.Tensor, rope, positions: torch.Tensor, cache: KVCache | None = None):
@@ -58,15 +61,17 @@ class DecoderLayer(nn.Module):
     def experts(self, dispatched: Dispatched) -> torch.Tensor:
         return self.mlp.compute_experts(dispatched)
 
-    def combine(self, expert_out: torch.Tensor, dispatched: Dispatched, routing: Routing,
-                num_tokens: int) -> torch.Tensor:
+    def combine(
+        self, expert_out: torch.Tensor, dispatched: Dispatched, routing: Routing, num_tokens: int
+    ) -> torch.Tensor:
         return self.mlp.combine(expert_out, dispatched, routing, num_tokens)
 
     def aggregate(self, h: torch.Tensor, mlp_out: torch.Tensor) -> torch.Tensor:
         return h + mlp_out.view_as(h)
 
-    def forward(self, h: torch.Tensor, rope, positions: torch.Tensor,
-                cache: KVCache | None = None) -> tuple[torch.Tensor, RouterStats | None]:
+    def forward(
+        self, h: torch.Tensor, rope, positions: torch.Tensor, cache: KVCache | None = None
+    ) -> tuple[torch.Tensor, RouterStats | None]:
         h = self.attention(h, rope, positions, cache)
         if not self.is_moe:
             return self.aggregate(h, self.mlp(self.post_attention_layernorm(h))), None
@@ -101,8 +106,13 @@ class MoECausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         rotary = family(config.model_type).rotary
-        self.rotary = rotary(config) if rotary is not None else RotaryEmbedding(
-            config.rotary_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings)
+        self.rotary = (
+            rotary(config)
+            if rotary is not None
+            else RotaryEmbedding(
+                config.rotary_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
+            )
+        )
         # Data parallelism replaces this so that the load-balancing loss sees the whole
         # micro-batch, as one process would, rather than this rank's slice of it.
         self.reduce_router_stats: Callable[[list[RouterStats]], list[RouterStats]] = lambda stats: stats
@@ -119,9 +129,15 @@ class MoECausalLM(nn.Module):
         if self.config.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                output_router_logits: bool | None = None, cache: KVCache | None = None,
-                positions: torch.Tensor | None = None, return_logits: bool = True) -> CausalLMOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        output_router_logits: bool | None = None,
+        cache: KVCache | None = None,
+        positions: torch.Tensor | None = None,
+        return_logits: bool = True,
+    ) -> CausalLMOutput:
         """With labels and return_logits=False (training), the loss comes from the fused
         linear cross-entropy, which never holds the [tokens, vocab] logits in fp32.
 
@@ -149,8 +165,13 @@ class MoECausalLM(nn.Module):
         h, _ = self.run_layers(self.model.embed_tokens(input_ids), positions, cache=cache)
         return self.gather_logits(self.head(self.model.norm(h[:, -1]))[0])
 
-    def run_layers(self, h: torch.Tensor, positions: torch.Tensor, layers: Iterable[int] | None = None,
-                   cache: KVCache | None = None) -> tuple[torch.Tensor, list[RouterStats]]:
+    def run_layers(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        layers: Iterable[int] | None = None,
+        cache: KVCache | None = None,
+    ) -> tuple[torch.Tensor, list[RouterStats]]:
         """Hidden states through the decoder layers (all, or those indexed: a pipeline stage's),
         with the router statistics of the MoE layers among them."""
         rope = self.rotary(positions, h.dtype)
@@ -161,8 +182,9 @@ class MoECausalLM(nn.Module):
                 router_stats.append(stats)
         return h, router_stats
 
-    def head(self, h: torch.Tensor, labels: torch.Tensor | None = None,
-             return_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def head(
+        self, h: torch.Tensor, labels: torch.Tensor | None = None, return_logits: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Normalised hidden states -> (logits or None, next-token loss or None)."""
         cap = self.config.final_logit_softcapping
         if labels is not None and not return_logits and self.vocab_parallel_loss is None and cap is None:

@@ -36,6 +36,7 @@ except ImportError:
     class tl:  # noqa: N801 - stand-in for the module
         constexpr = None
 
+
 # `triton.jit` picks the interpreter when a kernel is *defined*, i.e. when moemesh.ops is imported,
 # which happens right after this module is imported; setting the variable later has no effect.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -31,8 +31,9 @@ def combine(grouped: torch.Tensor, position: torch.Tensor, weights: torch.Tensor
     return combine_reference(grouped, position, weights, skip)
 
 
-def combine_reference(grouped: torch.Tensor, position: torch.Tensor, weights: torch.Tensor,
-                      skip: bool = False) -> torch.Tensor:
+def combine_reference(
+    grouped: torch.Tensor, position: torch.Tensor, weights: torch.Tensor, skip: bool = False
+) -> torch.Tensor:
     num_tokens, k = position.shape
     compute = torch.promote_types(grouped.dtype, torch.float32)  # fp32, or fp64 for gradcheck
     if skip:  # a skipped slot reads row 0 with weight 0 (and row 0's gradient gets 0 from it)
@@ -108,7 +109,9 @@ def _combine_kernel(grouped_ptr, position_ptr, weights_ptr, out_ptr, hidden, k, 
     for j in range(k):
         row = tl.load(position_ptr + token * k + j).to(tl.int64)
         weight = tl.load(weights_ptr + token * k + j).to(tl.float32)
-        read = mask & (cols * 0 + row >= 0)  # -1: skipped (the test as a block: a scalar mask is not accepted everywhere)
+        read = mask & (
+            cols * 0 + row >= 0
+        )  # -1: skipped (the test as a block: a scalar mask is not accepted everywhere)
         acc += weight * tl.load(grouped_ptr + row * hidden + cols, mask=read, other=0.0).to(tl.float32)
     tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 

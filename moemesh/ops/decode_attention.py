@@ -36,9 +36,20 @@ def fits(head_dim: int, rotary_dim: int) -> bool:
     return head_dim == rotary_dim and 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
 
 
-def rope_to_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
-                  keys: torch.Tensor, values: torch.Tensor, row_start: int, positions: torch.Tensor) -> torch.Tensor:
+def rope_to_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    row_start: int,
+    positions: torch.Tensor,
+) -> torch.Tensor:
     """q [B, h·D], k and v [B, h_kv·D] (rows may be strided), cos/sin [B, D], norm weights [D] or
     None, the cache's keys/values [rows, h_kv, max_len, D], positions [B] (may be strided)
     -> q [B, h, D]."""
@@ -48,15 +59,44 @@ def rope_to_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     if batch:
         has_norm = q_norm is not None
         _rope_to_cache_kernel[(batch, heads + 2 * kv_heads)](
-            q, k, v, q.stride(0), k.stride(0), v.stride(0), cos.contiguous(), sin.contiguous(),
-            q_norm if has_norm else cos, k_norm if has_norm else cos, eps, out, keys, values,
-            keys.stride(0), keys.stride(1), keys.stride(2), row_start, positions, positions.stride(0),
-            HEADS=heads, KV_HEADS=kv_heads, HALF=head_dim // 2, HAS_NORM=has_norm)
+            q,
+            k,
+            v,
+            q.stride(0),
+            k.stride(0),
+            v.stride(0),
+            cos.contiguous(),
+            sin.contiguous(),
+            q_norm if has_norm else cos,
+            k_norm if has_norm else cos,
+            eps,
+            out,
+            keys,
+            values,
+            keys.stride(0),
+            keys.stride(1),
+            keys.stride(2),
+            row_start,
+            positions,
+            positions.stride(0),
+            HEADS=heads,
+            KV_HEADS=kv_heads,
+            HALF=head_dim // 2,
+            HAS_NORM=has_norm,
+        )
     return out
 
 
-def cached_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row_start: int,
-                     positions: torch.Tensor, kv_len: int, scale: float, window: int | None) -> torch.Tensor:
+def cached_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    row_start: int,
+    positions: torch.Tensor,
+    kv_len: int,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
     """q [B, h, D] against the cache's keys/values [rows, h_kv, max_len, D] of rows row_start..,
     each row's keys up to its position (< kv_len) -> [B, h·D] in q's dtype."""
     batch, heads, head_dim = q.shape
@@ -68,10 +108,26 @@ def cached_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     partial = out if splits == 1 else q.new_empty(batch, heads, splits, head_dim + 2, dtype=torch.float32)
     if batch:
         _cached_attention_kernel[(batch, kv_heads, splits)](
-            q.contiguous(), keys, values, partial, keys.stride(0), keys.stride(1), keys.stride(2), row_start,
-            positions, positions.stride(0), chunk, scale, window or 0, GROUP=group,
-            GROUP_PAD=max(16, triton.next_power_of_2(group)), D=head_dim, BLOCK_N=BLOCK_KEYS, SPLITS=splits,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+            q.contiguous(),
+            keys,
+            values,
+            partial,
+            keys.stride(0),
+            keys.stride(1),
+            keys.stride(2),
+            row_start,
+            positions,
+            positions.stride(0),
+            chunk,
+            scale,
+            window or 0,
+            GROUP=group,
+            GROUP_PAD=max(16, triton.next_power_of_2(group)),
+            D=head_dim,
+            BLOCK_N=BLOCK_KEYS,
+            SPLITS=splits,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        )
         if splits > 1:
             _merge_splits_kernel[(batch * heads,)](partial, out, SPLITS=splits, D=head_dim)
     return out
@@ -84,10 +140,32 @@ def split_count(kv_len: int) -> int:
 
 
 @triton.jit
-def _rope_to_cache_kernel(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, cos_ptr, sin_ptr, q_norm_ptr,
-                          k_norm_ptr, eps, out_ptr, keys_ptr, values_ptr, row_stride, head_stride, pos_stride,
-                          row_start, positions_ptr, positions_step, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-                          HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+def _rope_to_cache_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    q_stride,
+    k_stride,
+    v_stride,
+    cos_ptr,
+    sin_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    eps,
+    out_ptr,
+    keys_ptr,
+    values_ptr,
+    row_stride,
+    head_stride,
+    pos_stride,
+    row_start,
+    positions_ptr,
+    positions_step,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     d = tl.arange(0, HALF)
@@ -132,10 +210,27 @@ def _rope_to_cache_kernel(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, cos
 
 
 @triton.jit
-def _cached_attention_kernel(q_ptr, keys_ptr, values_ptr, out_ptr, row_stride, head_stride, pos_stride, row_start,
-                             positions_ptr, positions_step, chunk, scale, window, GROUP: tl.constexpr,
-                             GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                             PRECISION: tl.constexpr):
+def _cached_attention_kernel(
+    q_ptr,
+    keys_ptr,
+    values_ptr,
+    out_ptr,
+    row_stride,
+    head_stride,
+    pos_stride,
+    row_start,
+    positions_ptr,
+    positions_step,
+    chunk,
+    scale,
+    window,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2).to(tl.int64)
@@ -146,8 +241,11 @@ def _cached_attention_kernel(q_ptr, keys_ptr, values_ptr, out_ptr, row_stride, h
     heads = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, D)
     head = kv_head * GROUP + heads  # the query heads of this key/value head
-    q = tl.load(q_ptr + ((row * tl.num_programs(1) * GROUP + head) * D)[:, None] + d[None, :],
-                mask=(heads < GROUP)[:, None], other=0.0)
+    q = tl.load(
+        q_ptr + ((row * tl.num_programs(1) * GROUP + head) * D)[:, None] + d[None, :],
+        mask=(heads < GROUP)[:, None],
+        other=0.0,
+    )
     cache = keys_ptr + (row_start + row) * row_stride + kv_head * head_stride
     vcache = values_ptr + (row_start + row) * row_stride + kv_head * head_stride
     running_max = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
@@ -170,8 +268,11 @@ def _cached_attention_kernel(q_ptr, keys_ptr, values_ptr, out_ptr, row_stride, h
     mine = (heads < GROUP)[:, None]
     if SPLITS == 1:
         out = acc / total[:, None]
-        tl.store(out_ptr + ((row * tl.num_programs(1) * GROUP + head) * D)[:, None] + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=mine)
+        tl.store(
+            out_ptr + ((row * tl.num_programs(1) * GROUP + head) * D)[:, None] + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=mine,
+        )
     else:  # [B, h, SPLITS, D + 2]: the unnormalised sum, its running maximum and total
         at = ((row * tl.num_programs(1) * GROUP + head) * SPLITS + split) * (D + 2)
         tl.store(out_ptr + at[:, None] + d[None, :], acc, mask=mine)

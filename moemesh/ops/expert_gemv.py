@@ -36,10 +36,18 @@ from moemesh.ops.swiglu import swiglu
 def expert_gemv(x: torch.Tensor, weight: torch.Tensor, expert_ids: torch.Tensor, glu: bool = False) -> torch.Tensor:
     """x [T, K], weight [E, O, K], expert_ids [T, k] -> [T·k, O]; with `glu`, weight is [E, 2I, K]
     (gate rows, then up rows) and the result silu(gate)·up, [T·k, I]."""
-    if (x.dim() != 2 or weight.dim() != 3 or expert_ids.dim() != 2 or expert_ids.shape[0] != x.shape[0]
-            or weight.shape[2] != x.shape[1] or (glu and weight.shape[1] % 2)):
-        raise ValueError(f"need x [T, K], weight [E, O, K] (O even with glu), expert_ids [T, k]; got "
-                         f"{tuple(x.shape)}, {tuple(weight.shape)}, {tuple(expert_ids.shape)}")
+    if (
+        x.dim() != 2
+        or weight.dim() != 3
+        or expert_ids.dim() != 2
+        or expert_ids.shape[0] != x.shape[0]
+        or weight.shape[2] != x.shape[1]
+        or (glu and weight.shape[1] % 2)
+    ):
+        raise ValueError(
+            f"need x [T, K], weight [E, O, K] (O even with glu), expert_ids [T, k]; got "
+            f"{tuple(x.shape)}, {tuple(weight.shape)}, {tuple(expert_ids.shape)}"
+        )
     if use_triton(x):
         return expert_gemv_triton(x, weight, expert_ids, glu)
     out = expert_gemv_reference(x, weight, expert_ids)
@@ -52,29 +60,62 @@ def expert_gemv_reference(x: torch.Tensor, weight: torch.Tensor, expert_ids: tor
 
 
 # Tiles tried at a shape's first launch (backend.tuned).
-BY_EXPERT_CONFIGS = [triton.Config({"BLOCK_OUT": o, "BLOCK_K": k}, num_warps=w, num_stages=s)
-                     for o, k, w, s in ((64, 128, 4, 3), (32, 256, 4, 3), (64, 256, 8, 3), (128, 128, 8, 3),
-                                        (32, 128, 4, 4), (16, 256, 4, 4))]
+BY_EXPERT_CONFIGS = [
+    triton.Config({"BLOCK_OUT": o, "BLOCK_K": k}, num_warps=w, num_stages=s)
+    for o, k, w, s in (
+        (64, 128, 4, 3),
+        (32, 256, 4, 3),
+        (64, 256, 8, 3),
+        (128, 128, 8, 3),
+        (32, 128, 4, 4),
+        (16, 256, 4, 4),
+    )
+]
 
 
-def expert_gemv_triton(x: torch.Tensor, weight: torch.Tensor, expert_ids: torch.Tensor, glu: bool = False) -> torch.Tensor:
+def expert_gemv_triton(
+    x: torch.Tensor, weight: torch.Tensor, expert_ids: torch.Tensor, glu: bool = False
+) -> torch.Tensor:
     x, weight, expert_ids = x.contiguous(), weight.contiguous(), expert_ids.contiguous()
     tokens, k = expert_ids.shape
     out_features = weight.shape[1] // 2 if glu else weight.shape[1]
     out = x.new_empty(tokens * k, out_features)
     if tokens and k and out_features:  # a launch grid must not be empty
         _by_expert_kernel[lambda meta: (weight.shape[0], triton.cdiv(out_features, meta["BLOCK_OUT"]))](
-            x, weight, expert_ids, out, tokens * k, x.shape[1], out_features, triton.next_power_of_2(tokens * k),
-            PAIRS_PER_X=k, GLU=glu, PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+            x,
+            weight,
+            expert_ids,
+            out,
+            tokens * k,
+            x.shape[1],
+            out_features,
+            triton.next_power_of_2(tokens * k),
+            PAIRS_PER_X=k,
+            GLU=glu,
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        )
     return out
 
 
 @tuned(BY_EXPERT_CONFIGS, key=["size_class", "inner", "out_features", "PAIRS_PER_X", "GLU"])
 @triton.jit
-def _by_expert_kernel(x_ptr, weight_ptr, ids_ptr, out_ptr, pairs, inner, out_features, size_class,
-                      PAIRS_PER_X: tl.constexpr, GLU: tl.constexpr, PRECISION: tl.constexpr,
-                      BLOCK_OUT: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr = 16,
-                      SCAN: tl.constexpr = 256):
+def _by_expert_kernel(
+    x_ptr,
+    weight_ptr,
+    ids_ptr,
+    out_ptr,
+    pairs,
+    inner,
+    out_features,
+    size_class,
+    PAIRS_PER_X: tl.constexpr,
+    GLU: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_OUT: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ROWS: tl.constexpr = 16,
+    SCAN: tl.constexpr = 256,
+):
     # One program per (expert, block of outputs). It finds the (token, slot) pairs that chose its
     # expert by scanning the ids, then streams its block of the expert's weight once per 16 of
     # them (tl.dot pads to 16 rows): an expert no pair chose costs a scan and no weight read.
@@ -108,20 +149,30 @@ def _by_expert_kernel(x_ptr, weight_ptr, ids_ptr, out_ptr, pairs, inner, out_fea
             w_mask = (cols[None, :] < out_features) & (ks[:, None] < inner)  # [BLOCK_K, BLOCK_OUT]
             acc += tl.dot(xs, tl.load(matrix + ks[:, None], mask=w_mask, other=0.0), input_precision=PRECISION)
             if GLU:
-                up += tl.dot(xs, tl.load(matrix + out_features * inner + ks[:, None], mask=w_mask, other=0.0),
-                             input_precision=PRECISION)
+                up += tl.dot(
+                    xs,
+                    tl.load(matrix + out_features * inner + ks[:, None], mask=w_mask, other=0.0),
+                    input_precision=PRECISION,
+                )
         if GLU:  # gate and up rounded as the unfused path's GEMV output, SwiGLU in fp32
             gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
             acc = gate / (1.0 + tl.exp(-gate)) * up.to(out_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(out_ptr + pair.to(tl.int64)[:, None] * out_features + cols[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < out_features))
+        tl.store(
+            out_ptr + pair.to(tl.int64)[:, None] * out_features + cols[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=valid[:, None] & (cols[None, :] < out_features),
+        )
 
 
 # Tiles tried at a shape's first launch (backend.tuned), for each of the two fused kernels.
-SWIGLU_CONFIGS = [triton.Config({"BLOCK_OUT": o, "BLOCK_K": k}, num_warps=w)
-                  for o, k, w in ((16, 256, 4), (8, 512, 4), (16, 512, 8), (32, 256, 4), (4, 1024, 4))]
-COMBINE_CONFIGS = [triton.Config({"BLOCK_OUT": o, "BLOCK_K": k}, num_warps=w)  # [top-k, o, k] tiles
-                   for o, k, w in ((8, 128, 4), (4, 256, 4), (16, 64, 4), (8, 256, 8), (4, 128, 4))]
+SWIGLU_CONFIGS = [
+    triton.Config({"BLOCK_OUT": o, "BLOCK_K": k}, num_warps=w)
+    for o, k, w in ((16, 256, 4), (8, 512, 4), (16, 512, 8), (32, 256, 4), (4, 1024, 4))
+]
+COMBINE_CONFIGS = [
+    triton.Config({"BLOCK_OUT": o, "BLOCK_K": k}, num_warps=w)  # [top-k, o, k] tiles
+    for o, k, w in ((8, 128, 4), (4, 256, 4), (16, 64, 4), (8, 256, 8), (4, 128, 4))
+]
 
 
 def expert_swiglu_gemv(x: torch.Tensor, gate_up: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
@@ -133,12 +184,14 @@ def expert_swiglu_gemv(x: torch.Tensor, gate_up: torch.Tensor, expert_ids: torch
     out = x.new_empty(tokens * k, inner)
     if tokens:
         _expert_swiglu_gemv_kernel[lambda meta: (tokens * k, triton.cdiv(inner, meta["BLOCK_OUT"]))](
-            x, gate_up, expert_ids.contiguous(), out, triton.next_power_of_2(tokens), x.shape[1], inner, K=k)
+            x, gate_up, expert_ids.contiguous(), out, triton.next_power_of_2(tokens), x.shape[1], inner, K=k
+        )
     return out
 
 
-def expert_gemv_combine(a: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor,
-                        weights: torch.Tensor) -> torch.Tensor:
+def expert_gemv_combine(
+    a: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
     """a [T·k, I], down [E, H, I], expert_ids and weights [T, k] -> [T, H] (Triton only: the
     reference is combine(expert_gemv(a, down, ids.view(-1, 1)), positions, weights))."""
     a, down = a.contiguous(), down.contiguous()
@@ -147,15 +200,34 @@ def expert_gemv_combine(a: torch.Tensor, down: torch.Tensor, expert_ids: torch.T
     out = a.new_empty(tokens, hidden)
     if tokens:
         _expert_gemv_combine_kernel[lambda meta: (tokens, triton.cdiv(hidden, meta["BLOCK_OUT"]))](
-            a, down, expert_ids.contiguous(), weights.contiguous(), out, triton.next_power_of_2(tokens), a.shape[1],
-            hidden, K=k, K_PAD=triton.next_power_of_2(k))
+            a,
+            down,
+            expert_ids.contiguous(),
+            weights.contiguous(),
+            out,
+            triton.next_power_of_2(tokens),
+            a.shape[1],
+            hidden,
+            K=k,
+            K_PAD=triton.next_power_of_2(k),
+        )
     return out
 
 
 @tuned(SWIGLU_CONFIGS, key=["size_class", "hidden", "inner", "K"])
 @triton.jit
-def _expert_swiglu_gemv_kernel(x_ptr, weight_ptr, ids_ptr, out_ptr, size_class, hidden, inner, K: tl.constexpr,
-                               BLOCK_OUT: tl.constexpr, BLOCK_K: tl.constexpr):
+def _expert_swiglu_gemv_kernel(
+    x_ptr,
+    weight_ptr,
+    ids_ptr,
+    out_ptr,
+    size_class,
+    hidden,
+    inner,
+    K: tl.constexpr,
+    BLOCK_OUT: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)  # token row // K, its (row % K)-th expert
     cols = tl.program_id(1) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
     expert = tl.load(ids_ptr + row).to(tl.int64)
@@ -178,9 +250,20 @@ def _expert_swiglu_gemv_kernel(x_ptr, weight_ptr, ids_ptr, out_ptr, size_class, 
 
 @tuned(COMBINE_CONFIGS, key=["size_class", "inner", "hidden", "K"])
 @triton.jit
-def _expert_gemv_combine_kernel(a_ptr, weight_ptr, ids_ptr, weights_ptr, out_ptr, size_class, inner, hidden,
-                                K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_OUT: tl.constexpr,
-                                BLOCK_K: tl.constexpr):
+def _expert_gemv_combine_kernel(
+    a_ptr,
+    weight_ptr,
+    ids_ptr,
+    weights_ptr,
+    out_ptr,
+    size_class,
+    inner,
+    hidden,
+    K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK_OUT: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     # The token's K experts at once, a [K, BLOCK_OUT, BLOCK_K] tile of their weights a step: more
     # bytes in flight than one expert after another.
     token = tl.program_id(0).to(tl.int64)
@@ -192,8 +275,9 @@ def _expert_gemv_combine_kernel(a_ptr, weight_ptr, ids_ptr, weights_ptr, out_ptr
     acc = tl.zeros([K_PAD, BLOCK_OUT], dtype=tl.float32)
     for start in range(0, inner, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
-        xs = tl.load(a_ptr + rows[:, None] * inner + ks[None, :], mask=(slots[:, None] < K) & (ks[None, :] < inner),
-                     other=0.0).to(tl.float32)
+        xs = tl.load(
+            a_ptr + rows[:, None] * inner + ks[None, :], mask=(slots[:, None] < K) & (ks[None, :] < inner), other=0.0
+        ).to(tl.float32)
         mask = (slots[:, None, None] < K) & (cols[None, :, None] < hidden) & (ks[None, None, :] < inner)
         w = tl.load(matrices + ks[None, None, :], mask=mask, other=0.0)
         acc += tl.sum(w.to(tl.float32) * xs[:, None, :], axis=2)

@@ -20,15 +20,28 @@ from moemesh.ops.backend import tl, triton, tuned, use_triton
 MAX_ROWS = 16
 # Tiles tried at a shape's first launch (backend.tuned): wider ones keep more bytes in flight, narrower
 # ones make more programs for the GPU's SMs.
-CONFIGS = [triton.Config({"BLOCK_OUT": o, "BLOCK_K": k}, num_warps=w)
-           for o, k, w in ((16, 256, 4), (16, 512, 4), (32, 256, 4), (32, 512, 8), (64, 128, 4))]
+CONFIGS = [
+    triton.Config({"BLOCK_OUT": o, "BLOCK_K": k}, num_warps=w)
+    for o, k, w in ((16, 256, 4), (16, 512, 4), (32, 256, 4), (32, 512, 8), (64, 128, 4))
+]
 
 
 def fits(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether `gemv` takes these operands (else use F.linear)."""
-    return (not torch.is_grad_enabled() and use_triton(x) and 0 < x.shape[0] <= MAX_ROWS and len(weights) <= 3
-            and all(type(w) in (torch.Tensor, torch.nn.Parameter) and w.dtype == x.dtype and w.dim() == 2
-                    and w.shape[1] == x.shape[1] and w.is_contiguous() for w in weights))
+    return (
+        not torch.is_grad_enabled()
+        and use_triton(x)
+        and 0 < x.shape[0] <= MAX_ROWS
+        and len(weights) <= 3
+        and all(
+            type(w) in (torch.Tensor, torch.nn.Parameter)
+            and w.dtype == x.dtype
+            and w.dim() == 2
+            and w.shape[1] == x.shape[1]
+            and w.is_contiguous()
+            for w in weights
+        )
+    )
 
 
 def gemv(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -43,15 +56,41 @@ def gemv(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
     def grid(meta):
         return (sum(triton.cdiv(n, meta["BLOCK_OUT"]) for n in sizes),)
 
-    _gemv_kernel[grid](x, *padded, *outs_padded, *sizes, rows, inner, triton.next_power_of_2(rows), ROWS=MAX_ROWS,
-                       PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    _gemv_kernel[grid](
+        x,
+        *padded,
+        *outs_padded,
+        *sizes,
+        rows,
+        inner,
+        triton.next_power_of_2(rows),
+        ROWS=MAX_ROWS,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+    )
     return outs
 
 
 @tuned(CONFIGS, key=["n0", "n1", "n2", "inner", "size_class"])
 @triton.jit
-def _gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, out0_ptr, out1_ptr, out2_ptr, n0, n1, n2, rows, inner, size_class,
-                 ROWS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_OUT: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(
+    x_ptr,
+    w0_ptr,
+    w1_ptr,
+    w2_ptr,
+    out0_ptr,
+    out1_ptr,
+    out2_ptr,
+    n0,
+    n1,
+    n2,
+    rows,
+    inner,
+    size_class,
+    ROWS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_OUT: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     block = tl.program_id(0)
     first1 = tl.cdiv(n0, BLOCK_OUT)  # the first block of weight 1, then of weight 2
     first2 = first1 + tl.cdiv(n1, BLOCK_OUT)
@@ -68,10 +107,17 @@ def _gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, out0_ptr, out1_ptr, out2_ptr, n0
     acc = tl.zeros([ROWS, BLOCK_OUT], dtype=tl.float32)
     for k0 in range(0, inner, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        xs = tl.load(x_ptr + m[:, None] * inner + ks[None, :], mask=(m[:, None] < rows) & (ks[None, :] < inner),
-                     other=0.0)
-        w = tl.load(w_ptr + cols[None, :].to(tl.int64) * inner + ks[:, None],
-                    mask=(cols[None, :] < n) & (ks[:, None] < inner), other=0.0)  # [BLOCK_K, BLOCK_OUT]
+        xs = tl.load(
+            x_ptr + m[:, None] * inner + ks[None, :], mask=(m[:, None] < rows) & (ks[None, :] < inner), other=0.0
+        )
+        w = tl.load(
+            w_ptr + cols[None, :].to(tl.int64) * inner + ks[:, None],
+            mask=(cols[None, :] < n) & (ks[:, None] < inner),
+            other=0.0,
+        )  # [BLOCK_K, BLOCK_OUT]
         acc += tl.dot(xs, w, input_precision=PRECISION)
-    tl.store(out_ptr + m[:, None] * n + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=(m[:, None] < rows) & (cols[None, :] < n))
+    tl.store(
+        out_ptr + m[:, None] * n + cols[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=(m[:, None] < rows) & (cols[None, :] < n),
+    )

@@ -22,7 +22,9 @@ PARTIAL_SUMS = 512  # at most this many backward programs, each one partial weig
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of `x [..., w]` scaled by `weight [w]`."""
     if weight.shape != x.shape[-1:]:
-        raise ValueError(f"rms_norm: weight {tuple(weight.shape)} does not match the last dimension of {tuple(x.shape)}")
+        raise ValueError(
+            f"rms_norm: weight {tuple(weight.shape)} does not match the last dimension of {tuple(x.shape)}"
+        )
     if use_triton(x):
         return _RMSNorm.apply(x, weight, eps)
     return rms_norm_reference(x, weight, eps)

@@ -42,14 +42,30 @@ def topk_softmax_triton(logits: torch.Tensor, k: int, renormalize: bool) -> tupl
     weights = logits.new_empty(tokens, k, dtype=torch.float32)
     ids = logits.new_empty(tokens, k, dtype=torch.long)
     if tokens:
-        _topk_softmax_kernel[(tokens,)](logits, weights, ids, experts, K=k, BLOCK_E=block_size(experts),
-                                        BLOCK_K=block_size(k, smallest=2), RENORMALIZE=renormalize)
+        _topk_softmax_kernel[(tokens,)](
+            logits,
+            weights,
+            ids,
+            experts,
+            K=k,
+            BLOCK_E=block_size(experts),
+            BLOCK_K=block_size(k, smallest=2),
+            RENORMALIZE=renormalize,
+        )
     return weights, ids
 
 
 @triton.jit
-def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, experts, K: tl.constexpr, BLOCK_E: tl.constexpr,
-                         BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr):
+def _topk_softmax_kernel(
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    experts,
+    K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
     x = tl.load(logits_ptr + token * experts + cols, mask=cols < experts, other=float("-inf")).to(tl.float32)

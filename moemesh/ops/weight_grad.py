@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 _current: list[Callable[[], None]] | None = None  # the entry being filled, while deferring
 

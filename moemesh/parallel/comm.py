@@ -7,7 +7,8 @@ from __future__ import annotations
 import contextlib
 import re
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,7 @@ def _unpack(packed: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor
         width = _row_bytes(t)
         # Copied into a fresh buffer: the slice may start at, or stride by, a byte count that is
         # not aligned for t's dtype (and .contiguous() keeps a one-row slice as it is).
-        piece = packed.new_empty(packed.shape[0], width).copy_(packed[:, start:start + width]).view(t.dtype)
+        piece = packed.new_empty(packed.shape[0], width).copy_(packed[:, start : start + width]).view(t.dtype)
         out.append(piece.reshape(packed.shape[0], *t.shape[1:]))
         start += width
     return out
@@ -69,8 +70,9 @@ def while_in_flight(hook: Callable[[], None]):
         _in_flight = previous
 
 
-def _all_to_all_bytes(packed: torch.Tensor, output_splits: list[int], input_splits: list[int],
-                      group, phase: str) -> torch.Tensor:
+def _all_to_all_bytes(
+    packed: torch.Tensor, output_splits: list[int], input_splits: list[int], group, phase: str
+) -> torch.Tensor:
     out = packed.new_empty(sum(output_splits), packed.shape[1])
     _count("all_to_all", phase, packed.numel())
     # Asynchronous: NCCL runs it on its own stream; the compute stream waits at `wait`, right
@@ -98,16 +100,19 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         output_splits, input_splits = ctx.splits
-        floats = [(g if g is not None else torch.zeros(sum(output_splits), *t.shape[1:], dtype=t.dtype,
-                                                           device=t.device))
-                  for g, t, d in zip(grads, ctx.templates, ctx.differentiable) if d]
+        floats = [
+            (g if g is not None else torch.zeros(sum(output_splits), *t.shape[1:], dtype=t.dtype, device=t.device))
+            for g, t, d in zip(grads, ctx.templates, ctx.differentiable)
+            if d
+        ]
         received = _all_to_all_bytes(_pack(floats), input_splits, output_splits, ctx.group, "backward")
         unpacked = iter(_unpack(received, floats))
         return (None, None, None, *(next(unpacked) if d else None for d in ctx.differentiable))
 
 
-def all_to_all(tensors: list[torch.Tensor], output_splits: list[int], input_splits: list[int],
-               group) -> list[torch.Tensor]:
+def all_to_all(
+    tensors: list[torch.Tensor], output_splits: list[int], input_splits: list[int], group
+) -> list[torch.Tensor]:
     """Send rows [sum(input_splits[:p]), +input_splits[p]) of every tensor to rank p of `group`,
     receive output_splits[p] rows from each; all tensors travel in one message. Gradients of the
     floating-point tensors come back by the reverse all-to-all."""

@@ -25,8 +25,9 @@ def apply_data_parallel(model: MoECausalLM, mesh: Mesh) -> MoECausalLM:
 
     def reduce_router_stats(stats: list[RouterStats]) -> list[RouterStats]:
         layers = len(stats)
-        summed = comm.all_reduce_sum(torch.cat([torch.stack([s.counts for s in stats]),
-                                                torch.stack([s.prob_sum for s in stats])]), group)
+        summed = comm.all_reduce_sum(
+            torch.cat([torch.stack([s.counts for s in stats]), torch.stack([s.prob_sum for s in stats])]), group
+        )
         # every rank holds an equal slice, so the micro-batch has ranks × the local tokens
         return [RouterStats(summed[i], summed[layers + i], s.num_tokens * ranks) for i, s in enumerate(stats)]
 
@@ -67,8 +68,14 @@ def label_tokens(labels: torch.Tensor) -> int:
     return int((shift_labels(labels) != -100).sum())
 
 
-def rank_loss(ce_loss: torch.Tensor, aux_loss: torch.Tensor | None, local_label_tokens: int,
-              micro_batch_label_tokens: int, aux_coef: float, ranks: int) -> torch.Tensor:
+def rank_loss(
+    ce_loss: torch.Tensor,
+    aux_loss: torch.Tensor | None,
+    local_label_tokens: int,
+    micro_batch_label_tokens: int,
+    aux_coef: float,
+    ranks: int,
+) -> torch.Tensor:
     """This rank's share of the micro-batch loss. Summed over the batch group it is the loss one
     process computes on the whole micro-batch: the cross-entropy is weighted by this rank's share
     of the labelled tokens, and the aux loss (identical on every rank, from summed statistics) is
@@ -106,14 +113,20 @@ def clip_grad_norm_(model: MoECausalLM, max_norm: float, mesh: Mesh) -> torch.Te
     device = grads[0][2].device if grads else None
     # One squared norm per combination of axes, every combination on every rank, in one order: a
     # pipeline rank may hold no parameter of some kind, and the sums over an axis must line up.
-    combinations = [tuple(a for a, keep in zip(NORM_AXES, bits) if keep)
-                    for bits in itertools.product((False, True), repeat=len(NORM_AXES))]
+    combinations = [
+        tuple(a for a, keep in zip(NORM_AXES, bits) if keep)
+        for bits in itertools.product((False, True), repeat=len(NORM_AXES))
+    ]
     by_axes = {axes: [] for axes in combinations}
     for name, param, grad in grads:
         by_axes[split_axes(name, param, mesh)].append(grad)
     # One multi-tensor kernel per kind, accumulating in fp32 without an fp32 copy of a bf16 gradient.
-    squares = {axes: torch.stack(torch._foreach_norm(group, 2, dtype=torch.float32)).square().sum() if group
-               else torch.zeros((), device=device) for axes, group in by_axes.items()}
+    squares = {
+        axes: torch.stack(torch._foreach_norm(group, 2, dtype=torch.float32)).square().sum()
+        if group
+        else torch.zeros((), device=device)
+        for axes, group in by_axes.items()
+    }
     for axis in NORM_AXES:  # a sum over several axes is a sum over each in turn
         comm.all_reduce_sum_([s for axes, s in squares.items() if axis in axes], mesh.group(axis), kind="grad_norm")
     total = sum(squares.values()).sqrt()

@@ -42,19 +42,20 @@ class AllToAllDispatcher:
         slots.index_add_(0, dest.flatten(), torch.ones_like(dest.flatten()))
         sending = torch.stack([goes_to.sum(0), slots], dim=1)  # [ep, 2]
         host = torch.cat([sending, comm.exchange_sizes(sending, self.group)]).tolist()
-        send_splits = [rows for rows, _ in host[:self.ep_size]]
-        recv_splits = [rows for rows, _ in host[self.ep_size:]]
-        real = sum(slots for _, slots in host[self.ep_size:])  # expert rows to compute here
+        send_splits = [rows for rows, _ in host[: self.ep_size]]
+        recv_splits = [rows for rows, _ in host[self.ep_size :]]
+        real = sum(slots for _, slots in host[self.ep_size :])  # expert rows to compute here
         # One row per (rank, token) pair, ordered by rank and then token: the set entries of
         # goes_to.T, found by a stable sort (their number is known, so no sync as nonzero has).
-        pairs = torch.argsort((~goes_to.T).flatten().to(torch.uint8), stable=True)[:sum(send_splits)]
+        pairs = torch.argsort((~goes_to.T).flatten().to(torch.uint8), stable=True)[: sum(send_splits)]
         row_rank, row_token = pairs // num_tokens, pairs % num_tokens
         on_rank = dest[row_token] == row_rank[:, None]  # [rows, k]: which slots this row serves
         local_ids = torch.where(on_rank, routing.expert_ids[row_token] % local, local)  # `local`: not here
         weights = torch.where(on_rank, routing.weights[row_token], 0.0)
 
-        x_in, weights_in, ids_in = comm.all_to_all([x[row_token], weights, local_ids], recv_splits, send_splits,
-                                                   self.group)
+        x_in, weights_in, ids_in = comm.all_to_all(
+            [x[row_token], weights, local_ids], recv_splits, send_splits, self.group
+        )
         # Expand each received row to its experts here; slots served elsewhere form a last group
         # that no expert computes, and that the combine skips (-1).
         permuted = permute(x_in, ids_in, local + 1)
@@ -65,8 +66,9 @@ class AllToAllDispatcher:
         state = (position, weights_in, source, send_splits, recv_splits)
         return Dispatched(permuted.grouped[:real], permuted.offsets.diff()[:local], state)
 
-    def combine(self, expert_out: torch.Tensor, dispatched: Dispatched, routing: Routing,
-                num_tokens: int) -> torch.Tensor:
+    def combine(
+        self, expert_out: torch.Tensor, dispatched: Dispatched, routing: Routing, num_tokens: int
+    ) -> torch.Tensor:
         position, weights_in, source, send_splits, recv_splits = dispatched.state
         rows = combine(expert_out, position, weights_in, skip=True)  # per row: Σ weight · expert output
         (back,) = comm.all_to_all([rows], send_splits, recv_splits, self.group)
@@ -89,7 +91,7 @@ def apply_ep(model: MoECausalLM, mesh: Mesh) -> MoECausalLM:
         if isinstance(block, MoEBlock):
             # Every parameter of the bank is per expert on dim 0 (matrices, biases).
             for name, full in list(block.experts.named_parameters(recurse=False)):
-                kept = nn.Parameter(full.detach()[rank * local:(rank + 1) * local].clone())
+                kept = nn.Parameter(full.detach()[rank * local : (rank + 1) * local].clone())
                 setattr(block.experts, name, record_piece(kept, full, 0, mine))
             block.dispatcher = AllToAllDispatcher(mesh.group("ep"), ep, local)
     return model
@@ -97,4 +99,3 @@ def apply_ep(model: MoECausalLM, mesh: Mesh) -> MoECausalLM:
 
 def is_expert_parameter(name: str) -> bool:
     return ".mlp.experts." in name
-

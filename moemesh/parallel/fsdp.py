@@ -35,8 +35,14 @@ from moemesh.parallel.pieces import record_piece, records_kept
 from moemesh.parallel.stored import packed_dim
 
 
-def apply_fsdp(model: MoECausalLM, mesh: Mesh, param_dtype: torch.dtype | None = None,
-               reshard_after_forward: bool = True, prefetch: bool = True, root: nn.Module | None = None) -> list[str]:
+def apply_fsdp(
+    model: MoECausalLM,
+    mesh: Mesh,
+    param_dtype: torch.dtype | None = None,
+    reshard_after_forward: bool = True,
+    prefetch: bool = True,
+    root: nn.Module | None = None,
+) -> list[str]:
     """Shard `model` in place over dp_shard (after `apply_ep`, `apply_tp` and
     `apply_data_parallel`, and a pipeline's cut). `param_dtype`: the dtype weights are gathered and
     computed in (None: their own). `reshard_after_forward`: free a block's gathered weights after
@@ -60,12 +66,19 @@ def apply_fsdp(model: MoECausalLM, mesh: Mesh, param_dtype: torch.dtype | None =
     # Gradients are summed in fp32, unless the weights themselves are stored in a narrower type
     # (bf16 weights and AdamW state): that run computes and keeps its gradients in it anyway.
     storage = next(model.parameters()).dtype
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype,
-                                  reduce_dtype=storage if storage.itemsize < 4 else torch.float32)
+    policy = MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=storage if storage.itemsize < 4 else torch.float32
+    )
 
     def shard(module: nn.Module, on, reshard: bool) -> FSDPModule:
-        fully_shard(module, mesh=on, reshard_after_forward=reshard, mp_policy=policy, ignored_params=ignored,
-                    shard_placement_fn=lambda param: Shard(shard_dims[id(param)]))
+        fully_shard(
+            module,
+            mesh=on,
+            reshard_after_forward=reshard,
+            mp_policy=policy,
+            ignored_params=ignored,
+            shard_placement_fn=lambda param: Shard(shard_dims[id(param)]),
+        )
         return module
 
     units = []  # per block: (its expert bank or None, the block)

@@ -51,8 +51,9 @@ class ParallelDims:
 
     def check_world(self, world_size: int) -> None:
         if world_size != self.world_size:
-            raise ConfigError(f"parallel layout {self.describe()} needs {self.world_size} processes, but "
-                              f"{world_size} were launched")
+            raise ConfigError(
+                f"parallel layout {self.describe()} needs {self.world_size} processes, but {world_size} were launched"
+            )
 
 
 class Mesh:
@@ -100,11 +101,15 @@ def init_mesh(dims: ParallelDims, timeout_s: float = 300.0) -> Mesh:
     if not dist.is_initialized():
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            "nccl" if device_type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
+        )
     mesh = init_device_mesh(device_type, tuple(getattr(dims, axis) for axis in AXES), mesh_dim_names=AXES)
     dense = None
     if dims.dp_shard > 1:
-        dense = init_device_mesh(device_type, (dims.pp, dims.dp_replicate, dims.dp_shard * dims.ep, dims.tp),
-                                 mesh_dim_names=("pp", "dp_replicate", "dp_shard_ep", "tp"))
+        dense = init_device_mesh(
+            device_type,
+            (dims.pp, dims.dp_replicate, dims.dp_shard * dims.ep, dims.tp),
+            mesh_dim_names=("pp", "dp_replicate", "dp_shard_ep", "tp"),
+        )
     return Mesh(dims, mesh, dense)

@@ -50,9 +50,14 @@ def parallelize(model: MoECausalLM, mesh: Mesh, config: RunConfig) -> Layout:
         schedule = build_schedule(parallel.pp_schedule, parallel.pp, train.global_batch // train.micro_batch)
         ranges = stage_ranges(schedule, run_costs(config))
         stages = RankStages(model, cut_model(model, ranges, list(schedule.stage_rank), mesh.rank("pp")))
-    kept_whole = apply_fsdp(model, mesh, param_dtype=DTYPES[train.dtype],
-                            reshard_after_forward=parallel.fsdp_reshard_after_forward,
-                            prefetch=parallel.fsdp_prefetch, root=stages)
+    kept_whole = apply_fsdp(
+        model,
+        mesh,
+        param_dtype=DTYPES[train.dtype],
+        reshard_after_forward=parallel.fsdp_reshard_after_forward,
+        prefetch=parallel.fsdp_prefetch,
+        root=stages,
+    )
     return Layout(schedule, stages, kept_whole)
 
 

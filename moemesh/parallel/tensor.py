@@ -125,21 +125,26 @@ def _check(model: MoECausalLM, targets: list[tuple[str, str]], tp: int) -> None:
         # Vectors (norms, biases) may stay replicated unnoticed; a forgotten matrix may not: it
         # would be silently replicated on every rank.
         if param.dim() >= 2 and id(param) not in covered:
-            raise ConfigError(f"TP plan covers no entry for {name} {tuple(param.shape)}: shard it or declare it "
-                              "replicated")
+            raise ConfigError(
+                f"TP plan covers no entry for {name} {tuple(param.shape)}: shard it or declare it replicated"
+            )
     for name, style in targets:
         for param, dim, parts in _splits(model, name, style):
             if param.shape[dim] % (parts * tp):
-                raise ConfigError(f"parallel.tp={tp}: {name} ({style}) has {param.shape[dim]} rows on dim {dim}, "
-                                  f"not divisible into {parts * tp}")
+                raise ConfigError(
+                    f"parallel.tp={tp}: {name} ({style}) has {param.shape[dim]} rows on dim {dim}, "
+                    f"not divisible into {parts * tp}"
+                )
 
 
 def _reduce_at(region: nn.Module, chain: list[Op]) -> int | None:
     at = place_reduce(chain)
     if isinstance(region, MoEBlock) and at not in (None, len(chain)):
         # The block has one place to reduce, after combine.
-        raise ConfigError(f"TP plan: {chain[at].name} ({chain[at].kind}) would need the MoE block's partial "
-                          "outputs reduced before it; the block reduces once, after combine")
+        raise ConfigError(
+            f"TP plan: {chain[at].name} ({chain[at].kind}) would need the MoE block's partial "
+            "outputs reduced before it; the block reduces once, after combine"
+        )
     return at
 
 
@@ -148,9 +153,11 @@ def _check_heads(regions: list[nn.Module], tp: int) -> None:
         if isinstance(attention, (Attention, MLAttention)):
             for heads in ("num_heads", "num_kv_heads") if isinstance(attention, Attention) else ("num_heads",):
                 if getattr(attention, heads) % tp:
-                    raise ConfigError(f"parallel.tp={tp} must divide the {getattr(attention, heads)} "
-                                      f"{'key/value ' if heads == 'num_kv_heads' else ''}attention heads "
-                                      f"(layer {attention.layer_idx})")
+                    raise ConfigError(
+                        f"parallel.tp={tp} must divide the {getattr(attention, heads)} "
+                        f"{'key/value ' if heads == 'num_kv_heads' else ''}attention heads "
+                        f"(layer {attention.layer_idx})"
+                    )
 
 
 def _regions(model: nn.Module, styles: dict[str, str]) -> list[tuple[nn.Module, list[Op]]]:
@@ -168,23 +175,36 @@ def _regions(model: nn.Module, styles: dict[str, str]) -> list[tuple[nn.Module, 
         if isinstance(module, Attention):
             # Gemma 4's attention_k_eq_v layers have no v_proj: their values are their keys.
             inputs = ("q_proj", "k_proj", "v_proj") if module.v_proj is not None else ("q_proj", "k_proj")
-            chain = [Op(f"{path}.{'/'.join(inputs)}", kind(path, *inputs)), Op("attention", "local"),
-                     Op(f"{path}.o_proj", kind(path, "o_proj"))]
+            chain = [
+                Op(f"{path}.{'/'.join(inputs)}", kind(path, *inputs)),
+                Op("attention", "local"),
+                Op(f"{path}.o_proj", kind(path, "o_proj")),
+            ]
             if module.o_proj.bias is not None:
                 chain.append(Op(f"{path}.o_proj.bias", "add_replicated"))
         elif isinstance(module, MLAttention):  # the latent projections before are replicated
             queries = "q_proj" if module.q_proj is not None else "q_b_proj"
-            chain = [Op(f"{path}.{queries}/kv_b_proj", kind(path, queries, "kv_b_proj")), Op("attention", "local"),
-                     Op(f"{path}.o_proj", kind(path, "o_proj"))]
+            chain = [
+                Op(f"{path}.{queries}/kv_b_proj", kind(path, queries, "kv_b_proj")),
+                Op("attention", "local"),
+                Op(f"{path}.o_proj", kind(path, "o_proj")),
+            ]
             if module.o_proj.bias is not None:
                 chain.append(Op(f"{path}.o_proj.bias", "add_replicated"))
         elif isinstance(module, DenseMLP):
-            chain = [Op(f"{path}.gate/up_proj", kind(path, "gate_proj", "up_proj")), Op("swiglu", "local"),
-                     Op(f"{path}.down_proj", kind(path, "down_proj"))]
+            chain = [
+                Op(f"{path}.gate/up_proj", kind(path, "gate_proj", "up_proj")),
+                Op("swiglu", "local"),
+                Op(f"{path}.down_proj", kind(path, "down_proj")),
+            ]
         elif isinstance(module, MoEBlock):
-            chain = [Op(f"{path}.experts.gate_up_proj", kind(path, "experts.gate_up_proj")), Op("swiglu", "local"),
-                     Op(f"{path}.experts.down_proj", kind(path, "experts.down_proj")),
-                     Op("routing-weight multiply", "linear"), Op("top-k sum", "linear")]
+            chain = [
+                Op(f"{path}.experts.gate_up_proj", kind(path, "experts.gate_up_proj")),
+                Op("swiglu", "local"),
+                Op(f"{path}.experts.down_proj", kind(path, "experts.down_proj")),
+                Op("routing-weight multiply", "linear"),
+                Op("top-k sum", "linear"),
+            ]
             if module.experts.gate_up_proj_bias is not None:  # read side by side with its matrix
                 chain[0] = Op(chain[0].name, kind(path, "experts.gate_up_proj", "experts.gate_up_proj_bias"))
             if module.experts.down_proj_bias is not None:  # a partial bias is linear, a whole one is not
@@ -195,8 +215,10 @@ def _regions(model: nn.Module, styles: dict[str, str]) -> list[tuple[nn.Module, 
                 # both partial (both sharded) or both whole.
                 shared = _shared_chain(f"{path}.shared_experts", kind)
                 if (place_reduce(shared) is None) != (place_reduce(chain) is None):
-                    raise ConfigError(f"TP plan: {path}.shared_experts and {path}.experts must both be sharded "
-                                      "or both replicated (their outputs are added before the block's reduce)")
+                    raise ConfigError(
+                        f"TP plan: {path}.shared_experts and {path}.experts must both be sharded "
+                        "or both replicated (their outputs are added before the block's reduce)"
+                    )
                 chain.append(Op(f"{path}.shared_experts (added)", "linear"))
         else:
             continue
@@ -205,8 +227,11 @@ def _regions(model: nn.Module, styles: dict[str, str]) -> list[tuple[nn.Module, 
 
 
 def _shared_chain(path: str, kind) -> list[Op]:
-    return [Op(f"{path}.gate/up_proj", kind(path, "gate_proj", "up_proj")), Op("swiglu", "local"),
-            Op(f"{path}.down_proj", kind(path, "down_proj"))]
+    return [
+        Op(f"{path}.gate/up_proj", kind(path, "gate_proj", "up_proj")),
+        Op("swiglu", "local"),
+        Op(f"{path}.down_proj", kind(path, "down_proj")),
+    ]
 
 
 def _splits(model, name, style) -> list[tuple[torch.Tensor, int, int]]:
@@ -302,9 +327,15 @@ def _replicated_with_grad_allreduce(model, name, shard, group):
         param.partial_grad_axis = "tp"
 
 
-_APPLY = {"colwise": _colwise, "rowwise": _rowwise, "packed_colwise": _packed_colwise,
-          "partial_bias": _partial_bias, "vocab": _vocab,
-          "replicated": lambda *args: None, "replicated_with_grad_allreduce": _replicated_with_grad_allreduce}
+_APPLY = {
+    "colwise": _colwise,
+    "rowwise": _rowwise,
+    "packed_colwise": _packed_colwise,
+    "partial_bias": _partial_bias,
+    "vocab": _vocab,
+    "replicated": lambda *args: None,
+    "replicated_with_grad_allreduce": _replicated_with_grad_allreduce,
+}
 
 
 # ---- sharded modules and region boundaries --------------------------------------------------------
@@ -360,8 +391,9 @@ def _routing_weights_to_shards(router, args, routing, group):
     return dataclasses.replace(routing, weights=comm.to_shards(routing.weights, group))
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, group,
-                                 ignore_index: int = -100) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, group, ignore_index: int = -100
+) -> torch.Tensor:
     """`next_token_loss` of logits split by vocabulary ([..., V/tp], this rank's columns from
     vocab_start), without gathering them: the max, then the sum of exponentials and the target
     logit (one all-reduce for both) are reduced over the group."""

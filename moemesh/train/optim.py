@@ -17,8 +17,7 @@ def build_optimizer(model: nn.Module, train: TrainConfig) -> torch.optim.AdamW:
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.ndim >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": train.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # On a GPU the fused kernel: one pass over all parameters instead of a pass per arithmetic
     # step, which for a bf16 model of billions of parameters is tens of milliseconds a step.
     fused = all(p.is_cuda for p in decay + no_decay)

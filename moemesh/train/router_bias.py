@@ -24,8 +24,12 @@ def update_router_bias(model: nn.Module, rate: float, group) -> None:
     """Apply the rule to every router with a correction bias (none: nothing happens), with the
     loads counted since the last call, and start counting afresh. rate 0 only clears the counts."""
     routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
-    loads = [torch.zeros(r.e_score_correction_bias.shape, dtype=torch.long, device=r.e_score_correction_bias.device)
-             if r.expert_load is None else r.expert_load for r in routers]
+    loads = [
+        torch.zeros(r.e_score_correction_bias.shape, dtype=torch.long, device=r.e_score_correction_bias.device)
+        if r.expert_load is None
+        else r.expert_load
+        for r in routers
+    ]
     for router in routers:
         router.expert_load = None
     if not routers or rate == 0:

@@ -29,8 +29,16 @@ import torch
 import torch.distributed as dist
 
 from moemesh.checkpoint import integrity
-from moemesh.checkpoint.dcp import (CHECKPOINTS, checkpoint_path, checkpoint_steps, latest_checkpoint,
-                                    load_training_state, prune_checkpoints, save_checkpoint, training_state)
+from moemesh.checkpoint.dcp import (
+    CHECKPOINTS,
+    checkpoint_path,
+    checkpoint_steps,
+    latest_checkpoint,
+    load_training_state,
+    prune_checkpoints,
+    save_checkpoint,
+    training_state,
+)
 from moemesh.checkpoint.load import load_weights
 from moemesh.config import RunConfig, resolve_device
 from moemesh.data.dataset import load_dataset, rank_slice
@@ -79,9 +87,16 @@ class Trainer:
         self.config = resolve_device(config)
         self.train_config = train = config.train
         parallel = config.parallel
-        self.mesh = init_mesh(ParallelDims(pp=parallel.pp, dp_replicate=parallel.dp_replicate,
-                                           dp_shard=parallel.dp_shard, ep=parallel.ep, tp=parallel.tp),
-                              timeout_s=parallel.timeout_s)
+        self.mesh = init_mesh(
+            ParallelDims(
+                pp=parallel.pp,
+                dp_replicate=parallel.dp_replicate,
+                dp_shard=parallel.dp_shard,
+                ep=parallel.ep,
+                tp=parallel.tp,
+            ),
+            timeout_s=parallel.timeout_s,
+        )
         self.rank, self.ranks = self.mesh.rank("batch"), self.mesh.dims.batch_size
         self.is_main = int(os.environ.get("RANK", "0")) == 0  # the rank that prints and writes files
         self.stream = (sys.stdout if stream is None else stream) if self.is_main else open(os.devnull, "w")
@@ -104,8 +119,9 @@ class Trainer:
         self.kept_whole = layout.kept_whole
         self.pipeline = None
         if layout.stages is not None:
-            self.pipeline = PipelineRunner(layout.stages, self.mesh, layout.schedule, self._autocast,
-                                           overlap=parallel.pp_overlap)
+            self.pipeline = PipelineRunner(
+                layout.stages, self.mesh, layout.schedule, self._autocast, overlap=parallel.pp_overlap
+            )
             if parallel.dp_shard > 1:
                 self.pipeline.use_fsdp()
         self.optimizer = build_optimizer(self.model, train)  # on the shards: its moments are sharded too
@@ -145,8 +161,12 @@ class Trainer:
         grad_norm = clip_grad_norm_(self.model, max_norm, self.mesh)
         comm.all_reduce_sum_([ce_sum], self.mesh.group("batch"), kind="metrics")
         lr = self.scheduler.get_last_lr()[0]
-        record = {"loss": ce_sum.item(), "aux_loss": None if aux_sum is None else aux_sum.item(),
-                  "lr": lr, "grad_norm": grad_norm.item()}
+        record = {
+            "loss": ce_sum.item(),
+            "aux_loss": None if aux_sum is None else aux_sum.item(),
+            "lr": lr,
+            "grad_norm": grad_norm.item(),
+        }
         # The same decision on every rank: the loss is summed over the batch and pipeline ranks (TP
         # ranks compute it alike) and the squared gradient norm over every axis that splits a
         # gradient, so a non-finite term on any rank makes them non-finite on all.
@@ -212,8 +232,10 @@ class Trainer:
         # Every rank checks its own part of the weights, and all learn whether any part is bad.
         finite = bool(torch.stack([local(p).isfinite().all() for p in self.model.parameters()]).all())  # one sync
         if not all(comm.all_gather_object(finite)):
-            raise DivergedError(f"step {self.step}: the weights hold non-finite values, so no checkpoint is written; "
-                                f"the newest checkpoint is {self.checkpoint or 'none'} (a lower train.lr may help)")
+            raise DivergedError(
+                f"step {self.step}: the weights hold non-finite values, so no checkpoint is written; "
+                f"the newest checkpoint is {self.checkpoint or 'none'} (a lower train.lr may help)"
+            )
         path = checkpoint_path(self.run_dir, self.step)
         tokenizer_file = self.tokenizer.path if isinstance(self.tokenizer, HFTokenizer) else None
         save_checkpoint(path, self._state(), self.config.model, tokenizer_file, self.model, self.mesh)
@@ -244,14 +266,18 @@ class Trainer:
                 say(f"resumed from {checkpoint} (step {self.step})")
                 return self._metrics_log(resume_step=self.step)
             if existing:
-                raise CheckpointError(f"train.resume: none of the {len(existing)} checkpoints in {checkpoints} "
-                                      "verifies (each is named above); train.overwrite=true deletes them and "
-                                      "starts afresh")
+                raise CheckpointError(
+                    f"train.resume: none of the {len(existing)} checkpoints in {checkpoints} "
+                    "verifies (each is named above); train.overwrite=true deletes them and "
+                    "starts afresh"
+                )
             say(f"train.resume: no checkpoint in {checkpoints} yet, starting at step 0")
         elif existing and not train.overwrite:
-            raise ConfigError(f"{checkpoints} holds the checkpoints of an earlier run (the newest: "
-                              f"{existing[0][1].name}): train.resume=true continues that run, "
-                              "train.overwrite=true deletes them and starts afresh")
+            raise ConfigError(
+                f"{checkpoints} holds the checkpoints of an earlier run (the newest: "
+                f"{existing[0][1].name}): train.resume=true continues that run, "
+                "train.overwrite=true deletes them and starts afresh"
+            )
         elif existing:
             say(f"train.overwrite: deleting the earlier run's {checkpoints} and starting afresh")
             if self.is_main:
@@ -270,21 +296,29 @@ class Trainer:
     def _describe(self) -> None:
         model, data, train = self.config.model, self.config.data, self.train_config
         total, active = self.num_params
-        self._say(f"model   {model.model_type}: {model.num_hidden_layers} layers, hidden {model.hidden_size}, "
-                  f"{model.num_experts} experts top-{model.num_experts_per_tok}; "
-                  f"{format_count(total)} parameters, {format_count(active)} active per token")
-        self._say(f"data    {data.path} ({data.tokenizer} tokenizer): "
-                  f"{format_count(len(self.dataset.train_tokens))} training tokens, "
-                  f"{format_count(len(self.dataset.val_tokens))} validation tokens")
-        self._say(f"train   {train.steps} steps × {train.global_batch} sequences × {train.seq_len} tokens "
-                  f"on {self.device} in {train.dtype}; run directory {self.run_dir}")
+        self._say(
+            f"model   {model.model_type}: {model.num_hidden_layers} layers, hidden {model.hidden_size}, "
+            f"{model.num_experts} experts top-{model.num_experts_per_tok}; "
+            f"{format_count(total)} parameters, {format_count(active)} active per token"
+        )
+        self._say(
+            f"data    {data.path} ({data.tokenizer} tokenizer): "
+            f"{format_count(len(self.dataset.train_tokens))} training tokens, "
+            f"{format_count(len(self.dataset.val_tokens))} validation tokens"
+        )
+        self._say(
+            f"train   {train.steps} steps × {train.global_batch} sequences × {train.seq_len} tokens "
+            f"on {self.device} in {train.dtype}; run directory {self.run_dir}"
+        )
         if self.init_source is not None:
             self._say(f"init    weights of {self.init_source} (optimizer and step afresh)")
         if self.mesh.dims.world_size > 1:
             self._say(f"layout  {self.mesh.dims.describe()}")
         if self.kept_whole:
-            self._say(f"fsdp    {len(self.kept_whole)} tensors without an evenly divisible dimension stay whole on "
-                      f"each rank: {', '.join(self.kept_whole[:3])}{', ...' if len(self.kept_whole) > 3 else ''}")
+            self._say(
+                f"fsdp    {len(self.kept_whole)} tensors without an evenly divisible dimension stay whole on "
+                f"each rank: {', '.join(self.kept_whole[:3])}{', ...' if len(self.kept_whole) > 3 else ''}"
+            )
 
     def run(self) -> TrainResult:
         train = self.train_config
@@ -316,13 +350,17 @@ class Trainer:
                 progress.update(self.step, record["loss"], record["lr"], record["tokens_per_s"], record.get("mfu"))
                 bad_steps = bad_steps + 1 if record.get("skipped") else 0
                 if bad_steps:
-                    progress.message(f"step {self.step}: skipped, {_non_finite(record)}: no update "
-                                     f"({bad_steps} in a row; train.max_bad_steps={train.max_bad_steps})")
+                    progress.message(
+                        f"step {self.step}: skipped, {_non_finite(record)}: no update "
+                        f"({bad_steps} in a row; train.max_bad_steps={train.max_bad_steps})"
+                    )
                 if bad_steps == train.max_bad_steps:
                     metrics.write(record)
-                    raise DivergedError(f"step {self.step}: {_non_finite(record)}; {bad_steps} steps in a row without "
-                                        f"an update (train.max_bad_steps): the run diverged; the newest checkpoint "
-                                        f"is {self.checkpoint or 'none'} (a lower train.lr may help)")
+                    raise DivergedError(
+                        f"step {self.step}: {_non_finite(record)}; {bad_steps} steps in a row without "
+                        f"an update (train.max_bad_steps): the run diverged; the newest checkpoint "
+                        f"is {self.checkpoint or 'none'} (a lower train.lr may help)"
+                    )
 
                 last = self.step == train.steps
                 if last or (train.eval_every and self.step % train.eval_every == 0):
@@ -342,10 +380,18 @@ class Trainer:
             plot_losses(records, self.run_dir / "loss.png", title=f"{self.config.model.model_type} · {self.run_dir}")
         if val_losses:
             saved = self.checkpoint or "none (train.save_every=-1)"
-            self._say(f"done in {format_duration(seconds)}: validation loss {val_losses[0]:.4f} -> "
-                      f"{val_losses[-1]:.4f}; checkpoint {saved}; plot {self.run_dir / 'loss.png'}")
-        return TrainResult(self.run_dir, self.step, seconds, val_losses[0] if val_losses else None,
-                           val_losses[-1] if val_losses else None, self.checkpoint)
+            self._say(
+                f"done in {format_duration(seconds)}: validation loss {val_losses[0]:.4f} -> "
+                f"{val_losses[-1]:.4f}; checkpoint {saved}; plot {self.run_dir / 'loss.png'}"
+            )
+        return TrainResult(
+            self.run_dir,
+            self.step,
+            seconds,
+            val_losses[0] if val_losses else None,
+            val_losses[-1] if val_losses else None,
+            self.checkpoint,
+        )
 
 
 def _non_finite(record: dict) -> str:

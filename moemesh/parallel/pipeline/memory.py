@@ -84,8 +84,9 @@ def profile_layers(model: MoECausalLM, input_ids: torch.Tensor, labels: torch.Te
     parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)
     items: list[tuple[str, Callable]] = [("embedding", model.model.embed_tokens)]
-    items += [(f"layer {i}", lambda h, i=i: model.run_layers(h, positions, [i])[0])
-              for i in range(len(model.model.layers))]
+    items += [
+        (f"layer {i}", lambda h, i=i: model.run_layers(h, positions, [i])[0]) for i in range(len(model.model.layers))
+    ]
     items.append(("head", lambda h: model.head(model.model.norm(h), labels, return_logits=False)[1]))
 
     # Forward, item by item, each input a fresh leaf.
@@ -108,10 +109,19 @@ def profile_layers(model: MoECausalLM, input_ids: torch.Tensor, labels: torch.Te
         out.backward(grad)
         backward_seconds.insert(0, _clock(out) - start)
         grad = leaf.grad if leaf.is_floating_point() else None
-    return [LayerProfile(name, params, saved.weight_bytes, saved.activation_bytes, forward + backward,
-                         out.numel() * out.element_size())
-            for (name, _), params, (_, out, saved, forward), backward
-            in zip(items, _item_params(model), runs, backward_seconds)]
+    return [
+        LayerProfile(
+            name,
+            params,
+            saved.weight_bytes,
+            saved.activation_bytes,
+            forward + backward,
+            out.numel() * out.element_size(),
+        )
+        for (name, _), params, (_, out, saved, forward), backward in zip(
+            items, _item_params(model), runs, backward_seconds
+        )
+    ]
 
 
 def _item_params(model: MoECausalLM) -> list[int]:
@@ -122,8 +132,11 @@ def _item_params(model: MoECausalLM) -> list[int]:
 def _items(model: MoECausalLM) -> list[list[tuple[str, torch.Tensor]]]:
     """(name, parameter) of each item, in item order; a tied head weight once, with the embedding."""
     names = {id(p): name for name, p in model.named_parameters()}
-    modules = [[model.model.embed_tokens], *[[layer] for layer in model.model.layers],
-               [model.model.norm, model.lm_head]]
+    modules = [
+        [model.model.embed_tokens],
+        *[[layer] for layer in model.model.layers],
+        [model.model.norm, model.lm_head],
+    ]
     seen: set[int] = set()
     items = []
     for group in modules:
@@ -152,19 +165,29 @@ def rank_param_counts(config: RunConfig) -> list[float]:
     return counts
 
 
-def profile_costs(profiles: list[LayerProfile], state_bytes_per_param: int = 16,
-                  rank_params: list[float] | None = None) -> list[LayerCost]:
+def profile_costs(
+    profiles: list[LayerProfile], state_bytes_per_param: int = 16, rank_params: list[float] | None = None
+) -> list[LayerCost]:
     """LayerCosts from measured profiles, each parameter keeping `state_bytes_per_param` bytes
     (weight, gradient and optimizer state; 16 for fp32 AdamW); `rank_params`: the parameters a
     rank keeps of each item under its layout (`rank_param_counts`), else all of them."""
     rank_params = rank_params or [p.params for p in profiles]
-    return [LayerCost(p.name, kept * state_bytes_per_param, p.activation_bytes, p.seconds, p.output_bytes)
-            for p, kept in zip(profiles, rank_params)]
+    return [
+        LayerCost(p.name, kept * state_bytes_per_param, p.activation_bytes, p.seconds, p.output_bytes)
+        for p, kept in zip(profiles, rank_params)
+    ]
 
 
-def estimate_layer_costs(config: ModelConfig, tokens: int, dtype_bytes: int = 2, state_bytes_per_param: int = 16,
-                         shard: int = 1, seq_len: int | None = None, residual_bytes: int | None = None,
-                         rank_params: list[float] | None = None) -> list[LayerCost]:
+def estimate_layer_costs(
+    config: ModelConfig,
+    tokens: int,
+    dtype_bytes: int = 2,
+    state_bytes_per_param: int = 16,
+    shard: int = 1,
+    seq_len: int | None = None,
+    residual_bytes: int | None = None,
+    rank_params: list[float] | None = None,
+) -> list[LayerCost]:
     """Analytical LayerCosts for micro-batches of `tokens` tokens in sequences of `seq_len`
     (default: one sequence); time is forward + backward FLOPs. `residual_bytes`: the weights'
     dtype size (default: dtype_bytes). `rank_params`: the parameters a rank keeps of each item
@@ -172,10 +195,17 @@ def estimate_layer_costs(config: ModelConfig, tokens: int, dtype_bytes: int = 2,
     r = residual_bytes or dtype_bytes
     rows = estimate_layers(config, tokens, dtype_bytes, seq_len, r)
     rank_params = rank_params or [params / shard for _, params, _, _ in rows]
-    return [LayerCost(name, kept * state_bytes_per_param, activations, flops,
-                      0.0 if name == "head" else tokens * config.hidden_size * r,
-                      head_working_bytes(config, tokens, dtype_bytes) if name == "head" else 0.0)
-            for (name, _, activations, flops), kept in zip(rows, rank_params)]
+    return [
+        LayerCost(
+            name,
+            kept * state_bytes_per_param,
+            activations,
+            flops,
+            0.0 if name == "head" else tokens * config.hidden_size * r,
+            head_working_bytes(config, tokens, dtype_bytes) if name == "head" else 0.0,
+        )
+        for (name, _, activations, flops), kept in zip(rows, rank_params)
+    ]
 
 
 def head_working_bytes(config: ModelConfig, tokens: int, dtype_bytes: int) -> float:
@@ -186,8 +216,13 @@ def head_working_bytes(config: ModelConfig, tokens: int, dtype_bytes: int) -> fl
     return 4 * vocab * config.hidden_size + chunk_tokens * vocab * dtype_bytes
 
 
-def estimate_layers(config: ModelConfig, tokens: int, dtype_bytes: int = 2, seq_len: int | None = None,
-                    residual_bytes: int | None = None) -> list[tuple[str, int, float, float]]:
+def estimate_layers(
+    config: ModelConfig,
+    tokens: int,
+    dtype_bytes: int = 2,
+    seq_len: int | None = None,
+    residual_bytes: int | None = None,
+) -> list[tuple[str, int, float, float]]:
     """(name, parameters, activation bytes per micro-batch, forward + backward FLOPs) per item."""
     T, b, H, V = tokens, dtype_bytes, config.hidden_size, config.vocab_size
     r = residual_bytes or dtype_bytes
@@ -214,20 +249,21 @@ def estimate_layers(config: ModelConfig, tokens: int, dtype_bytes: int = 2, seq_
     rows = [("embedding", V * H, 8 * T, 0.0)]
     for i in range(config.num_hidden_layers):
         if config.is_moe_layer(i):
-            I = config.moe_intermediate_size
-            mlp_params = E * 3 * H * I + E * H
-            mlp_flops = 6 * T * (k * 3 * H * I + E * H)
-            mlp_acts = norm(T, H) + T * H * b + 4 * T * E + 12 * T * k + 8 * T * k + T * k * (2 * H + 3 * I) * b
+            inter = config.moe_intermediate_size
+            mlp_params = E * 3 * H * inter + E * H
+            mlp_flops = 6 * T * (k * 3 * H * inter + E * H)
+            mlp_acts = norm(T, H) + T * H * b + 4 * T * E + 12 * T * k + 8 * T * k + T * k * (2 * H + 3 * inter) * b
             mlp_acts += 8 * E + (E * H * b if r != b else 0)  # group sizes; the router weight's cast copy
             if config.norm_topk_prob:
                 mlp_acts += 4 * T + 4 * T * k
         else:
-            I = config.intermediate_size
-            mlp_params = 3 * H * I
+            inter = config.intermediate_size
+            mlp_params = 3 * H * inter
             mlp_flops = 6 * T * mlp_params
-            mlp_acts = norm(T, H) + (2 if r != b else 1) * T * H * b + 4 * T * I * b  # gate and up cast apart
-        rows.append((f"layer {i}", attention_params + mlp_params, attention_acts + mlp_acts,
-                     attention_flops + mlp_flops))
+            mlp_acts = norm(T, H) + (2 if r != b else 1) * T * H * b + 4 * T * inter * b  # gate and up cast apart
+        rows.append(
+            (f"layer {i}", attention_params + mlp_params, attention_acts + mlp_acts, attention_flops + mlp_flops)
+        )
     head_params = H + (0 if config.tie_word_embeddings else V * H)
     rows.append(("head", head_params, norm(T, H) + T * H * b + V * H * b, 6.0 * T * V * H))
     return rows
@@ -281,9 +317,15 @@ def run_costs(config: RunConfig) -> list[LayerCost]:
     activations of its share of a micro-batch (under TP as without it: an overestimate)."""
     dtype_bytes = 2 if config.train.dtype == "bfloat16" else 4
     residual_bytes = 2 if config.train.param_dtype == "bfloat16" else 4
-    return estimate_layer_costs(config.model, rank_tokens(config), dtype_bytes, state_bytes_per_param(config),
-                                seq_len=config.train.seq_len, residual_bytes=residual_bytes,
-                                rank_params=rank_param_counts(config))
+    return estimate_layer_costs(
+        config.model,
+        rank_tokens(config),
+        dtype_bytes,
+        state_bytes_per_param(config),
+        seq_len=config.train.seq_len,
+        residual_bytes=residual_bytes,
+        rank_params=rank_param_counts(config),
+    )
 
 
 def stage_ranges(schedule: Schedule, costs: list[LayerCost]) -> list[range]:

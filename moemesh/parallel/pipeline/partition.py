@@ -33,7 +33,6 @@ from dataclasses import dataclass
 
 from moemesh.errors import ConfigError
 
-
 MAX_LABELS = 32  # Pareto labels kept per search state (see the module docstring)
 
 
@@ -56,8 +55,9 @@ class _Label:
     parent: _Label | None
 
 
-def partition(costs: list[LayerCost], num_stages: int, in_flight: list[int], stage_rank: list[int],
-              time_slack: float = 0.1) -> list[range]:
+def partition(
+    costs: list[LayerCost], num_stages: int, in_flight: list[int], stage_rank: list[int], time_slack: float = 0.1
+) -> list[range]:
     """Contiguous, non-empty item ranges, one per stage, covering `costs` in order."""
     n = len(costs)
     _check(n, num_stages, in_flight, stage_rank)
@@ -65,7 +65,7 @@ def partition(costs: list[LayerCost], num_stages: int, in_flight: list[int], sta
     # A hair of relative slack so that the optimum itself never fails its own bound by rounding.
     time_bound = (1 + time_slack) * min_max_stage_time(tables, n, num_stages) * (1 + 1e-12)
 
-    later = [set(stage_rank[s + 1:]) for s in range(num_stages)]
+    later = [set(stage_rank[s + 1 :]) for s in range(num_stages)]
     open_ranks = [sorted(set(stage_rank[: s + 1]) & later[s]) for s in range(num_stages)]
     labels: dict[int, list[_Label]] = {0: [_Label((), 0.0, 0.0, 0, None)]}  # by end of the last stage
     for s in range(num_stages):
@@ -82,8 +82,9 @@ def partition(costs: list[LayerCost], num_stages: int, in_flight: list[int], sta
                     held = dict(zip(previous_open, label.open))
                     held[rank] = held.get(rank, 0.0) + memory
                     closed = max([label.closed] + [v for r, v in held.items() if r not in later[s]])
-                    candidate = _Label(tuple(held[r] for r in open_ranks[s]), closed,
-                                       max(label.max_time, time), i, label)
+                    candidate = _Label(
+                        tuple(held[r] for r in open_ranks[s]), closed, max(label.max_time, time), i, label
+                    )
                     _add_pareto(new.setdefault(j, []), candidate)
         for bucket in new.values():
             if len(bucket) > MAX_LABELS:  # keep the least peak memory so far, then the least time
@@ -104,13 +105,15 @@ def min_max_stage_time(tables: _StageTables, n: int, num_stages: int) -> float:
     inf = float("inf")
     best = [0.0] + [inf] * n  # best[j]: first j items in s + 1 stages
     for s in range(num_stages):
-        best = [inf] * (s + 1) + [min(max(best[i], tables.time[i][j]) for i in range(s, j))
-                                  for j in range(s + 1, n + 1)]
+        best = [inf] * (s + 1) + [
+            min(max(best[i], tables.time[i][j]) for i in range(s, j)) for j in range(s + 1, n + 1)
+        ]
     return best[n]
 
 
-def rank_memory(costs: list[LayerCost], ranges: list[range], in_flight: list[int],
-                stage_rank: list[int]) -> list[float]:
+def rank_memory(
+    costs: list[LayerCost], ranges: list[range], in_flight: list[int], stage_rank: list[int]
+) -> list[float]:
     """Per rank (0 .. max rank): parameters + in-flight activations of the stages it holds."""
     memory = [0.0] * (max(stage_rank) + 1)
     for s, items in enumerate(ranges):
@@ -118,30 +121,33 @@ def rank_memory(costs: list[LayerCost], ranges: list[range], in_flight: list[int
     return memory
 
 
-def describe(costs: list[LayerCost], ranges: list[range], in_flight: list[int],
-             stage_rank: list[int]) -> list[dict]:
+def describe(costs: list[LayerCost], ranges: list[range], in_flight: list[int], stage_rank: list[int]) -> list[dict]:
     """One row per stage, for printing."""
     rows = []
     for s, items in enumerate(ranges):
         names = [costs[i].name for i in items]
-        rows.append({
-            "stage": s,
-            "rank": stage_rank[s],
-            "layers": names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}",
-            "items": items,
-            "params": _sum(costs, items, "param_bytes"),
-            "activations": _sum(costs, items, "activation_bytes"),
-            "in_flight": in_flight[s],
-            "time": _sum(costs, items, "time"),
-            "memory": _stage_memory(costs, items, in_flight[s]),
-        })
+        rows.append(
+            {
+                "stage": s,
+                "rank": stage_rank[s],
+                "layers": names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}",
+                "items": items,
+                "params": _sum(costs, items, "param_bytes"),
+                "activations": _sum(costs, items, "activation_bytes"),
+                "in_flight": in_flight[s],
+                "time": _sum(costs, items, "time"),
+                "memory": _stage_memory(costs, items, in_flight[s]),
+            }
+        )
     return rows
 
 
 def _stage_memory(costs: list[LayerCost], items: range, in_flight: int) -> float:
-    return (_sum(costs, items, "param_bytes") + in_flight * (_sum(costs, items, "activation_bytes")
-                                                             + _kept_output(costs, items.stop))
-            + max(costs[i].working_bytes for i in items))
+    return (
+        _sum(costs, items, "param_bytes")
+        + in_flight * (_sum(costs, items, "activation_bytes") + _kept_output(costs, items.stop))
+        + max(costs[i].working_bytes for i in items)
+    )
 
 
 def _kept_output(costs: list[LayerCost], end: int) -> float:
@@ -161,19 +167,25 @@ class _StageTables:
 
     def __init__(self, costs: list[LayerCost]):
         n = len(costs)
-        self.params, self.activations, self.time, self.working = ([[0.0] * (n + 1) for _ in range(n + 1)]
-                                                                  for _ in range(4))
+        self.params, self.activations, self.time, self.working = (
+            [[0.0] * (n + 1) for _ in range(n + 1)] for _ in range(4)
+        )
         for i in range(n):
             p = a = t = w = 0
             for j in range(i, n):
                 p, a, t = p + costs[j].param_bytes, a + costs[j].activation_bytes, t + costs[j].time
                 w = max(w, costs[j].working_bytes)
-                self.params[i][j + 1], self.activations[i][j + 1], self.time[i][j + 1], self.working[i][j + 1] = \
-                    p, a + _kept_output(costs, j + 1), t, w
+                self.params[i][j + 1], self.activations[i][j + 1], self.time[i][j + 1], self.working[i][j + 1] = (
+                    p,
+                    a + _kept_output(costs, j + 1),
+                    t,
+                    w,
+                )
 
 
 def _add_pareto(labels: list[_Label], candidate: _Label) -> None:
     """Insert unless some label is no worse everywhere; drop the labels it beats."""
+
     def no_worse(a: _Label, b: _Label) -> bool:
         return a.closed <= b.closed and a.max_time <= b.max_time and all(x <= y for x, y in zip(a.open, b.open))
 
@@ -187,8 +199,10 @@ def _check(n: int, num_stages: int, in_flight: list[int], stage_rank: list[int])
     if num_stages < 1:
         raise ConfigError(f"need at least one pipeline stage, got {num_stages}")
     if n < num_stages:
-        raise ConfigError(f"cannot split {n} layers (embedding, decoder layers and head) into "
-                          f"{num_stages} non-empty pipeline stages")
+        raise ConfigError(
+            f"cannot split {n} layers (embedding, decoder layers and head) into {num_stages} non-empty pipeline stages"
+        )
     if len(in_flight) != num_stages or len(stage_rank) != num_stages:
-        raise ConfigError(f"in_flight ({len(in_flight)}) and stage_rank ({len(stage_rank)}) need one entry "
-                          f"per stage ({num_stages})")
+        raise ConfigError(
+            f"in_flight ({len(in_flight)}) and stage_rank ({len(stage_rank)}) need one entry per stage ({num_stages})"
+        )

@@ -60,8 +60,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -90,9 +90,14 @@ class _Saved:
 
 
 class PipelineRunner:
-    def __init__(self, module: RankStages, mesh: Mesh, schedule: Schedule,
-                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                 overlap: bool = True):
+    def __init__(
+        self,
+        module: RankStages,
+        mesh: Mesh,
+        schedule: Schedule,
+        autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        overlap: bool = True,
+    ):
         """`module`: this rank's stages of the model `parallelize` cut (FSDP's root, when it shards)."""
         self.model, self.schedule, self.autocast = module.model, schedule, autocast
         # FB ops overlap their chunks where there are all-to-alls to hide (and not under FSDP).
@@ -125,8 +130,11 @@ class PipelineRunner:
         accumulates them unsharded before), and the root's in this rank's last backward. Weight
         gradients are then not deferred: FSDP reduces a block's gradients when its backward ends."""
         self.fsdp = True
-        backwards = [(j, op.stage if op.kind == "B" else op.b_stage)
-                     for j, op in enumerate(self.schedule.ops[self.rank]) if op.kind in ("B", "FB")]
+        backwards = [
+            (j, op.stage if op.kind == "B" else op.b_stage)
+            for j, op in enumerate(self.schedule.ops[self.rank])
+            if op.kind in ("B", "FB")
+        ]
         self.last_backward = {stage: j for j, stage in backwards}
         self.final_backward = backwards[-1][0]
 
@@ -201,8 +209,9 @@ class PipelineRunner:
             if stage.last:
                 self.ce[m] = out.detach().float()
                 self.total_counts[m] = counts
-                output = rank_loss(out, None, micro.local_label_tokens, micro.label_tokens, 0.0,
-                                   self.data_ranks) / len(self.micro)
+                output = rank_loss(out, None, micro.local_label_tokens, micro.label_tokens, 0.0, self.data_ranks) / len(
+                    self.micro
+                )
             else:
                 output = out
                 message = (("act", s, m), s + 1, [out.detach().float(), counts])
@@ -222,8 +231,9 @@ class PipelineRunner:
             return None, self.total_counts.pop(m)
         return self._take(("grad", s + 1, m), self._hidden_shape(m))
 
-    def _backward_compute(self, s: int, m: int, grad: torch.Tensor | None, counts: torch.Tensor,
-                          defer_weight: bool, op_index: int):
+    def _backward_compute(
+        self, s: int, m: int, grad: torch.Tensor | None, counts: torch.Tensor, defer_weight: bool, op_index: int
+    ):
         """Backward of the stage; returns the message to post (None from the first stage)."""
         stage, saved = self.stages[s], self.saved.pop((s, m))  # freed once this backward is done
         if self.fsdp:
@@ -319,8 +329,9 @@ class PipelineRunner:
         Returns (this rank's share of the cross-entropy, the load-balancing loss), each summed
         over the pipeline's stages, as means over the micro-batches."""
         if len(micro_batches) != self.schedule.num_micro:
-            raise ValueError(f"the schedule was built for {self.schedule.num_micro} micro-batches, "
-                             f"got {len(micro_batches)}")
+            raise ValueError(
+                f"the schedule was built for {self.schedule.num_micro} micro-batches, got {len(micro_batches)}"
+            )
         self._reset(micro_batches, training=True)
         for j, op in enumerate(self.schedule.ops[self.rank]):
             if op.kind == "FB" and self.overlap and not self.fsdp:
@@ -336,8 +347,13 @@ class PipelineRunner:
                 with self._busy():
                     self.weight_grads.pop()
         self.weight_grads.flush()
-        ce = sum((rank_loss(ce, None, self.micro[m].local_label_tokens, self.micro[m].label_tokens, 0.0,
-                            self.data_ranks) for m, ce in self.ce.items()), torch.zeros((), device=self.device))
+        ce = sum(
+            (
+                rank_loss(ce, None, self.micro[m].local_label_tokens, self.micro[m].label_tokens, 0.0, self.data_ranks)
+                for m, ce in self.ce.items()
+            ),
+            torch.zeros((), device=self.device),
+        )
         return self._finish(ce / len(micro_batches), self.aux_sum)
 
     @torch.no_grad()
@@ -348,8 +364,9 @@ class PipelineRunner:
         for m in range(len(micro_batches)):
             for s in sorted(self.stages):
                 self._forward(s, m, train=False)
-        total = sum((ce * self.micro[m].local_label_tokens for m, ce in self.ce.items()),
-                    torch.zeros((), device=self.device))
+        total = sum(
+            (ce * self.micro[m].local_label_tokens for m, ce in self.ce.items()), torch.zeros((), device=self.device)
+        )
         return self._finish(total)[0]
 
     def _finish(self, *totals: torch.Tensor) -> list[torch.Tensor]:

@@ -262,8 +262,9 @@ class Timeline:
         return tuple(self.makespan - busy for busy in self.busy)
 
 
-def simulate(schedule: Schedule, f: float, b: float, w: float, fb: float | None = None,
-             stage_time: list[float] | None = None) -> Timeline:
+def simulate(
+    schedule: Schedule, f: float, b: float, w: float, fb: float | None = None, stage_time: list[float] | None = None
+) -> Timeline:
     """Time the schedule: each rank runs its ops in order, an op starting once its rank is free
     and its inputs exist; communication is free. `b` is the input-gradient part of a backward,
     `w` its weight-gradient part. `stage_time`: each stage's cost relative to f, b and w (e.g. a

@@ -36,9 +36,13 @@ def cut_model(model: MoECausalLM, ranges: list[range], stage_rank: list[int], ra
         if stage_rank[index] == rank:
             stages[index] = Stage(index, 0 in items, head in items, tuple(i - 1 for i in items if 1 <= i <= layers))
     held = {i for stage in stages.values() for i in stage.layers}
-    if model.config.tie_word_embeddings and any(s.first for s in stages.values()) != any(s.last for s in stages.values()):
-        raise ConfigError("tie_word_embeddings needs the embedding and the LM head on the same pipeline rank "
-                          "(parallel.pp_schedule = \"dualpipev\" puts them both on rank 0)")
+    if model.config.tie_word_embeddings and any(s.first for s in stages.values()) != any(
+        s.last for s in stages.values()
+    ):
+        raise ConfigError(
+            "tie_word_embeddings needs the embedding and the LM head on the same pipeline rank "
+            '(parallel.pp_schedule = "dualpipev" puts them both on rank 0)'
+        )
     for i in range(layers):
         if i not in held:
             model.model.layers[i] = nn.Identity()  # keeps the other layers' indices, so their names
@@ -49,8 +53,9 @@ def cut_model(model: MoECausalLM, ranges: list[range], stage_rank: list[int], ra
     return stages
 
 
-def stage_forward(model: MoECausalLM, stage: Stage, x: torch.Tensor,
-                  positions: torch.Tensor) -> tuple[torch.Tensor, list[RouterStats]]:
+def stage_forward(
+    model: MoECausalLM, stage: Stage, x: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, list[RouterStats]]:
     """Token ids (first stage) or hidden states -> hidden states after the stage's layers (before
     the head), with the router statistics of its MoE layers."""
     return model.run_layers(model.model.embed_tokens(x) if stage.first else x, positions, stage.layers)
@@ -65,8 +70,9 @@ class RankStages(nn.Module):
         super().__init__()
         self.model, self.stages = model, stages
 
-    def forward(self, index: int, x: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor,
-                reduce_stats: bool = True):
+    def forward(
+        self, index: int, x: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor, reduce_stats: bool = True
+    ):
         """-> (hidden states, or the last stage's mean cross-entropy; the MoE layers' token counts
         and summed router probabilities [layers, E], reduced over the data-parallel ranks, or None
         without MoE layers; tokens per layer)."""
