@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import os
 import sys
@@ -190,6 +191,7 @@ def _generate(args: argparse.Namespace) -> None:
             results = generate(engine, tokenizer, [ids for ids, _ in requests], [params for _, params in requests])
         finally:
             engine.close()
+        _say_where_cut(results, [params for _, params in requests], max_len, limit, args)
         if args.prompt is not None:
             print(args.prompt + results[0].text)
             return
@@ -212,6 +214,32 @@ def _generate(args: argparse.Namespace) -> None:
             print("\n".join(lines))
 
 
+def _say_where_cut(results, params, max_len: int, limit: int, args: argparse.Namespace) -> None:
+    """One line on standard error for sequences that ended at the end of the context, before the
+    new tokens asked for (their finish_reason is "length", as for those that got them all)."""
+    cut = [
+        i
+        for i, (r, p) in enumerate(zip(results, params))
+        if len(r.token_ids) < p.max_tokens and r.finish_reason == "length"
+    ]
+    if not cut:
+        return
+    what = f"the model's position limit ({limit} tokens)" if max_len >= limit else f"--max-len {max_len}"
+    r, p = results[cut[0]], params[cut[0]]
+    if args.prompt is not None:
+        print(
+            f"moemesh generate: stopped at {what}, prompt included: {len(r.token_ids)} of the "
+            f"{p.max_tokens} new tokens asked for",
+            file=sys.stderr,
+        )
+    else:
+        print(
+            f"moemesh generate: {len(cut)} of {len(results)} prompts stopped at {what}, prompt "
+            f'included, before their max_tokens (the first: prompt {cut[0] + 1}); finish_reason "length"',
+            file=sys.stderr,
+        )
+
+
 def _serve(args: argparse.Namespace) -> None:
     from moemesh.inference.engine import DecodeEngine
     from moemesh.inference.server import serve
@@ -220,6 +248,8 @@ def _serve(args: argparse.Namespace) -> None:
     for name in ("port", "max_waiting", "max_request_bytes"):
         if getattr(args, name) < (0 if name == "port" else 1):
             raise MoemeshError(f"--{name.replace('_', '-')} must be {'>= 0' if name == 'port' else '>= 1'}")
+    # The port is taken before the weights are read: a busy one fails now, not a minute later.
+    sock = _listening_socket(args.host, args.port) if _is_rank_zero() else None
     with _loaded(args) as (model, tokenizer, group):
         max_len = args.max_len or min(model.config.max_position_embeddings, 4096)
         engine = DecodeEngine(model, max_batch=args.max_batch, max_len=max_len, group=group)
@@ -230,11 +260,27 @@ def _serve(args: argparse.Namespace) -> None:
             tokenizer,
             host=args.host,
             port=args.port,
+            sock=sock,
             api_key=api_key,
             model_name=args.model_name or Path(args.checkpoint).resolve().name,
             max_waiting=args.max_waiting,
             max_request_bytes=args.max_request_bytes,
         )
+
+
+def _listening_socket(host: str, port: int):
+    """A socket bound to host:port (as uvicorn binds one), or one line saying why it cannot be."""
+    import socket
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        reason = "in use by another process" if e.errno == errno.EADDRINUSE else e.strerror or str(e)
+        raise MoemeshError(f"--host {host} --port {port}: cannot listen there ({reason})") from None
+    return sock
 
 
 def _checked(params) -> None:

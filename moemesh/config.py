@@ -98,6 +98,8 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    # Why data.tokenizer is what it is, said when a run starts; not part of the config itself.
+    tokenizer_origin: str = field(default="the default", compare=False)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         model = {name: getattr(self.model, name) for name in ModelConfig.field_names()}
@@ -161,14 +163,23 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
         raw = tomllib.loads(path.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: invalid TOML: {e}") from None
-    if path == DEFAULT_CONFIG and any(item.partition("=")[0].strip() == "train.init_from" for item in overrides):
+    overridden = {item.partition("=")[0].strip() for item in overrides}
+    if path == DEFAULT_CONFIG and "train.init_from" in overridden:
         raw.pop("model", None)  # the default's tiny model is not the one a checkpoint brings
+    # The tokenizer a file names is chosen for the checkpoint that file names: with init_from set
+    # on the command line, the file's is a default (configs/*.toml say "bytes"), the checkpoint's wins.
+    tokenizer_chosen = "data.tokenizer" in overridden or (
+        "tokenizer" in raw.get("data", {}) and "init_from" in raw.get("train", {})
+    )
     for item in overrides:
         _apply_override(raw, item)
-    return config_from_dict(raw, launched)
+    return config_from_dict(raw, launched, tokenizer_chosen)
 
 
-def config_from_dict(raw: dict[str, Any], launched: bool = True) -> RunConfig:
+def config_from_dict(raw: dict[str, Any], launched: bool = True, tokenizer_chosen: bool | None = None) -> RunConfig:
+    """The checked RunConfig of a raw TOML dict. `tokenizer_chosen`: whether data.tokenizer was
+    chosen for this run, so that it overrides train.init_from's tokenizer (None: whenever the dict
+    has one)."""
     sections = ["model", *_SECTIONS]
     for key, value in raw.items():
         if key not in sections and isinstance(value, dict):
@@ -180,13 +191,20 @@ def config_from_dict(raw: dict[str, Any], launched: bool = True) -> RunConfig:
         if not isinstance(value, dict):
             raise ConfigError(f"config section [{key}] must be a table, got {value!r}")
     built = {name: _build_section(name, cls, raw.get(name, {})) for name, cls in _SECTIONS.items()}
+    if tokenizer_chosen is None:
+        tokenizer_chosen = "tokenizer" in raw.get("data", {})
+    tokenizer_origin = "data.tokenizer" if "tokenizer" in raw.get("data", {}) else "the default"
     if built["train"].init_from:
-        model = _model_of(
-            built["train"].init_from, raw.get("model", {}), built["data"], "tokenizer" in raw.get("data", {})
-        )
+        model, tokenizer = _model_of(built["train"].init_from, raw.get("model", {}))
+        if tokenizer is not None and not tokenizer_chosen:
+            built["data"].tokenizer, tokenizer_origin = str(tokenizer), "train.init_from's"
+        elif tokenizer is not None and built["data"].tokenizer != str(tokenizer):
+            tokenizer_origin = f"data.tokenizer, not train.init_from's {tokenizer}"
+        elif tokenizer is None and not tokenizer_chosen:
+            tokenizer_origin = "the default: train.init_from has no tokenizer.json"
     else:
         model = _build_model(raw.get("model", {}))
-    config = RunConfig(model=model, **built)
+    config = RunConfig(model=model, **built, tokenizer_origin=tokenizer_origin)
     _validate(config)
     if launched:
         _check_layout_available(config.parallel)
@@ -197,10 +215,9 @@ def config_from_dict(raw: dict[str, Any], launched: bool = True) -> RunConfig:
 TRAINING_KEYS = ("output_router_logits", "router_aux_loss_coef")
 
 
-def _model_of(source: str, given: dict[str, Any], data: DataConfig, tokenizer_given: bool) -> ModelConfig:
-    """The model of `train.init_from`'s config.json; a [model] key of the run may repeat it, or
-    set one of TRAINING_KEYS, not contradict it. Its tokenizer.json becomes the run's tokenizer
-    unless data.tokenizer names one."""
+def _model_of(source: str, given: dict[str, Any]) -> tuple[ModelConfig, Path | None]:
+    """The model of `train.init_from`'s config.json and its tokenizer.json (None: it has none); a
+    [model] key of the run may repeat the model, or set one of TRAINING_KEYS, not contradict it."""
     from moemesh.checkpoint.dcp import TOKENIZER_FILE
     from moemesh.checkpoint.load import newest_directory, read_model_config
     from moemesh.models.registry import family
@@ -220,11 +237,8 @@ def _model_of(source: str, given: dict[str, Any], data: DataConfig, tokenizer_gi
                 f"model.{name} = {getattr(ours, name)!r} contradicts train.init_from {source}, whose "
                 f"config.json has {name} = {getattr(model, name)!r} (leave it out of [model])"
             )
-    model = ours
     tokenizer = newest_directory(source) / TOKENIZER_FILE
-    if not tokenizer_given and tokenizer.is_file():
-        data.tokenizer = str(tokenizer)
-    return model
+    return ours, tokenizer if tokenizer.is_file() else None
 
 
 def _apply_override(raw: dict[str, Any], item: str) -> None:

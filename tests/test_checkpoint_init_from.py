@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 from moemesh.checkpoint.load import load_model
 from moemesh.cli import main
-from moemesh.config import config_from_dict
+from moemesh.config import config_from_dict, dumps_toml, load_config
 from moemesh.errors import ConfigError
 from moemesh.train.trainer import Trainer
 from test_models_deepseek import TINY as DEEPSEEK_TINY
@@ -301,8 +301,26 @@ def test_init_from_takes_the_model_and_tokenizer_of_the_checkpoint(sources, tmp_
     (with_tokenizer / "tokenizer.json").write_text("{}")
     raw = run_config(directory, with_tokenizer, "one process")
     assert config_from_dict(raw).data.tokenizer == str(with_tokenizer / "tokenizer.json")
+    assert config_from_dict(raw).tokenizer_origin == "train.init_from's"
     raw["data"]["tokenizer"] = "bytes"  # named: it wins
     assert config_from_dict(raw).data.tokenizer == "bytes"
+    origin = f"data.tokenizer, not train.init_from's {with_tokenizer}/tokenizer.json"
+    assert config_from_dict(raw).tokenizer_origin == origin
+
+    # A config file's tokenizer is a default for a checkpoint named on the command line (the
+    # README's fine-tuning command on configs/*.toml, which say "bytes"); --set data.tokenizer, or
+    # a file that names the checkpoint too, chooses.
+    file = tmp_path / "run.toml"
+    file.write_text(dumps_toml({k: v for k, v in raw.items() if k != "model"}))
+    file_without_source = tmp_path / "defaults.toml"
+    without_source = {**raw, "train": {k: v for k, v in raw["train"].items() if k != "init_from"}}
+    file_without_source.write_text(dumps_toml({k: v for k, v in without_source.items() if k != "model"}))
+    from_cli = load_config(file_without_source, [f"train.init_from={with_tokenizer}"], launched=False)
+    assert from_cli.data.tokenizer == str(with_tokenizer / "tokenizer.json")
+    assert from_cli.tokenizer_origin == "train.init_from's"
+    chosen = load_config(file_without_source, [f"train.init_from={with_tokenizer}", "data.tokenizer=bytes"], False)
+    assert chosen.data.tokenizer == "bytes"
+    assert load_config(file, [], launched=False).data.tokenizer == "bytes"
     raw["model"] = {"num_experts": 4}
     with pytest.raises(ConfigError, match="model.num_experts = 4 contradicts"):
         config_from_dict(raw)

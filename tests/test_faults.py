@@ -350,13 +350,18 @@ def _files(directory: Path) -> dict[str, bytes]:
     return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
-def test_a_rerun_without_resume_deletes_nothing(tmp_path, capsys):
+def test_a_rerun_without_resume_deletes_nothing(tmp_path, capsys, monkeypatch):
     config = write_tiny_toml(tmp_path, steps=10, save_every=5)
     assert main(["train", "--config", str(config)]) == 0
     checkpoints = tmp_path / "run" / "checkpoints"
     before = _files(checkpoints)
     capsys.readouterr()
-    assert main(["train", "--config", str(config)]) == 2
+    with monkeypatch.context() as patch:  # refused before the data or any weight is read
+        reads = []
+        for name in ("load_dataset", "materialize", "load_weights"):
+            patch.setattr(f"moemesh.train.trainer.{name}", lambda *args, name=name, **kw: reads.append(name))
+        assert main(["train", "--config", str(config)]) == 2
+        assert reads == []
     assert capsys.readouterr().err == (
         f"moemesh train: error: {checkpoints} holds the checkpoints of an earlier run "
         "(the newest: step_10): train.resume=true continues that run, "

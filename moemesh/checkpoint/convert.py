@@ -18,7 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from moemesh.checkpoint import integrity
-from moemesh.checkpoint.dcp import TOKENIZER_FILE, _load, resolve_checkpoint, save_checkpoint
+from moemesh.checkpoint.dcp import TOKENIZER_FILE, _load, resolve_checkpoint, save_checkpoint, tokenizer_files
 from moemesh.checkpoint.hf import write_pretrained
 from moemesh.checkpoint.load import is_hf_directory, load_model, read_model_config
 from moemesh.errors import CheckpointError
@@ -37,8 +37,9 @@ def export_hf(source: str | os.PathLike, target: str | os.PathLike, dtype: torch
     tmp = target.with_name(integrity.TMP_PREFIX + target.name)
     with _writing(target, tmp):
         write_pretrained(_stored_tensors(checkpoint, config, dtype), config, tmp)
-        if (checkpoint / TOKENIZER_FILE).is_file():
-            shutil.copyfile(checkpoint / TOKENIZER_FILE, tmp / TOKENIZER_FILE)
+        tokenizer = checkpoint / TOKENIZER_FILE
+        for name, file in tokenizer_files(tokenizer if tokenizer.is_file() else None).items():
+            shutil.copyfile(file, tmp / name)
         integrity.publish(tmp, target)
     return checkpoint
 

@@ -7,7 +7,8 @@ save their shards in parallel and load them back into any other layout.
                                   Tensors are stored whole, as `parallel/stored.py` presents them
                                   (gate_up_proj as its .gate and .up halves), whatever the layout
         config.json               the model config, in Hugging Face field names
-        tokenizer.json            the tokenizer, when the run used one (none: byte-level)
+        tokenizer.json            the tokenizer, when the run used one (none: byte-level), with its
+                                  tokenizer_config.json, chat_template.jinja, special_tokens_map.json
         SHA256SUMS                the checksum of every other file (`integrity.py`)
 
 A checkpoint is written under a temporary name, flushed to disk, and renamed to `step_N` only when
@@ -45,6 +46,9 @@ from moemesh.parallel.stored import stored_state
 
 CHECKPOINTS = "checkpoints"
 TOKENIZER_FILE = "tokenizer.json"
+# What travels with a tokenizer.json, from the directory it came from: its special tokens and chat
+# template, so that a fine-tuned or converted model chats as its source did.
+TOKENIZER_COMPANIONS = ("tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -98,6 +102,16 @@ def _is_main() -> bool:
     return _no_dist() or dist.get_rank() == 0
 
 
+def tokenizer_files(tokenizer_file: str | os.PathLike | None) -> dict[str, Path]:
+    """{name in a checkpoint or model directory: file} for a tokenizer.json (whatever its own name)
+    and the companions beside it; {} for None (the byte tokenizer)."""
+    if tokenizer_file is None:
+        return {}
+    source = Path(tokenizer_file)
+    companions = {name: source.parent / name for name in TOKENIZER_COMPANIONS}
+    return {TOKENIZER_FILE: source, **{name: path for name, path in companions.items() if path.is_file()}}
+
+
 def _no_dist() -> bool:
     # One process without a process group saves and loads on its own; under torchrun DCP
     # coordinates the ranks.
@@ -131,8 +145,8 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
         tmp.mkdir(parents=True)
         integrity.write_durably(tmp / "config.json", (json.dumps(model_config.to_hf_dict(), indent=2) + "\n").encode())
-        if tokenizer_file is not None:
-            integrity.write_durably(tmp / TOKENIZER_FILE, Path(tokenizer_file).read_bytes())
+        for name, file in tokenizer_files(tokenizer_file).items():
+            integrity.write_durably(tmp / name, file.read_bytes())
 
     _on_main_rank(prepare, path, tmp)
     # DCP's writer fsyncs each file and .metadata. One writing thread per rank: with more, a thread
@@ -147,8 +161,7 @@ def save_checkpoint(
     if metadata is None or not metadata.storage_data:  # torch 2.11 returns it without: every rank reads it
         metadata = dcp.FileSystemReader(tmp).read_metadata()
     names = {item.relative_path for item in metadata.storage_data.values()} | {".metadata", "config.json"}
-    if tokenizer_file is not None:
-        names.add(TOKENIZER_FILE)
+    names |= set(tokenizer_files(tokenizer_file))
     digests = integrity.sha256_of_files(tmp, sorted(names))
     unreadable = sorted(name for name, digest in digests.items() if digest is None)
 

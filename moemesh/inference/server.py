@@ -87,13 +87,15 @@ class Service:
         self.app = _create_app(self)
         self.server = None  # the uvicorn server while it runs
 
-    def serve(self, host: str = "127.0.0.1", port: int = 8000, sock=None) -> None:
+    def serve(self, host: str = "127.0.0.1", port: int = 8000, sock=None, announce: bool | None = None) -> None:
         """Run until interrupted (or `shutdown`): the engine's warm-up, the scheduler's thread,
-        then uvicorn here."""
+        then uvicorn here, on `sock` when given (bound already). `announce` (default: without
+        `sock`) prints the warm-up's time and the URL."""
         import uvicorn
 
+        announce = sock is None if announce is None else announce
         seconds = self.engine.warm_up()
-        if sock is None:
+        if announce:
             print(
                 f"moemesh serve: decode steps of batch 1 to {self.engine.max_batch} ready in {seconds:.1f} s",
                 flush=True,
@@ -104,7 +106,8 @@ class Service:
             uvicorn.Config(self.app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
         )
         try:
-            if sock is None:
+            if announce:
+                port = port if sock is None else sock.getsockname()[1]  # --port 0: the one the system chose
                 print(f"moemesh serve: {self.model_name} on http://{host}:{port}", flush=True)
             self.server.run(sockets=None if sock is None else [sock])
         finally:
@@ -116,10 +119,13 @@ class Service:
             self.server.should_exit = True
 
 
-def serve(engine: DecodeEngine, tokenizer: Tokenizer, host: str = "127.0.0.1", port: int = 8000, **settings) -> None:
-    """Serve until interrupted; then release the other ranks of a tensor-parallel group."""
+def serve(
+    engine: DecodeEngine, tokenizer: Tokenizer, host: str = "127.0.0.1", port: int = 8000, sock=None, **settings
+) -> None:
+    """Serve until interrupted (on `sock` when given, bound to host:port); then release the other
+    ranks of a tensor-parallel group."""
     try:
-        Service(engine, tokenizer, **settings).serve(host, port)
+        Service(engine, tokenizer, **settings).serve(host, port, sock, announce=True)
     finally:
         engine.close()
 

@@ -104,6 +104,7 @@ class Trainer:
         self.autocast_dtype = DTYPES[train.dtype]
         self.run_dir = Path(train.run_dir)
 
+        self._refuse_earlier_run()  # before the data and the weights: a 30B model takes a minute to read
         torch.manual_seed(train.seed)
         self.dataset, self.tokenizer = load_dataset(config.data, train.seq_len, train.seed, config.model.vocab_size)
         # Made on the meta device, laid out, and only then allocated: each rank makes (or reads)
@@ -272,18 +273,24 @@ class Trainer:
                     "starts afresh"
                 )
             say(f"train.resume: no checkpoint in {checkpoints} yet, starting at step 0")
-        elif existing and not train.overwrite:
-            raise ConfigError(
-                f"{checkpoints} holds the checkpoints of an earlier run (the newest: "
-                f"{existing[0][1].name}): train.resume=true continues that run, "
-                "train.overwrite=true deletes them and starts afresh"
-            )
-        elif existing:
+        elif existing:  # train.overwrite: _refuse_earlier_run let it through
             say(f"train.overwrite: deleting the earlier run's {checkpoints} and starting afresh")
             if self.is_main:
                 integrity.remove(checkpoints)
             comm.barrier()  # deleted before any rank writes a new one
         return self._metrics_log()
+
+    def _refuse_earlier_run(self) -> None:
+        """A run directory that holds an earlier run's checkpoints, without train.resume (continue
+        it) or train.overwrite (delete it): refused at once, before anything is loaded."""
+        train = self.train_config
+        existing = checkpoint_steps(self.run_dir)
+        if existing and not (train.resume or train.overwrite):
+            raise ConfigError(
+                f"{self.run_dir / CHECKPOINTS} holds the checkpoints of an earlier run (the newest: "
+                f"{existing[0][1].name}): train.resume=true continues that run, "
+                "train.overwrite=true deletes them and starts afresh"
+            )
 
     def _metrics_log(self, resume_step: int | None = None) -> MetricsLog:
         # Only the main rank writes the file; the others log into nothing.
@@ -302,7 +309,7 @@ class Trainer:
             f"{format_count(total)} parameters, {format_count(active)} active per token"
         )
         self._say(
-            f"data    {data.path} ({data.tokenizer} tokenizer): "
+            f"data    {data.path} (tokenizer {data.tokenizer}: {self.config.tokenizer_origin}): "
             f"{format_count(len(self.dataset.train_tokens))} training tokens, "
             f"{format_count(len(self.dataset.val_tokens))} validation tokens"
         )
