@@ -1,6 +1,7 @@
 """The run configuration: a TOML file plus `--set section.key=value` overrides, checked into
 dataclasses. Sections: `model` (Hugging Face config.json field names, becomes a ModelConfig),
-`parallel`, `train` and `data`. Every mistake raises ConfigError naming the key at fault."""
+`parallel` (a ParallelConfig, `parallel/config.py`), `train` and `data`. Every mistake raises
+ConfigError naming the key at fault."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import math
 import os
 import tomllib
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,39 +21,12 @@ import torch
 
 from moemesh.errors import ConfigError
 from moemesh.models import ModelConfig
+from moemesh.models.family import family
+from moemesh.parallel.config import ParallelConfig, StepShape
 from moemesh.parallel.pipeline.schedule import min_micro_batches
 
 # `moemesh train` with no --config: the tiny model of this checkout.
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.toml"
-
-
-@dataclass
-class ParallelConfig:
-    """Sizes of the parallel dimensions, the pipeline schedule, and how FSDP runs."""
-
-    dp_replicate: int = 1  # data-parallel replicas (with dp_shard > 1: HSDP)
-    dp_shard: int = 1  # FSDP: weights, gradients and optimizer state split over these ranks
-    ep: int = 1
-    tp: int = 1
-    pp: int = 1
-    pp_schedule: str = "dualpipev"  # or "1f1b"; train.global_batch / train.micro_batch micro-batches
-    # DualPipeV under EP: a forward's compute hides a backward's EP all-to-alls, and vice versa. Off
-    # by default: measured on 4 H200s (pp=2 × ep=2) it took 927 ms a step against 432 ms sequential
-    # (each EP dispatch's host sync stalls the other chunk); on again once that pays.
-    pp_overlap: bool = False
-    fsdp_reshard_after_forward: bool = True  # free gathered weights after forward (less memory)
-    fsdp_prefetch: bool = True  # gather the next block's weights during this block's compute
-    timeout_s: float = 300.0  # a collective that waits longer for a peer fails (a peer stopped, hung or died)
-
-    @property
-    def batch_ranks(self) -> int:
-        """Ranks that take different slices of each micro-batch: the data-parallel and the
-        expert-parallel ones (experts split over ep, the dense part data-parallel over all)."""
-        return self.dp_replicate * self.dp_shard * self.ep
-
-    @property
-    def world_size(self) -> int:
-        return self.batch_ranks * self.tp * self.pp
 
 
 @dataclass
@@ -83,6 +58,13 @@ class TrainConfig:
     eval_every: int = 50  # 0: evaluate only before the first and after the last step
     eval_sequences: int = 64  # validation sequences per evaluation (always the same ones)
     log_every: int = 10  # steps between plain progress lines when the output is not a terminal
+
+    @property
+    def step_shape(self) -> StepShape:
+        """What the parallel layout depends on of a step (`train.dtype` resolved)."""
+        return StepShape(
+            self.global_batch // self.micro_batch, self.micro_batch, self.seq_len, self.dtype, self.param_dtype
+        )
 
 
 @dataclass
@@ -146,9 +128,20 @@ def resolve_device(config: RunConfig) -> RunConfig:
 _SECTIONS = {"parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig}
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] = (), launched: bool = True) -> RunConfig:
+# Reads what `train.init_from` brings (`checkpoint.load.init_source`): its model config and tokenizer.json.
+InitSource = Callable[[str], tuple[ModelConfig, Path | None]]
+
+
+def load_config(
+    path: str | os.PathLike | None = None,
+    overrides: list[str] = (),
+    launched: bool = True,
+    init_source: InitSource | None = None,
+) -> RunConfig:
     """Read `path` (the default config when None), apply `section.key=value` overrides, check
-    (with `launched`, also that torchrun started the processes the layout needs)."""
+    (with `launched`, also that torchrun started the processes the layout needs). A run with
+    `train.init_from` needs `init_source` (`moemesh.checkpoint.load.init_source`) to read the
+    checkpoint's model: this layer sits above `checkpoint/` and imports none of it."""
     if path is None and not DEFAULT_CONFIG.is_file():
         raise ConfigError(
             f"no --config given, and the default {DEFAULT_CONFIG} is missing: moemesh was "
@@ -165,10 +158,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
         raw.pop("model", None)  # the default's tiny model is not the one a checkpoint brings
     for item in overrides:
         _apply_override(raw, item)
-    return config_from_dict(raw, launched)
+    return config_from_dict(raw, launched, init_source)
 
 
-def config_from_dict(raw: dict[str, Any], launched: bool = True) -> RunConfig:
+def config_from_dict(raw: dict[str, Any], launched: bool = True, init_source: InitSource | None = None) -> RunConfig:
     sections = ["model", *_SECTIONS]
     for key, value in raw.items():
         if key not in sections and isinstance(value, dict):
@@ -181,8 +174,14 @@ def config_from_dict(raw: dict[str, Any], launched: bool = True) -> RunConfig:
             raise ConfigError(f"config section [{key}] must be a table, got {value!r}")
     built = {name: _build_section(name, cls, raw.get(name, {})) for name, cls in _SECTIONS.items()}
     if built["train"].init_from:
+        if init_source is None:
+            raise ValueError("train.init_from is set: pass init_source=moemesh.checkpoint.load.init_source")
         model = _model_of(
-            built["train"].init_from, raw.get("model", {}), built["data"], "tokenizer" in raw.get("data", {})
+            init_source(built["train"].init_from),
+            built["train"].init_from,
+            raw.get("model", {}),
+            built["data"],
+            "tokenizer" in raw.get("data", {}),
         )
     else:
         model = _build_model(raw.get("model", {}))
@@ -197,15 +196,13 @@ def config_from_dict(raw: dict[str, Any], launched: bool = True) -> RunConfig:
 TRAINING_KEYS = ("output_router_logits", "router_aux_loss_coef")
 
 
-def _model_of(source: str, given: dict[str, Any], data: DataConfig, tokenizer_given: bool) -> ModelConfig:
-    """The model of `train.init_from`'s config.json; a [model] key of the run may repeat it, or
-    set one of TRAINING_KEYS, not contradict it. Its tokenizer.json becomes the run's tokenizer
-    unless data.tokenizer names one."""
-    from moemesh.checkpoint.dcp import TOKENIZER_FILE
-    from moemesh.checkpoint.load import newest_directory, read_model_config
-    from moemesh.models.registry import family
-
-    model = read_model_config(source)
+def _model_of(
+    read: tuple[ModelConfig, Path | None], source: str, given: dict[str, Any], data: DataConfig, tokenizer_given: bool
+) -> ModelConfig:
+    """The model of `train.init_from`'s config.json (`read`: it and the checkpoint's tokenizer);
+    a [model] key of the run may repeat it, or set one of TRAINING_KEYS, not contradict it. Its
+    tokenizer.json becomes the run's tokenizer unless data.tokenizer names one."""
+    model, tokenizer = read
     names = ModelConfig.field_names()
     for key in given:
         if key not in names and key not in family(model.model_type).renames:
@@ -220,11 +217,9 @@ def _model_of(source: str, given: dict[str, Any], data: DataConfig, tokenizer_gi
                 f"model.{name} = {getattr(ours, name)!r} contradicts train.init_from {source}, whose "
                 f"config.json has {name} = {getattr(model, name)!r} (leave it out of [model])"
             )
-    model = ours
-    tokenizer = newest_directory(source) / TOKENIZER_FILE
-    if not tokenizer_given and tokenizer.is_file():
+    if not tokenizer_given and tokenizer is not None:
         data.tokenizer = str(tokenizer)
-    return model
+    return ours
 
 
 def _apply_override(raw: dict[str, Any], item: str) -> None:

@@ -35,7 +35,7 @@ from torch import nn
 from moemesh.errors import ConfigError
 from moemesh.models import mixtral
 from moemesh.models.config import ModelConfig
-from moemesh.models.family import Family
+from moemesh.models.family import Family, register
 from moemesh.models.layers import Attention, DenseMLP, KVCache, RMSNorm, apply_rotary, attention_mask, grouped_attention
 from moemesh.models.moe import MoEBlock, Routing, router_stats
 from moemesh.models.rope import RotaryEmbedding
@@ -296,3 +296,4 @@ FAMILY = Family(
     decoder_layer=Gemma4DecoderLayer,
     rotary=LayerTypeRotary,
 )
+register(FAMILY)

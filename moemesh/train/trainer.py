@@ -113,7 +113,7 @@ class Trainer:
         # Counted on the whole model, before the layout keeps this rank's part.
         self.flops_per_token = flops_per_token(self.model, train.seq_len)
         self.num_params = (self.model.num_params(), self.model.num_params(active=True))
-        layout = parallelize(self.model, self.mesh, config)
+        layout = parallelize(self.model, self.mesh, parallel, train.step_shape)
         materialize(self.model, self.device, None if train.init_from else train.seed)
         self.init_source = load_weights(self.model, train.init_from, self.mesh) if train.init_from else None
         self.kept_whole = layout.kept_whole
