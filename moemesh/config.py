@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import json
 import math
 import os
@@ -58,6 +59,8 @@ class TrainConfig:
     eval_every: int = 50  # 0: evaluate only before the first and after the last step
     eval_sequences: int = 64  # validation sequences per evaluation (always the same ones)
     log_every: int = 10  # steps between plain progress lines when the output is not a terminal
+    # Where else the scalars of metrics.jsonl go, step by step: any of REPORT_TO (train/report.py).
+    report_to: list[str] = field(default_factory=list)
 
     @property
     def step_shape(self) -> StepShape:
@@ -65,6 +68,10 @@ class TrainConfig:
         return StepShape(
             self.global_batch // self.micro_batch, self.micro_batch, self.seq_len, self.dtype, self.param_dtype
         )
+
+
+# train.report_to's names -> the package each needs (`pip install 'moemesh[tracking]'` installs both).
+REPORT_TO = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
 
 @dataclass
@@ -282,13 +289,15 @@ def _check_type(key: str, value: Any, expected: Any) -> Any:
         value = float(value) if ok else value
     elif expected is str:
         ok = isinstance(value, str)
+    elif expected == list[str]:
+        ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
     else:  # list[float]
         ok = isinstance(value, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
         value = [float(v) for v in value] if ok else value
     if not ok and expected is float and isinstance(value, float):
         raise ConfigError(f"{key} must be a finite number, got {value!r}")
     if not ok:
-        name = getattr(expected, "__name__", str(expected))
+        name = expected.__name__ if isinstance(expected, type) else str(expected)  # list[str], not list
         raise ConfigError(f"{key} must be of type {name}, got {value!r}")
     return value
 
@@ -332,6 +341,7 @@ def _validate(config: RunConfig) -> None:
         f"train.param_dtype must be 'float32' or 'bfloat16', got {train.param_dtype!r}",
     )
     _check_device_name(train.device, "train.device")
+    _check_report_to(train.report_to)
     need(0 < data.val_fraction < 1, f"data.val_fraction must be in (0, 1), got {data.val_fraction}")
     need(
         train.seq_len <= model.max_position_embeddings,
@@ -357,6 +367,23 @@ def _validate(config: RunConfig) -> None:
     )
     _check_tp_sizes(model, config.parallel.tp)
     _check_pipeline(config)
+
+
+def _check_report_to(names: list[str]) -> None:
+    """Known names, each once, whose packages are installed: said now, before a model is built."""
+    for name in names:
+        if name not in REPORT_TO:
+            close = difflib.get_close_matches(name, REPORT_TO, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"train.report_to: unknown {name!r}{hint}; choose from {', '.join(REPORT_TO)}")
+        if names.count(name) > 1:
+            raise ConfigError(f"train.report_to names {name!r} twice")
+        package = REPORT_TO[name]
+        if importlib.util.find_spec(package) is None:
+            raise ConfigError(
+                f"train.report_to includes {name!r}, but {package} is not installed: "
+                f"pip install {package} (or pip install 'moemesh[tracking]')"
+            )
 
 
 def _check_tp_sizes(model: ModelConfig, tp: int) -> None:
