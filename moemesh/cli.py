@@ -158,11 +158,12 @@ def _model_arguments(command: argparse.ArgumentParser) -> None:
 
 
 def _train(args: argparse.Namespace) -> None:
+    from moemesh.checkpoint.load import init_source
     from moemesh.config import load_config
     from moemesh.train.trainer import train
 
     overrides = [item for group in args.overrides for item in group]
-    train(load_config(args.config, overrides))
+    train(load_config(args.config, overrides, init_source=init_source))
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -338,13 +339,15 @@ def _tensor_parallel_size(args: argparse.Namespace) -> int:
 
 
 def _estimate(args: argparse.Namespace) -> None:
+    from moemesh.checkpoint.load import init_source
     from moemesh.config import load_config
     from moemesh.estimate import estimate_run
 
     if args.pp is not None and args.pp < 1:
         raise MoemeshError(f"--pp must be >= 1, got {args.pp}")
     overrides = [item for group in args.overrides for item in group]
-    print(estimate_run(load_config(args.config, overrides, launched=False), args.pp, args.schedule, args.profile))
+    config = load_config(args.config, overrides, launched=False, init_source=init_source)
+    print(estimate_run(config, args.pp, args.schedule, args.profile))
 
 
 def _convert(args: argparse.Namespace) -> None:

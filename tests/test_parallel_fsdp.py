@@ -148,6 +148,9 @@ def assert_records_match(ours: list[dict], theirs: list[dict]) -> None:
     for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
         for key in ("loss", "aux_loss", "grad_norm"):
             assert abs(a[key] - b[key]) <= RTOL * abs(b[key]), (step, key, a[key], b[key])
+        # Whole-number expert loads summed exactly over the ranks: the same routing, the same statistics.
+        loads = {key: value for key, value in b.items() if key.startswith("expert_load")}
+        assert loads and {key: value for key, value in a.items() if key.startswith("expert_load")} == loads, step
 
 
 def train_and_gather(rank, raw: dict, steps: int) -> tuple[list[dict], dict]:

@@ -195,4 +195,4 @@ def test_a_rank_keeps_its_share_of_each_item(layout):
         else:  # norms, q/k norms: whole under TP; FSDP splits those it divides
             share = fsdp if param.shape[0] % fsdp == 0 else 1
         expected[item] += param.numel() / share
-    assert rank_param_counts(config) == pytest.approx(expected)
+    assert rank_param_counts(config.model, config.parallel) == pytest.approx(expected)

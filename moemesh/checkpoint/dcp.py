@@ -224,8 +224,9 @@ def load_training_state(
 ) -> dict[str, Any]:
     """Restore model, optimizer and scheduler from the checkpoint `path` (one that
     `latest_checkpoint` or `resolve_checkpoint` found to verify) into this rank of `mesh`; returns
-    `trainer` filled from it."""
-    state = training_state(model, optimizer, scheduler, trainer)
+    `trainer` filled from it (a key that a checkpoint of an older moemesh lacks keeps its value)."""
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    state = training_state(model, optimizer, scheduler, {k: v for k, v in trainer.items() if f"trainer.{k}" in saved})
     # The parameter groups stay this rank's own, as the config built them: a checkpoint holds one
     # rank's groups, naming that rank's parameters only (under a pipeline, other ranks hold
     # others), so they cannot say which group another rank's parameter is in. The learning rate,
@@ -238,7 +239,7 @@ def load_training_state(
     scheduler.load_state_dict(stored["scheduler"])
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
         group["lr"] = lr
-    return stored["trainer"]
+    return {**trainer, **stored["trainer"]}
 
 
 def _load(path: Path, state: dict[str, Any]) -> None:

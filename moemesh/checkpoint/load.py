@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from moemesh.checkpoint.dcp import CHECKPOINTS, _load, checkpoint_steps, resolve_checkpoint
+from moemesh.checkpoint.dcp import CHECKPOINTS, TOKENIZER_FILE, _load, checkpoint_steps, resolve_checkpoint
 from moemesh.checkpoint.hf import DTYPES, read_config, read_state
 from moemesh.errors import CheckpointError
 from moemesh.models import ModelConfig, MoECausalLM
@@ -52,6 +52,15 @@ def read_model_config(path: str | os.PathLike) -> ModelConfig:
         raise CheckpointError(f"{checkpoint} is not a complete checkpoint (no config.json)") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{checkpoint / 'config.json'}: not valid JSON ({e})") from None
+
+
+def init_source(path: str | os.PathLike) -> tuple[ModelConfig, Path | None]:
+    """What a run that starts from this checkpoint (`train.init_from`) takes of it before its
+    weights: its model config, and its tokenizer.json (None without one). `config.load_config`
+    takes this function, so that the run config reads a checkpoint without importing this layer."""
+    model = read_model_config(path)
+    tokenizer = newest_directory(path) / TOKENIZER_FILE
+    return model, tokenizer if tokenizer.is_file() else None
 
 
 def weights_directory(path: str | os.PathLike) -> Path:

@@ -18,7 +18,6 @@ import torch
 
 from moemesh.checkpoint.dcp import TOKENIZER_FILE
 from moemesh.checkpoint.load import load_weights, read_model_config
-from moemesh.config import ParallelConfig, RunConfig
 from moemesh.data.sources import jsonl_values
 from moemesh.data.tokenizer import Tokenizer, load_tokenizer
 from moemesh.errors import DataError, RequestError
@@ -27,6 +26,7 @@ from moemesh.inference.request import SamplingParams, Sequence
 from moemesh.inference.scheduler import Scheduler
 from moemesh.models import MoECausalLM
 from moemesh.models.build import meta_model
+from moemesh.parallel.config import ParallelConfig, StepShape
 from moemesh.parallel.mesh import Mesh
 from moemesh.parallel.parallelize import materialize, parallelize
 
@@ -47,9 +47,8 @@ def load_for_generation(
         dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
     model = meta_model(config, dtype)
     if mesh is not None:
-        layout = RunConfig(model=config, parallel=ParallelConfig(tp=mesh.dims.tp))
-        layout.train.dtype = "bfloat16" if dtype == torch.bfloat16 else "float32"
-        parallelize(model, mesh, layout)
+        step = StepShape(dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
+        parallelize(model, mesh, ParallelConfig(tp=mesh.dims.tp), step)
     materialize(model, device)
     source = load_weights(model, path, mesh)
     model.eval()

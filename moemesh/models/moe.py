@@ -74,6 +74,15 @@ def router_stats(probs: torch.Tensor, expert_ids: torch.Tensor) -> RouterStats:
     return RouterStats(counts, probs.sum(dim=0), probs.shape[0])
 
 
+def count_load(router: nn.Module, stats: RouterStats) -> None:
+    """Add a training forward's (token, slot) choices per expert to `router.expert_load` (int64,
+    so that they add up exactly); evaluation and generation forwards do not count. Read by the
+    trainer after each step (the per-expert load metrics, DeepSeek-V3's bias rule), then cleared."""
+    if router.training and torch.is_grad_enabled():
+        load = stats.counts.long()  # whole numbers, exact in fp32 below 2**24 choices per forward
+        router.expert_load = load if router.expert_load is None else router.expert_load + load
+
+
 class Router(nn.Module):
     """Softmax over experts in fp32, top-k, optionally renormalised over the k.
 
@@ -87,6 +96,7 @@ class Router(nn.Module):
         self.bias = nn.Parameter(torch.empty(config.num_experts)) if config.router_bias else None
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
+        self.expert_load: torch.Tensor | None = None  # see `count_load`; not part of the model's state
 
     def forward(self, x: torch.Tensor, stats: bool = True) -> Routing:
         """`stats=False` (decoding): the choice alone, the logits by `ops/gemv.py` and the choice
@@ -99,7 +109,9 @@ class Router(nn.Module):
         weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return Routing(weights, expert_ids, router_stats(probs, expert_ids))
+        stats = router_stats(probs, expert_ids)
+        count_load(self, stats)
+        return Routing(weights, expert_ids, stats)
 
 
 class GroupLimitedRouter(nn.Module):
@@ -115,7 +127,7 @@ class GroupLimitedRouter(nn.Module):
 
     V3's bias is moved by DeepSeek's auxiliary-loss-free rule after each optimizer step
     (train/router_bias.py), from `expert_load`: the (token, slot) choices of each expert, added
-    up over the training forwards (grad enabled) since the last update. The bias stays fp32
+    up over the training forwards (grad enabled) since the last update (`count_load`). The bias stays fp32
     whatever the model's dtype, as in transformers: bf16 could not hold its small steps."""
 
     def __init__(self, config: ModelConfig):
@@ -152,9 +164,7 @@ class GroupLimitedRouter(nn.Module):
             return Routing(weights, expert_ids, None)
         probs = scores / scores.sum(dim=-1, keepdim=True) if self.sigmoid else scores
         counted = router_stats(probs, expert_ids)
-        if self.sigmoid and self.training and torch.is_grad_enabled():  # not in evaluation or generation
-            load = counted.counts.long()  # whole numbers, exact in fp32 below 2**24 choices per forward
-            self.expert_load = load if self.expert_load is None else self.expert_load + load
+        count_load(self, counted)
         return Routing(weights, expert_ids, counted)
 
     def _apply(self, fn, recurse=True):

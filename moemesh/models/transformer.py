@@ -16,6 +16,7 @@ from torch import nn
 
 from moemesh.models.attention_mla import MLAttention
 from moemesh.models.config import ModelConfig
+from moemesh.models.family import family
 from moemesh.models.layers import Attention, DenseMLP, KVCache, RMSNorm
 from moemesh.models.moe import Dispatched, MoEBlock, RouterStats, Routing, load_balancing_loss
 from moemesh.models.rope import RotaryEmbedding
@@ -87,8 +88,6 @@ class TransformerBody(nn.Module):
     """Embedding, decoder layers and final norm (transformers' `model.` prefix)."""
 
     def __init__(self, config: ModelConfig):
-        from moemesh.models.registry import family
-
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         layer = family(config.model_type).decoder_layer or DecoderLayer
@@ -98,8 +97,6 @@ class TransformerBody(nn.Module):
 
 class MoECausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
-        from moemesh.models.registry import family
-
         super().__init__()
         self.config = config
         self.model = TransformerBody(config)

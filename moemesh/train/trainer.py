@@ -9,8 +9,12 @@ the number of micro-batches, so the gradients, summed over micro-batches here an
 A step whose loss or gradient norm is not finite changes nothing but the data position: no update
 of the weights, of AdamW's moments and step count, or of the learning-rate schedule, which counts
 updates (as Megatron-LM and DeepSpeed do with the steps they skip), so a bad batch eats neither
-warm-up nor decay. `train.max_bad_steps` such steps in a row stop the run (`DivergedError`), and
-no checkpoint is ever written with non-finite weights.
+warm-up nor decay. `train.max_bad_steps` such steps in a row stop the run (`DivergedError`), a
+resumed run counting on from its checkpoint's count, and no checkpoint is ever written with
+non-finite weights.
+
+Each step's record goes to metrics.jsonl and, with `train.report_to`, to TensorBoard and W&B
+(`report.py`), from the main rank; the per-layer expert loads are `expert_load.py`'s.
 """
 
 from __future__ import annotations
@@ -51,11 +55,13 @@ from moemesh.parallel.data import clip_grad_norm_, label_tokens, local, rank_los
 from moemesh.parallel.mesh import ParallelDims, init_mesh
 from moemesh.parallel.parallelize import DTYPES, materialize, parallelize
 from moemesh.parallel.pipeline.runtime import MicroBatch, PipelineRunner
+from moemesh.train.expert_load import expert_load_metrics
 from moemesh.train.flops import flops_per_token, peak_flops
 from moemesh.train.metrics import METRICS_FILE, MetricsLog, read_metrics
 from moemesh.train.optim import build_optimizer, build_scheduler
 from moemesh.train.plot import plot_losses
 from moemesh.train.progress import Progress, format_count, format_duration
+from moemesh.train.report import Report
 from moemesh.train.router_bias import update_router_bias
 
 
@@ -114,7 +120,7 @@ class Trainer:
         # Counted on the whole model, before the layout keeps this rank's part.
         self.flops_per_token = flops_per_token(self.model, train.seq_len)
         self.num_params = (self.model.num_params(), self.model.num_params(active=True))
-        layout = parallelize(self.model, self.mesh, config)
+        layout = parallelize(self.model, self.mesh, parallel, train.step_shape)
         materialize(self.model, self.device, None if train.init_from else train.seed)
         self.init_source = load_weights(self.model, train.init_from, self.mesh) if train.init_from else None
         self.kept_whole = layout.kept_whole
@@ -129,6 +135,7 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, train)
         self.step = 0
         self.data_position = 0  # sequences of the training order consumed so far
+        self.bad_steps = 0  # skipped steps in a row (non-finite loss or gradient norm), up to now
         self.checkpoint: Path | None = None  # the newest this run wrote or resumed from
         val = self.dataset.val_sequences(train.eval_sequences)
         self.val_batches = val[: len(val) // self.ranks * self.ranks].split(train.micro_batch)
@@ -167,6 +174,7 @@ class Trainer:
             "aux_loss": None if aux_sum is None else aux_sum.item(),
             "lr": lr,
             "grad_norm": grad_norm.item(),
+            **expert_load_metrics(self.model, self.mesh, self.device),  # before the bias rule clears the counts
         }
         # The same decision on every rank: the loss is summed over the batch and pipeline ranks (TP
         # ranks compute it alike) and the squared gradient norm over every axis that splits a
@@ -226,7 +234,12 @@ class Trainer:
 
     # ---- checkpoints ------------------------------------------------------------------------
     def _state(self) -> dict:
-        trainer = {"step": self.step, "data_position": self.data_position, **_rng_state(self.device)}
+        trainer = {
+            "step": self.step,
+            "data_position": self.data_position,
+            "bad_steps": self.bad_steps,
+            **_rng_state(self.device),
+        }
         return training_state(self.model, self.optimizer, self.scheduler, trainer)
 
     def save(self) -> Path:
@@ -244,9 +257,10 @@ class Trainer:
         return path
 
     def restore(self, path: Path) -> None:
-        trainer = {"step": 0, "data_position": 0, **_rng_state(self.device)}
+        trainer = {"step": 0, "data_position": 0, "bad_steps": 0, **_rng_state(self.device)}
         trainer = load_training_state(path, self.model, self.optimizer, self.scheduler, trainer, self.mesh)
         self.step, self.data_position = int(trainer["step"]), int(trainer["data_position"])
+        self.bad_steps = int(trainer["bad_steps"])
         torch.set_rng_state(trainer["rng_cpu"])
         if "rng_cuda" in trainer:
             torch.cuda.set_rng_state(trainer["rng_cuda"], self.device)
@@ -331,16 +345,25 @@ class Trainer:
         train = self.train_config
         self._describe()
         metrics = self._start()
+        report = None
         if self.is_main:
-            (self.run_dir / "config.toml").write_text(self.config.to_toml())
+            integrity.write_atomically(self.run_dir / "config.toml", self.config.to_toml().encode())
+            first_step = self.step + 1 if self.step else 0
+            report = Report(train.report_to, self.run_dir, self.config.to_dict(), first_step)
+
+        def log(record: dict) -> None:
+            metrics.write(record)
+            if report is not None:
+                report.write(record)
+
         val_losses = [r["val_loss"] for r in read_metrics(metrics.path) if r.get("val_loss") is not None]
         if self.step == 0:
             val_losses.append(self.evaluate())
-            metrics.write({"step": 0, "val_loss": val_losses[-1]})
+            log({"step": 0, "val_loss": val_losses[-1]})
             self._say(f"step 0: validation loss {val_losses[-1]:.4f}")
         progress = Progress(train.steps, self.step, train.log_every, self.stream)
 
-        started, bad_steps = time.perf_counter(), 0
+        started = time.perf_counter()
         tokens_per_step = train.global_batch * train.seq_len
         try:
             while self.step < train.steps:
@@ -355,16 +378,16 @@ class Trainer:
                     gpus = self.mesh.dims.world_size
                     record["mfu"] = record["tokens_per_s"] * self.flops_per_token / (self.peak_flops * gpus)
                 progress.update(self.step, record["loss"], record["lr"], record["tokens_per_s"], record.get("mfu"))
-                bad_steps = bad_steps + 1 if record.get("skipped") else 0
-                if bad_steps:
+                self.bad_steps = self.bad_steps + 1 if record.get("skipped") else 0
+                if self.bad_steps:
                     progress.message(
                         f"step {self.step}: skipped, {_non_finite(record)}: no update "
-                        f"({bad_steps} in a row; train.max_bad_steps={train.max_bad_steps})"
+                        f"({self.bad_steps} in a row; train.max_bad_steps={train.max_bad_steps})"
                     )
-                if bad_steps == train.max_bad_steps:
-                    metrics.write(record)
+                if self.bad_steps >= train.max_bad_steps:
+                    log(record)
                     raise DivergedError(
-                        f"step {self.step}: {_non_finite(record)}; {bad_steps} steps in a row without "
+                        f"step {self.step}: {_non_finite(record)}; {self.bad_steps} steps in a row without "
                         f"an update (train.max_bad_steps): the run diverged; the newest checkpoint "
                         f"is {self.checkpoint or 'none'} (a lower train.lr may help)"
                     )
@@ -374,12 +397,14 @@ class Trainer:
                     record["val_loss"] = self.evaluate()
                     val_losses.append(record["val_loss"])
                     progress.message(f"step {self.step}: validation loss {record['val_loss']:.4f}")
-                metrics.write(record)
+                log(record)
                 if train.save_every >= 0 and (last or (train.save_every and self.step % train.save_every == 0)):
                     prune_checkpoints(self.run_dir, train.keep_checkpoints, self.save())
         finally:
             progress.close()
             metrics.close()
+            if report is not None:
+                report.close()
 
         seconds = time.perf_counter() - started
         records = read_metrics(metrics.path)

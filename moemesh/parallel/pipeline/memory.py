@@ -56,11 +56,11 @@ from dataclasses import dataclass
 
 import torch
 
-from moemesh.config import RunConfig
 from moemesh.models.build import meta_model
 from moemesh.models.config import ModelConfig
 from moemesh.models.transformer import MoECausalLM
 from moemesh.ops.linear_cross_entropy import LOGITS_CHUNK_ELEMENTS
+from moemesh.parallel.config import ParallelConfig, StepShape
 from moemesh.parallel.expert import apply_ep, is_expert_parameter
 from moemesh.parallel.fsdp import shard_dim
 from moemesh.parallel.mesh import Mesh, ParallelDims
@@ -146,14 +146,13 @@ def _items(model: MoECausalLM) -> list[list[tuple[str, torch.Tensor]]]:
     return items
 
 
-def rank_param_counts(config: RunConfig) -> list[float]:
-    """Parameters one rank keeps of each item under the run's expert, tensor and fully sharded
-    parallelism: the model laid out by EP and TP on the meta device (rank 0's view; the others'
-    differ by rounding at most), each tensor that FSDP splits counted at its share."""
-    parallel = config.parallel
+def rank_param_counts(config: ModelConfig, parallel: ParallelConfig) -> list[float]:
+    """Parameters one rank keeps of each item under the expert, tensor and fully sharded
+    parallelism of `parallel`: the model laid out by EP and TP on the meta device (rank 0's view;
+    the others' differ by rounding at most), each tensor that FSDP splits counted at its share."""
     dims = ParallelDims(dp_replicate=parallel.dp_replicate, dp_shard=parallel.dp_shard, ep=parallel.ep, tp=parallel.tp)
     mesh = Mesh(dims, None)  # shapes only: no process groups
-    model = apply_tp(apply_ep(meta_model(config.model), mesh), mesh)
+    model = apply_tp(apply_ep(meta_model(config), mesh), mesh)
     counts = []
     for item in _items(model):
         count = 0.0
@@ -301,30 +300,30 @@ def _clock(tensor: torch.Tensor) -> float:
 ADAMW_STATE_BYTES = 16
 
 
-def rank_tokens(config: RunConfig) -> int:
+def rank_tokens(parallel: ParallelConfig, step: StepShape) -> int:
     """Tokens one rank runs per micro-batch: the micro-batch is split over the data-parallel ranks."""
-    return config.train.micro_batch * config.train.seq_len // config.parallel.batch_ranks
+    return step.micro_batch * step.seq_len // parallel.batch_ranks
 
 
-def state_bytes_per_param(config: RunConfig) -> int:
+def state_bytes_per_param(param_dtype: str) -> int:
     """Weight, gradient and AdamW's two moments: fp32 (16 B), or bf16 with train.param_dtype (8 B)."""
-    return ADAMW_STATE_BYTES // 2 if config.train.param_dtype == "bfloat16" else ADAMW_STATE_BYTES
+    return ADAMW_STATE_BYTES // 2 if param_dtype == "bfloat16" else ADAMW_STATE_BYTES
 
 
-def run_costs(config: RunConfig) -> list[LayerCost]:
-    """The analytical per-item costs of one rank of a run (`train.dtype` resolved): the parameter
-    state AdamW keeps of what the rank holds under EP, TP and FSDP (`rank_param_counts`), the
-    activations of its share of a micro-batch (under TP as without it: an overestimate)."""
-    dtype_bytes = 2 if config.train.dtype == "bfloat16" else 4
-    residual_bytes = 2 if config.train.param_dtype == "bfloat16" else 4
+def run_costs(config: ModelConfig, parallel: ParallelConfig, step: StepShape) -> list[LayerCost]:
+    """The analytical per-item costs of one rank of a run: the parameter state AdamW keeps of what
+    the rank holds under EP, TP and FSDP (`rank_param_counts`), the activations of its share of a
+    micro-batch (under TP as without it: an overestimate)."""
+    dtype_bytes = 2 if step.dtype == "bfloat16" else 4
+    residual_bytes = 2 if step.param_dtype == "bfloat16" else 4
     return estimate_layer_costs(
-        config.model,
-        rank_tokens(config),
+        config,
+        rank_tokens(parallel, step),
         dtype_bytes,
-        state_bytes_per_param(config),
-        seq_len=config.train.seq_len,
+        state_bytes_per_param(step.param_dtype),
+        seq_len=step.seq_len,
         residual_bytes=residual_bytes,
-        rank_params=rank_param_counts(config),
+        rank_params=rank_param_counts(config, parallel),
     )
 
 
