@@ -13,7 +13,7 @@ Both are optional dependencies (`pip install 'moemesh[tracking]'`); the run conf
 whose package is missing when it is read (`config.REPORT_TO`), before any model is built.
 
 Limits: a resumed run writes again the steps past its checkpoint. TensorBoard hides the earlier
-ones (`purge_step`); W&B gets a new run, in the group of the run directory, that starts there.
+ones (`purge_step`); W&B gets a new run, grouped by the run directory's name, that starts there.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class Report:
             self.wandb = wandb.init(
                 project=os.environ.get("WANDB_PROJECT", "moemesh"),
                 name=run_dir.name,
-                group=str(run_dir.resolve()),
+                group=run_dir.name,  # a resumed run is a new W&B run of the same group
                 dir=str(run_dir),
                 config=config,
                 mode=None if "WANDB_MODE" in os.environ else "offline",
