@@ -71,6 +71,10 @@ class TrainConfig:
     router_bias_update_rate: float = 0.001  # DeepSeek-V3's expert-bias step per optimizer step; 0: off
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU (autocast; weights stay fp32)
     param_dtype: str = "float32"  # weights and AdamW state; "bfloat16": all bf16, half the memory
+    # What a decoder layer keeps for backward: "none" (everything), "full" (its input; the layer runs
+    # again in backward), "selective" (matmul and collective outputs; norms, activations and
+    # attention's softmax run again). The gradients are the same bit for bit.
+    activation_checkpointing: str = "none"
     device: str = "auto"  # auto: cuda when available, else cpu
     resume: bool = False
     overwrite: bool = False  # start afresh in a run_dir that holds checkpoints, deleting them
@@ -335,6 +339,10 @@ def _validate(config: RunConfig) -> None:
     need(
         train.param_dtype in ("float32", "bfloat16"),
         f"train.param_dtype must be 'float32' or 'bfloat16', got {train.param_dtype!r}",
+    )
+    need(
+        train.activation_checkpointing in ("none", "full", "selective"),
+        f"train.activation_checkpointing must be 'none', 'full' or 'selective', got {train.activation_checkpointing!r}",
     )
     _check_device_name(train.device, "train.device")
     need(0 < data.val_fraction < 1, f"data.val_fraction must be in (0, 1), got {data.val_fraction}")

@@ -276,3 +276,40 @@ def check_per_slot_reduce_moves_k_times_the_bytes(rank):
 
 def test_per_slot_reduce_moves_k_times_the_bytes(pool):
     assert all(pool.run(check_per_slot_reduce_moves_k_times_the_bytes))
+
+
+def check_activation_checkpointing(rank, mode):
+    """EP 2 × TP 2 with activation checkpointing `mode`: the loss and every gradient of the same
+    layout without it, bit for bit. Selective recomputation issues no collective again (backward
+    communicates exactly what it does without checkpointing); full recomputation repeats the
+    forward's all-to-alls and all-reduces in backward."""
+    mesh = init_mesh(ParallelDims(ep=2, tp=2))
+    input_ids, labels = micro_batch(seed=5, batch=4)
+    rows = slice(mesh.rank("batch") * 2, mesh.rank("batch") * 2 + 2)
+    results = []
+    for checkpointing in ("none", mode):
+        model = apply_data_parallel(apply_tp(apply_ep(build_with_biases(QWEN3), mesh), mesh), mesh)
+        model.activation_checkpointing = checkpointing
+        comm.reset_counts()
+        out = model(input_ids[rows], labels=labels[rows], return_logits=False)
+        forward = dict(comm.calls)
+        comm.reset_counts()
+        out.loss.backward()
+        backward = dict(comm.calls)
+        grads = {name: p.grad for name, p in model.named_parameters()}
+        results.append((out.loss.detach(), grads, forward, backward))
+    (loss, grads, forward, backward), (loss_ac, grads_ac, forward_ac, backward_ac) = results
+    assert torch.equal(loss_ac, loss)
+    assert all(torch.equal(grads_ac[name], grad) for name, grad in grads.items())
+    assert forward_ac == forward
+    if mode == "selective":
+        assert backward_ac == backward, (backward_ac, backward)
+    else:
+        assert backward_ac[("all_to_all", "forward")] == forward[("all_to_all", "forward")]
+        assert backward_ac[("all_reduce", "backward")] == backward[("all_reduce", "backward")]
+    return True
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_under_ep_and_tp(pool, mode):
+    assert all(pool.run(check_activation_checkpointing, mode))

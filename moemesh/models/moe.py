@@ -29,7 +29,7 @@ from torch import nn
 
 from moemesh.models.config import ModelConfig
 from moemesh.models.layers import ACTIVATIONS, DenseMLP
-from moemesh.ops import combine, permute, swiglu
+from moemesh.ops import combine, permute, recompute, swiglu
 from moemesh.ops.backend import use_triton
 from moemesh.ops.expert_gemv import expert_gemv, expert_gemv_combine, expert_swiglu_gemv
 from moemesh.ops.grouped_mm import grouped_mm
@@ -152,7 +152,9 @@ class GroupLimitedRouter(nn.Module):
             return Routing(weights, expert_ids, None)
         probs = scores / scores.sum(dim=-1, keepdim=True) if self.sigmoid else scores
         counted = router_stats(probs, expert_ids)
-        if self.sigmoid and self.training and torch.is_grad_enabled():  # not in evaluation or generation
+        # Training forwards only: not in evaluation or generation, nor when activation
+        # checkpointing runs the forward again in backward.
+        if self.sigmoid and self.training and torch.is_grad_enabled() and not recompute.recomputing():
             load = counted.counts.long()  # whole numbers, exact in fp32 below 2**24 choices per forward
             self.expert_load = load if self.expert_load is None else self.expert_load + load
         return Routing(weights, expert_ids, counted)

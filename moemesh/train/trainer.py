@@ -110,6 +110,7 @@ class Trainer:
         # only its part. bf16 weights and AdamW state take half the memory of fp32 master
         # weights, at bf16's rounding of every update (as transformers trains a bf16 model).
         self.model: MoECausalLM = meta_model(config.model, DTYPES[train.param_dtype])
+        self.model.activation_checkpointing = train.activation_checkpointing
         # Counted on the whole model, before the layout keeps this rank's part.
         self.flops_per_token = flops_per_token(self.model, train.seq_len)
         self.num_params = (self.model.num_params(), self.model.num_params(active=True))
