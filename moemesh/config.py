@@ -1,6 +1,7 @@
 """The run configuration: a TOML file plus `--set section.key=value` overrides, checked into
 dataclasses. Sections: `model` (Hugging Face config.json field names, becomes a ModelConfig),
-`parallel`, `train` and `data`. Every mistake raises ConfigError naming the key at fault."""
+`parallel`, `train`, `data` and `lora` (adapters, `models/lora.py`). Every mistake raises
+ConfigError naming the key at fault."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 
 from moemesh.errors import ConfigError
 from moemesh.models import ModelConfig
+from moemesh.models.lora import LoraConfig
 from moemesh.parallel.pipeline.schedule import min_micro_batches
 
 # `moemesh train` with no --config: the tiny model of this checkout.
@@ -102,6 +104,7 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         model = {name: getattr(self.model, name) for name in ModelConfig.field_names()}
@@ -110,6 +113,7 @@ class RunConfig:
             "parallel": dataclasses.asdict(self.parallel),
             "train": dataclasses.asdict(self.train),
             "data": dataclasses.asdict(self.data),
+            "lora": dataclasses.asdict(self.lora),
         }
 
     def to_toml(self) -> str:
@@ -147,7 +151,7 @@ def resolve_device(config: RunConfig) -> RunConfig:
     return config
 
 
-_SECTIONS = {"parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig}
+_SECTIONS = {"parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig, "lora": LoraConfig}
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] = (), launched: bool = True) -> RunConfig:
@@ -291,6 +295,8 @@ def _check_type(key: str, value: Any, expected: Any) -> Any:
         value = float(value) if ok else value
     elif expected is str:
         ok = isinstance(value, str)
+    elif expected == list[str]:
+        ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
     else:  # list[float]
         ok = isinstance(value, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
         value = [float(v) for v in value] if ok else value
@@ -368,6 +374,7 @@ def _validate(config: RunConfig) -> None:
         model.num_experts % config.parallel.ep == 0,
         f"parallel.ep ({config.parallel.ep}) must divide model.num_experts ({model.num_experts})",
     )
+    config.lora.check()
     _check_tp_sizes(model, config.parallel.tp)
     _check_pipeline(config)
 
