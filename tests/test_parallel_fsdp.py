@@ -249,3 +249,30 @@ def check_lora_gradients(rank, layout: dict):
 @pytest.mark.parametrize("layout", ["dp_shard4", "dp_shard2-tp2", "dp_shard2-ep2"])
 def test_fsdp_lora_gradients_equal_one_process(pool, layout):
     assert all(pool.run(check_lora_gradients, LAYOUTS[layout]))
+
+
+def test_lora_run_resumes_in_another_layout(pool, tmp_path):
+    """A LoRA run (base from the seed, frozen) under FSDP × EP saves its adapters and their
+    sharded AdamW state after 3 steps; FSDP × TP resumes from that checkpoint and takes one
+    process's step 4. The checkpoint holds no base weight."""
+    import torch.distributed.checkpoint as dcp
+
+    from moemesh.models.lora import is_adapter
+
+    raw = tiny_raw(tmp_path / "single", write_corpus(tmp_path), global_batch=8, micro_batch=4)
+    raw["lora"] = {"rank": 4, "alpha": 8.0}
+    single = Trainer(config_from_dict(raw), io.StringIO())
+    records = [single.train_step() for _ in range(4)]
+    raw_a = {**raw, "parallel": LAYOUTS["dp_shard2-ep2"], "train": {**raw["train"], "run_dir": str(tmp_path / "a")}}
+    for rank_records in pool.run(train_steps, raw_a, 3):
+        assert_records_match(rank_records, records[:3])
+    saved = tmp_path / "a" / "checkpoints" / "step_3"
+    stored = dcp.FileSystemReader(saved).read_metadata().state_dict_metadata
+    assert all(
+        is_adapter(key.split(".", 1)[1].removesuffix(".gate").removesuffix(".up"))
+        for key in stored
+        if key.startswith("model.")
+    )
+    raw_b = {**raw, "parallel": LAYOUTS["dp_shard2-tp2"], "train": {**raw["train"], "run_dir": str(tmp_path / "b")}}
+    for rank_records in pool.run(train_steps, raw_b, 1, str(saved)):
+        assert_records_match(rank_records, records[3:])

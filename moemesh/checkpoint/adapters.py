@@ -71,9 +71,10 @@ class Adapter:
     seed: int | None = None
     routers: list[str] = field(default_factory=list)
 
-    def attach(self, model: nn.Module, dtype: torch.dtype | None = torch.float32) -> None:
+    def attach(self, model: nn.Module, dtype: torch.dtype | None = torch.float32) -> dict:
         """Add this adapter's (still empty) factors to `model`, built and not yet laid out, and let
-        its routers train (`load_into` then fills them, whatever the layout)."""
+        its routers train (`load_into` then fills them, whatever the layout). Returns what is
+        adapted, as `apply_lora` does."""
         linears = [name for name in self.targets if _bank(name) is None] + self.routers
         banks = [name for name in self.targets if _bank(name) is not None]
         expert_blocks = {name.rsplit(".experts.", 1)[0] for name in banks}
@@ -83,6 +84,7 @@ class Adapter:
             names = {bank: f"{block}.experts.{bank}" for bank in EXPERT_BANKS}
             ranks = {bank: self.targets[name] for bank, name in names.items() if name in self.targets}
             add_expert_adapters(experts, ranks, self.dropout, dtype)
+        return {**self.targets, **dict.fromkeys(self.routers)}
 
     @torch.no_grad()
     def load_into(self, model: nn.Module) -> None:
@@ -111,8 +113,8 @@ def _bank(name: str) -> str | None:
     return leaf if leaf in EXPERT_BANKS and ".experts." in name else None
 
 
-def lora_record(config, adapted: list[str]) -> bytes:
-    """lora.json of a LoRA run (`config`: its RunConfig)."""
+def lora_record(config, adapted: dict[str, tuple[int, float] | None]) -> bytes:
+    """lora.json of a LoRA run (`config`: its RunConfig; `adapted`: what `apply_lora` returned)."""
     lora, train = config.lora, config.train
     record = {
         "rank": lora.rank,
@@ -120,7 +122,8 @@ def lora_record(config, adapted: list[str]) -> bytes:
         "dropout": lora.dropout,
         "targets": lora.targets,
         "experts": lora.experts,
-        "adapted": adapted,
+        "init_from": lora.init_from,
+        "adapted": adapted,  # name -> [rank, alpha], or null for a router trained in full
         "base": str(Path(train.init_from).resolve()) if train.init_from else None,
         "seed": train.seed,
     }
@@ -173,15 +176,21 @@ def read_adapter(path: str | os.PathLike, config: ModelConfig) -> Adapter:
         tensor = torch.empty(shape, dtype=dtype)
         _load(checkpoint, stored_state({"model": {name: tensor}}))  # halves are views of it: read in place
         tensors[name] = tensor
-    targets = {name: (record["rank"], record["alpha"]) for name in record["adapted"] if name not in _routers(record)}
+    targets = {name: tuple(plan) for name, plan in record["adapted"].items() if plan is not None}
     return Adapter(targets, tensors, record["dropout"], record["base"], record["seed"], _routers(record))
 
 
 def _routers(record: dict) -> list[str]:
-    return [name for name in record["adapted"] if name.endswith(".mlp.gate")]
+    return [name for name, plan in record["adapted"].items() if plan is None]
 
 
 # ---- PEFT --------------------------------------------------------------------------------------
+
+
+def read_adapter_base(path: Path) -> str | None:
+    """The base model a PEFT adapter names (base_model_name_or_path), if it is a local directory."""
+    named = json.loads((path / PEFT_CONFIG).read_text()).get("base_model_name_or_path")
+    return named if named and Path(named).is_dir() else None
 
 
 def read_peft(path: Path, config: ModelConfig) -> Adapter:

@@ -236,7 +236,8 @@ def load_training_state(
         optimizer,
         model_state_dict=state["model"],
         optim_state_dict=state["optimizer"],
-        options=StateDictOptions(ignore_frozen_params=trainable_only),
+        # The frozen base is not in the state (DCP has already checked that the rest is complete).
+        options=StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only),
     )
     scheduler.load_state_dict(stored["scheduler"])
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):

@@ -58,10 +58,13 @@ class LoraConfig:
     dropout: float = 0.0  # on an adapter's input, in training
     targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))  # projections (and routers) adapted
     experts: bool = True  # adapters on every expert of every MoE layer (both banks)
+    # Start from these adapters (a PEFT directory or a LoRA run), which then say what is adapted
+    # at which rank and alpha (rank, alpha, targets and experts are not used).
+    init_from: str = ""
 
     @property
     def enabled(self) -> bool:
-        return self.rank > 0
+        return self.rank > 0 or bool(self.init_from)
 
     def check(self) -> None:
         if self.rank < 0:
@@ -70,7 +73,7 @@ class LoraConfig:
             raise ConfigError(f"lora.alpha must be > 0, got {self.alpha}")
         if not 0 <= self.dropout < 1:
             raise ConfigError(f"lora.dropout must be in [0, 1), got {self.dropout}")
-        if self.enabled and not self.targets and not self.experts:
+        if self.rank > 0 and not self.targets and not self.experts:
             raise ConfigError("lora.targets is empty and lora.experts is false: nothing to adapt")
 
 
@@ -133,10 +136,13 @@ def matches(name: str, pattern: str) -> bool:
     return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, "*." + pattern)
 
 
-def apply_lora(model: nn.Module, config: LoraConfig, dtype: torch.dtype | None = None) -> list[str]:
+def apply_lora(
+    model: nn.Module, config: LoraConfig, dtype: torch.dtype | None = None
+) -> dict[str, tuple[int, float] | None]:
     """Freeze `model` (built, on any device, before its layout) and add the adapters `config`
-    asks for, in `dtype` (default: the base's). Returns the names of the modules that take them
-    (linears, then expert banks as `...experts.gate_up_proj`) and of the routers trained in full."""
+    asks for, in `dtype` (default: the base's). Returns what is adapted: each projection's module
+    name and each expert bank's (`...experts.gate_up_proj`) -> (rank, alpha); each router trained
+    in full -> None."""
     config.check()
 
     def plan(name: str) -> tuple[int, float] | None:
@@ -152,13 +158,13 @@ def add_adapters(
     plan: Callable[[str], tuple[int, float]],
     dropout: float = 0.0,
     dtype: torch.dtype | None = None,
-) -> list[str]:
+) -> dict[str, tuple[int, float] | None]:
     """`apply_lora` with a (rank, alpha) per adapted name (`plan`): adapters read from elsewhere
     (PEFT's) may differ per target."""
     model.requires_grad_(False)
     routers = {name: module for name, module in model.named_modules() if _is_router(model, name)}
     matched = {pattern: False for pattern in targets}
-    adapted = []
+    adapted = {}
     for name, module in list(model.named_modules()):
         hits = [pattern for pattern in targets if matches(name, pattern)]
         router = next((r for r in routers if name == r or name.startswith(r + ".")), None)
@@ -166,11 +172,12 @@ def add_adapters(
             continue
         if router is not None:
             module.requires_grad_(True)  # a named router trains in full
+            adapted[name] = None
         elif type(module) is Linear:
-            add_linear_adapter(module, *plan(name), dropout, dtype)
+            adapted[name] = plan(name)
+            add_linear_adapter(module, *adapted[name], dropout, dtype)
         else:
             continue
-        adapted.append(name)
         matched.update(dict.fromkeys(hits, True))
     unmatched = [pattern for pattern, hit in matched.items() if not hit]
     if unmatched:
@@ -183,9 +190,9 @@ def add_adapters(
         if not banks:
             raise ConfigError("lora.experts = true, but this model has no MoE layer (set lora.experts = false)")
         for name, block in banks:
-            names = {bank: f"{name}.experts.{bank}" for bank in EXPERT_BANKS}
-            add_expert_adapters(block.experts, {bank: plan(full) for bank, full in names.items()}, dropout, dtype)
-            adapted += names.values()
+            ranks = {bank: plan(f"{name}.experts.{bank}") for bank in EXPERT_BANKS}
+            add_expert_adapters(block.experts, ranks, dropout, dtype)
+            adapted.update({f"{name}.experts.{bank}": rank for bank, rank in ranks.items()})
     return adapted
 
 

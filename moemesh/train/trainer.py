@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from moemesh.checkpoint import integrity
-from moemesh.checkpoint.adapters import LORA_FILE, lora_record
+from moemesh.checkpoint.adapters import LORA_FILE, lora_record, read_adapter
 from moemesh.checkpoint.dcp import (
     CHECKPOINTS,
     checkpoint_path,
@@ -119,14 +119,22 @@ class Trainer:
             config.model, DTYPES[train.dtype if self.lora.enabled else train.param_dtype]
         )
         self.model.activation_checkpointing = train.activation_checkpointing
-        self.adapted = apply_lora(self.model, self.lora, DTYPES[train.param_dtype]) if self.lora.enabled else []
+        self.adapter = None  # adapters to start from (lora.init_from), else from the seed
+        if self.lora.init_from:
+            self.adapter = read_adapter(self.lora.init_from, config.model)
+            self.adapter.dropout = self.lora.dropout
+            self.adapted = self.adapter.attach(self.model, DTYPES[train.param_dtype])
+        else:
+            self.adapted = apply_lora(self.model, self.lora, DTYPES[train.param_dtype]) if self.lora.enabled else {}
         # Counted on the whole model, before the layout keeps this rank's part.
         self.flops_per_token = flops_per_token(self.model, train.seq_len)
         self.num_params = (self.model.num_params(), self.model.num_params(active=True))
         layout = parallelize(self.model, self.mesh, config)
         materialize(self.model, self.device, None if train.init_from else train.seed)
         self.init_source = load_weights(self.model, train.init_from, self.mesh) if train.init_from else None
-        if self.init_source is not None and self.lora.enabled:  # the base was read; the adapters start from the seed
+        if self.adapter is not None:
+            self.adapter.load_into(self.model)
+        elif self.init_source is not None and self.lora.enabled:  # the base was read; the adapters start from the seed
             init_weights(self.model, train.seed, local_view, only=is_adapter)
         self.kept_whole = layout.kept_whole
         self.pipeline = None
@@ -336,9 +344,11 @@ class Trainer:
             self._say(f"init    weights of {self.init_source} (optimizer and step afresh)")
         if self.lora.enabled:
             trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+            ranks = sorted({plan[0] for plan in self.adapted.values() if plan is not None})
+            start = f" from {self.lora.init_from}" if self.lora.init_from else ""
             self._say(
-                f"lora    rank {self.lora.rank}, alpha {self.lora.alpha:g} on {len(self.adapted)} projections and "
-                f"expert banks; {format_count(trained)} parameters train on this rank, the base is frozen"
+                f"lora    rank {'/'.join(map(str, ranks))} on {len(self.adapted)} projections, expert banks and "
+                f"routers{start}; {format_count(trained)} parameters train on this rank, the base is frozen"
             )
         if self.mesh.dims.world_size > 1:
             self._say(f"layout  {self.mesh.dims.describe()}")
