@@ -108,12 +108,24 @@ def _parser() -> argparse.ArgumentParser:
         "config's device) instead of the analytical estimate",
     )
 
-    convert = commands.add_parser("convert", help="Hugging Face directory <-> moemesh checkpoint (direction from SRC)")
-    convert.add_argument("source", metavar="SRC", help="Hugging Face directory, checkpoint or run directory")
+    convert = commands.add_parser(
+        "convert",
+        help="Hugging Face directory <-> moemesh checkpoint; a LoRA run -> PEFT adapter (direction from SRC)",
+    )
+    convert.add_argument(
+        "source", metavar="SRC", help="Hugging Face directory, checkpoint or run directory (a LoRA run's too)"
+    )
     convert.add_argument("target", metavar="DST", help="new directory to write")
     convert.add_argument(
         "--dtype", choices=_DTYPE_NAMES, help="weight dtype of a written Hugging Face directory (default float32)"
     )
+    convert.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA run or PEFT adapter: write its base with the adapters merged in, as a Hugging Face "
+        "directory (default: a PEFT adapter directory)",
+    )
+    convert.add_argument("--base", help="with --merge: the base model's directory (default: the run's train.init_from)")
     return parser
 
 
@@ -122,6 +134,11 @@ def _model_arguments(command: argparse.ArgumentParser) -> None:
         "--checkpoint",
         required=True,
         help="checkpoint directory, run directory (newest checkpoint) or Hugging Face directory",
+    )
+    command.add_argument(
+        "--adapter",
+        metavar="DIR",
+        help="LoRA adapters for the model: a PEFT adapter directory or a LoRA run (merged into the weights at load)",
     )
     command.add_argument("--tokenizer", help="'bytes' or a tokenizer.json (default: the checkpoint's, else bytes)")
     command.add_argument("--device", default="auto", help="cpu, cuda[:N] or auto")
@@ -317,7 +334,7 @@ def _loaded(args: argparse.Namespace):
     mesh = init_mesh(ParallelDims(tp=_tensor_parallel_size(args)))
     try:
         dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-        model, tokenizer = load_for_generation(args.checkpoint, args.tokenizer, device, dtype, mesh)
+        model, tokenizer = load_for_generation(args.checkpoint, args.tokenizer, device, dtype, mesh, args.adapter)
         yield model, tokenizer, mesh.group("tp")
     finally:
         if dist.is_initialized():
@@ -353,14 +370,29 @@ def _estimate(args: argparse.Namespace) -> None:
 def _convert(args: argparse.Namespace) -> None:
     import torch
 
-    from moemesh.checkpoint.convert import export_hf, import_hf
+    from moemesh.checkpoint.adapters import PEFT_CONFIG, is_lora_checkpoint
+    from moemesh.checkpoint.convert import export_adapter, export_hf, export_merged, import_hf
     from moemesh.checkpoint.load import is_hf_directory
 
-    if is_hf_directory(args.source):
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    adapter = (Path(args.source) / PEFT_CONFIG).is_file() or is_lora_checkpoint(args.source)
+    if (args.merge or args.base) and not adapter:
+        raise MoemeshError(f"--merge and --base take a LoRA run or a PEFT adapter, and {args.source} is neither")
+    if args.base and not args.merge:
+        raise MoemeshError("--base goes with --merge")
+    if args.merge:
+        base = export_merged(args.source, args.target, args.base, dtype)
+        print(f"wrote Hugging Face directory {args.target}: {base or 'the seed weights'} merged with {args.source}")
+    elif adapter:
+        if (Path(args.source) / PEFT_CONFIG).is_file():
+            raise MoemeshError(f"{args.source} is a PEFT adapter already (--merge writes it merged into its base)")
+        checkpoint = export_adapter(args.source, args.target)
+        print(f"wrote PEFT adapter directory {args.target} from {checkpoint}")
+    elif is_hf_directory(args.source):
         import_hf(args.source, args.target)
         print(f"wrote moemesh checkpoint {args.target}")
     else:
-        checkpoint = export_hf(args.source, args.target, getattr(torch, args.dtype) if args.dtype else None)
+        checkpoint = export_hf(args.source, args.target, dtype)
         print(f"wrote Hugging Face directory {args.target} from {checkpoint}")
 
 

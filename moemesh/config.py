@@ -1,6 +1,7 @@
 """The run configuration: a TOML file plus `--set section.key=value` overrides, checked into
 dataclasses. Sections: `model` (Hugging Face config.json field names, becomes a ModelConfig),
-`parallel` (a ParallelConfig, `parallel/config.py`), `train` and `data`. Every mistake raises
+`parallel` (a ParallelConfig, `parallel/config.py`), `train`, `data` and `lora` (adapters,
+`models/lora.py`). Every mistake raises
 ConfigError naming the key at fault."""
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from moemesh.errors import ConfigError
 from moemesh.models import ModelConfig
 from moemesh.models.family import family
+from moemesh.models.lora import LoraConfig
 from moemesh.parallel.config import ParallelConfig, StepShape
 from moemesh.parallel.pipeline.schedule import min_micro_batches
 
@@ -47,6 +49,10 @@ class TrainConfig:
     router_bias_update_rate: float = 0.001  # DeepSeek-V3's expert-bias step per optimizer step; 0: off
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU (autocast; weights stay fp32)
     param_dtype: str = "float32"  # weights and AdamW state; "bfloat16": all bf16, half the memory
+    # What a decoder layer keeps for backward: "none" (everything), "full" (its input; the layer runs
+    # again in backward), "selective" (matmul and collective outputs; norms, activations and
+    # attention's softmax run again). The gradients are the same bit for bit.
+    activation_checkpointing: str = "none"
     device: str = "auto"  # auto: cuda when available, else cpu
     resume: bool = False
     overwrite: bool = False  # start afresh in a run_dir that holds checkpoints, deleting them
@@ -66,7 +72,12 @@ class TrainConfig:
     def step_shape(self) -> StepShape:
         """What the parallel layout depends on of a step (`train.dtype` resolved)."""
         return StepShape(
-            self.global_batch // self.micro_batch, self.micro_batch, self.seq_len, self.dtype, self.param_dtype
+            self.global_batch // self.micro_batch,
+            self.micro_batch,
+            self.seq_len,
+            self.dtype,
+            self.param_dtype,
+            self.activation_checkpointing,
         )
 
 
@@ -87,6 +98,7 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     # Why data.tokenizer is what it is, said when a run starts; not part of the config itself.
     tokenizer_origin: str = field(default="the default", compare=False)
 
@@ -97,6 +109,7 @@ class RunConfig:
             "parallel": dataclasses.asdict(self.parallel),
             "train": dataclasses.asdict(self.train),
             "data": dataclasses.asdict(self.data),
+            "lora": dataclasses.asdict(self.lora),
         }
 
     def to_toml(self) -> str:
@@ -134,7 +147,7 @@ def resolve_device(config: RunConfig) -> RunConfig:
     return config
 
 
-_SECTIONS = {"parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig}
+_SECTIONS = {"parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig, "lora": LoraConfig}
 
 
 # Reads what `train.init_from` brings (`checkpoint.load.init_source`): its model config and tokenizer.json.
@@ -354,6 +367,10 @@ def _validate(config: RunConfig) -> None:
         train.param_dtype in ("float32", "bfloat16"),
         f"train.param_dtype must be 'float32' or 'bfloat16', got {train.param_dtype!r}",
     )
+    need(
+        train.activation_checkpointing in ("none", "full", "selective"),
+        f"train.activation_checkpointing must be 'none', 'full' or 'selective', got {train.activation_checkpointing!r}",
+    )
     _check_device_name(train.device, "train.device")
     _check_report_to(train.report_to)
     need(0 < data.val_fraction < 1, f"data.val_fraction must be in (0, 1), got {data.val_fraction}")
@@ -379,6 +396,7 @@ def _validate(config: RunConfig) -> None:
         model.num_experts % config.parallel.ep == 0,
         f"parallel.ep ({config.parallel.ep}) must divide model.num_experts ({model.num_experts})",
     )
+    config.lora.check()
     _check_tp_sizes(model, config.parallel.tp)
     _check_pipeline(config)
 

@@ -53,7 +53,7 @@ def test_overrides_are_toml_values_or_bare_strings():
         ("model.num_expert=4", "unknown config key 'model.num_expert' (did you mean 'model.num_experts'?)"),
         (
             "trian.steps=5",
-            "unknown config section [trian] (did you mean [train]?); sections: model, parallel, train, data",
+            "unknown config section [trian] (did you mean [train]?); sections: model, parallel, train, data, lora",
         ),
         ("parallel.ep_size=2", "unknown config key 'parallel.ep_size' (did you mean 'parallel.ep'?)"),
     ],

@@ -25,6 +25,7 @@ from moemesh.checkpoint.hf import DTYPES, read_config, read_state
 from moemesh.errors import CheckpointError
 from moemesh.models import ModelConfig, MoECausalLM
 from moemesh.models.build import meta_model
+from moemesh.models.lora import is_adapter
 from moemesh.parallel.mesh import Mesh
 from moemesh.parallel.parallelize import materialize
 from moemesh.parallel.pieces import local_view
@@ -86,7 +87,8 @@ def load_weights(model: MoECausalLM, path: str | os.PathLike, mesh: Mesh | None 
     if is_hf_directory(directory):
         _load_hf(model, directory)
     else:
-        _load(directory, stored_state({"model": model.state_dict()}, model, mesh))  # in place
+        base = {name: t for name, t in model.state_dict().items() if not is_adapter(name)}  # LoRA's start afresh
+        _load(directory, stored_state({"model": base}, model, mesh))  # in place
     return directory
 
 

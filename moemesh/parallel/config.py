@@ -42,7 +42,8 @@ class StepShape:
     """What a layout depends on of a training step (the [train] keys of these names): the pipeline
     schedules `micro_batches` micro-batches of `micro_batch` sequences (summed over the data-parallel
     ranks) of `seq_len` tokens, its stages partitioned by their memory; FSDP gathers the weights in
-    `dtype`, the compute dtype; weights and AdamW state are kept in `param_dtype`. The defaults, one
+    `dtype`, the compute dtype; weights and AdamW state are kept in `param_dtype`; decoder layers
+    recompute their activations in backward by `activation_checkpointing`. The defaults, one
     token in float32, suit a layout without a pipeline (generation), where only `dtype` counts."""
 
     micro_batches: int = 1
@@ -50,3 +51,4 @@ class StepShape:
     seq_len: int = 1
     dtype: str = "float32"  # "float32" or "bfloat16" ("auto" resolved)
     param_dtype: str = "float32"
+    activation_checkpointing: str = "none"  # "full" or "selective" (ops/recompute.py)

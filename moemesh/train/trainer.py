@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from moemesh.checkpoint import integrity
+from moemesh.checkpoint.adapters import LORA_FILE, lora_record, read_adapter
 from moemesh.checkpoint.dcp import (
     CHECKPOINTS,
     checkpoint_path,
@@ -49,11 +50,13 @@ from moemesh.data.dataset import load_dataset, rank_slice
 from moemesh.data.tokenizer import HFTokenizer
 from moemesh.errors import CheckpointError, ConfigError, DivergedError
 from moemesh.models import MoECausalLM
-from moemesh.models.build import meta_model
+from moemesh.models.build import init_weights, meta_model
+from moemesh.models.lora import apply_lora, is_adapter
 from moemesh.parallel import comm
 from moemesh.parallel.data import clip_grad_norm_, label_tokens, local, rank_loss, reduce_gradients
 from moemesh.parallel.mesh import ParallelDims, init_mesh
 from moemesh.parallel.parallelize import DTYPES, materialize, parallelize
+from moemesh.parallel.pieces import local_view
 from moemesh.parallel.pipeline.runtime import MicroBatch, PipelineRunner
 from moemesh.train.expert_load import expert_load_metrics
 from moemesh.train.flops import flops_per_token, peak_flops
@@ -116,13 +119,30 @@ class Trainer:
         # Made on the meta device, laid out, and only then allocated: each rank makes (or reads)
         # only its part. bf16 weights and AdamW state take half the memory of fp32 master
         # weights, at bf16's rounding of every update (as transformers trains a bf16 model).
-        self.model: MoECausalLM = meta_model(config.model, DTYPES[train.param_dtype])
+        # Under LoRA the base is frozen and kept in the compute dtype (bf16 on a GPU: it needs no
+        # master copy), the adapters in param_dtype.
+        self.lora = config.lora
+        self.model: MoECausalLM = meta_model(
+            config.model, DTYPES[train.dtype if self.lora.enabled else train.param_dtype]
+        )
+        self.model.activation_checkpointing = train.activation_checkpointing
+        self.adapter = None  # adapters to start from (lora.init_from), else from the seed
+        if self.lora.init_from:
+            self.adapter = read_adapter(self.lora.init_from, config.model)
+            self.adapter.dropout = self.lora.dropout
+            self.adapted = self.adapter.attach(self.model, DTYPES[train.param_dtype])
+        else:
+            self.adapted = apply_lora(self.model, self.lora, DTYPES[train.param_dtype]) if self.lora.enabled else {}
         # Counted on the whole model, before the layout keeps this rank's part.
         self.flops_per_token = flops_per_token(self.model, train.seq_len)
         self.num_params = (self.model.num_params(), self.model.num_params(active=True))
         layout = parallelize(self.model, self.mesh, parallel, train.step_shape)
         materialize(self.model, self.device, None if train.init_from else train.seed)
         self.init_source = load_weights(self.model, train.init_from, self.mesh) if train.init_from else None
+        if self.adapter is not None:
+            self.adapter.load_into(self.model)
+        elif self.init_source is not None and self.lora.enabled:  # the base was read; the adapters start from the seed
+            init_weights(self.model, train.seed, local_view, only=is_adapter)
         self.kept_whole = layout.kept_whole
         self.pipeline = None
         if layout.stages is not None:
@@ -240,7 +260,7 @@ class Trainer:
             "bad_steps": self.bad_steps,
             **_rng_state(self.device),
         }
-        return training_state(self.model, self.optimizer, self.scheduler, trainer)
+        return training_state(self.model, self.optimizer, self.scheduler, trainer, trainable_only=self.lora.enabled)
 
     def save(self) -> Path:
         # Every rank checks its own part of the weights, and all learn whether any part is bad.
@@ -252,13 +272,23 @@ class Trainer:
             )
         path = checkpoint_path(self.run_dir, self.step)
         tokenizer_file = self.tokenizer.path if isinstance(self.tokenizer, HFTokenizer) else None
-        save_checkpoint(path, self._state(), self.config.model, tokenizer_file, self.model, self.mesh)
+        extra = {LORA_FILE: lora_record(self.config, self.adapted)} if self.lora.enabled else None
+        save_checkpoint(path, self._state(), self.config.model, tokenizer_file, self.model, self.mesh, extra)
         self.checkpoint = path
         return path
 
     def restore(self, path: Path) -> None:
         trainer = {"step": 0, "data_position": 0, "bad_steps": 0, **_rng_state(self.device)}
-        trainer = load_training_state(path, self.model, self.optimizer, self.scheduler, trainer, self.mesh)
+        if (path / LORA_FILE).is_file() and not self.lora.enabled:
+            raise CheckpointError(
+                f"{path} holds LoRA adapters ({LORA_FILE}), but this run trains the whole model: resume it with "
+                "the [lora] settings it was written with"
+            )
+        if self.lora.enabled and not (path / LORA_FILE).is_file():
+            raise CheckpointError(f"{path} holds a whole model's training state, but this run trains LoRA adapters")
+        trainer = load_training_state(
+            path, self.model, self.optimizer, self.scheduler, trainer, self.mesh, trainable_only=self.lora.enabled
+        )
         self.step, self.data_position = int(trainer["step"]), int(trainer["data_position"])
         self.bad_steps = int(trainer["bad_steps"])
         torch.set_rng_state(trainer["rng_cpu"])
@@ -333,6 +363,14 @@ class Trainer:
         )
         if self.init_source is not None:
             self._say(f"init    weights of {self.init_source} (optimizer and step afresh)")
+        if self.lora.enabled:
+            trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+            ranks = sorted({plan[0] for plan in self.adapted.values() if plan is not None})
+            start = f" from {self.lora.init_from}" if self.lora.init_from else ""
+            self._say(
+                f"lora    rank {'/'.join(map(str, ranks))} on {len(self.adapted)} projections, expert banks and "
+                f"routers{start}; {format_count(trained)} parameters train on this rank, the base is frozen"
+            )
         if self.mesh.dims.world_size > 1:
             self._say(f"layout  {self.mesh.dims.describe()}")
         if self.kept_whole:

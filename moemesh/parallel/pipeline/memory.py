@@ -50,6 +50,7 @@ Time is forward + backward FLOPs: 6 per multiplying parameter per token, plus at
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -316,7 +317,7 @@ def run_costs(config: ModelConfig, parallel: ParallelConfig, step: StepShape) ->
     micro-batch (under TP as without it: an overestimate)."""
     dtype_bytes = 2 if step.dtype == "bfloat16" else 4
     residual_bytes = 2 if step.param_dtype == "bfloat16" else 4
-    return estimate_layer_costs(
+    costs = estimate_layer_costs(
         config,
         rank_tokens(parallel, step),
         dtype_bytes,
@@ -325,6 +326,49 @@ def run_costs(config: ModelConfig, parallel: ParallelConfig, step: StepShape) ->
         residual_bytes=residual_bytes,
         rank_params=rank_param_counts(config, parallel),
     )
+    return with_recomputation(
+        costs, step.activation_checkpointing, config, rank_tokens(parallel, step), dtype_bytes, residual_bytes
+    )
+
+
+def with_recomputation(
+    costs: list[LayerCost], mode: str, config: ModelConfig, tokens: int, dtype_bytes: int, residual_bytes: int
+) -> list[LayerCost]:
+    """The decoder layers' costs under activation checkpointing (`ops/recompute.py`): a layer keeps
+    its input T*H*r per micro-batch in flight and, selective, its matmul outputs (q/k/v/o T*(Q + 2K
+    + H)*b; MoE gate|up and down T*k*(2I + H)*b, the shared experts' alike; dense MLP T*(2I + H)*b);
+    what it saved before is needed once, while its backward recomputes (working bytes). Full
+    recomputation adds a forward: a third of the forward + backward FLOPs. Under EP the kept
+    all-to-all results are left out (an underestimate for selective)."""
+    if mode == "none":
+        return costs
+    T, b, H = tokens, dtype_bytes, config.hidden_size
+    Q, K = (
+        config.num_attention_heads * config.attention_head_dim,
+        config.num_key_value_heads * config.attention_head_dim,
+    )
+    out = []
+    for cost in costs:
+        if not cost.name.startswith("layer "):
+            out.append(cost)
+            continue
+        i, kept = int(cost.name.split()[1]), T * H * residual_bytes
+        if mode == "selective":
+            kept += T * (Q + 2 * K + H) * b
+            if config.is_moe_layer(i):
+                kept += T * config.num_experts_per_tok * (2 * config.moe_intermediate_size + H) * b
+                if config.n_shared_experts:
+                    kept += T * (2 * config.moe_intermediate_size * config.n_shared_experts + H) * b
+            else:
+                kept += T * (2 * config.intermediate_size + H) * b
+        time = cost.time * 4 / 3 if mode == "full" else cost.time
+        working = cost.working_bytes + cost.activation_bytes
+        out.append(
+            dataclasses.replace(
+                cost, activation_bytes=min(kept, cost.activation_bytes), time=time, working_bytes=working
+            )
+        )
+    return out
 
 
 def stage_ranges(schedule: Schedule, costs: list[LayerCost]) -> list[range]:
