@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from moemesh.checkpoint.hf import save_pretrained
+from moemesh.checkpoint.load import init_source
 from moemesh.cli import main
 from moemesh.config import config_from_dict
 from moemesh.inference.generate import load_for_generation
@@ -81,7 +82,7 @@ def test_moemesh_adapter_loads_into_peft(tmp_path, base, experts):
     raw = lora_raw(
         tmp_path, base, {"rank": 4, "alpha": 8.0, "targets": ATTENTION, "experts": experts}, steps=4, lr=2e-2
     )
-    train(config_from_dict(raw))
+    train(config_from_dict(raw, init_source=init_source))
     adapter = tmp_path / "peft"
     assert main(["convert", str(tmp_path / "run"), str(adapter)]) == 0
     saved = json.loads((adapter / "adapter_config.json").read_text())
@@ -147,7 +148,7 @@ def test_lora_checkpoints_hold_the_adapters_and_resume_exactly(tmp_path, base):
 
     lora = {"rank": 4, "alpha": 8.0}
     raw = lora_raw(tmp_path, base, lora, steps=5, save_every=3, eval_every=0, activation_checkpointing="selective")
-    train(config_from_dict(raw))
+    train(config_from_dict(raw, init_source=init_source))
     run = tmp_path / "run"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     checkpoint = run / "checkpoints" / "step_3"
@@ -165,7 +166,7 @@ def test_lora_checkpoints_hold_the_adapters_and_resume_exactly(tmp_path, base):
     assert (checkpoint / "lora.json").is_file()
 
     shutil.rmtree(run / "checkpoints" / "step_5")
-    trainer = Trainer(config_from_dict({**raw, "train": {**raw["train"], "resume": True}}))
+    trainer = Trainer(config_from_dict({**raw, "train": {**raw["train"], "resume": True}}, init_source=init_source))
     trainer.restore(checkpoint)
     resumed = [trainer.train_step() for _ in range(2)]
     ours = [r for r in records if "loss" in r][3:]
@@ -175,18 +176,18 @@ def test_lora_checkpoints_hold_the_adapters_and_resume_exactly(tmp_path, base):
 
 def test_resuming_a_lora_checkpoint_as_a_whole_model_is_refused(tmp_path, base):
     raw = lora_raw(tmp_path, base, {"rank": 2}, steps=1, save_every=1, eval_every=0)
-    train(config_from_dict(raw))
+    train(config_from_dict(raw, init_source=init_source))
     plain = {**raw, "lora": {"rank": 0}, "train": {**raw["train"], "resume": True}}
     from moemesh.errors import CheckpointError
 
     with pytest.raises(CheckpointError, match="holds LoRA adapters"):
-        Trainer(config_from_dict(plain)).restore(tmp_path / "run" / "checkpoints" / "step_1")
+        Trainer(config_from_dict(plain, init_source=init_source)).restore(tmp_path / "run" / "checkpoints" / "step_1")
 
 
 def test_generate_with_an_adapter_equals_the_merged_model(tmp_path, base, capsys):
     """`generate --adapter RUN` (merged at load) prints what the `convert --merge` model prints."""
     raw = lora_raw(tmp_path, base, {"rank": 4, "alpha": 16.0}, steps=3, lr=5e-2)
-    train(config_from_dict(raw))
+    train(config_from_dict(raw, init_source=init_source))
     assert main(["convert", str(tmp_path / "run"), str(tmp_path / "merged"), "--merge"]) == 0
     capsys.readouterr()
     outputs = []
@@ -205,7 +206,7 @@ def test_what_peft_cannot_read_is_refused(tmp_path, base, capsys):
     dense = BASE.replace(mlp_only_layers=[0], intermediate_size=40)
     save_pretrained(build(dense, seed=7), tmp_path / "dense")
     raw = lora_raw(tmp_path, tmp_path / "dense", {"rank": 2, "targets": ["q_proj", "gate_proj"]}, steps=1, eval_every=0)
-    train(config_from_dict(raw))
+    train(config_from_dict(raw, init_source=init_source))
     capsys.readouterr()
     assert main(["convert", str(tmp_path / "run"), str(tmp_path / "peft")]) == 2
     assert "cannot be written in PEFT's format" in capsys.readouterr().err
@@ -228,13 +229,14 @@ def test_training_continues_from_a_peft_adapter(tmp_path, base):
     assert main(["convert", str(tmp_path / "adapter"), str(tmp_path / "merged"), "--merge", "--base", str(base)]) == 0
 
     raw = lora_raw(tmp_path, base, {"init_from": str(tmp_path / "adapter")}, steps=2, eval_every=0, save_every=0)
-    trainer = Trainer(config_from_dict(raw))
+    trainer = Trainer(config_from_dict(raw, init_source=init_source))
     merged = Trainer(
         config_from_dict(
             {
                 **lora_raw(tmp_path, tmp_path / "merged", {}),
                 "train": {**raw["train"], "init_from": str(tmp_path / "merged"), "run_dir": str(tmp_path / "m")},
-            }
+            },
+            init_source=init_source,
         )
     )
     assert rel_err(torch.tensor(trainer.evaluate()), torch.tensor(merged.evaluate())) <= RTOL
