@@ -50,7 +50,9 @@ class RowSampler:
         if params.logit_bias:
             ids, values = zip(*params.logit_bias)
             self.bias = torch.zeros(vocab, device=device)
-            self.bias[torch.tensor(ids, dtype=torch.long, device=device)] = torch.tensor(values, device=device)
+            self.bias[torch.tensor(ids, dtype=torch.long, device=device)] = torch.tensor(
+                values, dtype=torch.float32, device=device
+            )
         self.changes_logits = any(x is not None for x in (self.counts, self.seen, self.bias, matcher))
         sampling = params.sampling
         self.greedy = sampling.temperature == 0
