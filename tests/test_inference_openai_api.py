@@ -605,7 +605,7 @@ def test_a_failing_row_fails_alone(client, server, monkeypatch):
 def test_clients_that_leave_free_their_rows_at_once(server, client):
     """16 non-streaming requests abandoned by their clients (a 0.3 s timeout) while their tokens
     flow: their rows are free within a step or two of the last client leaving, and a new request
-    is as fast as on an idle server — within 20%, plus 50 ms; each the best of three requests,
+    is as fast as on an idle server — within 20%, plus 100 ms; each the best of three requests,
     since this shared 2-core machine's load makes any single timing noisy."""
     ask = dict(model="tiny", prompt="hello", max_tokens=48, temperature=0)
     scheduler = server.service.scheduler
@@ -636,7 +636,7 @@ def test_clients_that_leave_free_their_rows_at_once(server, client):
     left = Counter(scheduler.decode_batches)
     after = min(timed() for _ in range(3))
     assert _idle(server)
-    assert after <= 1.2 * idle + 0.05, (after, idle)
+    assert after <= 1.2 * idle + 0.1, (after, idle)
     # Steps since the last client left: the new requests' 3 x 47 (their first token is the prefill's),
     # and at most 2 that still carried abandoned rows, alone or beside a new one.
     since = scheduler.decode_batches - left
@@ -769,18 +769,33 @@ def _bad_bodies(rng: random.Random, count: int):
 
 
 def test_fuzz_malformed_bodies(server, client):
+    """600 seeded malformed bodies from 8 clients at once: each a 4xx with OpenAI's error object;
+    then the server is idle and answers as before."""
     before = client.completions.create(model="tiny", prompt="hello", max_tokens=10, temperature=0).choices[0].text
-    rng = random.Random(29)
-    start, statuses = time.monotonic(), []
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as http:
-        for path, raw, kind in _bad_bodies(rng, 600):
-            reply = http.post(path, content=raw, headers={"Content-Type": kind})
-            assert 400 <= reply.status_code < 500, (raw[:300], reply.status_code, reply.text[:300])
-            error = reply.json()["error"]
-            assert set(error) == {"message", "type", "param", "code"} and isinstance(error["message"], str), raw[:300]
-            statuses.append(reply.status_code)
-    assert len(statuses) >= 500 and time.monotonic() - start < 60
-    assert set(statuses) >= {400, 404, 415}
+    bodies = list(_bad_bodies(random.Random(29), 600))
+    start, statuses, failures = time.monotonic(), [], []
+
+    def send(share):
+        with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as http:
+            for path, raw, kind in share:
+                reply = http.post(path, content=raw, headers={"Content-Type": kind})
+                statuses.append(reply.status_code)
+                try:
+                    error = reply.json()["error"]
+                    ok = 400 <= reply.status_code < 500 and set(error) == {"message", "type", "param", "code"}
+                except ValueError:
+                    ok = False
+                if not ok:
+                    failures.append((raw[:300], reply.status_code, reply.text[:300]))
+
+    threads = [threading.Thread(target=send, args=(bodies[i::8],)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not failures, failures[:5]
+    assert len(statuses) == 600 and set(statuses) >= {400, 404, 415}
+    assert time.monotonic() - start < 60
     assert _idle(server)
     assert (
         client.completions.create(model="tiny", prompt="hello", max_tokens=10, temperature=0).choices[0].text == before
