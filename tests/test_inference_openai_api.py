@@ -241,6 +241,45 @@ def test_n_choices_are_independent_seeded_sequences(client):
     assert many.usage.prompt_tokens == client.completions.create(**ask).usage.prompt_tokens  # the prompt once
 
 
+def test_streamed_logprobs_add_up_to_the_whole(client):
+    ask = dict(model="tiny", prompt="def main", max_tokens=10, temperature=1.0, seed=2, logprobs=2, n=2)
+    whole = client.completions.create(**ask)
+    tokens, values = [[], []], [[], []]
+    for chunk in client.completions.create(stream=True, **ask):
+        choice = chunk.choices[0]
+        if choice.logprobs is not None:
+            tokens[choice.index] += choice.logprobs.tokens
+            values[choice.index] += choice.logprobs.token_logprobs
+    assert tokens == [c.logprobs.tokens for c in whole.choices]
+    assert values == [c.logprobs.token_logprobs for c in whole.choices]
+
+
+def test_structured_output_with_the_byte_tokenizer():
+    """The byte tokenizer's one-byte tokens, under a schema, through generate (no server)."""
+    pytest.importorskip("llguidance", reason="structured output needs llguidance (pip install moemesh[structured])")
+    from moemesh.data.tokenizer import ByteTokenizer
+    from moemesh.inference.generate import generate
+    from moemesh.inference.grammar import Grammars
+    from moemesh.inference.request import SamplingParams
+    from moemesh.models import build
+    from test_models_decoding import FAMILIES
+
+    model = build(FAMILIES["qwen3_moe"].replace(vocab_size=256, max_position_embeddings=128), seed=5).eval()
+    tokenizer = ByteTokenizer()
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    grammar = Grammars(tokenizer, 256).compile(
+        {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}, frozenset({0})
+    )
+    params = [SamplingParams(max_tokens=40, temperature=1.0, seed=s, grammar=grammar) for s in range(3)]
+    for result in generate(DecodeEngine(model, max_batch=3, max_len=128), tokenizer, ["x", "y", "z"], params):
+        assert result.finish_reason == "stop" and set(json.loads(result.text)) == {"ok"}
+
+
 def test_best_of_returns_the_likeliest(client):
     ask = dict(model="tiny", prompt="def", max_tokens=8, temperature=1.0, seed=11)
     every = client.completions.create(n=4, logprobs=0, **ask)
