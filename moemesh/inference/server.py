@@ -76,7 +76,7 @@ class Service:
             self.chat_template,
             self.chat_stop_ids,
             self.scheduler.grammars,
-            max_waiting + engine.max_batch,
+            max_waiting,  # a request that fits an empty queue (more could be refused with 503 forever)
         )
         self.created = int(time.time())
         self.app = _create_app(self)
