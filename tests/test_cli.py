@@ -159,7 +159,7 @@ def test_generate_many_prompts_from_a_file(tmp_path, capsys, trained):
         (["--temperature", "hot"], "argument --temperature: invalid float value: 'hot'"),
         (
             ["--prompt", "caf\udce9"],
-            "--prompt: the prompt is not UTF-8 text (a byte such as 0xe9 at character 3 is not valid UTF-8)",
+            "--prompt: prompt is not UTF-8 text: the byte 0xe9 at character 3 is not valid UTF-8",
         ),
         (
             ["--prompt", "x" * 200],

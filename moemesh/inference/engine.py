@@ -14,6 +14,11 @@ warm-up run on a side stream) and replayed from then on: a step is then two smal
 copies (tokens, positions, sampling settings), one replay and one read of the B new tokens — the
 only synchronisation. On a CPU the same step runs eagerly.
 
+Each operation keeps the logits it sampled from (`last_logits`: [rows, V], read before the next
+call), so that requests with penalties, biases, grammars or log-probabilities can be processed
+after the step (processing.py); a prefill can also give the prompt's own log-probabilities
+(`last_prompt_logprobs`, from the logits of every prompt position).
+
 Under tensor parallelism every rank holds an engine over its shard; the rank that schedules
 (rank 0 of the group) broadcasts each prefill's and step's inputs first, and the others, in
 `follow`, run the same calls — collectives inside the model then pair up, and every rank
@@ -28,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moemesh.inference.sampling import MODES, mode_for, sample
+from moemesh.inference.sampling import MODES, mode_for, sample, token_logprobs
 from moemesh.models import KVCache, MoECausalLM
 from moemesh.parallel import comm
 
@@ -84,20 +89,27 @@ class DecodeEngine:
         # step) and (temperature, top_p).
         self.ints = torch.zeros(max_batch, 4, dtype=torch.long, device=self.device)
         self.floats = torch.zeros(max_batch, 2, dtype=torch.float32, device=self.device)
+        self.vocab = model.config.vocab_size
+        self.last_logits: torch.Tensor | None = None  # [rows, V] of the last prefill (1 row) or decode step
+        self.last_prompt_logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     # ---- the two operations ----------------------------------------------------------------------
     @torch.no_grad()
-    def prefill(self, row: int, prompt_ids: list[int], sampling: Sampling) -> int:
-        """Put a prompt into cache row `row` (positions 0..len-1) and sample its first new token."""
+    def prefill(self, row: int, prompt_ids: list[int], sampling: Sampling, prompt_logprobs: int | None = None) -> int:
+        """Put a prompt into cache row `row` (positions 0..len-1) and sample its first new token.
+        With `prompt_logprobs` = k, `last_prompt_logprobs` holds, for prompt tokens 1..len-1,
+        their log-probabilities and the k likeliest tokens' (sampling.token_logprobs, at
+        temperature 1, unprocessed)."""
         if not 0 < len(prompt_ids) <= self.max_len or not 0 <= row < self.max_batch:
             raise ValueError(
                 f"prefill of {len(prompt_ids)} tokens into row {row}: the cache has "
                 f"{self.max_batch} rows of {self.max_len}"
             )
         ids = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
-        settings = torch.tensor([sampling.temperature, sampling.top_p], dtype=torch.float64, device=self.device)
+        k = -1 if prompt_logprobs is None else prompt_logprobs
+        settings = torch.tensor([sampling.temperature, sampling.top_p, k], dtype=torch.float64, device=self.device)
         self._announce(_PREFILL, row, len(prompt_ids), sampling.seed, ids, settings)
-        return int(self._prefill(row, ids, sampling))
+        return int(self._prefill(row, ids, sampling, prompt_logprobs))
 
     @torch.no_grad()
     def decode(self, rows: list[RowStep]) -> list[int]:
@@ -115,7 +127,8 @@ class DecodeEngine:
         self.ints[:batch].copy_(torch.tensor(ints), non_blocking=True)
         self.floats[:batch].copy_(torch.tensor(floats), non_blocking=True)
         self._announce(_DECODE, batch, kv_len, MODES.index(mode))
-        tokens = self._run(batch, kv_len, mode).tolist()
+        tokens, self.last_logits = self._run(batch, kv_len, mode)
+        tokens = tokens.tolist()
         return [tokens[r.row] for r in rows]
 
     @torch.no_grad()
@@ -155,8 +168,9 @@ class DecodeEngine:
             with torch.no_grad():
                 if op == _PREFILL:
                     ids = comm.broadcast_(torch.empty(b, dtype=torch.long, device=self.device), self.group)
-                    settings = comm.broadcast_(torch.empty(2, dtype=torch.float64, device=self.device), self.group)
-                    self._prefill(a, ids, Sampling(*settings.tolist(), seed=c))
+                    settings = comm.broadcast_(torch.empty(3, dtype=torch.float64, device=self.device), self.group)
+                    temperature, top_p, k = settings.tolist()
+                    self._prefill(a, ids, Sampling(temperature, top_p, seed=c), None if k < 0 else int(k))
                 else:
                     comm.broadcast_(self.ints[:a], self.group)
                     comm.broadcast_(self.floats[:a], self.group)
@@ -172,25 +186,35 @@ class DecodeEngine:
         for t in tensors:
             comm.broadcast_(t, self.group)
 
-    def _prefill(self, row: int, ids: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    def _prefill(self, row: int, ids: torch.Tensor, sampling: Sampling, prompt_logprobs: int | None) -> torch.Tensor:
         self.cache.row_start = row
+        pieces = []
         for start in range(0, len(ids), self.prefill_chunk):
             chunk = ids[start : start + self.prefill_chunk]
             self.cache.kv_len = start + len(chunk)
             positions = torch.arange(start, start + len(chunk), device=self.device)[None]
-            logits = self.model.next_token_logits(chunk[None], self.cache, positions)
+            every = prompt_logprobs is not None
+            logits = self.model.next_token_logits(chunk[None], self.cache, positions, all_positions=every)
+            if every:  # position t's logits give token t + 1's log-probability
+                targets = ids[start + 1 : start + 1 + len(chunk)]
+                pieces.append(token_logprobs(logits[0, : len(targets)], targets, prompt_logprobs))
+                logits = logits[:, -1]
+        if pieces:
+            self.last_prompt_logprobs = tuple(torch.cat(parts) for parts in zip(*pieces))
+        self.last_logits = logits
         mode = mode_for([sampling.temperature], [sampling.top_p])
         floats = torch.tensor([sampling.temperature, sampling.top_p], device=self.device)
         ints = torch.tensor([sampling.seed, 0], device=self.device)  # step 0: the first sampled token
         return sample(logits, floats[:1], floats[1:], ints[:1], ints[1:], mode)[0]
 
-    def _step(self, batch: int, kv_len: int, mode: str) -> torch.Tensor:
+    def _step(self, batch: int, kv_len: int, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the tokens, the logits they were sampled from)."""
         ints, floats = self.ints[:batch], self.floats[:batch]
         self.cache.row_start, self.cache.kv_len = 0, kv_len
         logits = self.model.next_token_logits(ints[:, :1], self.cache, ints[:, 1:2])
-        return sample(logits, floats[:, 0], floats[:, 1], ints[:, 2], ints[:, 3], mode)
+        return sample(logits, floats[:, 0], floats[:, 1], ints[:, 2], ints[:, 3], mode), logits
 
-    def _run(self, batch: int, kv_len: int, mode: str) -> torch.Tensor:
+    def _run(self, batch: int, kv_len: int, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.cuda_graphs:
             return self._step(batch, kv_len, mode)
         key = (batch, kv_len, mode)

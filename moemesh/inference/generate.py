@@ -23,7 +23,7 @@ from moemesh.data.sources import jsonl_values
 from moemesh.data.tokenizer import Tokenizer, load_tokenizer
 from moemesh.errors import DataError, RequestError
 from moemesh.inference.engine import DecodeEngine
-from moemesh.inference.request import SamplingParams, Sequence
+from moemesh.inference.request import SamplingParams, Sequence, check_text
 from moemesh.inference.scheduler import Scheduler
 from moemesh.models import MoECausalLM
 from moemesh.models.build import meta_model
@@ -70,14 +70,8 @@ def load_for_generation(
 
 def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
     """The token ids of a prompt, after the end-of-document token."""
-    try:
-        ids = ([] if tokenizer.eos_id is None else [tokenizer.eos_id]) + tokenizer.encode(prompt)
-    except UnicodeEncodeError as e:  # a command line's undecodable bytes arrive as lone surrogates
-        raise RequestError(
-            f"the prompt is not UTF-8 text (a byte such as 0x{ord(e.object[e.start]) & 0xFF:02x} at "
-            f"character {e.start} is not valid UTF-8)",
-            "prompt",
-        ) from None
+    check_text(prompt, "prompt", escaped_bytes=True)  # a command line's undecodable bytes arrive as lone surrogates
+    ids = ([] if tokenizer.eos_id is None else [tokenizer.eos_id]) + tokenizer.encode(prompt)
     if not ids:
         raise RequestError("the prompt is empty and the tokenizer has no end-of-document token to start from", "prompt")
     return ids

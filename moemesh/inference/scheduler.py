@@ -7,6 +7,11 @@ running one); `run_until_idle` drives it for a batch job (`moemesh generate`), `
 for the server, on its own thread, sleeping while there is nothing to do. `submit` may be called
 from any thread; a full queue raises QueueFull (the server's 503). Rows are handed out lowest
 first, so a decode step's batch stays as small as the number of running requests allows.
+
+A request's failure is that request's alone: what is done for one row after the engine's step
+(processing.py: penalties, biases, grammars, log-probabilities; its text and stops) runs under
+its own guard, and a row that raises finishes with "error" while the others go on. Only a
+failing engine step (the model or the device) fails every request in it.
 """
 
 from __future__ import annotations
@@ -17,10 +22,14 @@ import traceback
 from collections import Counter, deque
 from collections.abc import Callable
 
+import torch
+
 from moemesh.data.tokenizer import Tokenizer
 from moemesh.errors import MoemeshError
 from moemesh.inference.engine import DecodeEngine, RowStep
-from moemesh.inference.request import SamplingParams, Sequence, check_request
+from moemesh.inference.grammar import Grammars
+from moemesh.inference.processing import FLOOR, RowSampler
+from moemesh.inference.request import Logprob, SamplingParams, Sequence, check_request
 
 
 class QueueFull(MoemeshError):
@@ -36,13 +45,18 @@ class Scheduler:
         self.decode_batches: Counter[int] = Counter()  # requests in a decode step -> how many steps had that many
         self.closed = False
         self._wake = threading.Condition()
+        self.grammars = Grammars(tokenizer, engine.vocab)
 
     def submit(
         self, prompt_ids: list[int], params: SamplingParams, on_update: Callable[[Sequence, str], None] | None = None
     ) -> Sequence:
         """Queue a request (RequestError if it cannot run, QueueFull if the queue is full)."""
-        check_request(prompt_ids, params, self.engine.max_len)
+        check_request(prompt_ids, params, self.engine.max_len, self.engine.vocab)
         sequence = Sequence(prompt_ids, params, self.tokenizer, on_update)
+        if params.processed:
+            stops = frozenset(sequence.stop_ids)
+            matcher = None if params.grammar is None else self.grammars.matcher(params.grammar, stops)
+            sequence.sampler = RowSampler(params, prompt_ids, self.engine.vocab, self.engine.device, matcher, stops)
         with self._wake:
             if self.closed:
                 raise QueueFull("the server is shutting down")
@@ -65,8 +79,9 @@ class Scheduler:
             return admitted
         rows = [RowStep(s.row, s.token_ids[-1], s.position, len(s.token_ids), s.params.sampling) for s in self.running]
         self.decode_batches[len(rows)] += 1
-        for sequence, token in zip(self.running, self.engine.decode(rows)):
-            sequence.add(token, self.engine.max_len)
+        tokens = self.engine.decode(rows)
+        for sequence, token in zip(list(self.running), tokens):
+            self._take(sequence, token, self.engine.last_logits[sequence.row])
         self._retire()
         return True
 
@@ -109,10 +124,44 @@ class Scheduler:
                 sequence = self.waiting.popleft()
             sequence.row = heapq.heappop(self.free_rows)
             self.running.append(sequence)
-            token = self.engine.prefill(sequence.row, sequence.prompt_ids, sequence.params.sampling)
-            sequence.add(token, self.engine.max_len)
             admitted = True
+            params = sequence.params
+            token = self.engine.prefill(sequence.row, sequence.prompt_ids, params.sampling, params.prompt_logprobs)
+            with self._guard(sequence):
+                if params.prompt_logprobs is not None:
+                    sequence.prompt_logprobs = [None, *_logprobs(*self.engine.last_prompt_logprobs)]
+                if params.max_tokens == 0:  # the prompt's log-probabilities alone
+                    sequence.finish("length")
+                    continue
+                self._take(sequence, token, self.engine.last_logits[0])
         return admitted
+
+    def _take(self, sequence: Sequence, token: int, logits: torch.Tensor) -> None:
+        """The row's token after the step: processed when it asks for it, then added."""
+        with self._guard(sequence):
+            logprob = None
+            if sequence.sampler is not None:
+                token, logprob = sequence.sampler.choose(logits, token, len(sequence.token_ids))
+            sequence.add(token, self.engine.max_len, logprob)
+
+    class _guard:
+        """Fail one request, not the step, when its own work raises."""
+
+        def __init__(self, sequence: Sequence):
+            self.sequence = sequence
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, kind, error, tb):
+            if error is None or not isinstance(error, Exception):
+                return False
+            print("".join(traceback.format_exception(kind, error, tb)), flush=True)
+            try:
+                self.sequence.finish("error", f"{kind.__name__}: {error}")
+            except Exception:  # its listener is gone too
+                self.sequence.finish_reason = "error"
+            return True
 
     def _retire(self) -> None:
         """Give the rows of finished and cancelled requests back."""
@@ -120,3 +169,11 @@ class Scheduler:
             sequence.finish("cancelled")
             self.running.remove(sequence)
             heapq.heappush(self.free_rows, sequence.row)
+
+
+def _logprobs(chosen: torch.Tensor, ids: torch.Tensor, top: torch.Tensor) -> list[Logprob]:
+    """engine.last_prompt_logprobs as one Logprob a token (-inf as processing.FLOOR)."""
+    return [
+        Logprob(max(c, FLOOR), tuple((i, max(v, FLOOR)) for i, v in zip(row_ids, row_top)))
+        for c, row_ids, row_top in zip(chosen.tolist(), ids.tolist(), top.tolist())
+    ]

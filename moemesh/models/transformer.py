@@ -159,11 +159,14 @@ class MoECausalLM(nn.Module):
             loss = ce_loss + self.config.router_aux_loss_coef * aux_loss
         return CausalLMOutput(logits=logits, loss=loss, aux_loss=aux_loss, ce_loss=ce_loss)
 
-    def next_token_logits(self, input_ids: torch.Tensor, cache: KVCache, positions: torch.Tensor) -> torch.Tensor:
-        """Decoding: the logits [B, V] of each row's last position only (the next token's),
+    def next_token_logits(
+        self, input_ids: torch.Tensor, cache: KVCache, positions: torch.Tensor, all_positions: bool = False
+    ) -> torch.Tensor:
+        """Decoding: the logits [B, V] of each row's last position only (the next token's), or
+        [B, T, V] of every position with `all_positions` (a prompt's own log-probabilities),
         gathered over the vocabulary under tensor parallelism."""
         h, _ = self.run_layers(self.model.embed_tokens(input_ids), positions, cache=cache)
-        return self.gather_logits(self.head(self.model.norm(h[:, -1]))[0])
+        return self.gather_logits(self.head(self.model.norm(h if all_positions else h[:, -1]))[0])
 
     def run_layers(
         self,
