@@ -102,6 +102,12 @@ class RunConfig:
     # Why data.tokenizer is what it is, said when a run starts; not part of the config itself.
     tokenizer_origin: str = field(default="the default", compare=False)
 
+    @property
+    def step_shape(self) -> StepShape:
+        """What the parallel layout depends on of a step (`train.dtype` resolved), LoRA's frozen base
+        included."""
+        return dataclasses.replace(self.train.step_shape, frozen_base=self.lora.enabled)
+
     def to_dict(self) -> dict[str, dict[str, Any]]:
         model = {name: getattr(self.model, name) for name in ModelConfig.field_names()}
         return {

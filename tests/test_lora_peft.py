@@ -174,7 +174,7 @@ def test_lora_checkpoints_hold_the_adapters_and_resume_exactly(tmp_path, base):
         assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"])
 
 
-def test_resuming_a_lora_checkpoint_as_a_whole_model_is_refused(tmp_path, base):
+def test_a_lora_checkpoint_is_not_taken_for_a_whole_model(tmp_path, base):
     raw = lora_raw(tmp_path, base, {"rank": 2}, steps=1, save_every=1, eval_every=0)
     train(config_from_dict(raw, init_source=init_source))
     plain = {**raw, "lora": {"rank": 0}, "train": {**raw["train"], "resume": True}}
@@ -182,6 +182,11 @@ def test_resuming_a_lora_checkpoint_as_a_whole_model_is_refused(tmp_path, base):
 
     with pytest.raises(CheckpointError, match="holds LoRA adapters"):
         Trainer(config_from_dict(plain, init_source=init_source)).restore(tmp_path / "run" / "checkpoints" / "step_1")
+    from moemesh.errors import ConfigError
+
+    on_adapters = {**raw, "train": {**raw["train"], "init_from": str(tmp_path / "run"), "run_dir": str(tmp_path / "x")}}
+    with pytest.raises(ConfigError, match="is a LoRA run, which holds adapters and no base weights"):
+        Trainer(config_from_dict(on_adapters, init_source=init_source))
 
 
 def test_generate_with_an_adapter_equals_the_merged_model(tmp_path, base, capsys):

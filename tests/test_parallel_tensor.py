@@ -412,3 +412,41 @@ def test_lora_equals_one_process(pool, family, dp, ep, tp):
 
     config, targets = (QWEN3, QWEN3_TARGETS) if family == "qwen3" else (DEEPSEEK_V3, DEEPSEEK_TARGETS)
     assert all(pool.run(check_lora_matches_single_process, config, targets, dp, ep, tp))
+
+
+def check_adapter_merged_per_shard(rank, base, adapter):
+    """`load_for_generation(..., adapter=)` under TP 4: each rank merges its shard of every adapter
+    into its shard of the weights; the logits are one process's (this rank's vocabulary slice)."""
+    from moemesh.inference.generate import load_for_generation
+
+    input_ids, _ = micro_batch(seed=4, batch=2)
+    whole, _ = load_for_generation(base, device="cpu", dtype=torch.float32, adapter=adapter)
+    mesh = init_mesh(ParallelDims(tp=WORLD))
+    sharded, _ = load_for_generation(base, device="cpu", dtype=torch.float32, mesh=mesh, adapter=adapter)
+    with torch.no_grad():
+        expected = whole(input_ids).logits.movedim(-1, 0)
+        ours = sharded(input_ids).logits
+    assert not any("lora" in name for name, _ in sharded.named_parameters())
+    assert rel_err(ours, local_slice("lm_head.weight", expected, mesh.rank("tp"), WORLD).movedim(0, -1)) <= RTOL
+    return True
+
+
+def test_generation_merges_adapters_per_shard(pool, tmp_path):
+    from moemesh.checkpoint.adapters import Adapter, write_peft
+    from moemesh.checkpoint.hf import save_pretrained
+    from moemesh.models.lora import LoraConfig, is_adapter
+    from test_lora import lora_model
+
+    config = QWEN3.replace(mlp_only_layers=[])
+    model = lora_model(config, LoraConfig(rank=4, alpha=8.0))
+    tensors = {name: p.detach() for name, p in model.named_parameters() if is_adapter(name)}
+    targets = {}  # adapted name (a projection, or an expert bank) -> (rank, alpha)
+    for name in tensors:
+        owner = name.removesuffix("_lora_A").removesuffix("_lora_B") if ".experts." in name else name.rsplit(".", 1)[0]
+        targets[owner] = (4, 8.0)
+    base = {name: t for name, t in model.state_dict().items() if not is_adapter(name)}
+    plain = build(config)
+    plain.load_state_dict(base)
+    save_pretrained(plain, tmp_path / "base")
+    write_peft(Adapter(targets, tensors), config, tmp_path / "adapter")
+    assert all(pool.run(check_adapter_merged_per_shard, str(tmp_path / "base"), str(tmp_path / "adapter")))

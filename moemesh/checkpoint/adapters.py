@@ -40,7 +40,8 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from moemesh.checkpoint.dcp import _load, resolve_checkpoint
+from moemesh.checkpoint.dcp import CHECKPOINTS, _load, resolve_checkpoint
+from moemesh.checkpoint.load import newest_directory
 from moemesh.errors import CheckpointError
 from moemesh.models.config import ModelConfig
 from moemesh.models.lora import add_adapters, add_expert_adapters, is_adapter
@@ -132,9 +133,7 @@ def lora_record(config, adapted: dict[str, tuple[int, float] | None]) -> bytes:
 
 def is_lora_checkpoint(path: str | os.PathLike) -> bool:
     path = Path(path)
-    if (path / "checkpoints").is_dir():
-        from moemesh.checkpoint.load import newest_directory
-
+    if (path / CHECKPOINTS).is_dir():
         path = newest_directory(path)
     return (path / LORA_FILE).is_file()
 
@@ -227,6 +226,11 @@ def read_peft(path: Path, config: ModelConfig) -> Adapter:
         while owner.endswith(".base_layer"):
             owner, depth = owner.removesuffix(".base_layer"), depth + 1
         if owner.endswith(".experts"):  # a bank: which one, by how deep its wrapper nests
+            if config.model_type not in PEFT_FAMILIES:
+                raise CheckpointError(
+                    f"{weights}: expert adapters of a {config.model_type} model are not read (transformers lays "
+                    f"out its expert tensors differently from moemesh); supported: {', '.join(PEFT_FAMILIES)}"
+                )
             banks = banks_of(owner)
             if not banks or depth >= len(banks):
                 raise CheckpointError(f"{weights}: {key!r} matches no target_parameters entry")

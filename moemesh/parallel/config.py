@@ -52,3 +52,4 @@ class StepShape:
     dtype: str = "float32"  # "float32" or "bfloat16" ("auto" resolved)
     param_dtype: str = "float32"
     activation_checkpointing: str = "none"  # "full" or "selective" (ops/recompute.py)
+    frozen_base: bool = False  # LoRA: the base keeps its weight alone (no gradient, no AdamW state)

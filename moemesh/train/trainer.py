@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from moemesh.checkpoint import integrity
-from moemesh.checkpoint.adapters import LORA_FILE, lora_record, read_adapter
+from moemesh.checkpoint.adapters import LORA_FILE, is_lora_checkpoint, lora_record, read_adapter
 from moemesh.checkpoint.dcp import (
     CHECKPOINTS,
     checkpoint_path,
@@ -136,8 +136,13 @@ class Trainer:
         # Counted on the whole model, before the layout keeps this rank's part.
         self.flops_per_token = flops_per_token(self.model, train.seq_len)
         self.num_params = (self.model.num_params(), self.model.num_params(active=True))
-        layout = parallelize(self.model, self.mesh, parallel, train.step_shape)
+        layout = parallelize(self.model, self.mesh, parallel, self.config.step_shape)
         materialize(self.model, self.device, None if train.init_from else train.seed)
+        if train.init_from and is_lora_checkpoint(train.init_from):
+            raise ConfigError(
+                f"train.init_from = {train.init_from!r} is a LoRA run, which holds adapters and no base weights: "
+                "name its base as train.init_from, and the run as lora.init_from to start from its adapters"
+            )
         self.init_source = load_weights(self.model, train.init_from, self.mesh) if train.init_from else None
         if self.adapter is not None:
             self.adapter.load_into(self.model)

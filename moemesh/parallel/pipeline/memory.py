@@ -306,9 +306,13 @@ def rank_tokens(parallel: ParallelConfig, step: StepShape) -> int:
     return step.micro_batch * step.seq_len // parallel.batch_ranks
 
 
-def state_bytes_per_param(param_dtype: str) -> int:
-    """Weight, gradient and AdamW's two moments: fp32 (16 B), or bf16 with train.param_dtype (8 B)."""
-    return ADAMW_STATE_BYTES // 2 if param_dtype == "bfloat16" else ADAMW_STATE_BYTES
+def state_bytes_per_param(step: StepShape) -> int:
+    """Weight, gradient and AdamW's two moments: fp32 (16 B), or bf16 with train.param_dtype (8 B).
+    Under LoRA (`step.frozen_base`) the frozen base's weight alone, in the compute dtype (2 B in
+    bf16, 4 in fp32); the adapters' state (well under 1% of it) is left out."""
+    if step.frozen_base:
+        return 2 if step.dtype == "bfloat16" else 4
+    return ADAMW_STATE_BYTES // 2 if step.param_dtype == "bfloat16" else ADAMW_STATE_BYTES
 
 
 def run_costs(config: ModelConfig, parallel: ParallelConfig, step: StepShape) -> list[LayerCost]:
@@ -321,7 +325,7 @@ def run_costs(config: ModelConfig, parallel: ParallelConfig, step: StepShape) ->
         config,
         rank_tokens(parallel, step),
         dtype_bytes,
-        state_bytes_per_param(step.param_dtype),
+        state_bytes_per_param(step),
         seq_len=step.seq_len,
         residual_bytes=residual_bytes,
         rank_params=rank_param_counts(config, parallel),
