@@ -159,6 +159,8 @@ def run_variant(name: str, targets: str, model, forward, args, config: ModelConf
         apply_lora(counted, LoraConfig(rank=args.rank, alpha=args.alpha, targets=ATTENTION, experts=TARGETS[targets]))
     flops = flops_per_token(counted, args.seq)
     peak = peak_flops(device)
+    if args.profile and device.type == "cuda":
+        print_profile(name, targets, step, args.profile)
     row = {
         "implementation": name,
         "LoRA on": targets,
@@ -171,6 +173,29 @@ def run_variant(name: str, targets: str, model, forward, args, config: ModelConf
         "_tps": tokens_per_s,
     }
     return row
+
+
+def print_profile(name: str, targets: str, step, top: int) -> None:
+    """One step's GPU kernels, grouped by name: the `top` costliest, and how busy the GPU was."""
+    from bench.common import interval_length, merged, profiled_kernels, timed
+
+    wall, kernels = timed(lambda: profiled_kernels(step))
+    by_name: dict[str, list[float]] = {}
+    for k in kernels:
+        entry = by_name.setdefault(k["name"][:90], [0.0, 0])
+        entry[0] += k["dur"]
+        entry[1] += 1
+    busy = interval_length(merged([(k["ts"], k["ts"] + k["dur"]) for k in kernels]))
+    total = sum(v[0] for v in by_name.values())
+    rows = [
+        {"kernel": n, "ms": f"{t / 1e3:.1f}", "share": f"{t / total:.1%}", "calls": c}
+        for n, (t, c) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    ]
+    print_table(
+        rows,
+        f"{name}, LoRA on {targets}: one profiled step {wall * 1e3:.0f} ms wall, GPU busy {busy / 1e3:.0f} ms, "
+        f"{len(kernels)} kernels",
+    )
 
 
 def main():
@@ -192,6 +217,7 @@ def main():
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", type=int, default=0, help="print the N costliest kernels of one step (GPU)")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu")
