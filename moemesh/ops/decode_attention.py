@@ -262,8 +262,8 @@ def _paged_attention_kernel(
     position = tl.load(positions_ptr + token, mask=valid, other=0).to(tl.int64)
     table = tables_ptr + tl.load(rows_ptr + first).to(tl.int64) * table_stride
     last = tl.max(tl.where(valid, position, -1), axis=0)
-    earliest = tl.min(tl.where(valid, position, last), axis=0)
-    first_key = tl.where(window > 0, tl.maximum(earliest - window + 1, 0), 0)  # the window's first key
+    lowest = tl.where(window > 0, position - window + 1, 0)  # each query's first visible key
+    first_key = tl.maximum(tl.min(tl.where(valid, lowest, last), axis=0), 0)
     lo = tl.maximum(first_key, split * chunk)  # this program's keys: [lo, hi)
     hi = tl.minimum(last + 1, (split + 1) * chunk)
     d = tl.arange(0, D)
@@ -280,8 +280,7 @@ def _paged_attention_kernel(
         slot = (block * block_size + keys_at % block_size) * slot_stride + kv_head * head_stride
         k = tl.load(keys_ptr + slot[:, None] + d[None, :], mask=present[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        visible = present[None, :] & (keys_at[None, :] <= position[:, None])
-        visible &= (window <= 0) | (keys_at[None, :] > position[:, None] - window)
+        visible = present[None, :] & (keys_at[None, :] <= position[:, None]) & (keys_at[None, :] >= lowest[:, None])
         scores = tl.where(visible, scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row that sees no key yet
