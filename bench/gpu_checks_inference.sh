@@ -20,6 +20,12 @@
 #   bash bench/gpu_checks_inference.sh serve    a 6-layer checkpoint served by `moemesh serve`
 #       under 1, 16 and 64 concurrent streaming clients (bench/serve_load.py); the kernels of a
 #       batch-1 decode step; the kernels' table; checkpoint save/verify/load speed
+#   bash bench/gpu_checks_inference.sh paged    the GPU tests of the paged cache, kernels and
+#       scheduler (compiled, bf16 included); the offline workload, prefill and prefix tables on
+#       the 6-layer shape beside transformers (bench/serve_offline.py)
+#   bash bench/gpu_checks_inference.sh offline48  the offline workload (256 prompts of 128-1024
+#       tokens, 256 new each) and the prefill and prefix tables, 48-layer shape, moemesh alone
+#   bash bench/gpu_checks_inference.sh peer48   the same workload through transformers' generate_batch
 # Packages the image lacks (fastapi, uvicorn and theirs) travel as wheels in .whl (device README).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.:${PYTHONPATH:-} NCCL_NVLS_ENABLE=0
@@ -33,6 +39,20 @@ setup)
         > "$LOGS/gpu_tests.txt" 2>&1
     echo "== GPU tests"; grep -E "passed|failed|Error" "$LOGS/gpu_tests.txt" | tail -5
     timeout 360 python3 bench/load.py 2>&1 | quiet | tail -16
+    ;;
+paged)
+    timeout 300 python3 -m pytest -q tests/test_ops_decode_kernels.py tests/test_models_decoding.py \
+        tests/test_inference_paging.py tests/test_inference_generate.py > "$LOGS/paged_tests.txt" 2>&1
+    echo "== GPU tests"; grep -E "passed|failed|Error" "$LOGS/paged_tests.txt" | tail -5
+    timeout 280 python3 bench/serve_offline.py --layers 6 --prompts 64 --new-tokens 128 2>&1 | quiet | tail -40
+    ;;
+offline48)
+    timeout 580 python3 bench/serve_offline.py --layers 48 --prompts 256 --new-tokens 256 --no-transformers \
+        2>&1 | quiet | tail -30
+    ;;
+peer48)
+    timeout 580 python3 bench/serve_offline.py --layers 48 --prompts 256 --new-tokens 256 --no-moemesh \
+        2>&1 | quiet | tail -12
     ;;
 decode6)
     timeout 560 python3 bench/decode.py --layers 6 2>&1 | quiet | tail -20

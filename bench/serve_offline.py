@@ -157,7 +157,7 @@ def prefix_rows(model, args, config, tokenizer) -> list[dict]:
     for caching in (True, False):
         engine = make_engine(model, args, args.prefix_len + suffix + 2)
         engine.blocks.prefix_caching = caching
-        engine.warm_up()
+        # warm-up: compiles the kernels of a step of this size (an unrelated prompt)
         generate(engine, tokenizer, [torch.randint(1, config.vocab_size, (args.prefix_len + suffix,)).tolist()])
         ttft = []
         for _ in range(1 + args.repeat):
@@ -223,6 +223,7 @@ def main():
     parser.add_argument("--prefix-len", type=int, default=1024, help="shared prefix of the prefix table (0: no table)")
     parser.add_argument("--repeat", type=int, default=3, help="timed repetitions of the prefill and prefix tables")
     parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--no-moemesh", action="store_true", help="transformers alone (a run of its own for 48 layers)")
     parser.add_argument("--transformers-prompts", type=int, help="transformers' prompts: the first N (default all)")
     args = parser.parse_args()
     args.prompt_lens = [int(n) for n in args.prompt_lens.split(",")]
@@ -242,20 +243,22 @@ def main():
         f"{config.num_hidden_layers} layers, {str(dtype)[6:]}, greedy, {where}, torch {torch.__version__}, "
         f"max batch {args.max_batch}, {args.max_num_batched_tokens} tokens a step, blocks of {args.block_size}"
     )
-    model = moemesh_model(config, device, dtype)
-    rows = offline_rows(model, args, prompts, tokenizer)
     offline_title = (
         f"offline: {args.prompts} prompts of {args.prompt_lens[0]}-{args.prompt_lens[1]} tokens, "
         f"{args.new_tokens} new tokens each; {title}"
     )
-    print_table(rows, offline_title)  # printed at once: a later table may run out of time or memory
-    if args.prefill_len:
-        print_table(prefill_rows(model, args, config), f"prefill, one packed step; {title}")
+    rows = []
+    if not args.no_moemesh:
+        model = moemesh_model(config, device, dtype)
+        rows = offline_rows(model, args, prompts, tokenizer)
+        print_table(rows, offline_title)  # printed at once: a later table may run out of time or memory
+        if args.prefill_len:
+            print_table(prefill_rows(model, args, config), f"prefill, one packed step; {title}")
+            free()
+        if args.prefix_len:
+            print_table(prefix_rows(model, args, config, tokenizer), f"prefix reuse; {title}")
+        del model
         free()
-    if args.prefix_len:
-        print_table(prefix_rows(model, args, config, tokenizer), f"prefix reuse; {title}")
-    del model
-    free()
     if not args.no_transformers:
         sync()
         rows += transformers_rows(config, args, device, prompts[: args.transformers_prompts])

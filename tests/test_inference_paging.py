@@ -192,3 +192,20 @@ def test_the_block_pool_counts_references_and_evicts_the_least_recently_freed():
     assert pool.match(tokens) == ([], []) and not pool.cached
     with pytest.raises(ValueError, match="1 blocks asked for, 0 free"):
         pool.allocate(1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the compiled kernels and CUDA graphs")
+def test_on_a_gpu_chunked_prefill_and_graphed_decoding_equal_the_reference():
+    """fp32 on the GPU: packed steps through the compiled paged-attention kernels (tiles of many
+    tokens), decode steps replayed from CUDA graphs, a pool sized from free memory."""
+    config = FAMILIES["qwen3_moe"].replace(head_dim=16, max_position_embeddings=64)  # heads the kernels take
+    model = build(config, seed=5, device="cuda").eval()
+    engine = DecodeEngine(model, max_batch=4, max_len=64, max_num_batched_tokens=16, block_size=4)
+    assert engine.cuda_graphs and engine.cache.num_blocks > 4 * 16
+    engine.warm_up()
+    batch = prompts(LENGTHS)
+    params = [SamplingParams(max_tokens=n) for n in (9, 4, 12, 7, 3, 10, 6)]
+    results = generate(engine, TOKENIZER, batch, params)
+    assert engine.graphs  # decode steps ran as graphs
+    for prompt, p, result in zip(batch, params, results):
+        assert result.token_ids == reference(model, prompt, p.max_tokens)

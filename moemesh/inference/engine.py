@@ -172,13 +172,15 @@ class DecodeEngine:
         (seconds each on a GPU) before the first requests rather than inside them. Returns the
         seconds it took."""
         start = time.perf_counter()
-        kv_len = self.kv_lens[0]
-        for batch in self.batch_sizes:
-            self._pad(0, batch)
-            self._announce(_DECODE, batch, kv_len, MODES.index("greedy"))
-            self._run(batch, kv_len, "greedy")
+        # The packed step first: the cache's pools are allocated at the first write, which should
+        # not be a graph's warm-up on its side stream.
         tokens = min(self.max_num_batched_tokens, self.max_len)
         self._packed_step([Chunk(self.cache.scratch_row, [0] * tokens, 0, True)])
+        kv_len = self.kv_lens[0]
+        for batch in self.batch_sizes:
+            self._pad(batch)
+            self._announce(_DECODE, batch, kv_len, MODES.index("greedy"))
+            self._run(batch, kv_len, "greedy")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
@@ -236,11 +238,10 @@ class DecodeEngine:
         self.cache.block_tables[rows] = tables
         self._changed.clear()
 
-    def _pad(self, used: int, batch: int) -> None:
-        """Decode inputs `used`..batch-1: token 0 at position 0 of the scratch row, greedy."""
-        if batch > used:
-            self.ints[used:batch] = torch.tensor([0, 0, self.cache.scratch_row, 0, 0])
-            self.floats[used:batch] = torch.tensor([0.0, 1.0])
+    def _pad(self, batch: int) -> None:
+        """Decode inputs 0..batch-1 all padding: token 0 at position 0 of the scratch row, greedy."""
+        self.ints[:batch] = torch.tensor([0, 0, self.cache.scratch_row, 0, 0])
+        self.floats[:batch] = torch.tensor([0.0, 1.0])
 
     def _decode_step(self, chunks: list[Chunk], end: int) -> list[int]:
         batch = next(b for b in self.batch_sizes if b >= len(chunks))
