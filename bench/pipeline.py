@@ -179,7 +179,7 @@ def run_variant(name: str, overrides: list[str], args) -> dict:
         row["GPU idle per rank"] = " / ".join(f"{p:.0%}" for p in peaks[1].tolist())
         if trainer.pipeline is not None:
             schedule = trainer.pipeline.schedule
-            costs = run_costs(config)
+            costs = run_costs(config.model, config.parallel, config.step_shape)
             estimate = rank_memory(
                 costs, stage_ranges(schedule, costs), peak_in_flight(schedule), list(schedule.stage_rank)
             )

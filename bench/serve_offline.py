@@ -102,20 +102,23 @@ def offline_rows(model, args, prompts, tokenizer) -> list[dict]:
     return rows
 
 
-def make_engine(model, args, max_len: int) -> DecodeEngine:
+def make_engine(model, args, max_len: int, tokens: int | None = None) -> DecodeEngine:
+    """The offline table's engine sizes its cache from free memory, as `serve` does; the others
+    hold `tokens` (sizing from memory again would count what the allocator still caches)."""
     return DecodeEngine(
         model,
         max_batch=args.max_batch,
         max_len=max_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
+        num_blocks=None if tokens is None else 2 + math.ceil(tokens / args.block_size) + args.max_batch,
         gpu_memory_fraction=args.gpu_memory_fraction,
     )
 
 
 def prefill_rows(model, args, config) -> list[dict]:
     """One long prompt, then --prefill-len tokens of short prompts, each in one packed step."""
-    engine = make_engine(model, args, args.prefill_len + 1)
+    engine = make_engine(model, args, args.prefill_len + 1, tokens=2 * args.prefill_len)
     engine.max_num_batched_tokens = args.prefill_len
     generator = torch.Generator().manual_seed(1)
     rows = []
@@ -155,7 +158,7 @@ def prefix_rows(model, args, config, tokenizer) -> list[dict]:
     suffix = max(1, min(64, args.prefix_len // 4))
     rows = []
     for caching in (True, False):
-        engine = make_engine(model, args, args.prefix_len + suffix + 2)
+        engine = make_engine(model, args, args.prefix_len + suffix + 2, tokens=8 * (args.prefix_len + suffix + 2))
         engine.blocks.prefix_caching = caching
         # warm-up: compiles the kernels of a step of this size (an unrelated prompt)
         generate(engine, tokenizer, [torch.randint(1, config.vocab_size, (args.prefix_len + suffix,)).tolist()])
@@ -222,13 +225,17 @@ def main():
     parser.add_argument("--short-len", type=int, default=256, help="length of the prefill table's short prompts")
     parser.add_argument("--prefix-len", type=int, default=1024, help="shared prefix of the prefix table (0: no table)")
     parser.add_argument("--repeat", type=int, default=3, help="timed repetitions of the prefill and prefix tables")
+    parser.add_argument(
+        "--dtype", choices=["bfloat16", "float32"], help="moemesh's weights (default bf16 on a GPU): float32 "
+        "shows whether a disagreement with the prompt alone is bf16's rounding"
+    )
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--no-moemesh", action="store_true", help="transformers alone (a run of its own for 48 layers)")
     parser.add_argument("--transformers-prompts", type=int, help="transformers' prompts: the first N (default all)")
     args = parser.parse_args()
     args.prompt_lens = [int(n) for n in args.prompt_lens.split(",")]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16 if device.type == "cuda" else torch.float32
     config = load_config(args.config).model if args.config else qwen3_30b_a3b(args.layers)
     longest = max(args.prompt_lens[1] + args.new_tokens + 1, args.prefill_len + 1, args.prefix_len + 66)
     config = config.replace(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import os
 import sys
@@ -107,12 +108,24 @@ def _parser() -> argparse.ArgumentParser:
         "config's device) instead of the analytical estimate",
     )
 
-    convert = commands.add_parser("convert", help="Hugging Face directory <-> moemesh checkpoint (direction from SRC)")
-    convert.add_argument("source", metavar="SRC", help="Hugging Face directory, checkpoint or run directory")
+    convert = commands.add_parser(
+        "convert",
+        help="Hugging Face directory <-> moemesh checkpoint; a LoRA run -> PEFT adapter (direction from SRC)",
+    )
+    convert.add_argument(
+        "source", metavar="SRC", help="Hugging Face directory, checkpoint or run directory (a LoRA run's too)"
+    )
     convert.add_argument("target", metavar="DST", help="new directory to write")
     convert.add_argument(
         "--dtype", choices=_DTYPE_NAMES, help="weight dtype of a written Hugging Face directory (default float32)"
     )
+    convert.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA run or PEFT adapter: write its base with the adapters merged in, as a Hugging Face "
+        "directory (default: a PEFT adapter directory)",
+    )
+    convert.add_argument("--base", help="with --merge: the base model's directory (default: the run's train.init_from)")
     return parser
 
 
@@ -121,6 +134,11 @@ def _model_arguments(command: argparse.ArgumentParser) -> None:
         "--checkpoint",
         required=True,
         help="checkpoint directory, run directory (newest checkpoint) or Hugging Face directory",
+    )
+    command.add_argument(
+        "--adapter",
+        metavar="DIR",
+        help="LoRA adapters for the model: a PEFT adapter directory or a LoRA run (merged into the weights at load)",
     )
     command.add_argument("--tokenizer", help="'bytes' or a tokenizer.json (default: the checkpoint's, else bytes)")
     command.add_argument("--device", default="auto", help="cpu, cuda[:N] or auto")
@@ -186,11 +204,12 @@ def _model_arguments(command: argparse.ArgumentParser) -> None:
 
 
 def _train(args: argparse.Namespace) -> None:
+    from moemesh.checkpoint.load import init_source
     from moemesh.config import load_config
     from moemesh.train.trainer import train
 
     overrides = [item for group in args.overrides for item in group]
-    train(load_config(args.config, overrides))
+    train(load_config(args.config, overrides, init_source=init_source))
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -218,6 +237,7 @@ def _generate(args: argparse.Namespace) -> None:
             results = generate(engine, tokenizer, [ids for ids, _ in requests], [params for _, params in requests])
         finally:
             engine.close()
+        _say_where_cut(results, [params for _, params in requests], max_len, limit, args)
         if args.prompt is not None:
             print(args.prompt + results[0].text)
             return
@@ -240,6 +260,32 @@ def _generate(args: argparse.Namespace) -> None:
             print("\n".join(lines))
 
 
+def _say_where_cut(results, params, max_len: int, limit: int, args: argparse.Namespace) -> None:
+    """One line on standard error for sequences that ended at the end of the context, before the
+    new tokens asked for (their finish_reason is "length", as for those that got them all)."""
+    cut = [
+        i
+        for i, (r, p) in enumerate(zip(results, params))
+        if len(r.token_ids) < p.max_tokens and r.finish_reason == "length"
+    ]
+    if not cut:
+        return
+    what = f"the model's position limit ({limit} tokens)" if max_len >= limit else f"--max-len {max_len}"
+    r, p = results[cut[0]], params[cut[0]]
+    if args.prompt is not None:
+        print(
+            f"moemesh generate: stopped at {what}, prompt included: {len(r.token_ids)} of the "
+            f"{p.max_tokens} new tokens asked for",
+            file=sys.stderr,
+        )
+    else:
+        print(
+            f"moemesh generate: {len(cut)} of {len(results)} prompts stopped at {what}, prompt "
+            f'included, before their max_tokens (the first: prompt {cut[0] + 1}); finish_reason "length"',
+            file=sys.stderr,
+        )
+
+
 def _serve(args: argparse.Namespace) -> None:
     from moemesh.inference.server import serve
 
@@ -247,6 +293,8 @@ def _serve(args: argparse.Namespace) -> None:
     for name in ("port", "max_waiting", "max_request_bytes"):
         if getattr(args, name) < (0 if name == "port" else 1):
             raise MoemeshError(f"--{name.replace('_', '-')} must be {'>= 0' if name == 'port' else '>= 1'}")
+    # The port is taken before the weights are read: a busy one fails now, not a minute later.
+    sock = _listening_socket(args.host, args.port) if _is_rank_zero() else None
     with _loaded(args) as (model, tokenizer, group):
         limit = model.config.max_position_embeddings
         on_gpu = next(model.parameters()).is_cuda
@@ -258,6 +306,7 @@ def _serve(args: argparse.Namespace) -> None:
             tokenizer,
             host=args.host,
             port=args.port,
+            sock=sock,
             api_key=api_key,
             model_name=args.model_name or Path(args.checkpoint).resolve().name,
             max_waiting=args.max_waiting,
@@ -289,6 +338,21 @@ def _engine(args: argparse.Namespace, model, group, max_len: int, requests: int 
         raise MoemeshError(
             f"{e}: lower --max-len, or give the cache more room (--gpu-memory-fraction, --kv-blocks)"
         ) from None
+
+
+def _listening_socket(host: str, port: int):
+    """A socket bound to host:port (as uvicorn binds one), or one line saying why it cannot be."""
+    import socket
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        reason = "in use by another process" if e.errno == errno.EADDRINUSE else e.strerror or str(e)
+        raise MoemeshError(f"--host {host} --port {port}: cannot listen there ({reason})") from None
+    return sock
 
 
 def _checked(params) -> None:
@@ -328,7 +392,7 @@ def _loaded(args: argparse.Namespace):
     mesh = init_mesh(ParallelDims(tp=_tensor_parallel_size(args)))
     try:
         dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-        model, tokenizer = load_for_generation(args.checkpoint, args.tokenizer, device, dtype, mesh)
+        model, tokenizer = load_for_generation(args.checkpoint, args.tokenizer, device, dtype, mesh, args.adapter)
         yield model, tokenizer, mesh.group("tp")
     finally:
         if dist.is_initialized():
@@ -350,26 +414,43 @@ def _tensor_parallel_size(args: argparse.Namespace) -> int:
 
 
 def _estimate(args: argparse.Namespace) -> None:
+    from moemesh.checkpoint.load import init_source
     from moemesh.config import load_config
     from moemesh.estimate import estimate_run
 
     if args.pp is not None and args.pp < 1:
         raise MoemeshError(f"--pp must be >= 1, got {args.pp}")
     overrides = [item for group in args.overrides for item in group]
-    print(estimate_run(load_config(args.config, overrides, launched=False), args.pp, args.schedule, args.profile))
+    config = load_config(args.config, overrides, launched=False, init_source=init_source)
+    print(estimate_run(config, args.pp, args.schedule, args.profile))
 
 
 def _convert(args: argparse.Namespace) -> None:
     import torch
 
-    from moemesh.checkpoint.convert import export_hf, import_hf
+    from moemesh.checkpoint.adapters import PEFT_CONFIG, is_lora_checkpoint
+    from moemesh.checkpoint.convert import export_adapter, export_hf, export_merged, import_hf
     from moemesh.checkpoint.load import is_hf_directory
 
-    if is_hf_directory(args.source):
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    adapter = (Path(args.source) / PEFT_CONFIG).is_file() or is_lora_checkpoint(args.source)
+    if (args.merge or args.base) and not adapter:
+        raise MoemeshError(f"--merge and --base take a LoRA run or a PEFT adapter, and {args.source} is neither")
+    if args.base and not args.merge:
+        raise MoemeshError("--base goes with --merge")
+    if args.merge:
+        base = export_merged(args.source, args.target, args.base, dtype)
+        print(f"wrote Hugging Face directory {args.target}: {base or 'the seed weights'} merged with {args.source}")
+    elif adapter:
+        if (Path(args.source) / PEFT_CONFIG).is_file():
+            raise MoemeshError(f"{args.source} is a PEFT adapter already (--merge writes it merged into its base)")
+        checkpoint = export_adapter(args.source, args.target)
+        print(f"wrote PEFT adapter directory {args.target} from {checkpoint}")
+    elif is_hf_directory(args.source):
         import_hf(args.source, args.target)
         print(f"wrote moemesh checkpoint {args.target}")
     else:
-        checkpoint = export_hf(args.source, args.target, getattr(torch, args.dtype) if args.dtype else None)
+        checkpoint = export_hf(args.source, args.target, dtype)
         print(f"wrote Hugging Face directory {args.target} from {checkpoint}")
 
 

@@ -1,16 +1,20 @@
 """The run configuration: a TOML file plus `--set section.key=value` overrides, checked into
 dataclasses. Sections: `model` (Hugging Face config.json field names, becomes a ModelConfig),
-`parallel`, `train` and `data`. Every mistake raises ConfigError naming the key at fault."""
+`parallel` (a ParallelConfig, `parallel/config.py`), `train`, `data` and `lora` (adapters,
+`models/lora.py`). Every mistake raises
+ConfigError naming the key at fault."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import json
 import math
 import os
 import tomllib
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,39 +23,13 @@ import torch
 
 from moemesh.errors import ConfigError
 from moemesh.models import ModelConfig
+from moemesh.models.family import family
+from moemesh.models.lora import LoraConfig
+from moemesh.parallel.config import ParallelConfig, StepShape
 from moemesh.parallel.pipeline.schedule import min_micro_batches
 
 # `moemesh train` with no --config: the tiny model of this checkout.
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.toml"
-
-
-@dataclass
-class ParallelConfig:
-    """Sizes of the parallel dimensions, the pipeline schedule, and how FSDP runs."""
-
-    dp_replicate: int = 1  # data-parallel replicas (with dp_shard > 1: HSDP)
-    dp_shard: int = 1  # FSDP: weights, gradients and optimizer state split over these ranks
-    ep: int = 1
-    tp: int = 1
-    pp: int = 1
-    pp_schedule: str = "dualpipev"  # or "1f1b"; train.global_batch / train.micro_batch micro-batches
-    # DualPipeV under EP: a forward's compute hides a backward's EP all-to-alls, and vice versa. Off
-    # by default: measured on 4 H200s (pp=2 × ep=2) it took 927 ms a step against 432 ms sequential
-    # (each EP dispatch's host sync stalls the other chunk); on again once that pays.
-    pp_overlap: bool = False
-    fsdp_reshard_after_forward: bool = True  # free gathered weights after forward (less memory)
-    fsdp_prefetch: bool = True  # gather the next block's weights during this block's compute
-    timeout_s: float = 300.0  # a collective that waits longer for a peer fails (a peer stopped, hung or died)
-
-    @property
-    def batch_ranks(self) -> int:
-        """Ranks that take different slices of each micro-batch: the data-parallel and the
-        expert-parallel ones (experts split over ep, the dense part data-parallel over all)."""
-        return self.dp_replicate * self.dp_shard * self.ep
-
-    @property
-    def world_size(self) -> int:
-        return self.batch_ranks * self.tp * self.pp
 
 
 @dataclass
@@ -71,6 +49,10 @@ class TrainConfig:
     router_bias_update_rate: float = 0.001  # DeepSeek-V3's expert-bias step per optimizer step; 0: off
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU (autocast; weights stay fp32)
     param_dtype: str = "float32"  # weights and AdamW state; "bfloat16": all bf16, half the memory
+    # What a decoder layer keeps for backward: "none" (everything), "full" (its input; the layer runs
+    # again in backward), "selective" (matmul and collective outputs; norms, activations and
+    # attention's softmax run again). The gradients are the same bit for bit.
+    activation_checkpointing: str = "none"
     device: str = "auto"  # auto: cuda when available, else cpu
     resume: bool = False
     overwrite: bool = False  # start afresh in a run_dir that holds checkpoints, deleting them
@@ -83,6 +65,24 @@ class TrainConfig:
     eval_every: int = 50  # 0: evaluate only before the first and after the last step
     eval_sequences: int = 64  # validation sequences per evaluation (always the same ones)
     log_every: int = 10  # steps between plain progress lines when the output is not a terminal
+    # Where else the scalars of metrics.jsonl go, step by step: any of REPORT_TO (train/report.py).
+    report_to: list[str] = field(default_factory=list)
+
+    @property
+    def step_shape(self) -> StepShape:
+        """What the parallel layout depends on of a step (`train.dtype` resolved)."""
+        return StepShape(
+            self.global_batch // self.micro_batch,
+            self.micro_batch,
+            self.seq_len,
+            self.dtype,
+            self.param_dtype,
+            self.activation_checkpointing,
+        )
+
+
+# train.report_to's names -> the package each needs (`pip install 'moemesh[tracking]'` installs both).
+REPORT_TO = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
 
 @dataclass
@@ -98,6 +98,15 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    # Why data.tokenizer is what it is, said when a run starts; not part of the config itself.
+    tokenizer_origin: str = field(default="the default", compare=False)
+
+    @property
+    def step_shape(self) -> StepShape:
+        """What the parallel layout depends on of a step (`train.dtype` resolved), LoRA's frozen base
+        included."""
+        return dataclasses.replace(self.train.step_shape, frozen_base=self.lora.enabled)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         model = {name: getattr(self.model, name) for name in ModelConfig.field_names()}
@@ -106,6 +115,7 @@ class RunConfig:
             "parallel": dataclasses.asdict(self.parallel),
             "train": dataclasses.asdict(self.train),
             "data": dataclasses.asdict(self.data),
+            "lora": dataclasses.asdict(self.lora),
         }
 
     def to_toml(self) -> str:
@@ -143,12 +153,23 @@ def resolve_device(config: RunConfig) -> RunConfig:
     return config
 
 
-_SECTIONS = {"parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig}
+_SECTIONS = {"parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig, "lora": LoraConfig}
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] = (), launched: bool = True) -> RunConfig:
+# Reads what `train.init_from` brings (`checkpoint.load.init_source`): its model config and tokenizer.json.
+InitSource = Callable[[str], tuple[ModelConfig, Path | None]]
+
+
+def load_config(
+    path: str | os.PathLike | None = None,
+    overrides: list[str] = (),
+    launched: bool = True,
+    init_source: InitSource | None = None,
+) -> RunConfig:
     """Read `path` (the default config when None), apply `section.key=value` overrides, check
-    (with `launched`, also that torchrun started the processes the layout needs)."""
+    (with `launched`, also that torchrun started the processes the layout needs). A run with
+    `train.init_from` needs `init_source` (`moemesh.checkpoint.load.init_source`) to read the
+    checkpoint's model: this layer sits above `checkpoint/` and imports none of it."""
     if path is None and not DEFAULT_CONFIG.is_file():
         raise ConfigError(
             f"no --config given, and the default {DEFAULT_CONFIG} is missing: moemesh was "
@@ -161,14 +182,28 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
         raw = tomllib.loads(path.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: invalid TOML: {e}") from None
-    if path == DEFAULT_CONFIG and any(item.partition("=")[0].strip() == "train.init_from" for item in overrides):
+    overridden = {item.partition("=")[0].strip() for item in overrides}
+    if path == DEFAULT_CONFIG and "train.init_from" in overridden:
         raw.pop("model", None)  # the default's tiny model is not the one a checkpoint brings
+    # The tokenizer a file names is chosen for the checkpoint that file names: with init_from set
+    # on the command line, the file's is a default (configs/*.toml say "bytes"), the checkpoint's wins.
+    tokenizer_chosen = "data.tokenizer" in overridden or (
+        "tokenizer" in raw.get("data", {}) and "init_from" in raw.get("train", {})
+    )
     for item in overrides:
         _apply_override(raw, item)
-    return config_from_dict(raw, launched)
+    return config_from_dict(raw, launched, init_source, tokenizer_chosen)
 
 
-def config_from_dict(raw: dict[str, Any], launched: bool = True) -> RunConfig:
+def config_from_dict(
+    raw: dict[str, Any],
+    launched: bool = True,
+    init_source: InitSource | None = None,
+    tokenizer_chosen: bool | None = None,
+) -> RunConfig:
+    """The checked RunConfig of a raw TOML dict. `init_source` reads train.init_from's model and
+    tokenizer (see load_config). `tokenizer_chosen`: whether data.tokenizer was chosen for this
+    run, so that it overrides train.init_from's tokenizer (None: whenever the dict has one)."""
     sections = ["model", *_SECTIONS]
     for key, value in raw.items():
         if key not in sections and isinstance(value, dict):
@@ -180,13 +215,23 @@ def config_from_dict(raw: dict[str, Any], launched: bool = True) -> RunConfig:
         if not isinstance(value, dict):
             raise ConfigError(f"config section [{key}] must be a table, got {value!r}")
     built = {name: _build_section(name, cls, raw.get(name, {})) for name, cls in _SECTIONS.items()}
+    if tokenizer_chosen is None:
+        tokenizer_chosen = "tokenizer" in raw.get("data", {})
+    tokenizer_origin = "data.tokenizer" if "tokenizer" in raw.get("data", {}) else "the default"
     if built["train"].init_from:
-        model = _model_of(
-            built["train"].init_from, raw.get("model", {}), built["data"], "tokenizer" in raw.get("data", {})
-        )
+        if init_source is None:
+            raise ValueError("train.init_from is set: pass init_source=moemesh.checkpoint.load.init_source")
+        source_model, tokenizer = init_source(built["train"].init_from)
+        model = _model_of(source_model, built["train"].init_from, raw.get("model", {}))
+        if tokenizer is not None and not tokenizer_chosen:
+            built["data"].tokenizer, tokenizer_origin = str(tokenizer), "train.init_from's"
+        elif tokenizer is not None and built["data"].tokenizer != str(tokenizer):
+            tokenizer_origin = f"data.tokenizer, not train.init_from's {tokenizer}"
+        elif tokenizer is None and not tokenizer_chosen:
+            tokenizer_origin = "the default: train.init_from has no tokenizer.json"
     else:
         model = _build_model(raw.get("model", {}))
-    config = RunConfig(model=model, **built)
+    config = RunConfig(model=model, **built, tokenizer_origin=tokenizer_origin)
     _validate(config)
     if launched:
         _check_layout_available(config.parallel)
@@ -197,15 +242,9 @@ def config_from_dict(raw: dict[str, Any], launched: bool = True) -> RunConfig:
 TRAINING_KEYS = ("output_router_logits", "router_aux_loss_coef")
 
 
-def _model_of(source: str, given: dict[str, Any], data: DataConfig, tokenizer_given: bool) -> ModelConfig:
-    """The model of `train.init_from`'s config.json; a [model] key of the run may repeat it, or
-    set one of TRAINING_KEYS, not contradict it. Its tokenizer.json becomes the run's tokenizer
-    unless data.tokenizer names one."""
-    from moemesh.checkpoint.dcp import TOKENIZER_FILE
-    from moemesh.checkpoint.load import newest_directory, read_model_config
-    from moemesh.models.registry import family
-
-    model = read_model_config(source)
+def _model_of(model: ModelConfig, source: str, given: dict[str, Any]) -> ModelConfig:
+    """The model of `train.init_from`'s config.json (`model`, read); a [model] key of the run may
+    repeat it, or set one of TRAINING_KEYS, not contradict it."""
     names = ModelConfig.field_names()
     for key in given:
         if key not in names and key not in family(model.model_type).renames:
@@ -220,11 +259,7 @@ def _model_of(source: str, given: dict[str, Any], data: DataConfig, tokenizer_gi
                 f"model.{name} = {getattr(ours, name)!r} contradicts train.init_from {source}, whose "
                 f"config.json has {name} = {getattr(model, name)!r} (leave it out of [model])"
             )
-    model = ours
-    tokenizer = newest_directory(source) / TOKENIZER_FILE
-    if not tokenizer_given and tokenizer.is_file():
-        data.tokenizer = str(tokenizer)
-    return model
+    return ours
 
 
 def _apply_override(raw: dict[str, Any], item: str) -> None:
@@ -287,13 +322,15 @@ def _check_type(key: str, value: Any, expected: Any) -> Any:
         value = float(value) if ok else value
     elif expected is str:
         ok = isinstance(value, str)
+    elif expected == list[str]:
+        ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
     else:  # list[float]
         ok = isinstance(value, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
         value = [float(v) for v in value] if ok else value
     if not ok and expected is float and isinstance(value, float):
         raise ConfigError(f"{key} must be a finite number, got {value!r}")
     if not ok:
-        name = getattr(expected, "__name__", str(expected))
+        name = expected.__name__ if isinstance(expected, type) else str(expected)  # list[str], not list
         raise ConfigError(f"{key} must be of type {name}, got {value!r}")
     return value
 
@@ -336,7 +373,12 @@ def _validate(config: RunConfig) -> None:
         train.param_dtype in ("float32", "bfloat16"),
         f"train.param_dtype must be 'float32' or 'bfloat16', got {train.param_dtype!r}",
     )
+    need(
+        train.activation_checkpointing in ("none", "full", "selective"),
+        f"train.activation_checkpointing must be 'none', 'full' or 'selective', got {train.activation_checkpointing!r}",
+    )
     _check_device_name(train.device, "train.device")
+    _check_report_to(train.report_to)
     need(0 < data.val_fraction < 1, f"data.val_fraction must be in (0, 1), got {data.val_fraction}")
     need(
         train.seq_len <= model.max_position_embeddings,
@@ -360,8 +402,26 @@ def _validate(config: RunConfig) -> None:
         model.num_experts % config.parallel.ep == 0,
         f"parallel.ep ({config.parallel.ep}) must divide model.num_experts ({model.num_experts})",
     )
+    config.lora.check()
     _check_tp_sizes(model, config.parallel.tp)
     _check_pipeline(config)
+
+
+def _check_report_to(names: list[str]) -> None:
+    """Known names, each once, whose packages are installed: said now, before a model is built."""
+    for name in names:
+        if name not in REPORT_TO:
+            close = difflib.get_close_matches(name, REPORT_TO, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"train.report_to: unknown {name!r}{hint}; choose from {', '.join(REPORT_TO)}")
+        if names.count(name) > 1:
+            raise ConfigError(f"train.report_to names {name!r} twice")
+        package = REPORT_TO[name]
+        if importlib.util.find_spec(package) is None:
+            raise ConfigError(
+                f"train.report_to includes {name!r}, but {package} is not installed: "
+                f"pip install {package} (or pip install 'moemesh[tracking]')"
+            )
 
 
 def _check_tp_sizes(model: ModelConfig, tp: int) -> None:

@@ -32,7 +32,8 @@ def estimate_run(
     schedule_name = schedule_name or (parallel.pp_schedule if pp > 1 else "1f1b")  # pp 1: one stage
     schedule = build_schedule(schedule_name, pp, train.global_batch // train.micro_batch)
     in_flight = peak_in_flight(schedule)
-    tokens = rank_tokens(config)
+    step = config.step_shape
+    tokens = rank_tokens(parallel, step)
     if profile:
         device = torch.device(train.device)
         model = build(config.model, train.seed, device)
@@ -41,11 +42,13 @@ def estimate_run(
         )
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=train.dtype == "bfloat16"):
             costs = profile_costs(
-                profile_layers(model, ids, ids), state_bytes_per_param(config), rank_params=rank_param_counts(config)
+                profile_layers(model, ids, ids),
+                state_bytes_per_param(step),
+                rank_params=rank_param_counts(config.model, parallel),
             )  # what one GPU keeps under the layout
         time_unit, time_scale = "ms", 1e3
     else:
-        costs = run_costs(config)
+        costs = run_costs(config.model, parallel, step)
         time_unit, time_scale = "GFLOP", 1e-9
     ranges = stage_ranges(schedule, costs)
 
@@ -56,7 +59,7 @@ def estimate_run(
     lines = [
         (
             f"per layer ({how}; {tokens} tokens per micro-batch, {train.dtype}; parameter state "
-            f"{state_bytes_per_param(config)} B/parameter of what one GPU keeps under {layout}):"
+            f"{state_bytes_per_param(step)} B/parameter of what one GPU keeps under {layout}):"
         ),
         f"  {'layer':<10} {'param state':>12} {'activations':>12} {'time ' + time_unit:>12}",
     ]

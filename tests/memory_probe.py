@@ -22,6 +22,7 @@ def resident(field: str) -> int:
 def main() -> None:
     import torch  # noqa: F401  (imported before the baseline)
 
+    from moemesh.checkpoint.load import init_source
     from moemesh.config import config_from_dict
     from moemesh.inference.generate import load_for_generation
     from moemesh.parallel.mesh import ParallelDims, init_mesh
@@ -43,7 +44,7 @@ def main() -> None:
         del raw["model"]
         raw["train"]["init_from"] = model_dir
         raw["parallel"] = {"ep": 4}
-        config = config_from_dict(raw)
+        config = config_from_dict(raw, init_source=init_source)
     # The process group first: its buffers are not the model's.
     mesh = init_mesh(ParallelDims(tp=4) if mode == "generate" else ParallelDims(ep=4))
     Path("/proc/self/clear_refs").write_text("5")  # the peak starts again from here

@@ -23,9 +23,9 @@ import torch.nn.functional as F
 import transformers
 from safetensors.torch import load_file
 
-from moemesh.checkpoint.load import load_model
+from moemesh.checkpoint.load import init_source, load_model
 from moemesh.cli import main
-from moemesh.config import config_from_dict
+from moemesh.config import config_from_dict, dumps_toml, load_config
 from moemesh.errors import ConfigError
 from moemesh.train.trainer import Trainer
 from test_models_deepseek import TINY as DEEPSEEK_TINY
@@ -132,13 +132,13 @@ def run_config(directory, source, layout: str, **train) -> dict:
 
 
 def first_step(rank, raw: dict) -> float:
-    trainer = Trainer(config_from_dict(raw), io.StringIO())
+    trainer = Trainer(config_from_dict(raw, init_source=init_source), io.StringIO())
     return trainer.train_step()["loss"]
 
 
 def their_loss(model, raw: dict) -> float:
     """transformers' mean next-token cross-entropy over the first step's micro-batches."""
-    trainer_config = config_from_dict(raw)
+    trainer_config = config_from_dict(raw, init_source=init_source)
     from moemesh.data.dataset import load_dataset
 
     dataset, _ = load_dataset(trainer_config.data, trainer_config.train.seq_len, 0, 256)
@@ -177,7 +177,7 @@ def test_convert_after_a_negligible_step_gives_back_the_source(sources, tmp_path
     directory, models = sources
     theirs, source = models["qwen3_moe"]
     raw = run_config(directory, source, "one process", lr=1e-30, run_dir=str(tmp_path / "run"))
-    Trainer(config_from_dict(raw), io.StringIO()).run()
+    Trainer(config_from_dict(raw, init_source=init_source), io.StringIO()).run()
     assert main(["convert", str(tmp_path / "run"), str(tmp_path / "back")]) == 0
     back = {}
     for file in (tmp_path / "back").glob("*.safetensors"):
@@ -197,9 +197,9 @@ def check_initial_values(rank, family: str, layout: dict) -> bool:
     """Laid out on the meta device and initialised piece by piece = one process's whole model."""
     from torch.distributed.tensor import DTensor
 
-    from moemesh.config import ParallelConfig, RunConfig
     from moemesh.models import build
     from moemesh.models.build import meta_model
+    from moemesh.parallel.config import ParallelConfig, StepShape
     from moemesh.parallel.mesh import ParallelDims, init_mesh
     from moemesh.parallel.parallelize import materialize, parallelize
     from moemesh.parallel.stored import stored_state
@@ -208,10 +208,8 @@ def check_initial_values(rank, family: str, layout: dict) -> bool:
 
     config = CONFIGS[family]
     mesh = init_mesh(ParallelDims(**layout))
-    run = RunConfig(model=config, parallel=ParallelConfig(**layout))
-    run.train.dtype = "float32"
     model = meta_model(config)
-    parallelize(model, mesh, run)
+    parallelize(model, mesh, ParallelConfig(**layout), StepShape(dtype="float32"))
     materialize(model, "cpu", seed=7)
     pieces = stored_state({"model": dict(model.named_parameters())}, model, mesh)["model"]
     expected = {}
@@ -289,7 +287,7 @@ def test_init_from_takes_the_model_and_tokenizer_of_the_checkpoint(sources, tmp_
     _, source = models["mixtral"]
     raw = run_config(directory, source, "one process")
     raw["model"] = {"output_router_logits": True, "router_aux_loss_coef": 0.05}  # how to train: allowed
-    config = config_from_dict(raw)
+    config = config_from_dict(raw, init_source=init_source)
     assert config.model.model_type == "mixtral" and config.model.hidden_size == 32
     assert config.model.output_router_logits and config.model.router_aux_loss_coef == 0.05
     assert config.data.tokenizer == "bytes"  # transformers wrote no tokenizer.json
@@ -300,11 +298,33 @@ def test_init_from_takes_the_model_and_tokenizer_of_the_checkpoint(sources, tmp_
         (with_tokenizer / file.name).write_bytes(file.read_bytes())
     (with_tokenizer / "tokenizer.json").write_text("{}")
     raw = run_config(directory, with_tokenizer, "one process")
-    assert config_from_dict(raw).data.tokenizer == str(with_tokenizer / "tokenizer.json")
+    assert config_from_dict(raw, init_source=init_source).data.tokenizer == str(with_tokenizer / "tokenizer.json")
+    assert config_from_dict(raw, init_source=init_source).tokenizer_origin == "train.init_from's"
     raw["data"]["tokenizer"] = "bytes"  # named: it wins
-    assert config_from_dict(raw).data.tokenizer == "bytes"
+    assert config_from_dict(raw, init_source=init_source).data.tokenizer == "bytes"
+    origin = f"data.tokenizer, not train.init_from's {with_tokenizer}/tokenizer.json"
+    assert config_from_dict(raw, init_source=init_source).tokenizer_origin == origin
+
+    # A config file's tokenizer is a default for a checkpoint named on the command line (the
+    # README's fine-tuning command on configs/*.toml, which say "bytes"); --set data.tokenizer, or
+    # a file that names the checkpoint too, chooses.
+    file = tmp_path / "run.toml"
+    file.write_text(dumps_toml({k: v for k, v in raw.items() if k != "model"}))
+    file_without_source = tmp_path / "defaults.toml"
+    without_source = {**raw, "train": {k: v for k, v in raw["train"].items() if k != "init_from"}}
+    file_without_source.write_text(dumps_toml({k: v for k, v in without_source.items() if k != "model"}))
+    init_from = f"train.init_from={with_tokenizer}"
+    from_cli = load_config(file_without_source, [init_from], launched=False, init_source=init_source)
+    assert from_cli.data.tokenizer == str(with_tokenizer / "tokenizer.json")
+    assert from_cli.tokenizer_origin == "train.init_from's"
+    chosen = load_config(file_without_source, [init_from, "data.tokenizer=bytes"], False, init_source)
+    assert chosen.data.tokenizer == "bytes"
+    assert load_config(file, [], launched=False, init_source=init_source).data.tokenizer == "bytes"
     raw["model"] = {"num_experts": 4}
     with pytest.raises(ConfigError, match="model.num_experts = 4 contradicts"):
+        config_from_dict(raw, init_source=init_source)
+    # The run config reads no checkpoint itself (it sits above checkpoint/ and imports none of it).
+    with pytest.raises(ValueError, match="pass init_source="):
         config_from_dict(raw)
 
 
@@ -319,7 +339,7 @@ def test_init_from_a_moemesh_run_takes_its_weights_only(pool, sources, tmp_path)
     raw = tiny_raw(tmp_path / "second", directory / "corpus.txt", **TRAIN)
     del raw["model"]
     raw["train"]["init_from"] = str(tmp_path / "first")
-    trainer = Trainer(config_from_dict(raw), io.StringIO())
+    trainer = Trainer(config_from_dict(raw, init_source=init_source), io.StringIO())
     assert trainer.step == 0 and not trainer.optimizer.state
     for name, tensor in trainer.model.state_dict().items():
         assert torch.equal(tensor, trained[name]), name

@@ -172,7 +172,7 @@ def test_generate_many_prompts_from_a_file(tmp_path, capsys, trained):
         (["--temperature", "hot"], "argument --temperature: invalid float value: 'hot'"),
         (
             ["--prompt", "caf\udce9"],
-            "--prompt: the prompt is not UTF-8 text (a byte such as 0xe9 at character 3 is not valid UTF-8)",
+            "--prompt: prompt is not UTF-8 text: the byte 0xe9 at character 3 is not valid UTF-8",
         ),
         (
             ["--prompt", "x" * 200],
@@ -217,8 +217,31 @@ def test_generate_on_a_gpu_that_is_not_there(capsys, trained):
 
 def test_generation_stops_at_the_models_last_position(capsys, trained):
     assert main(["generate", "--checkpoint", str(trained), "--prompt", "a" * 100, "--max-new-tokens", "200"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert out.startswith("a" * 100) and len(out) <= 100 + (128 - 101) + 1  # a character per byte token; "\n"
+    new_tokens = len(out) - 101
+    assert err == (
+        f"moemesh generate: stopped at the model's position limit (128 tokens), prompt included: {new_tokens} of "
+        "the 200 new tokens asked for\n"
+    )
+    assert main(["generate", "--checkpoint", str(trained), "--prompt", "a" * 100, "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().err == ""  # all 5 given
+
+
+def test_serve_on_a_busy_port_is_one_line_before_loading(capsys, trained, monkeypatch):
+    import socket
+
+    pytest.importorskip("fastapi", reason="moemesh serve needs fastapi and uvicorn (pip install moemesh[serve])")
+    loads = []
+    monkeypatch.setattr("moemesh.inference.generate.load_for_generation", lambda *args: loads.append(args))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        err = _fails(capsys, ["serve", "--checkpoint", str(trained), "--port", str(port)])
+    reason = "cannot listen there (in use by another process)"
+    assert err == f"moemesh serve: error: --host 127.0.0.1 --port {port}: {reason}\n"
+    assert loads == []
 
 
 def test_bad_estimate_and_convert_arguments(tmp_path, capsys, trained):

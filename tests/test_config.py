@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import tomllib
 from pathlib import Path
 
@@ -52,7 +53,7 @@ def test_overrides_are_toml_values_or_bare_strings():
         ("model.num_expert=4", "unknown config key 'model.num_expert' (did you mean 'model.num_experts'?)"),
         (
             "trian.steps=5",
-            "unknown config section [trian] (did you mean [train]?); sections: model, parallel, train, data",
+            "unknown config section [trian] (did you mean [train]?); sections: model, parallel, train, data, lora",
         ),
         ("parallel.ep_size=2", "unknown config key 'parallel.ep_size' (did you mean 'parallel.ep'?)"),
     ],
@@ -111,12 +112,32 @@ def test_a_key_outside_any_section_finds_its_section(tmp_path):
         ("parallel.pp=2 parallel.pp_schedule=zb", "unknown pipeline schedule 'zb'; known: dualpipev, 1f1b"),
         ("parallel.pp_overlap=yes", "parallel.pp_overlap must be of type bool, got 'yes'"),
         ("data.val_fraction=1.5", "data.val_fraction must be in (0, 1)"),
+        (
+            'train.report_to=["tensorbord"]',
+            "train.report_to: unknown 'tensorbord' (did you mean 'tensorboard'?); choose from tensorboard, wandb",
+        ),
+        ('train.report_to=["wandb","wandb"]', "train.report_to names 'wandb' twice"),
+        ("train.report_to=wandb", "train.report_to must be of type list[str], got 'wandb'"),
     ],
 )
 def test_invalid_values_are_named(override, message):
     with pytest.raises(ConfigError) as error:
         load_config(None, override.split())
     assert message in str(error.value)
+
+
+def test_a_report_to_whose_package_is_missing_names_the_pip_command(monkeypatch):
+    """Said when the config is read, before any model is built or weight read."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ConfigError) as error:
+        load_config(None, ['train.report_to=["tensorboard", "wandb"]'])
+    assert str(error.value) == (
+        "train.report_to includes 'wandb', but wandb is not installed: "
+        "pip install wandb (or pip install 'moemesh[tracking]')"
+    )
+    assert load_config(None, ['train.report_to=["tensorboard"]']).train.report_to == ["tensorboard"]
+    assert load_config().train.report_to == []  # the default: metrics.jsonl alone
 
 
 def test_the_number_of_processes_must_match_the_layout(monkeypatch):

@@ -255,6 +255,25 @@ def _poison_step(monkeypatch, step: int, rank: int = 0):
     monkeypatch.setattr(trainer_module, "reduce_gradients", poisoned)
 
 
+def test_the_count_of_skipped_steps_survives_a_resume(tmp_path, monkeypatch):
+    """Steps 2 and 3 skipped, a checkpoint at step 3, a resume, step 4 skipped: three in a row
+    (train.max_bad_steps), so the resumed run stops there, as the uninterrupted one would."""
+    config = dict(steps=3, save_every=3, max_bad_steps=3)
+    for step in (2, 3):
+        _poison_step(monkeypatch, step)
+    Trainer(tiny_config(tmp_path / "run", tmp_path / "corpus.txt", **config), io.StringIO()).run()
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records if r.get("skipped")] == [2, 3]
+    monkeypatch.undo()
+
+    _poison_step(monkeypatch, 1)  # the first step of the resumed process: step 4
+    stream = io.StringIO()
+    resumed = tiny_config(tmp_path / "run", tmp_path / "corpus.txt", **{**config, "steps": 6}, resume=True)
+    with pytest.raises(DivergedError, match="step 4: .*3 steps in a row without an update"):
+        Trainer(resumed, stream).run()
+    assert "step 4: skipped, gradient norm nan: no update (3 in a row; train.max_bad_steps=3)" in stream.getvalue()
+
+
 def _snapshot(trainer: Trainer) -> dict:
     return {
         "weights": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
@@ -350,13 +369,18 @@ def _files(directory: Path) -> dict[str, bytes]:
     return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
-def test_a_rerun_without_resume_deletes_nothing(tmp_path, capsys):
+def test_a_rerun_without_resume_deletes_nothing(tmp_path, capsys, monkeypatch):
     config = write_tiny_toml(tmp_path, steps=10, save_every=5)
     assert main(["train", "--config", str(config)]) == 0
     checkpoints = tmp_path / "run" / "checkpoints"
     before = _files(checkpoints)
     capsys.readouterr()
-    assert main(["train", "--config", str(config)]) == 2
+    with monkeypatch.context() as patch:  # refused before the data or any weight is read
+        reads = []
+        for name in ("load_dataset", "materialize", "load_weights"):
+            patch.setattr(f"moemesh.train.trainer.{name}", lambda *args, name=name, **kw: reads.append(name))
+        assert main(["train", "--config", str(config)]) == 2
+        assert reads == []
     assert capsys.readouterr().err == (
         f"moemesh train: error: {checkpoints} holds the checkpoints of an earlier run "
         "(the newest: step_10): train.resume=true continues that run, "

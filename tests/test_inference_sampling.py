@@ -78,3 +78,16 @@ def test_a_draw_depends_on_its_seed_and_step_alone():
 )
 def test_the_mode_is_the_cheapest_that_serves_every_row(temperatures, top_ps, mode):
     assert mode_for(temperatures, top_ps) == mode
+
+
+def test_a_seed_s_high_bits_count_and_small_seeds_draw_as_they_always_did():
+    """Seeds below 2**32 keep the noise of the hash of their 32 bits (the formula before high bits
+    counted); seeds that differ only above bit 32 draw differently."""
+    from moemesh.inference.sampling import _MASK32, _mix32
+
+    seed, step = torch.tensor([12345, 12345 + 2**32, 12345 + 2**40]), torch.tensor([3, 3, 3])
+    noise = gumbel_noise(seed, step, 64)
+    row = _mix32(_mix32(seed[:1] & _MASK32) ^ (step[:1] & _MASK32))
+    bits = _mix32(row[:, None] ^ torch.arange(64))
+    assert torch.equal(noise[0], -torch.log(-torch.log(((bits[0] >> 8).float() + 0.5) * 2.0**-24)))
+    assert not torch.equal(noise[0], noise[1]) and not torch.equal(noise[1], noise[2])

@@ -148,6 +148,9 @@ def assert_records_match(ours: list[dict], theirs: list[dict]) -> None:
     for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
         for key in ("loss", "aux_loss", "grad_norm"):
             assert abs(a[key] - b[key]) <= RTOL * abs(b[key]), (step, key, a[key], b[key])
+        # Whole-number expert loads summed exactly over the ranks: the same routing, the same statistics.
+        loads = {key: value for key, value in b.items() if key.startswith("expert_load")}
+        assert loads and {key: value for key, value in a.items() if key.startswith("expert_load")} == loads, step
 
 
 def train_and_gather(rank, raw: dict, steps: int) -> tuple[list[dict], dict]:
@@ -199,3 +202,80 @@ def test_resume_in_another_layout(pool, reference, tmp_path):
     )
     single.restore(Path(saved))
     assert_records_match([single.train_step()], records[STEPS:])
+
+
+# ---- LoRA ------------------------------------------------------------------------------------------
+
+
+def check_lora_gradients(rank, layout: dict):
+    """FSDP shards the adapters with their base (and holds no gradient or moment for the frozen
+    base): every adapter gradient, gathered whole, equals one process's."""
+    from moemesh.models.lora import LoraConfig
+    from test_lora import QWEN3_TARGETS, lora_model
+
+    lora = LoraConfig(rank=4, alpha=8.0, targets=QWEN3_TARGETS)
+    dims = ParallelDims(**layout)
+    input_ids, labels = micro_batch(seed=3, batch=2 * dims.batch_size)
+    reference = lora_model(QWEN3, lora)
+    reference(input_ids, labels=labels).loss.backward()
+
+    mesh = init_mesh(dims)
+    model = apply_data_parallel(apply_tp(apply_ep(lora_model(QWEN3, lora), mesh), mesh), mesh)
+    apply_fsdp(model, mesh)
+    rows = input_ids.shape[0] // dims.batch_size
+    part = slice(mesh.rank("batch") * rows, (mesh.rank("batch") + 1) * rows)
+    out = model(input_ids[part], labels=labels[part])
+    loss = rank_loss(
+        out.ce_loss,
+        out.aux_loss,
+        label_tokens(labels[part]),
+        label_tokens(labels),
+        QWEN3.router_aux_loss_coef,
+        dims.batch_size,
+    )
+    loss.backward()
+    reduce_gradients(model, mesh)
+    trained = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+    assert any(isinstance(p, DTensor) for n, p in model.named_parameters() if n in trained)  # sharded by FSDP
+    grads = whole(stored_state({"model": trained}, model, mesh)["model"])
+    expected = {}
+    for name, param in reference.named_parameters():
+        if param.requires_grad:
+            expected.update(presented(name, param.grad))
+    assert grads.keys() == expected.keys()
+    for key, grad in grads.items():
+        assert rel_err(grad, expected[key]) <= RTOL, key
+    return True
+
+
+@pytest.mark.parametrize("layout", ["dp_shard4", "dp_shard2-tp2", "dp_shard2-ep2"])
+def test_fsdp_lora_gradients_equal_one_process(pool, layout):
+    assert all(pool.run(check_lora_gradients, LAYOUTS[layout]))
+
+
+def test_lora_run_resumes_in_another_layout(pool, tmp_path):
+    """A LoRA run (base from the seed, frozen) under FSDP × EP saves its adapters and their
+    sharded AdamW state after 3 steps; FSDP × TP resumes from that checkpoint and takes one
+    process's step 4. The checkpoint holds no base weight."""
+    import torch.distributed.checkpoint as dcp
+
+    from moemesh.models.lora import is_adapter
+
+    raw = tiny_raw(tmp_path / "single", write_corpus(tmp_path), global_batch=8, micro_batch=4)
+    raw["lora"] = {"rank": 4, "alpha": 8.0}
+    single = Trainer(config_from_dict(raw), io.StringIO())
+    records = [single.train_step() for _ in range(4)]
+    raw_a = {**raw, "parallel": LAYOUTS["dp_shard2-ep2"], "train": {**raw["train"], "run_dir": str(tmp_path / "a")}}
+    for rank_records in pool.run(train_steps, raw_a, 3):
+        assert_records_match(rank_records, records[:3])
+    saved = tmp_path / "a" / "checkpoints" / "step_3"
+    stored = dcp.FileSystemReader(saved).read_metadata().state_dict_metadata
+    assert all(
+        is_adapter(key.split(".", 1)[1].removesuffix(".gate").removesuffix(".up"))
+        for key in stored
+        if key.startswith("model.")
+    )
+    raw_b = {**raw, "parallel": LAYOUTS["dp_shard2-tp2"], "train": {**raw["train"], "run_dir": str(tmp_path / "b")}}
+    for rank_records in pool.run(train_steps, raw_b, 1, str(saved)):
+        assert_records_match(rank_records, records[3:])

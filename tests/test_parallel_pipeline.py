@@ -313,3 +313,60 @@ def _in_flight(pieces: list) -> list[tuple[str, list]]:
             end = pieces.index(("wait", direction), i + 1)
             flights.append((direction, pieces[i + 1 : end]))
     return flights
+
+
+def checkpointing_changes_nothing(rank, raw: dict, mode: str) -> bool:
+    """One step's forwards and backwards of a pipeline layout with and without activation
+    checkpointing: the same loss, load-balancing loss and gradients on this rank, bit for bit."""
+    results = []
+    for checkpointing in ("none", mode):
+        config = config_from_dict({**raw, "train": {**raw["train"], "activation_checkpointing": checkpointing}})
+        trainer = Trainer(config, io.StringIO())
+        batch = trainer.dataset.train_sequences(0, trainer.train_config.global_batch)
+        ce, aux = trainer.pipeline.train(
+            [trainer._micro_batch(m) for m in batch.split(trainer.train_config.micro_batch)]
+        )
+        grads = {
+            name: p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            for name, p in trainer.model.named_parameters()
+        }
+        results.append((ce, aux, grads))
+    (ce, aux, grads), (ce_ac, aux_ac, grads_ac) = results
+    assert torch.equal(ce, ce_ac) and torch.equal(aux, aux_ac)
+    assert grads.keys() == grads_ac.keys()
+    return all(torch.equal(grads[name], grads_ac[name]) for name in grads)
+
+
+@pytest.mark.parametrize(
+    "layout, mode",
+    [("pp2-ep2", "full"), ("pp2-ep2", "selective"), ("pp2-dp_shard2", "full"), ("pp2-dp_shard2", "selective")],
+)
+def test_activation_checkpointing_in_pipeline_stages(pool, reference, layout, mode):
+    """DualPipeV's stages checkpoint their layers: under EP with overlapped FB ops and deferred
+    weight gradients (W ops), and under FSDP (its units gather again for the recomputation)."""
+    raw = run_config(reference[0], LAYOUTS[layout], f"ac-{layout}-{mode}")
+    assert all(pool.run(checkpointing_changes_nothing, raw, mode))
+
+
+@pytest.mark.parametrize("layout", ["pp2-ep2", "pp2-dp_shard2"])
+def test_lora_in_pipeline_stages_equals_one_process(pool, reference, layout):
+    """Each pipeline stage owns its layers' adapters (DualPipeV, under EP with overlapped FB ops and
+    deferred weight gradients, and under FSDP): one step's loss and every adapter gradient equal one
+    process's, and the frozen base gets none."""
+    directory = reference[0]
+    lora = {"rank": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj", "o_proj", "layers.0.mlp.*_proj"]}
+    single = Trainer(config_from_dict({**run_config(directory, {}, "lora-single"), "lora": lora}), io.StringIO())
+    batch = single.dataset.train_sequences(0, single.train_config.global_batch)
+    ref_ce, ref_aux = single._forward_backward(batch.split(single.train_config.micro_batch))
+    expected = {}
+    for name, param in single.model.named_parameters():
+        if param.requires_grad:
+            expected.update(presented(name, param.grad))
+    raw = {**run_config(directory, LAYOUTS[layout], f"lora-{layout}"), "lora": lora}
+    gathered = {}
+    for ce, aux, grads in pool.run(first_step_gradients, raw):
+        assert abs(ce - ref_ce.item()) <= RTOL * ref_ce.item() and abs(aux - ref_aux.item()) <= RTOL * ref_aux.item()
+        gathered.update({key: grad for key, grad in grads.items() if grad is not None})
+    assert gathered.keys() == expected.keys()
+    for key, grad in gathered.items():
+        assert rel_err(grad, expected[key]) <= RTOL, key

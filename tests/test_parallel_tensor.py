@@ -101,8 +101,15 @@ def expert_slice(name: str, full: torch.Tensor, rank: int, ep: int) -> torch.Ten
 
 
 def check_matches_single_process(rank, config, dp, ep, tp):
+    """The reference is one process in float64 (the same weights, cast): an fp32 one can round a
+    value that sits within ~1e-6 of a kink — GPT-OSS's SwiGLU clamp, a top-k tie — to the other
+    side from the layout's fp32, and their gradients then part by 1e-3. That happened for GPT-OSS
+    under EP=4 on a CPU without AVX-512 (ATEN_CPU_CAPABILITY=avx2): the layout was within 7.5e-7
+    of float64 and the fp32 reference 1.0e-3 away. Away from such a kink (GPT-OSS under EP=4, 40
+    inputs, with and without AVX-512) the layout and one fp32 process are alike within 2.1e-6 of
+    float64 in every gradient: RTOL = 1e-5 stands."""
     input_ids, labels = micro_batch(seed=dp * 10 + tp, batch=4 * dp * ep)
-    reference = build_with_biases(config)
+    reference = build_with_biases(config).double()
     ref_out = reference(input_ids, labels=labels)
     ref_out.loss.backward()
 
@@ -276,3 +283,170 @@ def check_per_slot_reduce_moves_k_times_the_bytes(rank):
 
 def test_per_slot_reduce_moves_k_times_the_bytes(pool):
     assert all(pool.run(check_per_slot_reduce_moves_k_times_the_bytes))
+
+
+def check_activation_checkpointing(rank, mode):
+    """EP 2 × TP 2 with activation checkpointing `mode`: the loss and every gradient of the same
+    layout without it, bit for bit. Selective recomputation issues no collective again (backward
+    communicates exactly what it does without checkpointing); full recomputation repeats the
+    forward's all-to-alls and all-reduces in backward."""
+    mesh = init_mesh(ParallelDims(ep=2, tp=2))
+    input_ids, labels = micro_batch(seed=5, batch=4)
+    rows = slice(mesh.rank("batch") * 2, mesh.rank("batch") * 2 + 2)
+    results = []
+    for checkpointing in ("none", mode):
+        model = apply_data_parallel(apply_tp(apply_ep(build_with_biases(QWEN3), mesh), mesh), mesh)
+        model.activation_checkpointing = checkpointing
+        comm.reset_counts()
+        out = model(input_ids[rows], labels=labels[rows], return_logits=False)
+        forward = dict(comm.calls)
+        comm.reset_counts()
+        out.loss.backward()
+        backward = dict(comm.calls)
+        grads = {name: p.grad for name, p in model.named_parameters()}
+        results.append((out.loss.detach(), grads, forward, backward))
+    (loss, grads, forward, backward), (loss_ac, grads_ac, forward_ac, backward_ac) = results
+    assert torch.equal(loss_ac, loss)
+    assert all(torch.equal(grads_ac[name], grad) for name, grad in grads.items())
+    assert forward_ac == forward
+    if mode == "selective":
+        assert backward_ac == backward, (backward_ac, backward)
+    else:
+        assert backward_ac[("all_to_all", "forward")] == forward[("all_to_all", "forward")]
+        assert backward_ac[("all_reduce", "backward")] == backward[("all_reduce", "backward")]
+    return True
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_under_ep_and_tp(pool, mode):
+    assert all(pool.run(check_activation_checkpointing, mode))
+
+
+# ---- LoRA adapters in the layouts --------------------------------------------------------------------
+
+
+def adapter_slice(name: str, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    """This rank's part of a LoRA factor (or its gradient): B split by rows where its base is
+    split by rows (colwise; the expert bank's gate and up halves alike), A by columns where its
+    base is split by columns (rowwise); the other factor whole. A projection's follows its base's
+    `local_slice`, so it does not restate the plans."""
+    if name.endswith("experts.gate_up_proj_lora_B"):  # [E, 2I, r]: matching gate and up slices
+        gate, up = full.chunk(2, dim=1)
+        return torch.cat([gate.chunk(tp, dim=1)[rank], up.chunk(tp, dim=1)[rank]], dim=1)
+    if name.endswith("experts.down_proj_lora_A"):  # [E, r, I]: the bank's columns
+        return full.chunk(tp, dim=-1)[rank]
+    if name.endswith(("experts.gate_up_proj_lora_A", "experts.down_proj_lora_B")):
+        return full
+    module, _, factor = name.rpartition(".")
+    probe = local_slice(f"{module}.weight", torch.zeros(2 * tp, 2 * tp), rank, tp)
+    if factor == "lora_B" and probe.shape[0] < 2 * tp:
+        return full.chunk(tp, dim=0)[rank]
+    if factor == "lora_A" and probe.shape[1] < 2 * tp:
+        return full.chunk(tp, dim=-1)[rank]
+    return full
+
+
+def check_lora_matches_single_process(rank, config, targets, dp, ep, tp):
+    """Loss and every trained tensor's gradient (adapters; a router named in the targets) of a
+    LoRA model laid out for dp × ep × tp, against one process, sliced to this rank's part."""
+    from moemesh.models.lora import LoraConfig, is_adapter
+    from test_lora import lora_model
+
+    lora = LoraConfig(rank=4, alpha=8.0, targets=targets)
+    input_ids, labels = micro_batch(seed=11 + tp, batch=4 * dp * ep)
+    reference = lora_model(config, lora)
+    ref_out = reference(input_ids, labels=labels)
+    ref_out.loss.backward()
+
+    mesh = init_mesh(ParallelDims(dp_replicate=dp, ep=ep, tp=tp))
+    model = apply_data_parallel(apply_tp(apply_ep(lora_model(config, lora), mesh), mesh), mesh)
+    rows = input_ids.shape[0] // (dp * ep)
+    local = slice(mesh.rank("batch") * rows, (mesh.rank("batch") + 1) * rows)
+    out = model(input_ids[local], labels=labels[local])
+    loss = rank_loss(
+        out.ce_loss,
+        out.aux_loss,
+        label_tokens(labels[local]),
+        label_tokens(labels),
+        config.router_aux_loss_coef,
+        dp * ep,
+    )
+    loss.backward()
+    reduce_gradients(model, mesh)
+    comm.all_reduce_sum_([summed := loss.detach().clone()], mesh.group("batch"))
+    assert rel_err(summed, ref_out.loss.detach()) <= RTOL
+
+    ref_params = {
+        name: expert_slice(name, p, mesh.rank("ep"), ep) for name, p in reference.named_parameters() if p.requires_grad
+    }
+    trained = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    assert trained.keys() == {name for name, p in reference.named_parameters() if p.requires_grad}
+    assert sum(is_adapter(name) for name in trained) > 0
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            assert param.grad is None, name  # the base stays frozen in every layout
+            continue
+        full = ref_params[name].grad
+        expected = (
+            adapter_slice(name, full, mesh.rank("tp"), tp)
+            if is_adapter(name)
+            else local_slice(name, full, mesh.rank("tp"), tp)
+        )
+        assert param.shape == expected.shape, name
+        assert expected.norm() > 0 and rel_err(param.grad, expected) <= RTOL, name
+    return True
+
+
+@pytest.mark.parametrize(
+    "family, dp, ep, tp",
+    [("qwen3", 1, 1, 4), ("qwen3", 2, 1, 2), ("qwen3", 1, 2, 2), ("qwen3", 1, 4, 1), ("deepseek_v3", 1, 2, 2)],
+    ids=["qwen3-tp4", "qwen3-dp2-tp2", "qwen3-ep2-tp2", "qwen3-ep4", "deepseek_v3-ep2-tp2"],
+)
+def test_lora_equals_one_process(pool, family, dp, ep, tp):
+    """Adapters on attention, the dense layer's MLP and every expert (DeepSeek: latent attention,
+    the shared experts, and the routers trained in full): under EP each expert's factors live with
+    it, under TP they split with their base (B by rows under colwise and packed_colwise, A by
+    columns under rowwise), and every layout gives one process's gradients."""
+    from test_activation_checkpointing import DEEPSEEK_V3
+    from test_lora import DEEPSEEK_TARGETS, QWEN3_TARGETS
+
+    config, targets = (QWEN3, QWEN3_TARGETS) if family == "qwen3" else (DEEPSEEK_V3, DEEPSEEK_TARGETS)
+    assert all(pool.run(check_lora_matches_single_process, config, targets, dp, ep, tp))
+
+
+def check_adapter_merged_per_shard(rank, base, adapter):
+    """`load_for_generation(..., adapter=)` under TP 4: each rank merges its shard of every adapter
+    into its shard of the weights; the logits are one process's (this rank's vocabulary slice)."""
+    from moemesh.inference.generate import load_for_generation
+
+    input_ids, _ = micro_batch(seed=4, batch=2)
+    whole, _ = load_for_generation(base, device="cpu", dtype=torch.float32, adapter=adapter)
+    mesh = init_mesh(ParallelDims(tp=WORLD))
+    sharded, _ = load_for_generation(base, device="cpu", dtype=torch.float32, mesh=mesh, adapter=adapter)
+    with torch.no_grad():
+        expected = whole(input_ids).logits.movedim(-1, 0)
+        ours = sharded(input_ids).logits
+    assert not any("lora" in name for name, _ in sharded.named_parameters())
+    assert rel_err(ours, local_slice("lm_head.weight", expected, mesh.rank("tp"), WORLD).movedim(0, -1)) <= RTOL
+    return True
+
+
+def test_generation_merges_adapters_per_shard(pool, tmp_path):
+    from moemesh.checkpoint.adapters import Adapter, write_peft
+    from moemesh.checkpoint.hf import save_pretrained
+    from moemesh.models.lora import LoraConfig, is_adapter
+    from test_lora import lora_model
+
+    config = QWEN3.replace(mlp_only_layers=[])
+    model = lora_model(config, LoraConfig(rank=4, alpha=8.0))
+    tensors = {name: p.detach() for name, p in model.named_parameters() if is_adapter(name)}
+    targets = {}  # adapted name (a projection, or an expert bank) -> (rank, alpha)
+    for name in tensors:
+        owner = name.removesuffix("_lora_A").removesuffix("_lora_B") if ".experts." in name else name.rsplit(".", 1)[0]
+        targets[owner] = (4, 8.0)
+    base = {name: t for name, t in model.state_dict().items() if not is_adapter(name)}
+    plain = build(config)
+    plain.load_state_dict(base)
+    save_pretrained(plain, tmp_path / "base")
+    write_peft(Adapter(targets, tensors), config, tmp_path / "adapter")
+    assert all(pool.run(check_adapter_merged_per_shard, str(tmp_path / "base"), str(tmp_path / "adapter")))

@@ -89,6 +89,8 @@ def test_parallel_training_equals_one_process(reference, layout):
     for a, b in zip(ours, theirs):
         for key in ("loss", "aux_loss", "grad_norm"):
             assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (a["step"], key, a[key], b[key])
+        loads = {key: value for key, value in b.items() if key.startswith("expert_load")}  # summed exactly
+        assert loads and {key: value for key, value in a.items() if key.startswith("expert_load")} == loads
     final_val = [r["val_loss"] for r in metrics(run_dir) if "val_loss" in r][-1]
     assert abs(final_val - [r["val_loss"] for r in metrics(single_dir) if "val_loss" in r][-1]) <= 1e-4
     # the sharded checkpoint loads whole into one process

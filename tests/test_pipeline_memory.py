@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from moemesh.cli import main
-from moemesh.config import load_config
+from moemesh.config import load_config, resolve_device
 from moemesh.models import build
-from moemesh.parallel.pipeline.memory import estimate_layer_costs, profile_costs, profile_layers
+from moemesh.parallel.pipeline.memory import estimate_layer_costs, profile_costs, profile_layers, run_costs
 from moemesh.parallel.pipeline.partition import LayerCost, rank_memory
 
 
@@ -195,4 +195,39 @@ def test_a_rank_keeps_its_share_of_each_item(layout):
         else:  # norms, q/k norms: whole under TP; FSDP splits those it divides
             share = fsdp if param.shape[0] % fsdp == 0 else 1
         expected[item] += param.numel() / share
-    assert rank_param_counts(config) == pytest.approx(expected)
+    assert rank_param_counts(config.model, config.parallel) == pytest.approx(expected)
+
+
+def _costs(config):
+    return run_costs(config.model, config.parallel, resolve_device(config).step_shape)
+
+
+def test_activation_checkpointing_shrinks_the_estimate():
+    """Full: a decoder layer keeps its input per micro-batch, and needs what it saved before once,
+    while it recomputes; one more forward (a third of forward + backward). Selective keeps the
+    matmul outputs too: between the two."""
+    overrides = ["model.num_hidden_layers=2", "train.micro_batch=2", "train.seq_len=64"]
+    costs = {
+        mode: _costs(load_config(None, [*overrides, f"train.activation_checkpointing={mode}"], launched=False))
+        for mode in ("none", "full", "selective")
+    }
+    config = load_config(None, overrides, launched=False)
+    tokens = config.train.micro_batch * config.train.seq_len
+    for plain, full, selective in zip(*costs.values()):
+        if not plain.name.startswith("layer "):
+            assert plain == full == selective
+            continue
+        assert full.activation_bytes == tokens * config.model.hidden_size * 4
+        assert full.activation_bytes < selective.activation_bytes < plain.activation_bytes
+        assert full.working_bytes == selective.working_bytes == plain.activation_bytes
+        assert full.time == plain.time * 4 / 3 and selective.time == plain.time
+
+
+def test_lora_keeps_the_frozen_base_alone():
+    """Under LoRA a parameter costs its frozen weight in the compute dtype (no gradient, no AdamW
+    state): 4 bytes on CPU, against 16 for full training."""
+    overrides = ["model.num_hidden_layers=2"]
+    full = _costs(load_config(None, overrides, launched=False))
+    lora = _costs(load_config(None, [*overrides, "lora.rank=8"], launched=False))
+    for a, b in zip(full, lora):
+        assert b.param_bytes == a.param_bytes / 4 and b.activation_bytes == a.activation_bytes

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import math
+import shutil
 import tomllib
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from moemesh.train.metrics import read_metrics
 from moemesh.train.optim import build_optimizer, lr_factor
 from moemesh.train.trainer import train
 from numerics import rel_err
+from test_faults import _poison_step
 from tiny_run import tiny_config, tiny_raw, write_corpus
 
 COMPARED = ("loss", "aux_loss", "lr", "grad_norm", "val_loss")
@@ -226,3 +228,153 @@ def test_mfu_is_reported_where_the_peak_is_known(tmp_path, monkeypatch):
 def test_asking_for_a_gpu_that_is_not_there(tmp_path):
     with pytest.raises(ConfigError, match="train.device='cuda' but torch sees no GPU"):
         train(tiny_config(tmp_path / "run", tmp_path / "corpus.txt", device="cuda"), stream=io.StringIO())
+
+
+# ---- TensorBoard and Weights & Biases (train.report_to) ------------------------------------------
+
+
+def _scalars(record: dict) -> dict[str, float]:
+    """The numbers of a metrics.jsonl record, as train/report.py writes them (null: none)."""
+    return {k: float(v) for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+
+
+def test_tensorboard_holds_every_scalar_of_metrics_jsonl(tmp_path, monkeypatch):
+    """A run that reports to TensorBoard, with MFU, a skipped step (its NaN gradient norm is null in
+    metrics.jsonl, absent from TensorBoard) and a resume from step 10 after steps 11-15 were
+    written (TensorBoard hides those, as metrics.jsonl drops them): each scalar of metrics.jsonl
+    at each step is in the event file, once, and nothing else. TensorBoard keeps float32, so each
+    value is compared with its float32 rounding, exactly."""
+    import numpy as np
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setattr(trainer_module, "peak_flops", lambda device: 1e12)
+    _poison_step(monkeypatch, 3)
+    _crash_after_saving(monkeypatch, "step_15")
+    with pytest.raises(KeyboardInterrupt):
+        _run(tmp_path, "run", save_every=5, report_to=["tensorboard"])
+    monkeypatch.undo()
+    run_dir = tmp_path / "run"
+    shutil.rmtree(run_dir / "checkpoints" / "step_15")  # as if it had died before publishing it
+    monkeypatch.setattr(trainer_module, "peak_flops", lambda device: 1e12)
+    _run(tmp_path, "run", save_every=5, report_to=["tensorboard"], resume=True)
+
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(21))
+    assert records[3]["skipped"] is True and records[3]["grad_norm"] is None
+    keys = set().union(*(r.keys() for r in records)) - {"step"}
+    assert {"loss", "aux_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "max_memory_bytes", "val_loss"} <= keys
+    assert {"expert_load_max", "expert_load_min", "expert_load_max/layer_1", "expert_load_min/layer_1"} <= keys
+
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})  # 0: keep every event
+    events.Reload()
+    written = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    expected = {}
+    for record in records:
+        for key, value in _scalars(record).items():
+            expected.setdefault(key, []).append((record["step"], float(np.float32(value))))
+    assert written.keys() == expected.keys()
+    for key, points in expected.items():
+        assert written[key] == points, key  # every step once, in order, the same value
+    assert written["skipped"] == [(3, 1.0)]
+
+
+def _wandb_history(run_file: Path) -> list[dict]:
+    """The history rows (what `run.log` got) of an offline W&B run's .wandb file: LevelDB's log
+    format (32 KiB blocks of records: crc32, length, type; FULL, or FIRST..MIDDLE..LAST pieces),
+    after a 7-byte W&B header, each record a wandb_internal.proto Record. W&B's own reader of it
+    went into its Go core; this is what `wandb sync` would upload."""
+    import json
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data, block = run_file.read_bytes(), 32768
+    assert data[:4] == b":W&B"
+    position, pieces, rows = 7, b"", []
+    while position + 7 <= len(data):
+        left = block - position % block
+        _, length, kind = struct.unpack("<IHB", data[position : position + 7]) if left >= 7 else (0, 0, 0)
+        if kind == 0:  # the zeros that pad a block's tail
+            position += left
+            continue
+        pieces += data[position + 7 : position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):  # FULL or LAST: a whole record
+            record = wandb_internal_pb2.Record.FromString(pieces)
+            pieces = b""
+            if record.WhichOneof("record_type") == "history":
+                rows.append(
+                    {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+                )
+    return rows
+
+
+def test_wandb_runs_offline_unless_told_otherwise(tmp_path, monkeypatch):
+    """Without WANDB_MODE, an offline W&B run in the run directory whose history holds each
+    scalar of metrics.jsonl at its step, exactly (W&B keeps float64); WANDB_MODE set by the user
+    wins (disabled: no run at all)."""
+    wandb = pytest.importorskip("wandb", reason="W&B is an optional dependency (pip install 'moemesh[tracking]')")
+    for name in ("WANDB_API_KEY", "WANDB_PROJECT", "WANDB_RUN_ID", "WANDB_RESUME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))  # no user settings, none left behind
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb-cache"))
+    monkeypatch.setattr(trainer_module, "peak_flops", lambda device: 1e12)  # MFU too
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    result = _run(tmp_path, "quiet", steps=2, report_to=["wandb"])
+    assert not list((result.run_dir / "wandb").glob("*run-*"))
+    wandb.teardown()  # W&B reads the environment once per process
+
+    monkeypatch.delenv("WANDB_MODE")
+    result = _run(tmp_path, "run", steps=4, report_to=["wandb"])
+    (run_file,) = (result.run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    rows = _wandb_history(run_file)
+    records = read_metrics(result.run_dir / "metrics.jsonl")
+    assert [row["_step"] for row in rows] == [r["step"] for r in records] == list(range(5))
+    for row, record in zip(rows, records):
+        assert {k: v for k, v in row.items() if not k.startswith("_")} == _scalars(record), record["step"]
+    assert "mfu" in rows[1] and "expert_load_max/layer_0" in rows[1]
+
+
+def test_expert_load_metrics_count_each_layers_choices(tmp_path):
+    """expert_load_max/min of a step = the busiest / idlest expert's (token, slot) choices over the
+    mean, per MoE layer, counted here from outside the routers over the step's forwards; the
+    counts start afresh each step and evaluation forwards do not count."""
+    trainer = trainer_module.Trainer(tiny_config(tmp_path / "run", tmp_path / "corpus.txt"), io.StringIO())
+    chosen = {}
+    for i, layer in enumerate(trainer.model.model.layers):
+        layer.mlp.gate.register_forward_hook(lambda m, args, routing, i=i: chosen[i].append(routing.expert_ids))
+    for _ in range(2):
+        chosen.update({i: [] for i in range(len(trainer.model.model.layers))})
+        record = trainer.train_step()
+        for i, ids in chosen.items():
+            assert len(ids) == 2  # the step's two micro-batches
+            loads = torch.bincount(torch.cat(ids).flatten(), minlength=4).double()
+            assert loads.sum() == 4 * 32 * 2  # global batch × seq_len × top-k
+            assert record[f"expert_load_max/layer_{i}"] == (loads.max() / loads.mean()).item()
+            assert record[f"expert_load_min/layer_{i}"] == (loads.min() / loads.mean()).item()
+        assert record["expert_load_max"] == max(record[f"expert_load_max/layer_{i}"] for i in chosen)
+        assert record["expert_load_min"] == min(record[f"expert_load_min/layer_{i}"] for i in chosen)
+        trainer.evaluate()
+        assert all(layer.mlp.gate.expert_load is None for layer in trainer.model.model.layers)
+
+
+def test_config_toml_is_replaced_atomically(tmp_path, monkeypatch):
+    """A run directory's config.toml is written under another name and renamed over the old one:
+    a write that fails half-way leaves the old file whole, and no stray file."""
+    _run(tmp_path, "run", steps=2)
+    config_file = tmp_path / "run" / "config.toml"
+    before = config_file.read_bytes()
+
+    def dies_half_way(path, data):
+        path.write_bytes(data[: len(data) // 2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(trainer_module.integrity, "write_durably", dies_half_way)
+    with pytest.raises(OSError, match="No space left"):
+        _run(tmp_path, "run", steps=4, resume=True)
+    assert config_file.read_bytes() == before
+    assert sorted(p.name for p in config_file.parent.iterdir() if "config" in p.name) == ["config.toml"]
+    monkeypatch.undo()
+    _run(tmp_path, "run", steps=4, resume=True)
+    assert tomllib.loads(config_file.read_text())["train"]["steps"] == 4

@@ -4,6 +4,10 @@ A moemesh checkpoint (or a run directory's newest) becomes config.json + safeten
 tensor at a time from torch.distributed.checkpoint — whatever layout wrote it, however many ranks —
 and writing each safetensors shard once full: memory holds one tensor and one shard, never the
 model. A Hugging Face directory becomes a checkpoint of its model in the dtype it is stored in.
+
+A LoRA run's checkpoint (adapters only, `checkpoint/adapters.py`) becomes a PEFT adapter directory,
+or with `merge` a Hugging Face model of its base with the adapters folded in (the base read whole
+on the host, in its own dtype, each weight merged in fp32).
 """
 
 from __future__ import annotations
@@ -18,12 +22,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from moemesh.checkpoint import integrity
-from moemesh.checkpoint.dcp import TOKENIZER_FILE, _load, resolve_checkpoint, save_checkpoint
-from moemesh.checkpoint.hf import write_pretrained
+from moemesh.checkpoint.adapters import PEFT_CONFIG, read_adapter, read_adapter_base, write_peft
+from moemesh.checkpoint.dcp import TOKENIZER_FILE, _load, resolve_checkpoint, save_checkpoint, tokenizer_files
+from moemesh.checkpoint.hf import save_pretrained, write_pretrained
 from moemesh.checkpoint.load import is_hf_directory, load_model, read_model_config
 from moemesh.errors import CheckpointError
 from moemesh.models import ModelConfig
-from moemesh.models.build import meta_model
+from moemesh.models.build import build, meta_model
+from moemesh.models.lora import merge_adapters
 from moemesh.parallel.stored import HALVES, packed_dim, stored_state
 
 
@@ -37,8 +43,9 @@ def export_hf(source: str | os.PathLike, target: str | os.PathLike, dtype: torch
     tmp = target.with_name(integrity.TMP_PREFIX + target.name)
     with _writing(target, tmp):
         write_pretrained(_stored_tensors(checkpoint, config, dtype), config, tmp)
-        if (checkpoint / TOKENIZER_FILE).is_file():
-            shutil.copyfile(checkpoint / TOKENIZER_FILE, tmp / TOKENIZER_FILE)
+        tokenizer = checkpoint / TOKENIZER_FILE
+        for name, file in tokenizer_files(tokenizer if tokenizer.is_file() else None).items():
+            shutil.copyfile(file, tmp / name)
         integrity.publish(tmp, target)
     return checkpoint
 
@@ -60,6 +67,64 @@ def _stored_tensors(
         # read in place: a packed tensor's stored halves are views of it
         _load(checkpoint, stored_state({"model": {name: tensor}}))
         yield name, tensor if dtype is None else tensor.to(dtype)
+
+
+def export_adapter(source: str | os.PathLike, target: str | os.PathLike) -> Path:
+    """A LoRA run's checkpoint -> a PEFT adapter directory; returns the checkpoint read."""
+    _check_target(target)
+    checkpoint = resolve_checkpoint(source)
+    config = read_model_config(checkpoint)
+    adapter = read_adapter(checkpoint, config)
+    target = Path(target)
+    tmp = target.with_name(integrity.TMP_PREFIX + target.name)
+    with _writing(target, tmp):
+        write_peft(adapter, config, tmp)
+        integrity.publish(tmp, target)
+    return checkpoint
+
+
+def export_merged(
+    source: str | os.PathLike,
+    target: str | os.PathLike,
+    base: str | os.PathLike | None = None,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """A LoRA run's checkpoint or a PEFT adapter directory, merged into its base (`base`, default
+    the one the run started from: its train.init_from, else its seed's weights) -> a Hugging Face
+    directory. Returns the base directory read (None for a seed's)."""
+    _check_target(target)
+    adapter_dir = Path(source)
+    if (adapter_dir / PEFT_CONFIG).is_file():
+        base = base or read_adapter_base(adapter_dir)
+        if base is None:
+            raise CheckpointError(f"{source} names no base model (base_model_name_or_path): pass --base DIR")
+    else:
+        adapter_dir = resolve_checkpoint(source)
+    if base is not None:
+        model, _ = load_model(base)
+        adapter = read_adapter(adapter_dir, model.config)
+    else:
+        config = read_model_config(adapter_dir)
+        adapter = read_adapter(adapter_dir, config)
+        if adapter.base is not None:
+            model, _ = load_model(adapter.base)
+            base = adapter.base
+        else:  # a run from the seed: its base is the seed's initial weights
+            model = build(config, seed=adapter.seed)
+    adapter.attach(model)
+    adapter.load_into(model)
+    merge_adapters(model)
+    if dtype is not None:
+        model.to(dtype)
+    target = Path(target)
+    tmp = target.with_name(integrity.TMP_PREFIX + target.name)
+    with _writing(target, tmp):
+        save_pretrained(model, tmp)
+        tokenizer = Path(base) / TOKENIZER_FILE if base is not None else None
+        if tokenizer is not None and tokenizer.is_file():
+            shutil.copyfile(tokenizer, tmp / TOKENIZER_FILE)
+        integrity.publish(tmp, target)
+    return Path(base) if base is not None else None
 
 
 def import_hf(source: str | os.PathLike, target: str | os.PathLike) -> None:

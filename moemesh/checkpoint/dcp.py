@@ -7,7 +7,8 @@ save their shards in parallel and load them back into any other layout.
                                   Tensors are stored whole, as `parallel/stored.py` presents them
                                   (gate_up_proj as its .gate and .up halves), whatever the layout
         config.json               the model config, in Hugging Face field names
-        tokenizer.json            the tokenizer, when the run used one (none: byte-level)
+        tokenizer.json            the tokenizer, when the run used one (none: byte-level), with its
+                                  tokenizer_config.json, chat_template.jinja, special_tokens_map.json
         SHA256SUMS                the checksum of every other file (`integrity.py`)
 
 A checkpoint is written under a temporary name, flushed to disk, and renamed to `step_N` only when
@@ -34,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from moemesh.checkpoint import integrity
 from moemesh.errors import CheckpointError
@@ -45,6 +46,9 @@ from moemesh.parallel.stored import stored_state
 
 CHECKPOINTS = "checkpoints"
 TOKENIZER_FILE = "tokenizer.json"
+# What travels with a tokenizer.json, from the directory it came from: its special tokens and chat
+# template, so that a fine-tuned or converted model chats as its source did.
+TOKENIZER_COMPANIONS = ("tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -98,6 +102,16 @@ def _is_main() -> bool:
     return _no_dist() or dist.get_rank() == 0
 
 
+def tokenizer_files(tokenizer_file: str | os.PathLike | None) -> dict[str, Path]:
+    """{name in a checkpoint or model directory: file} for a tokenizer.json (whatever its own name)
+    and the companions beside it; {} for None (the byte tokenizer)."""
+    if tokenizer_file is None:
+        return {}
+    source = Path(tokenizer_file)
+    companions = {name: source.parent / name for name in TOKENIZER_COMPANIONS}
+    return {TOKENIZER_FILE: source, **{name: path for name, path in companions.items() if path.is_file()}}
+
+
 def _no_dist() -> bool:
     # One process without a process group saves and loads on its own; under torchrun DCP
     # coordinates the ranks.
@@ -119,20 +133,25 @@ def save_checkpoint(
     tokenizer_file: str | os.PathLike | None = None,
     model: nn.Module | None = None,
     mesh: Mesh | None = None,
+    extra_files: dict[str, bytes] | None = None,
 ) -> None:
     """Write `state` (nested dicts of tensors and small Python values; the parts of `model` on
     `mesh` where it is sharded) with DCP as `stored_state` presents it, plus config.json (and
-    tokenizer.json) and SHA256SUMS, all under a temporary name and flushed to disk, then rename to
-    `path`. A failure on any rank (no space left, no permission) raises CheckpointError on every
-    rank and leaves nothing behind."""
+    tokenizer.json, and `extra_files`: name -> bytes, such as a LoRA run's lora.json) and
+    SHA256SUMS, all under a temporary name and flushed to disk, then rename to `path`. A failure
+    on any rank (no space left, no permission) raises CheckpointError on every rank and leaves
+    nothing behind."""
     tmp = path.with_name(integrity.TMP_PREFIX + path.name)
+    extra_files = extra_files or {}
 
     def prepare():
         shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
         tmp.mkdir(parents=True)
         integrity.write_durably(tmp / "config.json", (json.dumps(model_config.to_hf_dict(), indent=2) + "\n").encode())
-        if tokenizer_file is not None:
-            integrity.write_durably(tmp / TOKENIZER_FILE, Path(tokenizer_file).read_bytes())
+        for name, file in tokenizer_files(tokenizer_file).items():
+            integrity.write_durably(tmp / name, file.read_bytes())
+        for name, content in extra_files.items():
+            integrity.write_durably(tmp / name, content)
 
     _on_main_rank(prepare, path, tmp)
     # DCP's writer fsyncs each file and .metadata. One writing thread per rank: with more, a thread
@@ -147,8 +166,8 @@ def save_checkpoint(
     if metadata is None or not metadata.storage_data:  # torch 2.11 returns it without: every rank reads it
         metadata = dcp.FileSystemReader(tmp).read_metadata()
     names = {item.relative_path for item in metadata.storage_data.values()} | {".metadata", "config.json"}
-    if tokenizer_file is not None:
-        names.add(TOKENIZER_FILE)
+    names |= set(tokenizer_files(tokenizer_file))
+    names |= set(extra_files)
     digests = integrity.sha256_of_files(tmp, sorted(names))
     unreadable = sorted(name for name, digest in digests.items() if digest is None)
 
@@ -195,9 +214,12 @@ def training_state(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     trainer: dict[str, Any],
+    trainable_only: bool = False,
 ) -> dict[str, Any]:
-    """What a training checkpoint holds (this rank's part of it)."""
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    """What a training checkpoint holds (this rank's part of it). `trainable_only` (LoRA): of the
+    model, the parameters that train and the buffers, not the frozen base."""
+    options = StateDictOptions(ignore_frozen_params=trainable_only)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
     return {"model": model_state, "optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "trainer": trainer}
 
 
@@ -208,11 +230,15 @@ def load_training_state(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     trainer: dict[str, Any],
     mesh: Mesh | None = None,
+    trainable_only: bool = False,
 ) -> dict[str, Any]:
     """Restore model, optimizer and scheduler from the checkpoint `path` (one that
     `latest_checkpoint` or `resolve_checkpoint` found to verify) into this rank of `mesh`; returns
-    `trainer` filled from it."""
-    state = training_state(model, optimizer, scheduler, trainer)
+    `trainer` filled from it (a key that a checkpoint of an older moemesh lacks keeps its value).
+    `trainable_only`: as it was saved (LoRA: the frozen base stays)."""
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    trainer = {k: v for k, v in trainer.items() if f"trainer.{k}" in saved}
+    state = training_state(model, optimizer, scheduler, trainer, trainable_only)
     # The parameter groups stay this rank's own, as the config built them: a checkpoint holds one
     # rank's groups, naming that rank's parameters only (under a pipeline, other ranks hold
     # others), so they cannot say which group another rank's parameter is in. The learning rate,
@@ -221,11 +247,18 @@ def load_training_state(
     stored = stored_state(state, model, mesh)
     _load(path, stored)  # tensors in place, so into `state` too; Python values into `stored` only
     state["optimizer"]["param_groups"] = own_groups  # (the load wrote the saved ones into the old lists)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+        # The frozen base is not in the state (DCP has already checked that the rest is complete).
+        options=StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only),
+    )
     scheduler.load_state_dict(stored["scheduler"])
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
         group["lr"] = lr
-    return stored["trainer"]
+    return {**trainer, **stored["trainer"]}
 
 
 def _load(path: Path, state: dict[str, Any]) -> None:

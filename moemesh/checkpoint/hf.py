@@ -162,6 +162,14 @@ def save_pretrained(model: MoECausalLM, path: str | os.PathLike, max_shard_bytes
     write_pretrained(state.items(), model.config, path, max_shard_bytes)
 
 
+def _readable_by_all(file: Path) -> None:
+    """The mode an ordinary new file gets (0666 less the umask): safetensors writes 0600, which
+    leaves a model that other users or a serving container cannot read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    file.chmod(0o666 & ~umask)
+
+
 def write_pretrained(
     tensors: Iterable[tuple[str, torch.Tensor]],
     config: ModelConfig,
@@ -201,6 +209,7 @@ def write_pretrained(
     )
     for i, name in enumerate(names):
         os.replace(path / f".shard-{i:05d}.safetensors", path / name)
+        _readable_by_all(path / name)
     if len(shards) > 1:
         index = {
             "metadata": {"total_size": total},

@@ -122,6 +122,19 @@ def write_durably(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def write_atomically(path: Path, data: bytes) -> None:
+    """Replace the file `path` by one holding `data`, durably: written beside it under a temporary
+    name and flushed, then renamed over it, so `path` holds either the old bytes or the new ones.
+    Not collective: one process writes it."""
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
+    try:
+        write_durably(tmp, data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync(path.parent)
+
+
 def publish(tmp: Path, path: Path) -> None:
     """Rename the directory `tmp`, whose files are on disk, to `path` (replacing an older `path`),
     durably: its entries first, then the rename in the parent directory."""

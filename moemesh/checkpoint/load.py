@@ -20,11 +20,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from moemesh.checkpoint.dcp import CHECKPOINTS, _load, checkpoint_steps, resolve_checkpoint
+from moemesh.checkpoint.dcp import CHECKPOINTS, TOKENIZER_FILE, _load, checkpoint_steps, resolve_checkpoint
 from moemesh.checkpoint.hf import DTYPES, read_config, read_state
 from moemesh.errors import CheckpointError
 from moemesh.models import ModelConfig, MoECausalLM
 from moemesh.models.build import meta_model
+from moemesh.models.lora import is_adapter
 from moemesh.parallel.mesh import Mesh
 from moemesh.parallel.parallelize import materialize
 from moemesh.parallel.pieces import local_view
@@ -54,6 +55,15 @@ def read_model_config(path: str | os.PathLike) -> ModelConfig:
         raise CheckpointError(f"{checkpoint / 'config.json'}: not valid JSON ({e})") from None
 
 
+def init_source(path: str | os.PathLike) -> tuple[ModelConfig, Path | None]:
+    """What a run that starts from this checkpoint (`train.init_from`) takes of it before its
+    weights: its model config, and its tokenizer.json (None without one). `config.load_config`
+    takes this function, so that the run config reads a checkpoint without importing this layer."""
+    model = read_model_config(path)
+    tokenizer = newest_directory(path) / TOKENIZER_FILE
+    return model, tokenizer if tokenizer.is_file() else None
+
+
 def weights_directory(path: str | os.PathLike) -> Path:
     """The directory whose files hold the weights: a Hugging Face directory or checkpoint itself,
     a run directory's newest checkpoint that verifies (collective under a process group)."""
@@ -77,7 +87,8 @@ def load_weights(model: MoECausalLM, path: str | os.PathLike, mesh: Mesh | None 
     if is_hf_directory(directory):
         _load_hf(model, directory)
     else:
-        _load(directory, stored_state({"model": model.state_dict()}, model, mesh))  # in place
+        base = {name: t for name, t in model.state_dict().items() if not is_adapter(name)}  # LoRA's start afresh
+        _load(directory, stored_state({"model": base}, model, mesh))  # in place
     return directory
 
 

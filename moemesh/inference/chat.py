@@ -46,8 +46,12 @@ class ChatTemplate:
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
             )
-        except TemplateError as e:  # the template's own checks (roles in order, ...)
+        except TemplateError as e:  # the template's own checks (roles in order, ...): raise_exception
             raise RequestError(f"the chat template refused the messages: {e}", "messages") from None
+        except Exception as e:  # a template that trips over the messages (a None where it adds strings, ...)
+            raise RequestError(
+                f"the chat template failed on the messages ({type(e).__name__}: {e})", "messages"
+            ) from None
 
 
 def load_chat_template(tokenizer: Tokenizer) -> ChatTemplate | None:

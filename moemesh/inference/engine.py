@@ -23,6 +23,11 @@ Pool size: `num_blocks` as given; else on a GPU from memory — one forward of t
 cache takes what is left of gpu_memory_fraction of the device after the weights and that peak;
 on a CPU max_batch rows of max_len entries (the static cache's capacity).
 
+A step keeps the logits it sampled from (`last_logits`: [sampling chunks, V], read before the
+next step), so that requests with penalties, biases, grammars or log-probabilities can be
+processed after it (processing.py); a chunk with `all_logits` keeps those of every token too
+(`last_all_logits`: a prompt's own log-probabilities).
+
 Under tensor parallelism every rank holds an engine over its shard; the rank that schedules
 (rank 0 of the group) broadcasts each step's inputs and block-table changes first, and the others,
 in `follow`, run the same calls — collectives inside the model then pair up, and every rank
@@ -65,6 +70,7 @@ class Chunk:
     sample: bool = True
     step: int = 0
     sampling: Sampling = Sampling()
+    all_logits: bool = False  # keep the logits of every token (a prompt's own log-probabilities)
 
 
 @dataclass(frozen=True)
@@ -121,6 +127,11 @@ class DecodeEngine:
         # table row, seed, step) and (temperature, top_p).
         self.ints = torch.zeros(max_batch, 5, dtype=torch.long, device=self.device)
         self.floats = torch.zeros(max_batch, 2, dtype=torch.float32, device=self.device)
+        self.vocab = model.config.vocab_size
+        # The logits of the last step: [S, V] those each sampling chunk sampled from, in order, and
+        # chunk index -> [tokens, V] for the chunks that asked for all of theirs.
+        self.last_logits: torch.Tensor | None = None
+        self.last_all_logits: dict[int, torch.Tensor] = {}
         if num_blocks is None:
             num_blocks = self._blocks_from_memory(gpu_memory_fraction)
         self.cache = PagedKVCache(num_blocks, block_size, max_batch, self.max_len, self.device)
@@ -150,14 +161,16 @@ class DecodeEngine:
 
     @torch.no_grad()
     def step(self, chunks: list[Chunk]) -> list[int]:
-        """One forward of the chunks; the next token of each chunk that samples, in order."""
+        """One forward of the chunks; the next token of each chunk that samples, in order (their
+        logits in `last_logits`, and those of the chunks with `all_logits` in `last_all_logits`)."""
+        self.last_all_logits = {}
         if not chunks:
             return []
         end = max(c.start + len(c.tokens) for c in chunks)
         if end > self.max_len:
             raise ValueError(f"position {end - 1} is beyond the cache's rows of {self.max_len} entries")
         self._send_tables()
-        if len(chunks) <= self.max_batch and all(len(c.tokens) == 1 and c.sample for c in chunks):
+        if len(chunks) <= self.max_batch and all(len(c.tokens) == 1 and c.sample and not c.all_logits for c in chunks):
             return self._decode_step(chunks, end)
         return self._packed_step(chunks)
 
@@ -209,7 +222,7 @@ class DecodeEngine:
                     tables = torch.empty(a, self.tables.shape[1], dtype=torch.int32, device=self.device)
                     self.cache.block_tables[rows] = comm.broadcast_(tables, self.group)
                 elif op == _FORWARD:
-                    ints = comm.broadcast_(torch.empty(a, 3, dtype=torch.long, device=self.device), self.group)
+                    ints = comm.broadcast_(torch.empty(a, 4, dtype=torch.long, device=self.device), self.group)
                     samples = comm.broadcast_(torch.empty(b, 3, dtype=torch.long, device=self.device), self.group)
                     floats = comm.broadcast_(torch.empty(b, 2, dtype=torch.float32, device=self.device), self.group)
                     self._forward(ints, samples, floats, _segments(ints.tolist()), MODES[c])
@@ -253,7 +266,9 @@ class DecodeEngine:
         self.ints[:batch].copy_(torch.tensor(ints), non_blocking=True)
         self.floats[:batch].copy_(torch.tensor(floats), non_blocking=True)
         self._announce(_DECODE, batch, kv_len, MODES.index(mode))
-        return self._run(batch, kv_len, mode)[: len(chunks)].tolist()
+        tokens, logits = self._run(batch, kv_len, mode)
+        self.last_logits = logits[: len(chunks)]
+        return tokens[: len(chunks)].tolist()
 
     def _packed_step(self, chunks: list[Chunk]) -> list[int]:
         ints, samples, floats = [], [], []
@@ -261,7 +276,7 @@ class DecodeEngine:
             if c.sample:
                 samples.append([len(ints) + len(c.tokens) - 1, c.sampling.seed, c.step])
                 floats.append([c.sampling.temperature, c.sampling.top_p])
-            ints += [[token, c.start + i, c.row] for i, token in enumerate(c.tokens)]
+            ints += [[token, c.start + i, c.row, c.all_logits] for i, token in enumerate(c.tokens)]
         sampled = [c for c in chunks if c.sample]
         mode = mode_for([c.sampling.temperature for c in sampled], [c.sampling.top_p for c in sampled])
         segments = _segments(ints)
@@ -269,25 +284,35 @@ class DecodeEngine:
         samples = torch.tensor(samples, dtype=torch.long).view(-1, 3).to(self.device)
         floats = torch.tensor(floats, dtype=torch.float32).view(-1, 2).to(self.device)
         self._announce(_FORWARD, len(ints), len(samples), MODES.index(mode), ints, samples, floats)
-        return self._forward(ints, samples, floats, segments, mode)[: len(samples)].tolist()
+        tokens, logits = self._forward(ints, samples, floats, segments, mode)
+        self.last_logits = logits[: len(samples)]
+        rest = logits[len(samples) :]
+        for i, c in enumerate(chunks):
+            if c.all_logits:
+                self.last_all_logits[i], rest = rest[: len(c.tokens)], rest[len(c.tokens) :]
+        return tokens[: len(samples)].tolist()
 
-    def _forward(self, ints, samples, floats, segments, mode: str) -> torch.Tensor:
-        """The packed step: ints [N, 3] (token, position, table row), samples [S, 3] (token
-        index, seed, step) and floats [S, 2] (temperature, top_p)."""
+    def _forward(self, ints, samples, floats, segments, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The packed step: ints [N, 4] (token, position, table row, all logits wanted), samples
+        [S, 3] (token index, seed, step) and floats [S, 2] (temperature, top_p). Returns the S
+        sampled tokens and the logits of the S sampling tokens, then of the tokens flagged."""
         self.cache.set_step(ints[:, 2], ints[:, 1], max(s[3] for s in segments), segments)
         if not len(samples):  # only chunks of prompts that go on: the last token's logits, unused
             samples, floats = ints.new_tensor([[len(ints) - 1, 0, 0]]), floats.new_tensor([[0.0, 1.0]])
             mode = "greedy"
-        logits = self.model.next_token_logits(ints[None, :, 0], self.cache, ints[None, :, 1], at=samples[:, 0])
-        return sample(logits, floats[:, 0], floats[:, 1], samples[:, 1], samples[:, 2], mode)
+        at = torch.cat([samples[:, 0], ints[:, 3].nonzero()[:, 0]])
+        logits = self.model.next_token_logits(ints[None, :, 0], self.cache, ints[None, :, 1], at=at)
+        sampled = logits[: len(samples)]
+        return sample(sampled, floats[:, 0], floats[:, 1], samples[:, 1], samples[:, 2], mode), logits
 
-    def _step(self, batch: int, kv_len: int, mode: str) -> torch.Tensor:
+    def _step(self, batch: int, kv_len: int, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the tokens, the logits they were sampled from)."""
         ints, floats = self.ints[:batch], self.floats[:batch]
         self.cache.set_step(ints[:, 2], ints[:, 1], kv_len)
         logits = self.model.next_token_logits(ints[:, :1], self.cache, ints[:, 1:2])
-        return sample(logits, floats[:, 0], floats[:, 1], ints[:, 3], ints[:, 4], mode)
+        return sample(logits, floats[:, 0], floats[:, 1], ints[:, 3], ints[:, 4], mode), logits
 
-    def _run(self, batch: int, kv_len: int, mode: str) -> torch.Tensor:
+    def _run(self, batch: int, kv_len: int, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.cuda_graphs:
             return self._step(batch, kv_len, mode)
         key = (batch, kv_len, mode)
@@ -324,7 +349,7 @@ class DecodeEngine:
         before = torch.cuda.memory_allocated(self.device)
         tokens, scratch = self.max_num_batched_tokens, self.cache.scratch_row
         chunks = [Chunk(scratch, [0] * min(self.max_len, tokens - s), 0, True) for s in range(0, tokens, self.max_len)]
-        ints = [[0, c.start + i, scratch] for c in chunks for i in range(len(c.tokens))]
+        ints = [[0, c.start + i, scratch, 0] for c in chunks for i in range(len(c.tokens))]
         with torch.no_grad():
             self._forward(
                 torch.tensor(ints, device=self.device),
@@ -347,10 +372,10 @@ class DecodeEngine:
 
 
 def _segments(ints: list[list[int]]) -> list[tuple[int, int, int, int]]:
-    """The runs of consecutive tokens of one table row in a packed step's (token, position, row)
-    list: (row, first token, tokens, last position + 1)."""
+    """The runs of consecutive tokens of one table row in a packed step's (token, position, row,
+    flag) list: (row, first token, tokens, last position + 1)."""
     segments = []
-    for i, (_, position, row) in enumerate(ints):
+    for i, (_, position, row, _) in enumerate(ints):
         if segments and segments[-1][0] == row and position == segments[-1][3]:  # the run goes on
             first = segments[-1][1]
             segments[-1] = (row, first, i - first + 1, position + 1)

@@ -16,17 +16,19 @@ from pathlib import Path
 
 import torch
 
+from moemesh.checkpoint.adapters import read_adapter
 from moemesh.checkpoint.dcp import TOKENIZER_FILE
 from moemesh.checkpoint.load import load_weights, read_model_config
-from moemesh.config import ParallelConfig, RunConfig
 from moemesh.data.sources import jsonl_values
 from moemesh.data.tokenizer import Tokenizer, load_tokenizer
 from moemesh.errors import DataError, RequestError
 from moemesh.inference.engine import DecodeEngine
-from moemesh.inference.request import SamplingParams, Sequence
+from moemesh.inference.request import SamplingParams, Sequence, check_text
 from moemesh.inference.scheduler import Scheduler
 from moemesh.models import MoECausalLM
 from moemesh.models.build import meta_model
+from moemesh.models.lora import merge_adapters
+from moemesh.parallel.config import ParallelConfig, StepShape
 from moemesh.parallel.mesh import Mesh
 from moemesh.parallel.parallelize import materialize, parallelize
 
@@ -37,21 +39,29 @@ def load_for_generation(
     device: str = "cpu",
     dtype: torch.dtype | None = None,
     mesh: Mesh | None = None,
+    adapter: str | os.PathLike | None = None,
 ) -> tuple[MoECausalLM, Tokenizer]:
     """A model from a checkpoint, run directory or Hugging Face directory, laid out for `mesh`
     (tensor parallelism: each rank reads only its heads, expert slices and vocabulary slice) and
     read straight into `dtype` on `device` (default bfloat16 on a GPU, float32 on a CPU), with its
-    tokenizer: the one named, else the directory's tokenizer.json, else bytes."""
+    tokenizer: the one named, else the directory's tokenizer.json, else bytes. `adapter`: LoRA
+    adapters (a PEFT directory or a LoRA run), laid out with their base, merged into its weights
+    (each rank its shard, in fp32) and dropped: decoding then runs the base's kernels."""
     config = read_model_config(path)
     if dtype is None:
         dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
     model = meta_model(config, dtype)
+    if adapter is not None:
+        adapter = read_adapter(adapter, config)
+        adapter.attach(model, torch.float32)
     if mesh is not None:
-        layout = RunConfig(model=config, parallel=ParallelConfig(tp=mesh.dims.tp))
-        layout.train.dtype = "bfloat16" if dtype == torch.bfloat16 else "float32"
-        parallelize(model, mesh, layout)
+        step = StepShape(dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
+        parallelize(model, mesh, ParallelConfig(tp=mesh.dims.tp), step)
     materialize(model, device)
     source = load_weights(model, path, mesh)
+    if adapter is not None:
+        adapter.load_into(model)
+        merge_adapters(model)
     model.eval()
     if tokenizer is None:
         tokenizer = str(source / TOKENIZER_FILE) if (Path(source) / TOKENIZER_FILE).is_file() else "bytes"
@@ -60,14 +70,8 @@ def load_for_generation(
 
 def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
     """The token ids of a prompt, after the end-of-document token."""
-    try:
-        ids = ([] if tokenizer.eos_id is None else [tokenizer.eos_id]) + tokenizer.encode(prompt)
-    except UnicodeEncodeError as e:  # a command line's undecodable bytes arrive as lone surrogates
-        raise RequestError(
-            f"the prompt is not UTF-8 text (a byte such as 0x{ord(e.object[e.start]) & 0xFF:02x} at "
-            f"character {e.start} is not valid UTF-8)",
-            "prompt",
-        ) from None
+    check_text(prompt, "prompt", escaped_bytes=True)  # a command line's undecodable bytes arrive as lone surrogates
+    ids = ([] if tokenizer.eos_id is None else [tokenizer.eos_id]) + tokenizer.encode(prompt)
     if not ids:
         raise RequestError("the prompt is empty and the tokenizer has no end-of-document token to start from", "prompt")
     return ids

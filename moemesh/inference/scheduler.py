@@ -21,6 +21,11 @@ not fit waits. None is lost: a sequence leaves only finished, cancelled or faile
 `step` is one round; `run_until_idle` drives it for a batch job (`moemesh generate`),
 `serve_forever` for the server, on its own thread, sleeping while there is nothing to do.
 `submit` may be called from any thread; a full queue raises QueueFull (the server's 503).
+
+A request's failure is that request's alone: what is done for one row after the engine's step
+(processing.py: penalties, biases, grammars, log-probabilities; its text and stops) runs under
+its own guard, and a row that raises finishes with "error" while the others go on. Only a
+failing engine step (the model or the device) fails every request in it.
 """
 
 from __future__ import annotations
@@ -33,11 +38,16 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from moemesh.data.tokenizer import Tokenizer
 from moemesh.errors import MoemeshError
 from moemesh.inference.blocks import block_key
 from moemesh.inference.engine import Chunk, DecodeEngine
-from moemesh.inference.request import SamplingParams, Sequence, check_request
+from moemesh.inference.grammar import Grammars
+from moemesh.inference.processing import FLOOR, RowSampler
+from moemesh.inference.request import Logprob, SamplingParams, Sequence, check_request
+from moemesh.inference.sampling import token_logprobs
 
 
 class QueueFull(MoemeshError):
@@ -66,13 +76,18 @@ class Scheduler:
         self.prompt_tokens = self.cached_tokens = 0  # admitted; of them found in the prefix cache
         self.closed = False
         self._wake = threading.Condition()
+        self.grammars = Grammars(tokenizer, engine.vocab)
 
     def submit(
         self, prompt_ids: list[int], params: SamplingParams, on_update: Callable[[Sequence, str], None] | None = None
     ) -> Sequence:
         """Queue a request (RequestError if it cannot run, QueueFull if the queue is full)."""
-        check_request(prompt_ids, params, self.engine.max_len)
+        check_request(prompt_ids, params, self.engine.max_len, self.engine.vocab)
         sequence = Sequence(prompt_ids, params, self.tokenizer, on_update)
+        if params.processed:
+            stops = frozenset(sequence.stop_ids)
+            matcher = None if params.grammar is None else self.grammars.matcher(params.grammar, stops)
+            sequence.sampler = RowSampler(params, prompt_ids, self.engine.vocab, self.engine.device, matcher, stops)
         with self._wake:
             if self.closed:
                 raise QueueFull("the server is shutting down")
@@ -95,25 +110,29 @@ class Scheduler:
         chunks = []
         for sequence, count in work:
             computed = self.held[sequence].computed
-            last = computed + count == _length(sequence)
             chunks.append(
                 Chunk(
                     sequence.row,
                     _tokens(sequence, computed, computed + count),
                     computed,
-                    last,
+                    computed + count == _length(sequence),
                     len(sequence.token_ids),
                     sequence.params.sampling,
+                    _wants_prompt_logprobs(sequence, computed),
                 )
             )
         self.decode_batches[len(work)] += 1
-        sampled = iter(self.engine.step(chunks))
-        for (sequence, count), chunk in zip(work, chunks):
+        tokens = self.engine.step(chunks)
+        sampled = 0
+        for i, ((sequence, count), chunk) in enumerate(zip(work, chunks)):
             held = self.held[sequence]
             held.computed += count
             self._register(sequence, held)
+            if chunk.all_logits:
+                self._prompt_logprobs(sequence, chunk, self.engine.last_all_logits[i])
             if chunk.sample:
-                sequence.add(next(sampled), self.engine.max_len)
+                self._take(sequence, tokens[sampled], self.engine.last_logits[sampled])
+                sampled += 1
         self._retire()
         return True
 
@@ -121,9 +140,10 @@ class Scheduler:
         while self.step():
             pass
 
-    def serve_forever(self, keep_alive_s: float = 30.0) -> None:
+    def serve_forever(self, keep_alive_s: float = 30.0, after_step: Callable[[], None] | None = None) -> None:
         """Run rounds until `close`; a failing round fails the requests in it, and serving goes on.
-        Idle, it tells the engine every keep_alive_s that it is alive (tensor-parallel followers)."""
+        Idle, it tells the engine every keep_alive_s that it is alive (tensor-parallel followers).
+        `after_step` runs after every round (the server hands that round's updates over at once)."""
         while True:
             with self._wake:
                 while not (self.closed or self.waiting or self.running):
@@ -139,9 +159,13 @@ class Scheduler:
                 for sequence in self.running:
                     sequence.finish("error", error.strip().splitlines()[-1])
                 self._retire()
+            if after_step is not None:
+                after_step()
         for sequence in [*self.waiting, *self.running]:
             sequence.finish("cancelled")
         self._retire()
+        if after_step is not None:
+            after_step()
 
     def close(self) -> None:
         with self._wake:
@@ -181,7 +205,9 @@ class Scheduler:
                 return None
             sequence = self.waiting[0]
         length, size = _length(sequence), self.pool.block_size
-        blocks, keys = self.pool.match(_tokens(sequence, 0, length))
+        blocks, keys = [], []
+        if not _wants_prompt_logprobs(sequence, 0):  # those need every prompt token's logits
+            blocks, keys = self.pool.match(_tokens(sequence, 0, length))
         if len(blocks) * size >= length:  # the last token is computed again: its logits are needed
             self.pool.release(blocks[-1:])
             blocks, keys = blocks[:-1], keys[:-1]
@@ -239,11 +265,57 @@ class Scheduler:
         heapq.heappush(self.free_rows, sequence.row)
         sequence.row = None
 
+    def _take(self, sequence: Sequence, token: int, logits: torch.Tensor) -> None:
+        """The row's token after the step: processed when it asks for it, then added."""
+        with self._guard(sequence):
+            if sequence.params.max_tokens == 0:  # the prompt's log-probabilities alone
+                sequence.finish("length")
+                return
+            logprob = None
+            if sequence.sampler is not None:
+                token, logprob = sequence.sampler.choose(logits, token, len(sequence.token_ids))
+            sequence.add(token, self.engine.max_len, logprob)
+
+    class _guard:
+        """Fail one request, not the step, when its own work raises."""
+
+        def __init__(self, sequence: Sequence):
+            self.sequence = sequence
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, kind, error, tb):
+            if error is None or not isinstance(error, Exception):
+                return False
+            print("".join(traceback.format_exception(kind, error, tb)), flush=True)
+            try:
+                self.sequence.finish("error", f"{kind.__name__}: {error}")
+            except Exception:  # its listener is gone too
+                self.sequence.finish_reason = "error"
+            return True
+
+    def _prompt_logprobs(self, sequence: Sequence, chunk: Chunk, logits: torch.Tensor) -> None:
+        """The log-probabilities of the prompt tokens after the chunk's, from its logits."""
+        with self._guard(sequence):
+            targets = sequence.prompt_ids[chunk.start + 1 : chunk.start + 1 + len(chunk.tokens)]
+            ids = torch.tensor(targets, dtype=torch.long, device=logits.device)
+            found = token_logprobs(logits[: len(targets)], ids, sequence.params.prompt_logprobs)
+            sequence.prompt_logprobs = (sequence.prompt_logprobs or [None]) + _logprobs(*found)
+
     def _retire(self) -> None:
         """Give the rows and blocks of finished and cancelled requests back."""
         for sequence in [s for s in self.running if s.cancelled or s.finish_reason is not None]:
             sequence.finish("cancelled")
             self._release(sequence)
+
+
+def _logprobs(chosen: torch.Tensor, ids: torch.Tensor, top: torch.Tensor) -> list[Logprob]:
+    """sampling.token_logprobs's tensors as one Logprob a token (-inf as processing.FLOOR)."""
+    return [
+        Logprob(max(c, FLOOR), tuple((i, max(v, FLOOR)) for i, v in zip(row_ids, row_top)))
+        for c, row_ids, row_top in zip(chosen.tolist(), ids.tolist(), top.tolist())
+    ]
 
 
 def _length(sequence: Sequence) -> int:
@@ -258,3 +330,10 @@ def _tokens(sequence: Sequence, start: int, end: int) -> list[int]:
     if start >= prompt:
         return sequence.token_ids[start - prompt : end - prompt]
     return sequence.prompt_ids[start:] + sequence.token_ids[: end - prompt]
+
+
+def _wants_prompt_logprobs(sequence: Sequence, computed: int) -> bool:
+    """Whether a chunk from `computed` on must keep its logits: the request asks for its prompt's
+    log-probabilities and they are known up to there only (not again after a preemption)."""
+    known = max(len(sequence.prompt_logprobs), 1)  # the first token's is None
+    return sequence.params.prompt_logprobs is not None and known == computed + 1 < len(sequence.prompt_ids)

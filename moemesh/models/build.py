@@ -56,20 +56,36 @@ def whole(param: torch.Tensor) -> LocalView:
 
 
 @torch.no_grad()
-def init_weights(model: MoECausalLM, seed: int, view: Callable[[torch.Tensor], LocalView] = whole) -> None:
+def init_weights(
+    model: MoECausalLM,
+    seed: int,
+    view: Callable[[torch.Tensor], LocalView] = whole,
+    only: Callable[[str], bool] | None = None,
+) -> None:
     """Fill every parameter and buffer this rank holds with its initial values. `view` gives a
-    parameter's local part and where it sits in the whole tensor (a layout's; default: whole)."""
+    parameter's local part and where it sits in the whole tensor (a layout's; default: whole).
+    `only`: the parameters to fill, by name (LoRA's adapters on a base read from a checkpoint);
+    buffers are then left alone."""
     std = model.config.initializer_range
-    for name, buffer in model.named_buffers():  # DeepSeek-V3's e_score_correction_bias starts at zero
+    for name, buffer in model.named_buffers() if only is None else ():  # DeepSeek-V3's correction bias at zero
         buffer.fill_(1.0 if name.endswith("layer_scalar") else 0.0)  # Gemma 4's layer_scalar at one
     for name, param in model.named_parameters():
+        if only is not None and not only(name):
+            continue
         local, shape, index = view(param)
         if name.endswith(("norm.weight", "gate.scale", "per_expert_scale")):  # multipliers start at one
             local.fill_(1.0)
-        elif name.endswith((".bias", "_bias")):
+        elif name.endswith((".bias", "_bias", "lora_B")):  # LoRA's B: the adapted model starts as the base
             local.zero_()
+        elif name.endswith("lora_A"):
+            fill_normal(local, lora_init_std(shape), parameter_seed(seed, name), shape, index)
         else:
             fill_normal(local, std, parameter_seed(seed, name), shape, index)
+
+
+def lora_init_std(shape: torch.Size) -> float:
+    """A LoRA A factor's std: the variance 1/(3·in) of PEFT's Kaiming-uniform bound 1/sqrt(in)."""
+    return 1.0 / math.sqrt(3 * shape[-1])
 
 
 def parameter_seed(seed: int, name: str) -> int:

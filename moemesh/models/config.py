@@ -1,18 +1,23 @@
 """The model configuration, in Hugging Face `config.json` field names.
 
 One dataclass covers every family; a family module translates its own `config.json` quirks
-(field aliases, fixed behaviours) in and out. Fields we do not use are kept in `extra` so that a
-load -> save round trip writes them back unchanged.
+(field aliases, fixed behaviours) in and out through its `ConfigSpelling`, which it registers here
+when it is imported (`models/registry.py` imports them all): so this file names no family, and a
+family's module may import it. Fields we do not use are kept in `extra` so that a load -> save round
+trip writes them back unchanged.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from moemesh.errors import ConfigError
+from moemesh.models.rope import KEYS
 
 
 @dataclass
@@ -81,10 +86,8 @@ class ModelConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
-        from moemesh.models.registry import family
-
         # Whatever the family hard-wires (Mixtral: no q/k norm, renormalised top-k) wins.
-        for name, value in family(self.model_type).fixed.items():
+        for name, value in spelling(self.model_type).fixed.items():
             setattr(self, name, copy.deepcopy(value))
         self.validate()
 
@@ -201,8 +204,6 @@ class ModelConfig:
 
     @staticmethod
     def _validate_rope_scaling(need, scaling: dict[str, Any]) -> None:
-        from moemesh.models.rope import KEYS
-
         rope_type = scaling.get("rope_type")
         need(
             rope_type in KEYS,
@@ -242,14 +243,101 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> ModelConfig:
         """Build from a `config.json` dict; its `model_type` picks the family."""
-        from moemesh.models.registry import family
-
-        return family(hf.get("model_type")).config_from_hf(dict(hf))
+        return spelling(hf.get("model_type")).config_from_hf(dict(hf))
 
     def to_hf_dict(self) -> dict[str, Any]:
-        from moemesh.models.registry import family
-
-        return family(self.model_type).config_to_hf(self)
+        return spelling(self.model_type).config_to_hf(self)
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
+
+
+# ---- each family's config.json, registered by the family's module -------------------------------
+
+# config.json keys that describe the file rather than the model.
+_BOOKKEEPING = {"architectures", "transformers_version", "model_type", "_name_or_path"}
+
+
+@dataclass(frozen=True)
+class ConfigSpelling:
+    """How a family spells its `config.json` and what it hard-wires: what a ModelConfig needs to
+    know of its family. `family.Family` adds how the network and the checkpoints differ."""
+
+    model_type: str
+    architecture: str  # transformers class name written to config.json
+    renames: dict[str, str] = field(default_factory=dict)  # config.json name -> ModelConfig field
+    write_renames: dict[str, str] = field(default_factory=dict)  # ModelConfig field -> config.json name
+    fixed: dict[str, Any] = field(default_factory=dict)  # behaviour the family hard-wires
+    not_in_hf: tuple[str, ...] = ()  # ModelConfig fields this family's config.json lacks
+    hf_fields: tuple[str, ...] = ()  # the family-specific fields (ModelConfig.family_fields) it has
+    read_hook: Callable[[dict], None] = lambda hf: None  # in-place fix-ups of a config.json dict
+    write_hook: Callable[[dict, ModelConfig], None] = lambda hf, config: None
+
+    def config_from_hf(self, hf: dict[str, Any]) -> ModelConfig:
+        hf = dict(hf)
+        self.read_hook(hf)
+        for theirs, ours in self.renames.items():
+            if theirs in hf:
+                hf[ours] = hf.pop(theirs)
+        _read_rope(hf)
+        known = set(ModelConfig.field_names())
+        values = {k: hf.pop(k) for k in list(hf) if k in known and k != "model_type"}
+        extra = {k: v for k, v in hf.items() if k not in _BOOKKEEPING}
+        return ModelConfig(model_type=self.model_type, extra=extra, **values)
+
+    def config_to_hf(self, config: ModelConfig) -> dict[str, Any]:
+        out = {"architectures": [self.architecture], "model_type": self.model_type}
+        skip = set(self.fixed) | set(self.not_in_hf) | {"model_type", "qk_norm", "rope_theta", "rope_scaling"}
+        unused = set(ModelConfig.family_fields()) - set(self.hf_fields)
+        for name in ModelConfig.field_names():
+            if name not in skip | unused:
+                out[self.write_renames.get(name, name)] = getattr(config, name)
+        out["head_dim"] = config.attention_head_dim  # some families cannot read null
+        # Both spellings: transformers 5 reads rope_parameters, transformers 4 rope_theta.
+        out["rope_theta"] = config.rope_theta
+        out["rope_parameters"] = {**(config.rope_scaling or {"rope_type": "default"}), "rope_theta": config.rope_theta}
+        out.update(config.extra)
+        self.write_hook(out, config)
+        return out
+
+
+_SPELLINGS: dict[str, ConfigSpelling] = {}
+S = TypeVar("S", bound=ConfigSpelling)
+
+
+def register(spelling: S) -> S:
+    """Make `spelling` (a family: `family.Family`) the one of its model_type; a family's module
+    calls this as it is imported."""
+    if spelling.model_type in _SPELLINGS:
+        raise ValueError(f"model_type {spelling.model_type!r} is registered twice")
+    _SPELLINGS[spelling.model_type] = spelling
+    return spelling
+
+
+def spelling(model_type: str | None) -> ConfigSpelling:
+    """The registered family of `model_type`; ConfigError naming the known ones."""
+    if model_type in _SPELLINGS:
+        return _SPELLINGS[model_type]
+    close = difflib.get_close_matches(str(model_type), _SPELLINGS, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ConfigError(f"unknown model_type {model_type!r}{hint}; supported: {', '.join(sorted(_SPELLINGS))}")
+
+
+def _read_rope(hf: dict[str, Any]) -> None:
+    """rope_parameters (transformers 5) or rope_scaling (4) -> rope_theta and, unless plain, rope_scaling
+    (ModelConfig.validate rejects the types moemesh lacks)."""
+    rope = dict(hf.pop("rope_parameters", None) or hf.pop("rope_scaling", None) or {})
+    hf.pop("rope_scaling", None)
+    rope["rope_type"] = rope.pop("type", None) or rope.get("rope_type", "default")  # "type": the old spelling
+    if "rope_theta" in rope:
+        hf["rope_theta"] = rope.pop("rope_theta")
+    if rope["rope_type"] == "yarn":
+        # As transformers' standardize_rope_params: a top-level original_max_position_embeddings
+        # wins, else the pretraining length defaults to max_position_embeddings.
+        if "original_max_position_embeddings" in hf:
+            rope["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
+        rope.setdefault(
+            "original_max_position_embeddings", hf.get("max_position_embeddings", ModelConfig.max_position_embeddings)
+        )
+    if rope["rope_type"] != "default":
+        hf["rope_scaling"] = rope

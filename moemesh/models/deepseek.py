@@ -16,7 +16,7 @@ and the router keep their names.
 
 from moemesh.errors import ConfigError
 from moemesh.models.config import ModelConfig
-from moemesh.models.family import Family
+from moemesh.models.family import Family, register
 
 # transformers' defaults for what a config.json leaves out. Not q_lora_rank: absent means none (a
 # full-rank q_proj, V2-Lite), as TOML run configs, which have no null, must say it.
@@ -158,3 +158,5 @@ V3 = Family(
     read_hook=_reader(_V3_DEFAULTS),
     **_COMMON,
 )
+register(V2)
+register(V3)

@@ -35,7 +35,7 @@ from torch import nn
 from moemesh.errors import ConfigError
 from moemesh.models import mixtral
 from moemesh.models.config import ModelConfig
-from moemesh.models.family import Family
+from moemesh.models.family import Family, register
 from moemesh.models.layers import (
     Attention,
     DenseMLP,
@@ -45,7 +45,7 @@ from moemesh.models.layers import (
     attention_mask,
     paged_attention,
 )
-from moemesh.models.moe import MoEBlock, Routing, router_stats
+from moemesh.models.moe import MoEBlock, Routing, count_load, router_stats
 from moemesh.models.rope import RotaryEmbedding
 from moemesh.models.transformer import DecoderLayer
 from moemesh.ops.linear import Linear
@@ -153,6 +153,7 @@ class Gemma4Router(nn.Module):
         self.scale = nn.Parameter(torch.empty(config.hidden_size))
         self.per_expert_scale = nn.Parameter(torch.empty(config.num_experts))
         self.top_k = config.num_experts_per_tok
+        self.expert_load: torch.Tensor | None = None  # see `moe.count_load`
 
     def forward(self, x: torch.Tensor, stats: bool = True) -> Routing:
         probs = torch.softmax(self.proj(_rms(x, self.eps) * self.scale * self.root), dim=-1, dtype=torch.float32)
@@ -161,7 +162,11 @@ class Gemma4Router(nn.Module):
         # In the routing weights, so that it multiplies the (under TP partial) expert outputs
         # before the block's one reduce.
         weights = weights * self.per_expert_scale[expert_ids]
-        return Routing(weights, expert_ids, router_stats(probs, expert_ids) if stats else None)
+        if not stats:
+            return Routing(weights, expert_ids, None)
+        counted = router_stats(probs, expert_ids)
+        count_load(self, counted)
+        return Routing(weights, expert_ids, counted)
 
 
 class Gemma4DecoderLayer(DecoderLayer):
@@ -303,3 +308,4 @@ FAMILY = Family(
     decoder_layer=Gemma4DecoderLayer,
     rotary=LayerTypeRotary,
 )
+register(FAMILY)

@@ -14,7 +14,7 @@ import torch
 from moemesh.errors import ConfigError
 from moemesh.models import mixtral
 from moemesh.models.config import ModelConfig
-from moemesh.models.family import Family
+from moemesh.models.family import Family, register
 
 
 def _read(hf: dict) -> None:
@@ -101,3 +101,4 @@ FAMILY = Family(
     state_from_hf=_state_from_hf,
     state_to_hf=_state_to_hf,
 )
+register(FAMILY)

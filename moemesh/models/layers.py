@@ -88,6 +88,7 @@ class Attention(nn.Module):
             and self.sinks is None
             and use_triton(x)
             and decode_attention.fits(self.head_dim, rope[0].shape[-1])
+            and getattr(self.q_proj, "lora_A", None) is None  # the kernels read the base weights (merge adapters first)
         ):
             return self.fused(x, rope, cache)
         q = self.q_proj(x).view(batch, seq, -1, self.head_dim)

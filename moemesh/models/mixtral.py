@@ -4,7 +4,7 @@ original checkpoints."""
 
 from moemesh.errors import ConfigError
 from moemesh.models.config import ModelConfig
-from moemesh.models.family import Family
+from moemesh.models.family import Family, register
 
 
 def _read(hf: dict) -> None:
@@ -52,3 +52,4 @@ FAMILY = Family(
     write_hook=_write,
     tp_plan=_tp_plan,
 )
+register(FAMILY)

@@ -29,7 +29,7 @@ from torch import nn
 
 from moemesh.models.config import ModelConfig
 from moemesh.models.layers import ACTIVATIONS, DenseMLP
-from moemesh.ops import combine, permute, swiglu
+from moemesh.ops import combine, permute, recompute, swiglu
 from moemesh.ops.backend import use_triton
 from moemesh.ops.expert_gemv import expert_gemv, expert_gemv_combine, expert_swiglu_gemv
 from moemesh.ops.grouped_mm import grouped_mm
@@ -74,6 +74,16 @@ def router_stats(probs: torch.Tensor, expert_ids: torch.Tensor) -> RouterStats:
     return RouterStats(counts, probs.sum(dim=0), probs.shape[0])
 
 
+def count_load(router: nn.Module, stats: RouterStats) -> None:
+    """Add a training forward's (token, slot) choices per expert to `router.expert_load` (int64,
+    so that they add up exactly); evaluation and generation forwards do not count, nor the forward
+    that activation checkpointing runs again in backward. Read by the
+    trainer after each step (the per-expert load metrics, DeepSeek-V3's bias rule), then cleared."""
+    if router.training and torch.is_grad_enabled() and not recompute.recomputing():  # once, not again in backward
+        load = stats.counts.long()  # whole numbers, exact in fp32 below 2**24 choices per forward
+        router.expert_load = load if router.expert_load is None else router.expert_load + load
+
+
 class Router(nn.Module):
     """Softmax over experts in fp32, top-k, optionally renormalised over the k.
 
@@ -87,6 +97,7 @@ class Router(nn.Module):
         self.bias = nn.Parameter(torch.empty(config.num_experts)) if config.router_bias else None
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
+        self.expert_load: torch.Tensor | None = None  # see `count_load`; not part of the model's state
 
     def forward(self, x: torch.Tensor, stats: bool = True) -> Routing:
         """`stats=False` (decoding): the choice alone, the logits by `ops/gemv.py` and the choice
@@ -99,7 +110,9 @@ class Router(nn.Module):
         weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return Routing(weights, expert_ids, router_stats(probs, expert_ids))
+        stats = router_stats(probs, expert_ids)
+        count_load(self, stats)
+        return Routing(weights, expert_ids, stats)
 
 
 class GroupLimitedRouter(nn.Module):
@@ -115,7 +128,7 @@ class GroupLimitedRouter(nn.Module):
 
     V3's bias is moved by DeepSeek's auxiliary-loss-free rule after each optimizer step
     (train/router_bias.py), from `expert_load`: the (token, slot) choices of each expert, added
-    up over the training forwards (grad enabled) since the last update. The bias stays fp32
+    up over the training forwards (grad enabled) since the last update (`count_load`). The bias stays fp32
     whatever the model's dtype, as in transformers: bf16 could not hold its small steps."""
 
     def __init__(self, config: ModelConfig):
@@ -152,9 +165,7 @@ class GroupLimitedRouter(nn.Module):
             return Routing(weights, expert_ids, None)
         probs = scores / scores.sum(dim=-1, keepdim=True) if self.sigmoid else scores
         counted = router_stats(probs, expert_ids)
-        if self.sigmoid and self.training and torch.is_grad_enabled():  # not in evaluation or generation
-            load = counted.counts.long()  # whole numbers, exact in fp32 below 2**24 choices per forward
-            self.expert_load = load if self.expert_load is None else self.expert_load + load
+        count_load(self, counted)
         return Routing(weights, expert_ids, counted)
 
     def _apply(self, fn, recurse=True):
@@ -178,10 +189,16 @@ def load_balancing_loss(stats: list[RouterStats], num_experts: int) -> torch.Ten
     return num_experts * torch.sum(token_fraction * mean_prob)
 
 
+# The fused per-expert tensors of a bank, each [E, out, in], in the order transformers registers them.
+EXPERT_BANKS = ("gate_up_proj", "down_proj")
+
+
 class Experts(nn.Module):
     """All experts of one layer, stored fused as transformers does: gate_up_proj [E, 2I, H]
     (gate rows first, then up rows) and down_proj [E, H, I]; with `expert_bias` (GPT-OSS) also
-    gate_up_proj_bias [E, 2I] (same order) and down_proj_bias [E, H]."""
+    gate_up_proj_bias [E, 2I] (same order) and down_proj_bias [E, H]. LoRA (`models/lora.py`) may
+    add per-expert factors <bank>_lora_A [E, r, in] and <bank>_lora_B [E, out, r], computed by the
+    same grouped GEMMs: each expert's rows times its A, then its B."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -200,6 +217,23 @@ class Experts(nn.Module):
         # The share of down_proj_bias each copy of the output adds. Tensor parallelism makes the
         # output a partial sum that is reduced once per block, so there every rank adds bias / tp.
         self.down_bias_share = 1.0
+        # LoRA's scaling (alpha / rank) per bank that has adapters, and the dropout on their input.
+        self.lora_scaling: dict[str, float] = {}
+        self.lora_dropout = 0.0
+
+    @property
+    def has_adapters(self) -> bool:
+        return bool(self.lora_scaling)
+
+    def _adapted(self, bank: str, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor | None:
+        """s · dropout(x)·A_eᵀ·B_eᵀ for the rows of each expert e: two grouped GEMMs of rank r, or
+        None when the bank has no adapters."""
+        if bank not in self.lora_scaling:
+            return None
+        if self.lora_dropout and self.training:
+            x = F.dropout(x, self.lora_dropout)
+        low_rank = grouped_mm(x, getattr(self, f"{bank}_lora_A"), group_sizes)
+        return grouped_mm(low_rank, getattr(self, f"{bank}_lora_B"), group_sizes) * self.lora_scaling[bank]
 
     def forward(
         self,
@@ -215,9 +249,14 @@ class Experts(nn.Module):
         if expert_ids is not None:
             return self.selected(grouped, expert_ids, weights)
         gate_up = grouped_mm(grouped, self.gate_up_proj, group_sizes)
+        if (delta := self._adapted("gate_up_proj", grouped, group_sizes)) is not None:
+            gate_up = gate_up + delta
         if self.gate_up_proj_bias is not None:
             gate_up = gate_up + _per_row(self.gate_up_proj_bias, group_sizes, gate_up)
-        out = grouped_mm(self.activation(gate_up), self.down_proj, group_sizes)
+        gated = self.activation(gate_up)
+        out = grouped_mm(gated, self.down_proj, group_sizes)
+        if (delta := self._adapted("down_proj", gated, group_sizes)) is not None:
+            out = out + delta
         if self.down_proj_bias is not None:
             out = out + _per_row(self.down_proj_bias * self.down_bias_share, group_sizes, out)
         return out
@@ -322,6 +361,7 @@ class MoEBlock(nn.Module):
             not torch.is_grad_enabled()
             and num_tokens * self.gate.top_k <= SELECTED_EXPERT_ROWS
             and self.dispatcher.local
+            and not self.experts.has_adapters  # the decoding kernels read the base weights only (merge first)
         )
 
     def selected_experts(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:

@@ -2,7 +2,7 @@
 each query/key head, dense layers mixed in by `decoder_sparse_step` / `mlp_only_layers`."""
 
 from moemesh.models.config import ModelConfig
-from moemesh.models.family import Family
+from moemesh.models.family import Family, register
 
 
 def _read(hf: dict) -> None:
@@ -48,3 +48,4 @@ FAMILY = Family(
     write_hook=_write,
     tp_plan=_tp_plan,
 )
+register(FAMILY)

@@ -1,21 +1,14 @@
-"""The model families moemesh knows, by `model_type`."""
+"""The model families moemesh knows, by `model_type`. Importing this module imports each family's
+module, which registers its family (`family.register`); `models/__init__.py` imports it, so any use of
+`moemesh.models` finds them all."""
 
 from __future__ import annotations
 
-import difflib
-
-from moemesh.errors import ConfigError
 from moemesh.models import deepseek, gemma4, gpt_oss, mixtral, qwen3_moe
-from moemesh.models.family import Family
+from moemesh.models.family import Family, family
 
 FAMILIES: dict[str, Family] = {
     f.model_type: f for f in [qwen3_moe.FAMILY, mixtral.FAMILY, gpt_oss.FAMILY, deepseek.V2, deepseek.V3, gemma4.FAMILY]
 }
 
-
-def family(model_type: str | None) -> Family:
-    if model_type in FAMILIES:
-        return FAMILIES[model_type]
-    close = difflib.get_close_matches(str(model_type), FAMILIES, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise ConfigError(f"unknown model_type {model_type!r}{hint}; supported: {', '.join(sorted(FAMILIES))}")
+__all__ = ["FAMILIES", "family"]

@@ -16,10 +16,11 @@ from torch import nn
 
 from moemesh.models.attention_mla import MLAttention
 from moemesh.models.config import ModelConfig
+from moemesh.models.family import family
 from moemesh.models.layers import Attention, DenseMLP, PagedKVCache, RMSNorm
 from moemesh.models.moe import Dispatched, MoEBlock, RouterStats, Routing, load_balancing_loss
 from moemesh.models.rope import RotaryEmbedding
-from moemesh.ops import linear_cross_entropy
+from moemesh.ops import linear_cross_entropy, recompute
 from moemesh.ops.backend import autocast_inputs
 
 
@@ -87,8 +88,6 @@ class TransformerBody(nn.Module):
     """Embedding, decoder layers and final norm (transformers' `model.` prefix)."""
 
     def __init__(self, config: ModelConfig):
-        from moemesh.models.registry import family
-
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         layer = family(config.model_type).decoder_layer or DecoderLayer
@@ -98,8 +97,6 @@ class TransformerBody(nn.Module):
 
 class MoECausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
-        from moemesh.models.registry import family
-
         super().__init__()
         self.config = config
         self.model = TransformerBody(config)
@@ -122,6 +119,9 @@ class MoECausalLM(nn.Module):
         # ... and this to the all-gather that rebuilds full-vocabulary logits from those slices
         # (generation needs them for the last position only).
         self.gather_logits: Callable[[torch.Tensor], torch.Tensor] = lambda logits: logits
+        # "none", "full" or "selective": what a decoder layer keeps for backward, and what it
+        # computes again there (`ops/recompute.py`; train.activation_checkpointing).
+        self.activation_checkpointing = "none"
 
     def tie_weights(self) -> None:
         """Share the LM head with the embedding when the config says so (again after anything
@@ -177,11 +177,16 @@ class MoECausalLM(nn.Module):
         cache: PagedKVCache | None = None,
     ) -> tuple[torch.Tensor, list[RouterStats]]:
         """Hidden states through the decoder layers (all, or those indexed: a pipeline stage's),
-        with the router statistics of the MoE layers among them."""
+        with the router statistics of the MoE layers among them. Under activation checkpointing
+        each layer is one checkpointed region (training only: with gradients, without a cache)."""
         rope = self.rotary(positions, h.dtype)
         router_stats = []
+        recompute_mode = self.activation_checkpointing if cache is None and torch.is_grad_enabled() else "none"
         for i in range(len(self.model.layers)) if layers is None else layers:
-            h, stats = self.model.layers[i](h, rope, positions, cache)
+            if recompute_mode == "none":
+                h, stats = self.model.layers[i](h, rope, positions, cache)
+            else:
+                h, stats = recompute.checkpointed(self.model.layers[i], recompute_mode, h, rope, positions)
             if stats is not None:  # a MoE layer outside decoding
                 router_stats.append(stats)
         return h, router_stats

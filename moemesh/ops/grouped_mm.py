@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moemesh.ops import weight_grad
+from moemesh.ops import recompute, weight_grad
 from moemesh.ops.backend import autocast_inputs
 
 # torch >= 2.10 exposes the public name; 2.9 only the private one.
@@ -46,18 +46,21 @@ def _weight_gradient(grad: torch.Tensor, x: torch.Tensor, group_sizes: torch.Ten
 
 
 class _GroupedMM(torch.autograd.Function):
-    """Saves the weight as given (the fp32 parameter under autocast) and casts it again in
+    """Keeps the weight as given (the fp32 parameter under autocast) and casts it again in
     backward: a saved bf16 copy would stay alive per micro-batch in flight, and a pipeline stage
-    holds several."""
+    holds several. The weight is held on ctx, not saved: activation checkpointing detaches the
+    tensors it recomputes, and a deferred weight gradient must reach the weight's own graph. The
+    output is `recompute.kept`: selective activation checkpointing does not compute it twice."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, weight, group_sizes)
-        return _forward(x, weight.to(x.dtype), group_sizes)
+        ctx.save_for_backward(x, group_sizes)
+        ctx.weight = weight
+        return recompute.kept(lambda: _forward(x, weight.to(x.dtype), group_sizes))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x, weight, group_sizes = ctx.saved_tensors
+        (x, group_sizes), weight = ctx.saved_tensors, ctx.weight
         grad = grad.contiguous()
         grad_x = None
         if ctx.needs_input_grad[0]:

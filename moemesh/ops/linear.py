@@ -12,21 +12,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moemesh.ops import gemv, weight_grad
+from moemesh.ops import gemv, recompute, weight_grad
 from moemesh.ops.backend import autocast_inputs
 
 
 class _Linear(torch.autograd.Function):
-    """Saves the weight as given and casts it to x's dtype again in backward (see grouped_mm)."""
+    """Keeps the weight as given and casts it to x's dtype again in backward (see grouped_mm). Its
+    output is `recompute.kept`: selective activation checkpointing does not compute it twice."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        return F.linear(x, weight.to(x.dtype))
+        ctx.save_for_backward(x)
+        ctx.weight = weight  # see grouped_mm: not a saved tensor, which checkpointing would detach
+        return recompute.kept(lambda: F.linear(x, weight.to(x.dtype)))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x, weight = ctx.saved_tensors
+        (x,), weight = ctx.saved_tensors, ctx.weight
         grad_x = grad @ weight.to(x.dtype) if ctx.needs_input_grad[0] else None
         if not ctx.needs_input_grad[1]:
             return grad_x, None

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moemesh.ops import recompute
+
 calls: Counter[tuple[str, str]] = Counter()  # (kind, "forward" | "backward") -> number of calls
 sent_bytes: Counter[tuple[str, str]] = Counter()  # the same key -> bytes this rank sent
 
@@ -73,6 +75,14 @@ def while_in_flight(hook: Callable[[], None]):
 def _all_to_all_bytes(
     packed: torch.Tensor, output_splits: list[int], input_splits: list[int], group, phase: str
 ) -> torch.Tensor:
+    if phase == "forward":  # selective activation checkpointing keeps what arrived (`ops/recompute.py`)
+        return recompute.kept(lambda: _all_to_all_now(packed, output_splits, input_splits, group, phase))
+    return _all_to_all_now(packed, output_splits, input_splits, group, phase)
+
+
+def _all_to_all_now(
+    packed: torch.Tensor, output_splits: list[int], input_splits: list[int], group, phase: str
+) -> torch.Tensor:
     out = packed.new_empty(sum(output_splits), packed.shape[1])
     _count("all_to_all", phase, packed.numel())
     # Asynchronous: NCCL runs it on its own stream; the compute stream waits at `wait`, right
@@ -122,16 +132,26 @@ def all_to_all(
 def exchange_sizes(sizes: torch.Tensor, group) -> torch.Tensor:
     """sizes[p] (a row of counts) goes to rank p; returns what every rank sent here, on the
     device: the caller copies it to the host together with its own counts, in one sync."""
-    out = torch.empty_like(sizes)
-    _count("exchange_sizes", "forward", sizes.numel() * sizes.element_size())
-    dist.all_to_all_single(out, sizes.contiguous(), group=group)
-    return out
+
+    def exchange() -> torch.Tensor:
+        out = torch.empty_like(sizes)
+        _count("exchange_sizes", "forward", sizes.numel() * sizes.element_size())
+        dist.all_to_all_single(out, sizes.contiguous(), group=group)
+        return out
+
+    return recompute.kept(exchange)
 
 
 # ---- all-reduce -----------------------------------------------------------------------------------
 
 
 def _summed(x: torch.Tensor, group, phase: str) -> torch.Tensor:
+    if phase == "forward":  # kept by selective activation checkpointing (`ops/recompute.py`)
+        return recompute.kept(lambda: _summed_now(x, group, phase))
+    return _summed_now(x, group, phase)
+
+
+def _summed_now(x: torch.Tensor, group, phase: str) -> torch.Tensor:
     y = x.contiguous().clone()
     _count("all_reduce", phase, y.numel() * y.element_size())
     dist.all_reduce(y, group=group)

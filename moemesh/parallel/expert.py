@@ -91,7 +91,8 @@ def apply_ep(model: MoECausalLM, mesh: Mesh) -> MoECausalLM:
         if isinstance(block, MoEBlock):
             # Every parameter of the bank is per expert on dim 0 (matrices, biases).
             for name, full in list(block.experts.named_parameters(recurse=False)):
-                kept = nn.Parameter(full.detach()[rank * local : (rank + 1) * local].clone())
+                kept = full.detach()[rank * local : (rank + 1) * local].clone()
+                kept = nn.Parameter(kept, requires_grad=full.requires_grad)  # a frozen base stays frozen
                 setattr(block.experts, name, record_piece(kept, full, 0, mine))
             block.dispatcher = AllToAllDispatcher(mesh.group("ep"), ep, local)
     return model

@@ -65,7 +65,9 @@ def apply_fsdp(
     expert_mesh = mesh.device_mesh[_data_axes(dims, "dp_shard")]
     # Gradients are summed in fp32, unless the weights themselves are stored in a narrower type
     # (bf16 weights and AdamW state): that run computes and keeps its gradients in it anyway.
-    storage = next(model.parameters()).dtype
+    # (Under LoRA the trained adapters', not the frozen base's.)
+    params = list(model.parameters())
+    storage = next((p for p in params if p.requires_grad), params[0]).dtype
     policy = MixedPrecisionPolicy(
         param_dtype=param_dtype, reduce_dtype=storage if storage.itemsize < 4 else torch.float32
     )

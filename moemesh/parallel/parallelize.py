@@ -11,12 +11,12 @@ values one process would have there (`pieces.py`, `models/build.py`). `train`, `
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from moemesh.models.build import init_weights
 from moemesh.models.transformer import MoECausalLM
+from moemesh.parallel.config import ParallelConfig, StepShape
 from moemesh.parallel.data import apply_data_parallel
 from moemesh.parallel.expert import apply_ep
 from moemesh.parallel.fsdp import apply_fsdp
@@ -26,9 +26,6 @@ from moemesh.parallel.pipeline.memory import run_costs, stage_ranges
 from moemesh.parallel.pipeline.schedule import Schedule, build_schedule
 from moemesh.parallel.pipeline.stage import RankStages, cut_model
 from moemesh.parallel.tensor import apply_tp
-
-if TYPE_CHECKING:
-    from moemesh.config import RunConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # train.dtype and param_dtype names
 
@@ -40,20 +37,19 @@ class Layout:
     kept_whole: list[str]  # parameters FSDP could not shard evenly
 
 
-def parallelize(model: MoECausalLM, mesh: Mesh, config: RunConfig) -> Layout:
-    """Lay `model` out in place for `mesh` and `config.parallel` (train.dtype resolved: FSDP
-    gathers the weights in it)."""
-    parallel, train = config.parallel, config.train
+def parallelize(model: MoECausalLM, mesh: Mesh, parallel: ParallelConfig, step: StepShape) -> Layout:
+    """Lay `model` out in place for `mesh` and `parallel`; `step` says how many micro-batches the
+    pipeline schedules and what they cost (with parallel.pp > 1), and the dtype FSDP gathers in."""
     apply_data_parallel(apply_tp(apply_ep(model, mesh), mesh), mesh)  # TP ranks share their data
     schedule = stages = None
     if parallel.pp > 1:  # this rank keeps its stages only, partitioned by estimated memory and time
-        schedule = build_schedule(parallel.pp_schedule, parallel.pp, train.global_batch // train.micro_batch)
-        ranges = stage_ranges(schedule, run_costs(config))
+        schedule = build_schedule(parallel.pp_schedule, parallel.pp, step.micro_batches)
+        ranges = stage_ranges(schedule, run_costs(model.config, parallel, step))
         stages = RankStages(model, cut_model(model, ranges, list(schedule.stage_rank), mesh.rank("pp")))
     kept_whole = apply_fsdp(
         model,
         mesh,
-        param_dtype=DTYPES[train.dtype],
+        param_dtype=DTYPES[step.dtype],
         reshard_after_forward=parallel.fsdp_reshard_after_forward,
         prefetch=parallel.fsdp_prefetch,
         root=stages,

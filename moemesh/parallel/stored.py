@@ -6,7 +6,8 @@ torch.distributed.checkpoint then writes every part once, under its place in the
 loads into any other layout, one process included.
 
 The fused expert bank gate_up_proj [E, 2I, H] is stored as two tensors [E, I, H], `.gate` and
-`.up`, in every layout (and its bias [E, 2I], where a family has one, as two [E, I]): under TP a
+`.up`, in every layout (and its bias [E, 2I], where a family has one, as two [E, I]; its LoRA B
+factor [E, 2I, r] as two [E, I, r]): under TP a
 rank holds a slice of the gate rows and the same slice of the up rows, two separate pieces of the
 fused tensor that no single `Shard` describes. Both halves are views of the local tensor, so a
 load writes straight into it.
@@ -23,7 +24,7 @@ from moemesh.parallel.mesh import AXES, Mesh
 
 HALVES = ("gate", "up")
 # The fused expert tensors stored as their gate and up halves, and the dim the halves are on.
-PACKED_DIMS = {".experts.gate_up_proj": -2, ".experts.gate_up_proj_bias": -1}
+PACKED_DIMS = {".experts.gate_up_proj": -2, ".experts.gate_up_proj_bias": -1, ".experts.gate_up_proj_lora_B": -2}
 
 
 def packed_dim(name: str) -> int | None:

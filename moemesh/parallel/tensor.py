@@ -45,6 +45,7 @@ from torch import nn
 from moemesh.errors import ConfigError
 from moemesh.models.attention_mla import MLAttention
 from moemesh.models.layers import Attention, DenseMLP
+from moemesh.models.lora import has_adapter, is_adapter, lora_delta
 from moemesh.models.moe import MoEBlock
 from moemesh.models.registry import family
 from moemesh.models.transformer import MoECausalLM, shift_labels
@@ -123,8 +124,8 @@ def _check(model: MoECausalLM, targets: list[tuple[str, str]], tp: int) -> None:
     covered = {id(p) for name, _ in targets for p in _params_of(model, name)}
     for name, param in model.named_parameters():
         # Vectors (norms, biases) may stay replicated unnoticed; a forgotten matrix may not: it
-        # would be silently replicated on every rank.
-        if param.dim() >= 2 and id(param) not in covered:
+        # would be silently replicated on every rank. LoRA's factors follow their base.
+        if param.dim() >= 2 and id(param) not in covered and not is_adapter(name):
             raise ConfigError(
                 f"TP plan covers no entry for {name} {tuple(param.shape)}: shard it or declare it replicated"
             )
@@ -259,7 +260,7 @@ class _Sharder:
     def __call__(self, param: nn.Parameter, dim: int, parts: int = 1) -> nn.Parameter:
         if id(param) not in self._done:
             pieces = [piece.chunk(self.tp, dim)[self.rank] for piece in param.detach().chunk(parts, dim)]
-            sharded = nn.Parameter(torch.cat(pieces, dim).clone())
+            sharded = nn.Parameter(torch.cat(pieces, dim).clone(), requires_grad=param.requires_grad)
             sharded.tp_dim = dim % param.dim()  # where checkpoints place it in the full tensor
             rows = [piece.chunk(self.tp)[self.rank] for piece in torch.arange(param.shape[dim]).chunk(parts)]
             self._done[id(param)] = record_piece(sharded, param, dim, torch.cat(rows))
@@ -283,6 +284,9 @@ def _colwise(model, name, shard, group):
     linear.weight = shard(linear.weight, 0)
     if linear.bias is not None:
         linear.bias = shard(linear.bias, 0)
+    if has_adapter(linear):  # B by rows like the weight; A whole, its gradient a partial sum
+        linear.lora_B = shard(linear.lora_B, 0)
+        linear.lora_A.partial_grad_axis = "tp"
 
 
 def _rowwise(model, name, shard, group):
@@ -290,15 +294,28 @@ def _rowwise(model, name, shard, group):
     target = getattr(parent, leaf)
     if isinstance(target, nn.Parameter):  # an expert bank: reduced by the MoE block
         setattr(parent, leaf, shard(target, -1))
-    elif name.endswith(".shared_experts.down_proj"):  # also reduced by the MoE block, with the routed experts
+        if leaf in parent.lora_scaling:  # A by columns like the bank; B whole, its gradient a partial sum
+            setattr(parent, f"{leaf}_lora_A", shard(getattr(parent, f"{leaf}_lora_A"), -1))
+            getattr(parent, f"{leaf}_lora_B").partial_grad_axis = "tp"
+        return
+    if name.endswith(".shared_experts.down_proj"):  # also reduced by the MoE block, with the routed experts
         target.weight = shard(target.weight, 1)
+        rowwise = target
     else:
-        setattr(parent, leaf, RowwiseLinear(shard(target.weight, 1), target.bias, group))
+        rowwise = RowwiseLinear(shard(target.weight, 1), target.bias, group)
+        setattr(parent, leaf, rowwise)
+    if has_adapter(target):  # A by columns like the weight; B whole, its gradient a partial sum
+        rowwise.lora_A, rowwise.lora_B = shard(target.lora_A, 1), target.lora_B
+        rowwise.lora_scaling, rowwise.lora_dropout = target.lora_scaling, target.lora_dropout
+        rowwise.lora_B.partial_grad_axis = "tp"
 
 
 def _packed_colwise(model, name, shard, group):
     experts, leaf = _parent(model, name)
     setattr(experts, leaf, shard(getattr(experts, leaf), packed_dim(name), parts=2))
+    if leaf in experts.lora_scaling:  # B's rows like the bank's (gate and up slices); A whole, partial gradient
+        setattr(experts, f"{leaf}_lora_B", shard(getattr(experts, f"{leaf}_lora_B"), -2, parts=2))
+        getattr(experts, f"{leaf}_lora_A").partial_grad_axis = "tp"
 
 
 def _partial_bias(model, name, shard, group):
@@ -343,14 +360,18 @@ _APPLY = {
 
 class RowwiseLinear(nn.Module):
     """y = Σ_ranks x_r W_r^T + b: the partial products are all-reduced (g), then the bias is
-    added once."""
+    added once. With LoRA (lora_A split by columns, lora_B whole) each rank adds its partial
+    s · x_r A_r^T B^T before the same one all-reduce."""
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group):
         super().__init__()
         self.weight, self.bias, self.group = weight, bias, group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = comm.from_partial(linear(x, self.weight), self.group)
+        out = linear(x, self.weight)
+        if has_adapter(self):
+            out = out + lora_delta(self, x)
+        out = comm.from_partial(out, self.group)
         return out if self.bias is None else out + self.bias
 
 

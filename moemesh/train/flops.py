@@ -25,14 +25,28 @@ _PEAK_BF16_FLOPS = [
 
 def flops_per_token(model: MoECausalLM, seq_len: int) -> float:
     """Forward + backward FLOPs per trained token (PaLM's 6N + 12·L·H·Q·T): 6 per active
-    parameter that multiplies (the embedding lookup does not), plus attention scores and values."""
+    parameter that multiplies (the embedding lookup does not), plus attention scores and values.
+    A frozen parameter (LoRA's base) needs no weight gradient: 4 (forward, input gradient)."""
     config = model.config
     active = model.num_params(active=True)
+    frozen = _active_frozen(model)
     if not config.tie_word_embeddings:
         active -= model.model.embed_tokens.weight.numel()
+        if not model.model.embed_tokens.weight.requires_grad:
+            frozen -= model.model.embed_tokens.weight.numel()
     context = min(seq_len, config.sliding_window or seq_len)
     attention = 12 * config.num_hidden_layers * config.num_attention_heads * config.attention_head_dim * context
-    return 6 * active + attention
+    return 6 * active - 2 * frozen + attention
+
+
+def _active_frozen(model: MoECausalLM) -> float:
+    """The frozen parameters one token uses (an expert bank's at its top-k share)."""
+    share = model.config.num_experts_per_tok / model.config.num_experts if model.config.num_experts else 1.0
+    return sum(
+        p.numel() * (share if ".mlp.experts." in name else 1.0)
+        for name, p in model.named_parameters()
+        if not p.requires_grad
+    )
 
 
 def peak_flops(device: torch.device) -> float | None:

@@ -22,7 +22,8 @@ from moemesh.parallel import comm
 @torch.no_grad()
 def update_router_bias(model: nn.Module, rate: float, group) -> None:
     """Apply the rule to every router with a correction bias (none: nothing happens), with the
-    loads counted since the last call, and start counting afresh. rate 0 only clears the counts."""
+    loads counted since the last call, and start counting afresh (every router, with a bias or
+    not). rate 0 only clears the counts."""
     routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
     loads = [
         torch.zeros(r.e_score_correction_bias.shape, dtype=torch.long, device=r.e_score_correction_bias.device)
@@ -30,8 +31,9 @@ def update_router_bias(model: nn.Module, rate: float, group) -> None:
         else r.expert_load
         for r in routers
     ]
-    for router in routers:
-        router.expert_load = None
+    for router in model.modules():  # every router counts its choices (`models.moe.count_load`)
+        if hasattr(router, "expert_load"):
+            router.expert_load = None
     if not routers or rate == 0:
         return
     loads = torch.stack(loads)  # [layers, E]

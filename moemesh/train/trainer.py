@@ -9,8 +9,12 @@ the number of micro-batches, so the gradients, summed over micro-batches here an
 A step whose loss or gradient norm is not finite changes nothing but the data position: no update
 of the weights, of AdamW's moments and step count, or of the learning-rate schedule, which counts
 updates (as Megatron-LM and DeepSpeed do with the steps they skip), so a bad batch eats neither
-warm-up nor decay. `train.max_bad_steps` such steps in a row stop the run (`DivergedError`), and
-no checkpoint is ever written with non-finite weights.
+warm-up nor decay. `train.max_bad_steps` such steps in a row stop the run (`DivergedError`), a
+resumed run counting on from its checkpoint's count, and no checkpoint is ever written with
+non-finite weights.
+
+Each step's record goes to metrics.jsonl and, with `train.report_to`, to TensorBoard and W&B
+(`report.py`), from the main rank; the per-layer expert loads are `expert_load.py`'s.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from moemesh.checkpoint import integrity
+from moemesh.checkpoint.adapters import LORA_FILE, is_lora_checkpoint, lora_record, read_adapter
 from moemesh.checkpoint.dcp import (
     CHECKPOINTS,
     checkpoint_path,
@@ -45,17 +50,21 @@ from moemesh.data.dataset import load_dataset, rank_slice
 from moemesh.data.tokenizer import HFTokenizer
 from moemesh.errors import CheckpointError, ConfigError, DivergedError
 from moemesh.models import MoECausalLM
-from moemesh.models.build import meta_model
+from moemesh.models.build import init_weights, meta_model
+from moemesh.models.lora import apply_lora, is_adapter
 from moemesh.parallel import comm
 from moemesh.parallel.data import clip_grad_norm_, label_tokens, local, rank_loss, reduce_gradients
 from moemesh.parallel.mesh import ParallelDims, init_mesh
 from moemesh.parallel.parallelize import DTYPES, materialize, parallelize
+from moemesh.parallel.pieces import local_view
 from moemesh.parallel.pipeline.runtime import MicroBatch, PipelineRunner
+from moemesh.train.expert_load import expert_load_metrics
 from moemesh.train.flops import flops_per_token, peak_flops
 from moemesh.train.metrics import METRICS_FILE, MetricsLog, read_metrics
 from moemesh.train.optim import build_optimizer, build_scheduler
 from moemesh.train.plot import plot_losses
 from moemesh.train.progress import Progress, format_count, format_duration
+from moemesh.train.report import Report
 from moemesh.train.router_bias import update_router_bias
 
 
@@ -104,18 +113,41 @@ class Trainer:
         self.autocast_dtype = DTYPES[train.dtype]
         self.run_dir = Path(train.run_dir)
 
+        self._refuse_earlier_run()  # before the data and the weights: a 30B model takes a minute to read
         torch.manual_seed(train.seed)
         self.dataset, self.tokenizer = load_dataset(config.data, train.seq_len, train.seed, config.model.vocab_size)
         # Made on the meta device, laid out, and only then allocated: each rank makes (or reads)
         # only its part. bf16 weights and AdamW state take half the memory of fp32 master
         # weights, at bf16's rounding of every update (as transformers trains a bf16 model).
-        self.model: MoECausalLM = meta_model(config.model, DTYPES[train.param_dtype])
+        # Under LoRA the base is frozen and kept in the compute dtype (bf16 on a GPU: it needs no
+        # master copy), the adapters in param_dtype.
+        self.lora = config.lora
+        self.model: MoECausalLM = meta_model(
+            config.model, DTYPES[train.dtype if self.lora.enabled else train.param_dtype]
+        )
+        self.model.activation_checkpointing = train.activation_checkpointing
+        self.adapter = None  # adapters to start from (lora.init_from), else from the seed
+        if self.lora.init_from:
+            self.adapter = read_adapter(self.lora.init_from, config.model)
+            self.adapter.dropout = self.lora.dropout
+            self.adapted = self.adapter.attach(self.model, DTYPES[train.param_dtype])
+        else:
+            self.adapted = apply_lora(self.model, self.lora, DTYPES[train.param_dtype]) if self.lora.enabled else {}
         # Counted on the whole model, before the layout keeps this rank's part.
         self.flops_per_token = flops_per_token(self.model, train.seq_len)
         self.num_params = (self.model.num_params(), self.model.num_params(active=True))
-        layout = parallelize(self.model, self.mesh, config)
+        layout = parallelize(self.model, self.mesh, parallel, self.config.step_shape)
         materialize(self.model, self.device, None if train.init_from else train.seed)
+        if train.init_from and is_lora_checkpoint(train.init_from):
+            raise ConfigError(
+                f"train.init_from = {train.init_from!r} is a LoRA run, which holds adapters and no base weights: "
+                "name its base as train.init_from, and the run as lora.init_from to start from its adapters"
+            )
         self.init_source = load_weights(self.model, train.init_from, self.mesh) if train.init_from else None
+        if self.adapter is not None:
+            self.adapter.load_into(self.model)
+        elif self.init_source is not None and self.lora.enabled:  # the base was read; the adapters start from the seed
+            init_weights(self.model, train.seed, local_view, only=is_adapter)
         self.kept_whole = layout.kept_whole
         self.pipeline = None
         if layout.stages is not None:
@@ -128,6 +160,7 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, train)
         self.step = 0
         self.data_position = 0  # sequences of the training order consumed so far
+        self.bad_steps = 0  # skipped steps in a row (non-finite loss or gradient norm), up to now
         self.checkpoint: Path | None = None  # the newest this run wrote or resumed from
         val = self.dataset.val_sequences(train.eval_sequences)
         self.val_batches = val[: len(val) // self.ranks * self.ranks].split(train.micro_batch)
@@ -166,6 +199,7 @@ class Trainer:
             "aux_loss": None if aux_sum is None else aux_sum.item(),
             "lr": lr,
             "grad_norm": grad_norm.item(),
+            **expert_load_metrics(self.model, self.mesh, self.device),  # before the bias rule clears the counts
         }
         # The same decision on every rank: the loss is summed over the batch and pipeline ranks (TP
         # ranks compute it alike) and the squared gradient norm over every axis that splits a
@@ -225,8 +259,13 @@ class Trainer:
 
     # ---- checkpoints ------------------------------------------------------------------------
     def _state(self) -> dict:
-        trainer = {"step": self.step, "data_position": self.data_position, **_rng_state(self.device)}
-        return training_state(self.model, self.optimizer, self.scheduler, trainer)
+        trainer = {
+            "step": self.step,
+            "data_position": self.data_position,
+            "bad_steps": self.bad_steps,
+            **_rng_state(self.device),
+        }
+        return training_state(self.model, self.optimizer, self.scheduler, trainer, trainable_only=self.lora.enabled)
 
     def save(self) -> Path:
         # Every rank checks its own part of the weights, and all learn whether any part is bad.
@@ -238,14 +277,25 @@ class Trainer:
             )
         path = checkpoint_path(self.run_dir, self.step)
         tokenizer_file = self.tokenizer.path if isinstance(self.tokenizer, HFTokenizer) else None
-        save_checkpoint(path, self._state(), self.config.model, tokenizer_file, self.model, self.mesh)
+        extra = {LORA_FILE: lora_record(self.config, self.adapted)} if self.lora.enabled else None
+        save_checkpoint(path, self._state(), self.config.model, tokenizer_file, self.model, self.mesh, extra)
         self.checkpoint = path
         return path
 
     def restore(self, path: Path) -> None:
-        trainer = {"step": 0, "data_position": 0, **_rng_state(self.device)}
-        trainer = load_training_state(path, self.model, self.optimizer, self.scheduler, trainer, self.mesh)
+        trainer = {"step": 0, "data_position": 0, "bad_steps": 0, **_rng_state(self.device)}
+        if (path / LORA_FILE).is_file() and not self.lora.enabled:
+            raise CheckpointError(
+                f"{path} holds LoRA adapters ({LORA_FILE}), but this run trains the whole model: resume it with "
+                "the [lora] settings it was written with"
+            )
+        if self.lora.enabled and not (path / LORA_FILE).is_file():
+            raise CheckpointError(f"{path} holds a whole model's training state, but this run trains LoRA adapters")
+        trainer = load_training_state(
+            path, self.model, self.optimizer, self.scheduler, trainer, self.mesh, trainable_only=self.lora.enabled
+        )
         self.step, self.data_position = int(trainer["step"]), int(trainer["data_position"])
+        self.bad_steps = int(trainer["bad_steps"])
         torch.set_rng_state(trainer["rng_cpu"])
         if "rng_cuda" in trainer:
             torch.cuda.set_rng_state(trainer["rng_cuda"], self.device)
@@ -272,18 +322,24 @@ class Trainer:
                     "starts afresh"
                 )
             say(f"train.resume: no checkpoint in {checkpoints} yet, starting at step 0")
-        elif existing and not train.overwrite:
-            raise ConfigError(
-                f"{checkpoints} holds the checkpoints of an earlier run (the newest: "
-                f"{existing[0][1].name}): train.resume=true continues that run, "
-                "train.overwrite=true deletes them and starts afresh"
-            )
-        elif existing:
+        elif existing:  # train.overwrite: _refuse_earlier_run let it through
             say(f"train.overwrite: deleting the earlier run's {checkpoints} and starting afresh")
             if self.is_main:
                 integrity.remove(checkpoints)
             comm.barrier()  # deleted before any rank writes a new one
         return self._metrics_log()
+
+    def _refuse_earlier_run(self) -> None:
+        """A run directory that holds an earlier run's checkpoints, without train.resume (continue
+        it) or train.overwrite (delete it): refused at once, before anything is loaded."""
+        train = self.train_config
+        existing = checkpoint_steps(self.run_dir)
+        if existing and not (train.resume or train.overwrite):
+            raise ConfigError(
+                f"{self.run_dir / CHECKPOINTS} holds the checkpoints of an earlier run (the newest: "
+                f"{existing[0][1].name}): train.resume=true continues that run, "
+                "train.overwrite=true deletes them and starts afresh"
+            )
 
     def _metrics_log(self, resume_step: int | None = None) -> MetricsLog:
         # Only the main rank writes the file; the others log into nothing.
@@ -302,7 +358,7 @@ class Trainer:
             f"{format_count(total)} parameters, {format_count(active)} active per token"
         )
         self._say(
-            f"data    {data.path} ({data.tokenizer} tokenizer): "
+            f"data    {data.path} (tokenizer {data.tokenizer}: {self.config.tokenizer_origin}): "
             f"{format_count(len(self.dataset.train_tokens))} training tokens, "
             f"{format_count(len(self.dataset.val_tokens))} validation tokens"
         )
@@ -312,6 +368,14 @@ class Trainer:
         )
         if self.init_source is not None:
             self._say(f"init    weights of {self.init_source} (optimizer and step afresh)")
+        if self.lora.enabled:
+            trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+            ranks = sorted({plan[0] for plan in self.adapted.values() if plan is not None})
+            start = f" from {self.lora.init_from}" if self.lora.init_from else ""
+            self._say(
+                f"lora    rank {'/'.join(map(str, ranks))} on {len(self.adapted)} projections, expert banks and "
+                f"routers{start}; {format_count(trained)} parameters train on this rank, the base is frozen"
+            )
         if self.mesh.dims.world_size > 1:
             self._say(f"layout  {self.mesh.dims.describe()}")
         if self.kept_whole:
@@ -324,16 +388,25 @@ class Trainer:
         train = self.train_config
         self._describe()
         metrics = self._start()
+        report = None
         if self.is_main:
-            (self.run_dir / "config.toml").write_text(self.config.to_toml())
+            integrity.write_atomically(self.run_dir / "config.toml", self.config.to_toml().encode())
+            first_step = self.step + 1 if self.step else 0
+            report = Report(train.report_to, self.run_dir, self.config.to_dict(), first_step)
+
+        def log(record: dict) -> None:
+            metrics.write(record)
+            if report is not None:
+                report.write(record)
+
         val_losses = [r["val_loss"] for r in read_metrics(metrics.path) if r.get("val_loss") is not None]
         if self.step == 0:
             val_losses.append(self.evaluate())
-            metrics.write({"step": 0, "val_loss": val_losses[-1]})
+            log({"step": 0, "val_loss": val_losses[-1]})
             self._say(f"step 0: validation loss {val_losses[-1]:.4f}")
         progress = Progress(train.steps, self.step, train.log_every, self.stream)
 
-        started, bad_steps = time.perf_counter(), 0
+        started = time.perf_counter()
         tokens_per_step = train.global_batch * train.seq_len
         try:
             while self.step < train.steps:
@@ -348,16 +421,16 @@ class Trainer:
                     gpus = self.mesh.dims.world_size
                     record["mfu"] = record["tokens_per_s"] * self.flops_per_token / (self.peak_flops * gpus)
                 progress.update(self.step, record["loss"], record["lr"], record["tokens_per_s"], record.get("mfu"))
-                bad_steps = bad_steps + 1 if record.get("skipped") else 0
-                if bad_steps:
+                self.bad_steps = self.bad_steps + 1 if record.get("skipped") else 0
+                if self.bad_steps:
                     progress.message(
                         f"step {self.step}: skipped, {_non_finite(record)}: no update "
-                        f"({bad_steps} in a row; train.max_bad_steps={train.max_bad_steps})"
+                        f"({self.bad_steps} in a row; train.max_bad_steps={train.max_bad_steps})"
                     )
-                if bad_steps == train.max_bad_steps:
-                    metrics.write(record)
+                if self.bad_steps >= train.max_bad_steps:
+                    log(record)
                     raise DivergedError(
-                        f"step {self.step}: {_non_finite(record)}; {bad_steps} steps in a row without "
+                        f"step {self.step}: {_non_finite(record)}; {self.bad_steps} steps in a row without "
                         f"an update (train.max_bad_steps): the run diverged; the newest checkpoint "
                         f"is {self.checkpoint or 'none'} (a lower train.lr may help)"
                     )
@@ -367,12 +440,14 @@ class Trainer:
                     record["val_loss"] = self.evaluate()
                     val_losses.append(record["val_loss"])
                     progress.message(f"step {self.step}: validation loss {record['val_loss']:.4f}")
-                metrics.write(record)
+                log(record)
                 if train.save_every >= 0 and (last or (train.save_every and self.step % train.save_every == 0)):
                     prune_checkpoints(self.run_dir, train.keep_checkpoints, self.save())
         finally:
             progress.close()
             metrics.close()
+            if report is not None:
+                report.close()
 
         seconds = time.perf_counter() - started
         records = read_metrics(metrics.path)

@@ -50,17 +50,18 @@ Time is forward + backward FLOPs: 6 per multiplying parameter per token, plus at
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from moemesh.config import RunConfig
 from moemesh.models.build import meta_model
 from moemesh.models.config import ModelConfig
 from moemesh.models.transformer import MoECausalLM
 from moemesh.ops.linear_cross_entropy import LOGITS_CHUNK_ELEMENTS
+from moemesh.parallel.config import ParallelConfig, StepShape
 from moemesh.parallel.expert import apply_ep, is_expert_parameter
 from moemesh.parallel.fsdp import shard_dim
 from moemesh.parallel.mesh import Mesh, ParallelDims
@@ -146,14 +147,13 @@ def _items(model: MoECausalLM) -> list[list[tuple[str, torch.Tensor]]]:
     return items
 
 
-def rank_param_counts(config: RunConfig) -> list[float]:
-    """Parameters one rank keeps of each item under the run's expert, tensor and fully sharded
-    parallelism: the model laid out by EP and TP on the meta device (rank 0's view; the others'
-    differ by rounding at most), each tensor that FSDP splits counted at its share."""
-    parallel = config.parallel
+def rank_param_counts(config: ModelConfig, parallel: ParallelConfig) -> list[float]:
+    """Parameters one rank keeps of each item under the expert, tensor and fully sharded
+    parallelism of `parallel`: the model laid out by EP and TP on the meta device (rank 0's view;
+    the others' differ by rounding at most), each tensor that FSDP splits counted at its share."""
     dims = ParallelDims(dp_replicate=parallel.dp_replicate, dp_shard=parallel.dp_shard, ep=parallel.ep, tp=parallel.tp)
     mesh = Mesh(dims, None)  # shapes only: no process groups
-    model = apply_tp(apply_ep(meta_model(config.model), mesh), mesh)
+    model = apply_tp(apply_ep(meta_model(config), mesh), mesh)
     counts = []
     for item in _items(model):
         count = 0.0
@@ -301,31 +301,78 @@ def _clock(tensor: torch.Tensor) -> float:
 ADAMW_STATE_BYTES = 16
 
 
-def rank_tokens(config: RunConfig) -> int:
+def rank_tokens(parallel: ParallelConfig, step: StepShape) -> int:
     """Tokens one rank runs per micro-batch: the micro-batch is split over the data-parallel ranks."""
-    return config.train.micro_batch * config.train.seq_len // config.parallel.batch_ranks
+    return step.micro_batch * step.seq_len // parallel.batch_ranks
 
 
-def state_bytes_per_param(config: RunConfig) -> int:
-    """Weight, gradient and AdamW's two moments: fp32 (16 B), or bf16 with train.param_dtype (8 B)."""
-    return ADAMW_STATE_BYTES // 2 if config.train.param_dtype == "bfloat16" else ADAMW_STATE_BYTES
+def state_bytes_per_param(step: StepShape) -> int:
+    """Weight, gradient and AdamW's two moments: fp32 (16 B), or bf16 with train.param_dtype (8 B).
+    Under LoRA (`step.frozen_base`) the frozen base's weight alone, in the compute dtype (2 B in
+    bf16, 4 in fp32); the adapters' state (well under 1% of it) is left out."""
+    if step.frozen_base:
+        return 2 if step.dtype == "bfloat16" else 4
+    return ADAMW_STATE_BYTES // 2 if step.param_dtype == "bfloat16" else ADAMW_STATE_BYTES
 
 
-def run_costs(config: RunConfig) -> list[LayerCost]:
-    """The analytical per-item costs of one rank of a run (`train.dtype` resolved): the parameter
-    state AdamW keeps of what the rank holds under EP, TP and FSDP (`rank_param_counts`), the
-    activations of its share of a micro-batch (under TP as without it: an overestimate)."""
-    dtype_bytes = 2 if config.train.dtype == "bfloat16" else 4
-    residual_bytes = 2 if config.train.param_dtype == "bfloat16" else 4
-    return estimate_layer_costs(
-        config.model,
-        rank_tokens(config),
+def run_costs(config: ModelConfig, parallel: ParallelConfig, step: StepShape) -> list[LayerCost]:
+    """The analytical per-item costs of one rank of a run: the parameter state AdamW keeps of what
+    the rank holds under EP, TP and FSDP (`rank_param_counts`), the activations of its share of a
+    micro-batch (under TP as without it: an overestimate)."""
+    dtype_bytes = 2 if step.dtype == "bfloat16" else 4
+    residual_bytes = 2 if step.param_dtype == "bfloat16" else 4
+    costs = estimate_layer_costs(
+        config,
+        rank_tokens(parallel, step),
         dtype_bytes,
-        state_bytes_per_param(config),
-        seq_len=config.train.seq_len,
+        state_bytes_per_param(step),
+        seq_len=step.seq_len,
         residual_bytes=residual_bytes,
-        rank_params=rank_param_counts(config),
+        rank_params=rank_param_counts(config, parallel),
     )
+    return with_recomputation(
+        costs, step.activation_checkpointing, config, rank_tokens(parallel, step), dtype_bytes, residual_bytes
+    )
+
+
+def with_recomputation(
+    costs: list[LayerCost], mode: str, config: ModelConfig, tokens: int, dtype_bytes: int, residual_bytes: int
+) -> list[LayerCost]:
+    """The decoder layers' costs under activation checkpointing (`ops/recompute.py`): a layer keeps
+    its input T*H*r per micro-batch in flight and, selective, its matmul outputs (q/k/v/o T*(Q + 2K
+    + H)*b; MoE gate|up and down T*k*(2I + H)*b, the shared experts' alike; dense MLP T*(2I + H)*b);
+    what it saved before is needed once, while its backward recomputes (working bytes). Full
+    recomputation adds a forward: a third of the forward + backward FLOPs. Under EP the kept
+    all-to-all results are left out (an underestimate for selective)."""
+    if mode == "none":
+        return costs
+    T, b, H = tokens, dtype_bytes, config.hidden_size
+    Q, K = (
+        config.num_attention_heads * config.attention_head_dim,
+        config.num_key_value_heads * config.attention_head_dim,
+    )
+    out = []
+    for cost in costs:
+        if not cost.name.startswith("layer "):
+            out.append(cost)
+            continue
+        i, kept = int(cost.name.split()[1]), T * H * residual_bytes
+        if mode == "selective":
+            kept += T * (Q + 2 * K + H) * b
+            if config.is_moe_layer(i):
+                kept += T * config.num_experts_per_tok * (2 * config.moe_intermediate_size + H) * b
+                if config.n_shared_experts:
+                    kept += T * (2 * config.moe_intermediate_size * config.n_shared_experts + H) * b
+            else:
+                kept += T * (2 * config.intermediate_size + H) * b
+        time = cost.time * 4 / 3 if mode == "full" else cost.time
+        working = cost.working_bytes + cost.activation_bytes
+        out.append(
+            dataclasses.replace(
+                cost, activation_bytes=min(kept, cost.activation_bytes), time=time, working_bytes=working
+            )
+        )
+    return out
 
 
 def stage_ranges(schedule: Schedule, costs: list[LayerCost]) -> list[range]:

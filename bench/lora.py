@@ -1,0 +1,229 @@
+"""LoRA fine-tuning steps of moemesh beside transformers + PEFT, on the same shapes, in one run on
+one GPU (issue 30): step time, tokens/s, MFU, peak memory, trainable parameters.
+
+    PYTHONPATH=. python3 bench/lora.py [--layers 48] [--seq 4096] [--batch 1] [--rank 16 --alpha 32]
+    PYTHONPATH=. python3 bench/lora.py --hf /models/Qwen3-30B-A3B          (read a real directory)
+    PYTHONPATH=. python3 bench/lora.py --config configs/tiny.toml --seq 64 --steps 2 --warmup 1   (CPU smoke)
+
+Model: Qwen3-30B-A3B's shape (hidden 2048, 128 experts top-8, expert width 768, 32/4 heads of
+128, vocabulary 151,936) cut to --layers layers, with random weights built on the GPU (the device
+has no network, and 61 GB of bf16 weights need not go through the disk); or the model of a
+Hugging Face directory (--hf), which both sides read; or the [model] of a run config (--config).
+Data: --batch random sequences of --seq tokens (fixed seed), labels = inputs.
+
+Each side, for each adapter set (--targets: attention + every expert's two banks, and attention
+only), in bf16 with the base frozen, adapters fp32 (PEFT's default upcast; moemesh's
+train.param_dtype), AdamW (fused on a GPU) on the adapters, clipping to norm 1:
+  transformers + PEFT  SDPA attention, grouped_mm experts, gradient checkpointing (non-reentrant);
+                       adapters on q/k/v/o (target_modules) and on the fused expert banks
+                       (target_parameters: PEFT's ParamWrapper, peft >= 0.17)
+  moemesh              `apply_lora` (rank-r grouped GEMMs inside the experts' path), activation
+                       checkpointing --recompute (full and/or selective), fused linear
+                       cross-entropy, bf16 autocast
+Each variant is freed before the next, so that each peak is its own (max allocated after the first
+step: the AdamW state is in it). MFU = tokens/s × FLOPs per token / peak bf16 FLOP/s, FLOPs per
+token from moemesh.train.flops: 4 per frozen active parameter (forward, input gradient), 6 per
+trained one, attention's scores and values; recomputation is not counted (the usual convention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import os
+
+import torch
+
+from bench.common import median_ms, print_table, qwen3_30b_a3b
+from moemesh.config import load_config
+from moemesh.models import ModelConfig
+from moemesh.models.build import init_weights, meta_model
+from moemesh.models.lora import LoraConfig, apply_lora, is_adapter
+from moemesh.train.flops import flops_per_token, peak_flops
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+TARGETS = {"attention+experts": True, "attention": False}  # name -> LoRA on the expert banks too
+
+
+def model_config(args) -> ModelConfig:
+    if args.hf:
+        from moemesh.checkpoint.load import read_model_config
+
+        config = read_model_config(args.hf)
+    elif args.config:
+        config = load_config(args.config).model
+    else:
+        config = qwen3_30b_a3b(args.layers)
+    return config.replace(max_position_embeddings=max(config.max_position_embeddings, args.seq))
+
+
+def free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ---- transformers + PEFT -----------------------------------------------------------------------
+
+
+def peft_model(config: ModelConfig, args, experts: bool, device, dtype):
+    import peft
+    import transformers
+
+    if args.hf:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            args.hf, dtype=dtype, device_map=device, attn_implementation="sdpa"
+        )
+    else:
+        hf = transformers.Qwen3MoeConfig(**config.to_hf_dict())
+        hf._attn_implementation = "sdpa"
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)  # initialise in bf16 directly: no fp32 copy of the weights
+        try:
+            with torch.device(device):
+                model = transformers.Qwen3MoeForCausalLM(hf)
+        finally:
+            torch.set_default_dtype(previous)
+    try:  # transformers 5: the experts' grouped_mm implementation
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+        if "grouped_mm" in ALL_EXPERTS_FUNCTIONS:
+            model.config._experts_implementation = "grouped_mm"
+    except ImportError:
+        pass
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    banks = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if experts else []
+    lora = peft.LoraConfig(r=args.rank, lora_alpha=args.alpha, target_modules=ATTENTION, target_parameters=banks)
+    model = peft.get_peft_model(model, lora)
+    model.train()
+    version = f"transformers {transformers.__version__} + peft {peft.__version__}"
+    return model, version, lambda ids: model(input_ids=ids, labels=ids).loss
+
+
+# ---- moemesh -----------------------------------------------------------------------------------
+
+
+def moemesh_model(config: ModelConfig, args, experts: bool, recompute: str, device, dtype):
+    model = meta_model(config, dtype)  # the frozen base in the compute dtype
+    apply_lora(model, LoraConfig(rank=args.rank, alpha=args.alpha, targets=ATTENTION, experts=experts), torch.float32)
+    model.activation_checkpointing = recompute
+    model.to_empty(device=device)
+    model.tie_weights()
+    if args.hf:
+        from moemesh.checkpoint.load import load_weights
+
+        load_weights(model, args.hf)
+        init_weights(model, args.seed, only=is_adapter)
+    else:
+        init_weights(model, args.seed)
+    model.train()
+    autocast = (
+        torch.autocast(device.type, dtype=torch.bfloat16) if dtype == torch.bfloat16 else contextlib.nullcontext()
+    )
+
+    def forward(ids):
+        with autocast:
+            return model(ids, labels=ids, return_logits=False).loss
+
+    return model, forward
+
+
+# ---- one variant ---------------------------------------------------------------------------------
+
+
+def run_variant(name: str, targets: str, model, forward, args, config: ModelConfig, device) -> dict:
+    trained = [p for p in model.parameters() if p.requires_grad]
+    fused = device.type == "cuda"
+    optimizer = torch.optim.AdamW(trained, lr=1e-4, fused=fused, foreach=None if fused else True)
+    generator = torch.Generator().manual_seed(1234)
+    ids = torch.randint(config.vocab_size, (args.batch, args.seq), generator=generator).to(device)
+    losses = []
+
+    def step():
+        loss = forward(ids)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+
+    step()  # allocates the AdamW state: in the peak
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    ms = median_ms(step, warmup=max(args.warmup - 1, 0), repeat=args.steps)
+    tokens_per_s = args.batch * args.seq / ms * 1e3
+    with torch.device("meta"):  # the same FLOPs for both sides: a moemesh model with these adapters
+        counted = meta_model(config)
+        apply_lora(counted, LoraConfig(rank=args.rank, alpha=args.alpha, targets=ATTENTION, experts=TARGETS[targets]))
+    flops = flops_per_token(counted, args.seq)
+    peak = peak_flops(device)
+    row = {
+        "implementation": name,
+        "LoRA on": targets,
+        "step ms": f"{ms:.0f}",
+        "tokens/s": f"{tokens_per_s:,.0f}",
+        "MFU": f"{tokens_per_s * flops / peak:.1%}" if peak else "n/a",
+        "peak GiB": f"{torch.cuda.max_memory_allocated(device) / 2**30:.1f}" if device.type == "cuda" else "n/a",
+        "trainable": f"{sum(p.numel() for p in trained) / 1e6:.1f}M",
+        "loss": f"{losses[-1].float().item():.4f}",
+        "_tps": tokens_per_s,
+    }
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--hf", help="a Hugging Face directory to read the model from (both sides)")
+    parser.add_argument("--config", help="take the model from this run config (configs/tiny.toml: a CPU smoke run)")
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=1, help="sequences per step")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--alpha", type=float, default=32.0)
+    parser.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, of {', '.join(TARGETS)}")
+    parser.add_argument(
+        "--recompute",
+        default="full,selective",
+        help="moemesh's activation checkpointing modes to run (comma-separated)",
+    )
+    parser.add_argument("--skip-peft", action="store_true", help="moemesh alone (no transformers + PEFT rows)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = model_config(args)
+    rows = []
+    for targets in args.targets.split(","):
+        experts = TARGETS[targets]
+        if not args.skip_peft:
+            model, version, forward = peft_model(config, args, experts, device, dtype)
+            rows.append(run_variant(version, targets, model, forward, args, config, device))
+            del model, forward
+            free()
+        for recompute in args.recompute.split(","):
+            model, forward = moemesh_model(config, args, experts, recompute, device, dtype)
+            rows.append(run_variant(f"moemesh ({recompute} recompute)", targets, model, forward, args, config, device))
+            del model, forward
+            free()
+    if not args.skip_peft:
+        for row in rows:
+            peer = next(
+                r for r in rows if r["LoRA on"] == row["LoRA on"] and r["implementation"].startswith("transformers")
+            )
+            row["tokens/s vs PEFT"] = f"{row['_tps'] / peer['_tps']:.2f}x"
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    source = args.hf or args.config or f"{args.layers}-layer Qwen3-30B-A3B shape, random weights"
+    print(
+        f"device: {gpu}, torch {torch.__version__}; model: {source}; {args.batch}×{args.seq} tokens per step; "
+        f"LoRA r={args.rank} alpha={args.alpha:g}; base {str(dtype).removeprefix('torch.')}, frozen"
+    )
+    print_table([{k: v for k, v in row.items() if not k.startswith("_")} for row in rows], "LoRA training step")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""OpenAI's response objects for a Plan's sequences (protocol.py): a whole completion or chat
+completion, the chunks of a stream and its usage chunk, with log-probabilities in each API's
+shape — completions: tokens, token_logprobs, top_logprobs (the k likeliest and the chosen token)
+and text_offset (where each token's text starts in the choice's text, the echoed prompt
+included); chat: content = [{token, logprob, bytes, top_logprobs}].
+
+With best_of > n the n sequences of each prompt with the highest mean token log-probability are
+the choices (OpenAI's rule); usage counts every sequence's tokens, the others' too. A prompt's
+tokens count once in usage however many choices it has, as OpenAI and vLLM count them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from moemesh.data.tokenizer import Tokenizer
+from moemesh.inference.protocol import Plan
+from moemesh.inference.request import IncrementalText, Logprob, Sequence
+
+
+class Reply:
+    def __init__(self, model: str, plan: Plan, sequences: list[Sequence], tokenizer: Tokenizer):
+        self.model, self.plan, self.sequences, self.tokenizer = model, plan, sequences, tokenizer
+        self.chat = plan.chat
+        self.id = ("chatcmpl-" if plan.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self._strings: dict[int, str] = {}
+
+    def _head(self, chunk: bool) -> dict[str, Any]:
+        kind = ("chat.completion" + (".chunk" if chunk else "")) if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def usage(self) -> dict[str, int]:
+        prompt = sum(len(ids) for ids in self.plan.prompts)
+        completion = sum(len(s.token_ids) for s in self.sequences)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def prompt_of(self, index: int) -> int:
+        """The prompt of sequence `index` (best_of of them a prompt)."""
+        return index // self.plan.best_of
+
+    # ---- whole -------------------------------------------------------------------------------------
+    def chosen(self) -> list[Sequence]:
+        """n sequences a prompt, in choice order."""
+        best_of, n = self.plan.best_of, self.plan.n
+        out = []
+        for p in range(len(self.plan.prompts)):
+            group = self.sequences[p * best_of : (p + 1) * best_of]
+            out += sorted(group, key=lambda s: -s.mean_logprob)[:n] if best_of > n else group
+        return out
+
+    def whole(self) -> dict:
+        choices = []
+        for index, sequence in enumerate(self.chosen()):
+            p = index // self.plan.n
+            if self.chat:
+                choice = {
+                    "index": index,
+                    "message": {"role": "assistant", "content": sequence.text},
+                    "finish_reason": sequence.finish_reason,
+                    "logprobs": self.chat_logprobs(sequence.token_ids, sequence.logprobs),
+                }
+            else:
+                echo = self.plan.echo_texts[p] if self.plan.echo else ""
+                choice = {
+                    "index": index,
+                    "text": echo + sequence.text,
+                    "finish_reason": sequence.finish_reason,
+                    "logprobs": self.completion_logprobs(sequence, 0, len(sequence.token_ids), p, with_prompt=True),
+                }
+            choices.append(choice)
+        return {**self._head(False), "choices": choices, "usage": self.usage()}
+
+    # ---- streamed ----------------------------------------------------------------------------------
+    def first_events(self) -> list[str]:
+        """Chat streams start with each choice's role."""
+        if not self.chat:
+            return []
+        return [self._event(i, {"role": "assistant", "content": ""}, None, None) for i in range(len(self.sequences))]
+
+    def event(self, index: int, text: str, reason: str | None, tokens: tuple[int, int], first: bool) -> str:
+        """Sequence `index`'s chunk: its new final text and the tokens [start, end) it took since the
+        last chunk (their log-probabilities when asked); the first carries the echo."""
+        sequence, p = self.sequences[index], self.prompt_of(index)
+        if self.chat:
+            delta = {"content": text} if text else {}
+            logprobs = self.chat_logprobs(sequence.token_ids[slice(*tokens)], sequence.logprobs[slice(*tokens)])
+            return self._event(index, delta, reason, logprobs)
+        echo = self.plan.echo_texts[p] if self.plan.echo and first else ""
+        logprobs = self.completion_logprobs(sequence, *tokens, p, with_prompt=first)
+        return self._event(index, echo + (text or ""), reason, logprobs)
+
+    def _event(self, index: int, content, reason: str | None, logprobs) -> str:
+        if self.chat:
+            choice = {"index": index, "delta": content, "finish_reason": reason, "logprobs": logprobs}
+        else:
+            choice = {"index": index, "text": content, "finish_reason": reason, "logprobs": logprobs}
+        return _sse({**self._head(True), "choices": [choice]})
+
+    def usage_event(self) -> str:
+        return _sse({**self._head(True), "choices": [], "usage": self.usage()})
+
+    # ---- log-probabilities -------------------------------------------------------------------------
+    def string(self, token: int) -> str:
+        if token not in self._strings:
+            self._strings[token] = self.tokenizer.decode([token])
+        return self._strings[token]
+
+    def completion_logprobs(self, sequence: Sequence, start: int, end: int, p: int, with_prompt: bool) -> dict | None:
+        if self.plan.logprobs is None:
+            return None
+        tokens, logprobs, offsets = [], [], []
+        shift = 0
+        if self.plan.echo:
+            shift = len(self.plan.echo_texts[p])
+            if with_prompt:
+                prompt = self.plan.prompts[p]
+                tokens, logprobs = list(prompt), list(sequence.prompt_logprobs or [None] * len(prompt))
+                offsets = _offsets(self.tokenizer, prompt)
+        tokens += sequence.token_ids[start:end]
+        logprobs += sequence.logprobs[start:end]
+        offsets += [shift + o for o in sequence.offsets[start:end]]
+        if not tokens:
+            return None
+        return {
+            "tokens": [self.string(t) for t in tokens],
+            "token_logprobs": [None if lp is None else lp.logprob for lp in logprobs],
+            "top_logprobs": [None if lp is None else self._top(t, lp) for t, lp in zip(tokens, logprobs)],
+            "text_offset": offsets,
+        }
+
+    def _top(self, token: int, logprob: Logprob) -> dict[str, float]:
+        top = {self.string(i): v for i, v in logprob.top[: self.plan.logprobs]}
+        top.setdefault(self.string(token), logprob.logprob)  # the chosen token always (OpenAI: up to k + 1)
+        return top
+
+    def chat_logprobs(self, tokens: list[int], logprobs: list[Logprob]) -> dict | None:
+        if self.plan.logprobs is None:
+            return None
+
+        def entry(token: int, value: float) -> dict:
+            text = self.string(token)
+            return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+
+        content = [
+            {**entry(t, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top[: self.plan.logprobs]]}
+            for t, lp in zip(tokens, logprobs)
+        ]
+        return {"content": content, "refusal": None}
+
+
+def _offsets(tokenizer: Tokenizer, ids: list[int]) -> list[int]:
+    """Where each token's text starts in the text of `ids` (the characters final before it)."""
+    text, length, offsets = IncrementalText(tokenizer), 0, []
+    for token in ids:
+        offsets.append(length)
+        length += len(text.add(token))
+    return offsets
+
+
+def _sse(data: dict) -> str:
+    return "data: " + json.dumps(data, ensure_ascii=False) + "\n\n"

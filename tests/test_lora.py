@@ -1,0 +1,221 @@
+"""LoRA (`models/lora.py`) in one process, fp32 on CPU, against a float64 reference built from the
+merged weights W + s·B·A (the definition of what an adapter computes): the loss, the logits and
+every adapter's gradient, differentiated through the merge. Attention, a dense MLP layer, DeepSeek's
+shared experts and latent attention, and every expert of every MoE layer carry adapters; B is made
+non-zero so that both factors matter. The expert banks' grouped-GEMM path is also checked alone
+with empty experts, a single token, no tokens and a strong imbalance.
+
+Tolerance 1e-5 relative: the fp32 model against the fp64 one differs by fp32 rounding (~1e-7 per
+operation) over a few hundred operations; a wrong scaling, a transposed factor or an adapter on the
+wrong expert is orders larger."""
+
+import pytest
+import torch
+from torch.func import functional_call
+
+from moemesh.errors import ConfigError
+from moemesh.models import ModelConfig, build
+from moemesh.models.build import init_weights, meta_model
+from moemesh.models.lora import LoraConfig, apply_lora, has_adapter, is_adapter, merge_adapters
+from moemesh.models.moe import EXPERT_BANKS, Experts
+from moemesh.train.optim import build_optimizer
+from numerics import rel_err
+from test_activation_checkpointing import DEEPSEEK_V3, QWEN3
+
+RTOL = 1e-5
+QWEN3_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "layers.1.mlp.*_proj"]  # attention, the dense layer
+DEEPSEEK_TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "shared_experts.*", "mlp.gate"]
+
+
+def lora_model(config: ModelConfig, lora: LoraConfig, seed: int = 3) -> torch.nn.Module:
+    """Built on the meta device, adapted, then initialised (as the trainer does); B made non-zero."""
+    model = meta_model(config)
+    apply_lora(model, lora)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    init_weights(model, seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("lora_B") or name.endswith("bias"):
+                param.normal_(0.0, 0.3, generator=generator)
+    return model
+
+
+def merged_weights(model: torch.nn.Module, factors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every adapted weight as W + s·B·A in float64, differentiable in the factors `factors`."""
+    merged = {}
+    for name, module in model.named_modules():
+        if has_adapter(module):
+            a, b = factors[f"{name}.lora_A"], factors[f"{name}.lora_B"]
+            merged[f"{name}.weight"] = module.weight.double() + b @ a * module.lora_scaling
+        if isinstance(module, Experts):
+            for bank, scaling in module.lora_scaling.items():
+                a, b = factors[f"{name}.{bank}_lora_A"], factors[f"{name}.{bank}_lora_B"]
+                merged[f"{name}.{bank}"] = getattr(module, bank).double() + torch.bmm(b, a) * scaling
+    return merged
+
+
+def reference(model, config, input_ids):
+    """(loss, logits, gradients of every factor and trained router parameter) in float64."""
+    base = build(config, dtype=torch.float64)
+    base.load_state_dict({k: v.double() for k, v in model.state_dict().items() if not is_adapter(k)})
+    trained = {name: p.detach().double().requires_grad_() for name, p in model.named_parameters() if p.requires_grad}
+    params = {**merged_weights(model, trained), **{k: v for k, v in trained.items() if not is_adapter(k)}}
+    out = functional_call(base, params, (input_ids,), {"labels": input_ids})
+    out.loss.backward()
+    return out.loss, out.logits, {name: t.grad for name, t in trained.items()}
+
+
+@pytest.mark.parametrize(
+    "config, targets", [(QWEN3, QWEN3_TARGETS), (DEEPSEEK_V3, DEEPSEEK_TARGETS)], ids=["qwen3", "deepseek_v3"]
+)
+def test_adapters_equal_the_merged_weights_in_float64(config, targets):
+    model = lora_model(config, LoraConfig(rank=4, alpha=12.0, targets=targets))
+    input_ids = torch.randint(0, config.vocab_size, (2, 17))
+    out = model(input_ids, labels=input_ids)
+    out.loss.backward()
+    ref_loss, ref_logits, ref_grads = reference(model, config, input_ids)
+
+    assert rel_err(out.loss, ref_loss) <= RTOL
+    assert rel_err(out.logits, ref_logits) <= RTOL
+    trained = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    assert trained.keys() == ref_grads.keys()
+    adapters = [name for name in trained if is_adapter(name)]
+    banks = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers)) * len(EXPERT_BANKS)
+    assert len(adapters) == 2 * (len([m for m in model.modules() if has_adapter(m)]) + banks)
+    for name, param in trained.items():
+        assert param.grad is not None and ref_grads[name].norm() > 0, name
+        assert rel_err(param.grad, ref_grads[name]) <= RTOL, name
+    # The base is frozen: no gradient, and no optimizer state (only what trains is in the optimizer).
+    for name, param in model.named_parameters():
+        assert (param.grad is None) == (not param.requires_grad), name
+    optimized = {id(p) for group in build_optimizer(model, _train()).param_groups for p in group["params"]}
+    assert optimized == {id(p) for p in trained.values()}
+    if config is DEEPSEEK_V3:  # "mlp.gate" names the routers: trained in full, not adapted
+        assert all(p.requires_grad for n, p in model.named_parameters() if n.endswith("mlp.gate.weight"))
+    else:
+        assert not any(p.requires_grad for n, p in model.named_parameters() if ".mlp.gate." in n)
+
+
+def _train():
+    from moemesh.config import TrainConfig
+
+    return TrainConfig()
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [[0, 5, 0, 1], [1, 0, 0, 0], [30, 1, 0, 2], [0, 0, 0, 0]],
+    ids=["empty-experts", "one-token", "imbalance", "no-tokens"],
+)
+def test_expert_adapters_in_the_grouped_gemms(sizes):
+    """The bank with adapters on its grouped rows against each expert's own merged weights in
+    float64, output and factor gradients; an expert that got no row gets a zero gradient."""
+    config = QWEN3.replace(num_experts=len(sizes), moe_intermediate_size=12, hidden_size=32)
+    model = lora_model(
+        config.replace(num_hidden_layers=1, mlp_only_layers=[]), LoraConfig(rank=3, alpha=5.0, targets=[])
+    )
+    experts = model.model.layers[0].mlp.experts
+    group_sizes = torch.tensor(sizes)
+    x = torch.randn(sum(sizes), config.hidden_size, requires_grad=True)
+    out = experts(x, group_sizes)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+
+    factors = {
+        f"{bank}_lora_{f}": getattr(experts, f"{bank}_lora_{f}").detach().double().requires_grad_()
+        for bank in EXPERT_BANKS
+        for f in "AB"
+    }
+    weights = {
+        bank: getattr(experts, bank).double()
+        + torch.bmm(factors[f"{bank}_lora_B"], factors[f"{bank}_lora_A"]) * experts.lora_scaling[bank]
+        for bank in EXPERT_BANKS
+    }
+    x64 = x.detach().double().requires_grad_()
+    rows = []
+    for e, piece in enumerate(x64.split(sizes)):
+        gate, up = (piece @ weights["gate_up_proj"][e].T).chunk(2, dim=-1)
+        rows.append((torch.nn.functional.silu(gate) * up) @ weights["down_proj"][e].T)
+    expected = torch.cat(rows)
+    expected.backward(grad_out.double())
+    assert out.shape == expected.shape
+    if sum(sizes):
+        assert rel_err(out, expected) <= RTOL
+        assert rel_err(x.grad, x64.grad) <= RTOL
+    for name, factor in factors.items():
+        grad = getattr(experts, name).grad
+        assert grad is not None and grad.shape == factor.shape, name
+        for e, size in enumerate(sizes):
+            if size == 0:
+                assert torch.equal(grad[e], torch.zeros_like(grad[e])), (name, e)
+            else:
+                assert rel_err(grad[e], factor.grad[e]) <= RTOL, (name, e)
+
+
+def test_merge_gives_the_adapted_logits():
+    model = lora_model(QWEN3, LoraConfig(rank=4, alpha=8.0, targets=QWEN3_TARGETS))
+    input_ids = torch.randint(0, QWEN3.vocab_size, (2, 11))
+    with torch.no_grad():
+        adapted = model(input_ids).logits
+        merge_adapters(model)
+        merged = model(input_ids).logits
+    assert not any(is_adapter(name) for name, _ in model.named_parameters())
+    assert not any(has_adapter(m) for m in model.modules())
+    assert rel_err(merged, adapted) <= RTOL
+
+
+def test_fresh_adapters_start_as_the_base():
+    """B starts at zero: the adapted model computes the base's logits exactly; A's initial std
+    is PEFT's (1/sqrt(3·in))."""
+    model = lora_model(QWEN3, LoraConfig(rank=8, alpha=16.0), seed=5)
+    init_weights(model, 5)  # undo the test's non-zero B
+    input_ids = torch.randint(0, QWEN3.vocab_size, (2, 11))
+    base = build(QWEN3, seed=5)
+    assert torch.equal(model(input_ids).logits, base(input_ids).logits)
+    a = model.model.layers[0].self_attn.q_proj.lora_A
+    assert abs(a.std().item() * (3 * QWEN3.hidden_size) ** 0.5 - 1) < 0.15
+
+
+@pytest.mark.parametrize(
+    "lora, message",
+    [
+        (LoraConfig(rank=4, targets=["q_proj", "qkv_proj"]), "lora.targets: 'qkv_proj' matches no projection"),
+        (LoraConfig(rank=-1), "lora.rank must be >= 0"),
+        (LoraConfig(rank=4, dropout=1.0), r"lora.dropout must be in \[0, 1\)"),
+        (LoraConfig(rank=4, targets=[], experts=False), "nothing to adapt"),
+    ],
+)
+def test_bad_lora_settings_are_config_errors(lora, message):
+    with pytest.raises(ConfigError, match=message):
+        apply_lora(meta_model(QWEN3), lora)
+
+
+def test_lora_section_of_the_run_config():
+    from moemesh.config import load_config
+
+    config = load_config(
+        None, ["lora.rank=16", "lora.alpha=32", 'lora.targets=["q_proj", "v_proj"]', "lora.experts=false"]
+    )
+    assert (config.lora.rank, config.lora.alpha, config.lora.targets, config.lora.experts) == (
+        16,
+        32.0,
+        ["q_proj", "v_proj"],
+        False,
+    )
+    with pytest.raises(ConfigError, match="lora.targets must be of type list"):
+        load_config(None, ["lora.rank=16", "lora.targets=q_proj"])
+    with pytest.raises(ConfigError, match="unknown config key 'lora.ranks'"):
+        load_config(None, ["lora.ranks=16"])
+
+
+def test_frozen_base_takes_no_weight_gradient_flops():
+    """MFU counts 4 FLOPs per frozen parameter and token (forward, input gradient), 6 per trained one."""
+    from moemesh.train.flops import flops_per_token
+
+    base = build(QWEN3)
+    adapted = lora_model(QWEN3, LoraConfig(rank=4, targets=["q_proj"], experts=False))
+    adapter_params = sum(p.numel() for n, p in adapted.named_parameters() if is_adapter(n))
+    frozen = base.num_params(active=True) - base.model.embed_tokens.weight.numel()
+    assert flops_per_token(adapted, 32) == pytest.approx(flops_per_token(base, 32) - 2 * frozen + 6 * adapter_params)
