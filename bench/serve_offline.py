@@ -226,8 +226,10 @@ def main():
     parser.add_argument("--prefix-len", type=int, default=1024, help="shared prefix of the prefix table (0: no table)")
     parser.add_argument("--repeat", type=int, default=3, help="timed repetitions of the prefill and prefix tables")
     parser.add_argument(
-        "--dtype", choices=["bfloat16", "float32"], help="moemesh's weights (default bf16 on a GPU): float32 "
-        "shows whether a disagreement with the prompt alone is bf16's rounding"
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        help="moemesh's weights (default bf16 on a GPU): float32 "
+        "shows whether a disagreement with the prompt alone is bf16's rounding",
     )
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--no-moemesh", action="store_true", help="transformers alone (a run of its own for 48 layers)")
