@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import time
 
 import torch
 
@@ -149,10 +150,20 @@ def prefill_rows(model, args, config) -> list[dict]:
     return rows  # the engine is freed by the caller's free()
 
 
+def first_token(scheduler: Scheduler, request: list[int]) -> tuple[float, int]:
+    """(seconds from submitting the request to its first token, its prompt tokens found cached)."""
+    first, cached = [], scheduler.cached_tokens
+    sync()
+    start = time.perf_counter()
+    scheduler.submit(request, SamplingParams(max_tokens=1), lambda s, text: first.append(time.perf_counter()))
+    scheduler.run_until_idle()
+    return first[0] - start, scheduler.cached_tokens - cached
+
+
 def prefix_rows(model, args, config, tokenizer) -> list[dict]:
-    """Time to first token: a request of a new --prefix-len prefix and a 64-token suffix, then
-    requests of the same prefix and other suffixes, one at a time (each a scheduler run of one
-    token); again with prefix caching off."""
+    """Time to first token (submit to the first sampled token, one scheduler throughout): a request
+    of a new --prefix-len prefix and a 64-token suffix, then requests of the same prefix and other
+    suffixes, one at a time; again with prefix caching off."""
     generator = torch.Generator().manual_seed(2)
     prefix = torch.randint(1, config.vocab_size, (args.prefix_len,), generator=generator).tolist()
     suffix = max(1, min(64, args.prefix_len // 4))
@@ -160,13 +171,12 @@ def prefix_rows(model, args, config, tokenizer) -> list[dict]:
     for caching in (True, False):
         engine = make_engine(model, args, args.prefix_len + suffix + 2, tokens=8 * (args.prefix_len + suffix + 2))
         engine.blocks.prefix_caching = caching
-        # warm-up: compiles the kernels of a step of this size (an unrelated prompt)
-        generate(engine, tokenizer, [torch.randint(1, config.vocab_size, (args.prefix_len + suffix,)).tolist()])
-        ttft = []
-        for _ in range(1 + args.repeat):
-            request = prefix + torch.randint(1, config.vocab_size, (suffix,), generator=generator).tolist()
-            seconds, scheduler, _ = run_scheduler(engine, tokenizer, [request], SamplingParams(max_tokens=1))
-            ttft.append((seconds, scheduler.cached_tokens))
+        scheduler = Scheduler(engine, tokenizer, max_waiting=4)
+        for _ in range(2):  # warm-up: the kernels of steps of both sizes (unrelated prompts)
+            first_token(scheduler, torch.randint(1, config.vocab_size, (args.prefix_len + suffix,)).tolist())
+            first_token(scheduler, torch.randint(1, config.vocab_size, (suffix,)).tolist())
+        suffixes = [torch.randint(1, config.vocab_size, (suffix,), generator=generator) for _ in range(1 + args.repeat)]
+        ttft = [first_token(scheduler, prefix + s.tolist()) for s in suffixes]
         followers = statistics.median(s for s, _ in ttft[1:])
         rows.append(
             {
@@ -178,7 +188,7 @@ def prefix_rows(model, args, config, tokenizer) -> list[dict]:
                 "cached tokens per follower": ttft[-1][1],
             }
         )
-        del engine
+        del engine, scheduler
         free()
     return rows
 

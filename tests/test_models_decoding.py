@@ -33,7 +33,7 @@ def paged_cache(rows: int, max_len: int, block_size: int = 4, spare: int = 3, se
     """A cache whose rows own shuffled blocks (random block tables), with spare blocks unused."""
     per_row = math.ceil(max_len / block_size)
     cache = PagedKVCache(1 + rows * per_row + spare, block_size, rows, max_len)
-    order = torch.randperm(cache.num_blocks - 1, generator=torch.Generator().manual_seed(seed)) + 1
+    order = torch.randperm(cache.num_blocks - 1, generator=torch.Generator().manual_seed(seed), device="cpu") + 1
     cache.block_tables[:rows] = order[: rows * per_row].view(rows, per_row).to(torch.int32)
     return cache
 
