@@ -15,10 +15,10 @@ With --layers or --config this script starts the server itself, in a child proce
 built on the device with random weights (no 61 GB checkpoint to write and read), the engine
 `moemesh serve` would make with its defaults (cli's own parser and engine), and then
 `inference.server.Service` on a free port. Before it serves, the child runs the engine-alone
-side for every client count (after a warm-up pass of one request a client, so that both sides
-find their CUDA graphs captured) and reports its capacity: the pool's tokens, its rows, and one
-request of --long-prompt tokens (a 32k context). Clients run in --client-procs processes (threads
-within each), so that the clients' own Python does not bound what is measured.
+side for every client count and reports its capacity: the pool's tokens, its rows, and one
+request of --long-prompt tokens (a 32k context). Each side runs each workload twice and times
+the second, so that both find the CUDA graphs of their batches and lengths captured. Clients run
+in --client-procs processes (threads within each), so that their own Python bounds nothing.
 
 Prompts are random lowercase letters (the byte tokenizer: a prompt of L letters is L tokens),
 greedy, no end-of-sequence stop (the child's tokenizer has none): every request makes exactly
@@ -133,9 +133,7 @@ def serve_child(args) -> None:
             f"one prompt of {args.long_prompt:,} tokens + 16 new: {seconds:.2f} s ({sequence.finish_reason})"
         )
     for clients in args.client_counts:
-        requests, args.requests = args.requests, 1
         engine_alone(scheduler, tokenizer, clients, args)  # warm-up: graphs of these batches and lengths
-        args.requests = requests
         report["engine"].append(engine_alone(scheduler, tokenizer, clients, args))
     print("REPORT " + json.dumps(report), flush=True)
     Service(engine, tokenizer, model_name="random", max_waiting=max(args.client_counts) + 1).serve(
@@ -250,6 +248,7 @@ def main():
         rows = []
         engine_rows = {r["clients"]: r for r in (report or {}).get("engine", [])}
         for clients in args.client_counts:
+            load(url, model, clients, args)  # warm-up, as the engine's side had
             row = load(url, model, clients, args)
             alone = engine_rows.get(clients)
             if alone:

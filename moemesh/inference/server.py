@@ -49,6 +49,7 @@ from moemesh.inference.responses import Reply
 from moemesh.inference.scheduler import QueueFull, Scheduler
 
 log = logging.getLogger("moemesh.serve")
+SWITCH_INTERVAL_S = 2e-4
 
 
 class Service:
@@ -102,6 +103,10 @@ class Service:
             )
         rounds = functools.partial(self.scheduler.serve_forever, after_step=self.deliver)
         worker = threading.Thread(target=rounds, name="moemesh-scheduler", daemon=True)
+        # The scheduler's thread is the GPU's critical path: when a step's tokens are back it must
+        # get the GIL from the event loop at once, not after Python's default 5 ms turn.
+        switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         worker.start()
         self.server = uvicorn.Server(
             uvicorn.Config(self.app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
@@ -114,6 +119,7 @@ class Service:
         finally:
             self.scheduler.close()
             worker.join()
+            sys.setswitchinterval(switch_interval)
 
     def deliver(self) -> None:
         """On the scheduler's thread after a round: its updates to their requests' queues."""
