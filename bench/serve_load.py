@@ -41,7 +41,9 @@ from bench.common import print_table
 
 
 def prompt_texts(client: int, args) -> list[str]:
-    rng = random.Random(client)
+    """Client `client`'s prompts in pass `args.salt` (other passes' prompts differ: the prefix cache
+    finds nothing of them)."""
+    rng = random.Random(f"{args.salt} {client}")
     return ["".join(chr(rng.randint(97, 122)) for _ in range(args.prompt_len)) for _ in range(args.requests)]
 
 
@@ -133,7 +135,9 @@ def serve_child(args) -> None:
             f"one prompt of {args.long_prompt:,} tokens + 16 new: {seconds:.2f} s ({sequence.finish_reason})"
         )
     for clients in args.client_counts:
+        args.salt = f"engine warm-up {clients}"
         engine_alone(scheduler, tokenizer, clients, args)  # warm-up: graphs of these batches and lengths
+        args.salt = f"engine {clients}"
         report["engine"].append(engine_alone(scheduler, tokenizer, clients, args))
     print("REPORT " + json.dumps(report), flush=True)
     Service(engine, tokenizer, model_name="random", max_waiting=max(args.client_counts) + 1).serve(
@@ -248,7 +252,9 @@ def main():
         rows = []
         engine_rows = {r["clients"]: r for r in (report or {}).get("engine", [])}
         for clients in args.client_counts:
+            args.salt = f"serve warm-up {clients}"
             load(url, model, clients, args)  # warm-up, as the engine's side had
+            args.salt = f"serve {clients}"
             row = load(url, model, clients, args)
             alone = engine_rows.get(clients)
             if alone:

@@ -150,6 +150,57 @@ def prefill_rows(model, args, config) -> list[dict]:
     return rows  # the engine is freed by the caller's free()
 
 
+def profile_rows(model, args, config) -> list[dict]:
+    """One packed step of --profile-step new tokens after a cached 1,024-token prefix (a prefix
+    reuse follower's step), profiled: wall, GPU busy, kernels, synchronisations, top kernels."""
+    import gzip
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from bench.common import interval_length, merged, profiled_kernels
+
+    prefix, new = 1024, args.profile_step
+    engine = make_engine(model, args, prefix + new + 1, tokens=4 * (prefix + new))
+    blocks = engine.blocks.allocate(math.ceil((prefix + new) / engine.block_size))
+    engine.set_blocks(0, blocks)
+    ids = torch.randint(1, config.vocab_size, (prefix + new,)).tolist()
+    engine.step([Chunk(0, ids[:prefix], 0, False)])
+    chunk = [Chunk(0, ids[prefix:], prefix, True)]
+    for _ in range(3):
+        engine.step(chunk)  # warm-up
+    wall = statistics.median(timed(lambda: engine.step(chunk))[0] for _ in range(5))
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json.gz"
+        kernels = profiled_kernels(lambda: engine.step(chunk), trace, host=True)
+        events = json.loads(gzip.open(trace, "rt").read())["traceEvents"]
+    runtime: dict[str, int] = {}
+    for e in events:
+        if e.get("cat") == "cuda_runtime" and ("Synchronize" in e["name"] or "Memcpy" in e["name"]):
+            runtime[e["name"]] = runtime.get(e["name"], 0) + 1
+    busy = interval_length(merged([(k["ts"], k["ts"] + k["dur"]) for k in kernels]))
+    by_name: dict[str, list[float]] = {}
+    for k in kernels:
+        entry = by_name.setdefault(k["name"][:70], [0.0, 0])
+        entry[0] += k["dur"]
+        entry[1] += 1
+    engine.blocks.release(blocks)
+    rows = [
+        {
+            "what": f"step of {new} tokens after {prefix} cached",
+            "wall ms": f"{wall * 1e3:.1f}",
+            "GPU busy ms": f"{busy / 1e3:.1f}",
+            "kernels": len(kernels),
+            "syncs and copies": ", ".join(f"{n} ×{c}" for n, c in sorted(runtime.items())),
+        }
+    ]
+    rows += [
+        {"what": name, "GPU busy ms": f"{t / 1e3:.2f}", "kernels": c}
+        for name, (t, c) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:12]
+    ]
+    return rows
+
+
 def first_token(scheduler: Scheduler, request: list[int]) -> tuple[float, int]:
     """(seconds from submitting the request to its first token, its prompt tokens found cached)."""
     first, cached = [], scheduler.cached_tokens
@@ -234,6 +285,8 @@ def main():
     )
     parser.add_argument("--short-len", type=int, default=256, help="length of the prefill table's short prompts")
     parser.add_argument("--prefix-len", type=int, default=1024, help="shared prefix of the prefix table (0: no table)")
+    parser.add_argument("--profile-step", type=int, default=0, help="profile a step of N tokens after a cached prefix")
+    parser.add_argument("--offline", action=argparse.BooleanOptionalAction, default=True, help="the offline table")
     parser.add_argument("--repeat", type=int, default=3, help="timed repetitions of the prefill and prefix tables")
     parser.add_argument(
         "--dtype",
@@ -249,7 +302,9 @@ def main():
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16 if device.type == "cuda" else torch.float32
     config = load_config(args.config).model if args.config else qwen3_30b_a3b(args.layers)
-    longest = max(args.prompt_lens[1] + args.new_tokens + 1, args.prefill_len + 1, args.prefix_len + 66)
+    longest = max(
+        args.prompt_lens[1] + args.new_tokens + 1, args.prefill_len + 1, args.prefix_len + 66, 1026 + args.profile_step
+    )
     config = config.replace(
         max_position_embeddings=max(config.max_position_embeddings, longest), output_router_logits=False
     )
@@ -269,13 +324,16 @@ def main():
     rows = []
     if not args.no_moemesh:
         model = moemesh_model(config, device, dtype)
-        rows = offline_rows(model, args, prompts, tokenizer)
-        print_table(rows, offline_title)  # printed at once: a later table may run out of time or memory
+        if args.offline:
+            rows = offline_rows(model, args, prompts, tokenizer)
+            print_table(rows, offline_title)  # printed at once: a later table may run out of time or memory
         if args.prefill_len:
             print_table(prefill_rows(model, args, config), f"prefill, one packed step; {title}")
             free()
         if args.prefix_len:
             print_table(prefix_rows(model, args, config, tokenizer), f"prefix reuse; {title}")
+        if args.profile_step and device.type == "cuda":
+            print_table(profile_rows(model, args, config), f"one packed step, profiled; {title}")
         del model
         free()
     if not args.no_transformers:
