@@ -27,6 +27,7 @@ bf16). Prints a table per model; nothing is written.
 from __future__ import annotations
 
 import argparse
+import math
 import time
 
 import torch
@@ -35,7 +36,7 @@ from bench.common import print_table, qwen3_30b_a3b, sync, timed
 from bench.e2e import free, transformers_model
 from moemesh.config import load_config
 from moemesh.data.tokenizer import ByteTokenizer
-from moemesh.inference.engine import DecodeEngine, RowStep, Sampling
+from moemesh.inference.engine import Chunk, DecodeEngine, RowStep, Sampling
 from moemesh.inference.generate import generate
 from moemesh.inference.request import SamplingParams
 from moemesh.inference.scheduler import Scheduler
@@ -99,10 +100,13 @@ def moemesh_rows(config, args, device, dtype, prompts) -> tuple[list[dict], dict
 
 def scheduler_step_ms(engine: DecodeEngine, tokenizer, prompts: list[list[int]], new_tokens: int):
     """Milliseconds a decode step as `generate` runs it (scheduler, stops, text), the prompts'
-    prefill left out: all prompts submitted, the first round (every prefill and one decode step)
-    untimed, the rest timed until all have `new_tokens`. Returns it and the sequences."""
+    prefill left out: all prompts submitted, the rounds until every prompt is prefilled (the token
+    budget may take several) and one decode step untimed, the rest timed until all have
+    `new_tokens`. Returns it and the sequences."""
     scheduler = Scheduler(engine, tokenizer, max_waiting=len(prompts))
     sequences = [scheduler.submit(prompt, SamplingParams(max_tokens=new_tokens)) for prompt in prompts]
+    while not all(s.token_ids for s in sequences):
+        scheduler.step()
     scheduler.step()
     sync()
     start, steps = time.perf_counter(), 0
@@ -112,11 +116,20 @@ def scheduler_step_ms(engine: DecodeEngine, tokenizer, prompts: list[list[int]],
 
 
 def engine_steps(engine: DecodeEngine, prompts: list[list[int]]):
-    """The engine alone, without the scheduler and the text: every row prefilled and one decode
-    step run (graphs captured); returns step(i), the (i+1)-th decode step of all rows (it reads
-    the new tokens back, as the scheduler does)."""
+    """The engine alone, without the scheduler and the text: every row given the blocks of a
+    whole sequence, the prompts prefilled (packed, within the token budget) and one decode step
+    run (graphs captured); returns step(i), the (i+1)-th decode step of all rows (it reads the
+    new tokens back, as the scheduler does), and the blocks to release."""
     sampling = Sampling()
-    tokens = [engine.prefill(row, prompt, sampling) for row, prompt in enumerate(prompts)]
+    held = []
+    for row in range(len(prompts)):
+        held += engine.blocks.allocate(math.ceil(engine.max_len / engine.block_size))
+        engine.set_blocks(row, held[-math.ceil(engine.max_len / engine.block_size) :])
+    per_step = max(1, engine.max_num_batched_tokens // len(prompts[0]))
+    tokens = []
+    for first in range(0, len(prompts), per_step):
+        rows = range(first, min(first + per_step, len(prompts)))
+        tokens += engine.step([Chunk(row, prompts[row], 0, True, 0, sampling) for row in rows])
 
     def step(i: int) -> None:
         tokens[:] = engine.decode(
@@ -125,16 +138,18 @@ def engine_steps(engine: DecodeEngine, prompts: list[list[int]]):
 
     step(0)
     sync()
-    return step
+    return step, held
 
 
 def engine_step_ms(engine: DecodeEngine, prompts: list[list[int]], steps: int) -> float:
     """Milliseconds a decode step of all rows, the engine alone, over `steps` - 1 steps."""
-    step = engine_steps(engine, prompts)
+    step, held = engine_steps(engine, prompts)
     start = time.perf_counter()
     for i in range(1, steps):
         step(i)
-    return (time.perf_counter() - start) / (steps - 1) * 1e3
+    elapsed = time.perf_counter() - start
+    engine.blocks.release(held)
+    return elapsed / (steps - 1) * 1e3
 
 
 def profile_rows(config, args, device, prompts) -> list[dict]:
@@ -148,7 +163,7 @@ def profile_rows(config, args, device, prompts) -> list[dict]:
     model = build(config, seed=0, device=device).eval()
     steps, batch = args.profile_steps, args.profile_batch
     engine = DecodeEngine(model, max_batch=batch, max_len=args.prompt_len + steps + 2)
-    step = engine_steps(engine, prompts[:batch])
+    step, _ = engine_steps(engine, prompts[:batch])
     kernels = profiled_kernels(lambda: [step(i) for i in range(1, steps + 1)])
     by_name = defaultdict(lambda: [0, 0.0])
     for kernel in kernels:

@@ -17,9 +17,16 @@
 #       and with the experts read per expert at every batch, transformers at batch 1 and 64 beside
 #       it; the 6-layer shape at batch 1 and 64, transformers at batch 1
 #   bash bench/gpu_checks_inference.sh profile  the kernels of a 6-layer decode step at batch 1 and 64
-#   bash bench/gpu_checks_inference.sh serve    a 6-layer checkpoint served by `moemesh serve`
-#       under 1, 16 and 64 concurrent streaming clients (bench/serve_load.py); the kernels of a
-#       batch-1 decode step; the kernels' table; checkpoint save/verify/load speed
+#   bash bench/gpu_checks_inference.sh serve    the 6-layer shape served by `moemesh serve`'s
+#       engine under 1, 16 and 64 streaming openai clients, beside the engine alone (serve_load.py)
+#   bash bench/gpu_checks_inference.sh serve48  the same, 48-layer shape, 1 to 256 clients, with
+#       the capacity of serve's default settings (a 32k-token prompt)
+#   bash bench/gpu_checks_inference.sh paged    the GPU tests of the paged cache, kernels and
+#       scheduler (compiled, bf16 included); the offline workload, prefill and prefix tables on
+#       the 6-layer shape beside transformers (bench/serve_offline.py); its agreement in fp32
+#   bash bench/gpu_checks_inference.sh offline48  the offline workload (256 prompts of 128-1024
+#       tokens, 256 new each) and the prefill and prefix tables, 48-layer shape, moemesh alone
+#   bash bench/gpu_checks_inference.sh peer48   the same workload through transformers' generate_batch
 # Packages the image lacks (fastapi, uvicorn and theirs) travel as wheels in .whl (device README).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.:${PYTHONPATH:-} NCCL_NVLS_ENABLE=0
@@ -33,6 +40,22 @@ setup)
         > "$LOGS/gpu_tests.txt" 2>&1
     echo "== GPU tests"; grep -E "passed|failed|Error" "$LOGS/gpu_tests.txt" | tail -5
     timeout 360 python3 bench/load.py 2>&1 | quiet | tail -16
+    ;;
+paged)
+    timeout 300 python3 -m pytest -q tests/test_ops_decode_kernels.py tests/test_models_decoding.py \
+        tests/test_inference_paging.py tests/test_inference_generate.py > "$LOGS/paged_tests.txt" 2>&1
+    echo "== GPU tests"; grep -E "passed|failed|Error" "$LOGS/paged_tests.txt" | tail -5
+    timeout 200 python3 bench/serve_offline.py --layers 6 --prompts 64 --new-tokens 128 2>&1 | quiet | tail -30
+    timeout 100 python3 bench/serve_offline.py --layers 6 --prompts 64 --new-tokens 128 --dtype float32 --check 16 \
+        --prefill-len 0 --prefix-len 0 --no-transformers 2>&1 | quiet | tail -6
+    ;;
+offline48)
+    timeout 580 python3 bench/serve_offline.py --layers 48 --prompts 256 --new-tokens 256 --no-transformers \
+        2>&1 | quiet | tail -30
+    ;;
+peer48)
+    timeout 580 python3 bench/serve_offline.py --layers 48 --prompts 256 --new-tokens 256 --no-moemesh \
+        2>&1 | quiet | tail -12
     ;;
 decode6)
     timeout 560 python3 bench/decode.py --layers 6 2>&1 | quiet | tail -20
@@ -71,15 +94,9 @@ decode48)
     timeout 560 python3 bench/decode.py --layers 48 2>&1 | quiet | tail -20
     ;;
 serve)
-    python3 bench/serve_load.py --write-checkpoint /tmp/q6 --layers 6 > "$LOGS/write.txt" 2>&1
-    python3 -m moemesh serve --checkpoint /tmp/q6 --max-batch 64 --max-len 1024 > "$LOGS/serve.txt" 2>&1 &
-    server=$!
-    for _ in $(seq 120); do curl -s http://127.0.0.1:8000/health > /dev/null && break; sleep 1; done
-    timeout 300 python3 bench/serve_load.py --clients 1,16,64 --requests 4 --prompt-len 512 --max-tokens 128 \
-        2>&1 | quiet | tail -8
-    kill $server
-    timeout 120 python3 bench/decode.py --layers 6 --profile-steps 64 2>&1 | quiet | grep "|" | head -32
-    timeout 150 python3 bench/kernels.py 2>&1 | quiet | grep -i -B3 -A12 "expert_gemv" | head -30
-    timeout 150 python3 bench/checkpoint_io.py --gb 8 --dir /tmp --drop-caches 2>&1 | quiet | tail -12
+    timeout 290 python3 bench/serve_load.py --layers 6 --clients 1,16,64 2>&1 | quiet | tail -14
+    ;;
+serve48)
+    timeout 580 python3 bench/serve_load.py --layers 48 --clients 1,16,64,256 2>&1 | quiet | tail -16
     ;;
 esac

@@ -1,126 +1,280 @@
-"""Load on a running `moemesh serve`: N concurrent clients, each streaming requests one after
-another; prints completion tokens/s over the run and the time to first token (p50, p99).
+"""Load on `moemesh serve` through the official `openai` client: N concurrent clients, each
+streaming requests one after another; completion tokens/s over the run and the time to first
+token (p50, p99), beside the engine alone on the very same workload (the scheduler driven in the
+server's process, N requests in flight, no HTTP): the share of the engine the server delivers.
 
-    # a random-weight 6-layer Qwen3-30B-A3B-shaped checkpoint (bf16, 8.6 GB), then the server:
-    PYTHONPATH=. python3 bench/serve_load.py --write-checkpoint /tmp/q6 --layers 6
-    python3 -m moemesh serve --checkpoint /tmp/q6 --max-batch 64 --max-len 1024 &
-    PYTHONPATH=. python3 bench/serve_load.py --clients 1,16,64 --requests 4 --prompt-len 512 --max-tokens 128
-
-    # CPU smoke check: a tiny checkpoint, a few clients
-    PYTHONPATH=. python3 bench/serve_load.py --write-checkpoint /tmp/tiny --config configs/tiny.toml
-    python3 -m moemesh serve --checkpoint /tmp/tiny --port 8011 &
-    PYTHONPATH=. python3 bench/serve_load.py --url http://127.0.0.1:8011 --clients 1,4 --requests 2 \\
+    # one GPU: a random-weight Qwen3-30B-A3B shape with `serve`'s default settings, then the load
+    PYTHONPATH=. python3 bench/serve_load.py --layers 48 --clients 1,16,64,256
+    # CPU smoke check
+    PYTHONPATH=. python3 bench/serve_load.py --config configs/tiny.toml --clients 1,4 --requests 2 \\
         --prompt-len 16 --max-tokens 16
+    # against a server that runs already (no engine-alone column)
+    PYTHONPATH=. python3 bench/serve_load.py --url http://127.0.0.1:8000 --clients 1,16
 
-Prompts are random bytes (the byte tokenizer: a checkpoint written here has no tokenizer.json),
-greedy, no stop strings; every request makes exactly --max-tokens tokens unless it samples the
-end-of-document token. Time to first token: from sending the request to the first streamed
-chunk (every token is streamed as a chunk, with or without text). Tokens: the servers' usage.
+With --layers or --config this script starts the server itself, in a child process: the model
+built on the device with random weights (no 61 GB checkpoint to write and read), the engine
+`moemesh serve` would make with its defaults (cli's own parser and engine), and then
+`inference.server.Service` on a free port. Before it serves, the child runs the engine-alone
+side for every client count and reports its capacity: the pool's tokens, its rows, and one
+request of --long-prompt tokens (a 32k context). Each side runs each workload twice and times
+the second, so that both find the CUDA graphs of their batches and lengths captured. Clients run
+in --client-procs processes (threads within each), so that their own Python bounds nothing.
+
+Prompts are random lowercase letters (the byte tokenizer: a prompt of L letters is L tokens),
+greedy, no end-of-sequence stop (the child's tokenizer has none): every request makes exactly
+--max-tokens tokens. Time to first token: from sending the request to the first streamed chunk.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import random
 import statistics
+import subprocess
+import sys
 import threading
 import time
 
-import httpx
-import torch
-
-from bench.common import print_table, qwen3_30b_a3b
+from bench.common import print_table
 
 
-def write_checkpoint(path: str, args) -> None:
-    from moemesh.checkpoint.hf import save_pretrained
+def prompt_texts(client: int, args) -> list[str]:
+    """Client `client`'s prompts in pass `args.salt` (other passes' prompts differ: the prefix cache
+    finds nothing of them)."""
+    rng = random.Random(f"{args.salt} {client}")
+    return ["".join(chr(rng.randint(97, 122)) for _ in range(args.prompt_len)) for _ in range(args.requests)]
+
+
+def summary(side: str, clients: int, results: list[tuple[float, int]], wall: float) -> dict:
+    ttft = sorted(first for first, _ in results)
+    tokens = sum(n for _, n in results)
+    return {
+        "side": side,
+        "clients": clients,
+        "requests": len(results),
+        "completion tokens": tokens,
+        "tokens/s": tokens / wall,
+        "TTFT p50 ms": statistics.median(ttft) * 1e3,
+        "TTFT p99 ms": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] * 1e3,
+    }
+
+
+# ---- the server's side (the child process) ---------------------------------------------------------
+def engine_alone(scheduler, tokenizer, clients: int, args) -> dict:
+    """The workload of `clients` clients through the scheduler alone: each client's next request
+    is submitted when its previous one finishes."""
+    from moemesh.inference.request import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens)
+    queues = {c: [tokenizer.encode(text) for text in prompt_texts(c, args)] for c in range(clients)}
+    first: dict = {}
+    results = []
+
+    def on_update(sequence, text):
+        first.setdefault(sequence, time.perf_counter())
+
+    def submit(client: int):
+        sent = time.perf_counter()
+        return scheduler.submit(queues[client].pop(0), params, on_update), sent, client
+
+    start = time.perf_counter()
+    running = [submit(c) for c in range(clients)]
+    while running:
+        scheduler.step()
+        for entry in [e for e in running if e[0].finish_reason is not None]:
+            sequence, sent, client = entry
+            running.remove(entry)
+            results.append((first[sequence] - sent, len(sequence.token_ids)))
+            if queues[client]:
+                running.append(submit(client))
+    return summary("engine alone", clients, results, time.perf_counter() - start)
+
+
+def serve_child(args) -> None:
+    import torch
+
+    from bench.common import qwen3_30b_a3b
+    from bench.serve_offline import moemesh_model
+    from moemesh.cli import _engine, _parser
     from moemesh.config import load_config
-    from moemesh.models import build
+    from moemesh.data.tokenizer import ByteTokenizer
+    from moemesh.inference.request import SamplingParams
+    from moemesh.inference.scheduler import Scheduler
+    from moemesh.inference.server import Service
 
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config = load_config(args.config).model if args.config else qwen3_30b_a3b(args.layers)
-    dtype = torch.bfloat16 if args.config is None else torch.float32
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # no fp32 copy of a large model
-    try:
-        model = build(config, seed=0)
-    finally:
-        torch.set_default_dtype(previous)
-    save_pretrained(model, path)
-    print(f"wrote {path}: {config.num_hidden_layers} layers, {str(dtype)[6:]}, random weights")
+    if not args.config:  # the real model's context: 40,960 positions
+        config = config.replace(max_position_embeddings=40960)
+    config = config.replace(output_router_logits=False)
+    model = moemesh_model(config, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    serve_args = _parser().parse_args(["serve", "--checkpoint", "random", *args.serve_args.split()])
+    limit = config.max_position_embeddings
+    engine = _engine(
+        serve_args, model, None, serve_args.max_len or (limit if device.type == "cuda" else min(limit, 4096))
+    )
+    tokenizer = ByteTokenizer()
+    tokenizer.eos_id = None  # every request makes --max-tokens tokens
+    warm_up = engine.warm_up()
+    scheduler = Scheduler(engine, tokenizer, max_waiting=1 << 20)
+    report = {
+        "capacity": f"{engine.capacity:,} tokens in {engine.cache.num_blocks - 1:,} blocks of {engine.block_size}, "
+        f"{engine.max_batch} rows, context {engine.max_len:,}, {engine.max_num_batched_tokens} tokens a step; "
+        f"warm-up {warm_up:.0f} s",
+        "engine": [],
+    }
+    if args.long_prompt and engine.max_len > args.long_prompt:
+        ids = torch.randint(97, 123, (args.long_prompt,)).tolist()
+        start = time.perf_counter()
+        sequence = scheduler.submit(ids, SamplingParams(max_tokens=16))
+        scheduler.run_until_idle()
+        seconds = time.perf_counter() - start
+        report["long"] = (
+            f"one prompt of {args.long_prompt:,} tokens + 16 new: {seconds:.2f} s ({sequence.finish_reason})"
+        )
+    for clients in args.client_counts:
+        args.salt = f"engine warm-up {clients}"
+        engine_alone(scheduler, tokenizer, clients, args)  # warm-up: graphs of these batches and lengths
+        args.salt = f"engine {clients}"
+        report["engine"].append(engine_alone(scheduler, tokenizer, clients, args))
+    print("REPORT " + json.dumps(report), flush=True)
+    Service(engine, tokenizer, model_name="random", max_waiting=max(args.client_counts) + 1).serve(
+        "127.0.0.1", args.port, announce=True
+    )
 
 
-def one_client(url: str, headers: dict, args, seed: int, results: list) -> None:
-    rng = random.Random(seed)
-    with httpx.Client(base_url=url, headers=headers, timeout=600) as http:
-        for _ in range(args.requests):
-            prompt = "".join(chr(rng.randint(97, 122)) for _ in range(args.prompt_len))
-            body = {
-                "prompt": prompt,
-                "max_tokens": args.max_tokens,
-                "temperature": 0,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
+# ---- the clients -------------------------------------------------------------------------------------
+def client_process(url: str, model: str, clients: list[int], args, barrier, out) -> None:
+    from openai import OpenAI
+
+    openai = OpenAI(base_url=url + "/v1", api_key=args.api_key or "none", max_retries=0, timeout=3600)
+    results: list = []
+
+    def one_client(client: int):
+        for prompt in prompt_texts(client, args):
             sent, first, tokens = time.perf_counter(), None, 0
-            with http.stream("POST", "/v1/completions", json=body) as reply:
-                reply.raise_for_status()
-                for line in reply.iter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    chunk = json.loads(line[6:])
-                    if first is None and chunk.get("choices"):
-                        first = time.perf_counter() - sent
-                    if chunk.get("usage"):
-                        tokens = chunk["usage"]["completion_tokens"]
+            stream = openai.completions.create(
+                model=model,
+                prompt=prompt,
+                max_tokens=args.max_tokens,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            for chunk in stream:
+                if first is None and chunk.choices:
+                    first = time.perf_counter() - sent
+                if chunk.usage is not None:
+                    tokens = chunk.usage.completion_tokens
             results.append((first, tokens))
+
+    threads = [threading.Thread(target=one_client, args=(c,)) for c in clients]
+    barrier.wait()  # every process imported and ready: the clock starts in the parent now
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out.put(results)
+
+
+def load(url: str, model: str, clients: int, args) -> dict:
+    context = multiprocessing.get_context("spawn")
+    procs = min(args.client_procs, clients)
+    barrier, out = context.Barrier(procs + 1), context.Queue()
+    workers = [
+        context.Process(target=client_process, args=(url, model, list(range(p, clients, procs)), args, barrier, out))
+        for p in range(procs)
+    ]
+    for w in workers:
+        w.start()
+    barrier.wait()
+    start = time.perf_counter()
+    results = [r for _ in workers for r in out.get()]
+    wall = time.perf_counter() - start
+    for w in workers:
+        w.join()
+    return summary("moemesh serve", clients, results, wall)
+
+
+def start_server(args) -> tuple[subprocess.Popen, str, dict]:
+    """The child server; returns once it listens, with its URL and its report."""
+    port = args.port
+    command = [sys.executable, __file__, "--serve", "--port", str(port), "--clients", args.clients]
+    for name in ("layers", "config", "requests", "prompt_len", "max_tokens", "long_prompt", "serve_args"):
+        value = getattr(args, name)
+        if value is not None:
+            command += [f"--{name.replace('_', '-')}", str(value)]
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    report = None
+    for line in child.stdout:
+        if line.startswith("REPORT "):
+            report = json.loads(line[7:])
+        elif " on http://" in line:
+            threading.Thread(target=lambda: [None for _ in child.stdout], daemon=True).start()  # drain
+            return child, line.split(" on ")[-1].strip(), report
+        else:
+            print("  server: " + line.rstrip(), flush=True)
+    raise SystemExit(f"the server exited ({child.wait()}) before it listened")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument("--url", help="a server that runs already (else one is started: --layers or --config)")
     parser.add_argument("--api-key", help="sent as a bearer token")
     parser.add_argument("--clients", default="1,16,64", help="comma-separated numbers of concurrent clients")
     parser.add_argument("--requests", type=int, default=4, help="requests per client, one after another")
-    parser.add_argument("--prompt-len", type=int, default=512, help="prompt bytes (= tokens after the first)")
+    parser.add_argument("--prompt-len", type=int, default=512, help="prompt tokens (letters)")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--write-checkpoint", metavar="DIR", help="write a random-weight checkpoint and exit")
-    parser.add_argument("--layers", type=int, default=6, help="for --write-checkpoint: Qwen3-30B-A3B shape layers")
-    parser.add_argument("--config", help="for --write-checkpoint: the model of this run config instead")
-    args = parser.parse_args()
-    if args.write_checkpoint:
-        return write_checkpoint(args.write_checkpoint, args)
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    model = httpx.get(args.url + "/v1/models", headers=headers).json()["data"][0]["id"]
-    rows = []
-    for clients in (int(c) for c in args.clients.split(",")):
-        results: list = []
-        threads = [
-            threading.Thread(target=one_client, args=(args.url, headers, args, i, results)) for i in range(clients)
-        ]
-        start = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - start
-        ttft = sorted(first for first, _ in results if first is not None)
-        tokens = sum(n for _, n in results)
-        rows.append(
-            {
-                "clients": clients,
-                "requests": len(results),
-                "completion tokens": tokens,
-                "tokens/s": f"{tokens / wall:,.0f}",
-                "TTFT p50 ms": f"{statistics.median(ttft) * 1e3:.0f}",
-                "TTFT p99 ms": f"{ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))] * 1e3:.0f}",
-            }
-        )
-    print_table(
-        rows,
-        f"moemesh serve load ({model} at {args.url}): prompt {args.prompt_len} bytes, "
-        f"{args.max_tokens} tokens a request, {args.requests} requests a client, greedy, streamed",
+    parser.add_argument(
+        "--layers", type=int, default=6, help="the served model: Qwen3-30B-A3B's shape, this many layers"
     )
+    parser.add_argument("--config", help="the served model: this run config's instead (configs/tiny.toml: CPU)")
+    parser.add_argument("--serve-args", default="", help="moemesh serve options for the child, e.g. '--max-batch 64'")
+    parser.add_argument("--long-prompt", type=int, default=32000, help="the capacity check's prompt (0: none)")
+    parser.add_argument("--client-procs", type=int, default=8)
+    parser.add_argument("--port", type=int, default=8013)
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child
+    args = parser.parse_args()
+    args.client_counts = [int(c) for c in args.clients.split(",")]
+    if args.serve:
+        return serve_child(args)
+    child, report = None, None
+    url = args.url
+    if url is None:
+        child, url, report = start_server(args)
+    try:
+        import httpx
+
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        model = httpx.get(url + "/v1/models", headers=headers).json()["data"][0]["id"]
+        rows = []
+        engine_rows = {r["clients"]: r for r in (report or {}).get("engine", [])}
+        for clients in args.client_counts:
+            args.salt = f"serve warm-up {clients}"
+            load(url, model, clients, args)  # warm-up, as the engine's side had
+            args.salt = f"serve {clients}"
+            row = load(url, model, clients, args)
+            alone = engine_rows.get(clients)
+            if alone:
+                rows.append({k: v for k, v in alone.items()})
+                row["of the engine"] = f"{row['tokens/s'] / alone['tokens/s']:.0%}"
+            rows.append(row)
+        for row in rows:
+            for key in ("tokens/s", "TTFT p50 ms", "TTFT p99 ms"):
+                row[key] = f"{row[key]:,.0f}"
+        title = (
+            f"moemesh serve under load ({model} at {url}): prompt {args.prompt_len} tokens, {args.max_tokens} "
+            f"new tokens a request, {args.requests} requests a client, greedy, streamed, openai client"
+        )
+        if report:
+            title += f"; {report['capacity']}" + (f"; {report['long']}" if "long" in report else "")
+        print_table(rows, title)
+    finally:
+        if child is not None:
+            child.terminate()
+            child.wait(timeout=60)
 
 
 if __name__ == "__main__":

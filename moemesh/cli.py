@@ -148,12 +148,41 @@ def _model_arguments(command: argparse.ArgumentParser) -> None:
         default="auto",
         help="weights and KV cache (auto: bfloat16 on a GPU, float32 on a CPU)",
     )
-    command.add_argument("--max-batch", type=int, default=16, help="sequences decoded together (cache rows)")
+    command.add_argument(
+        "--max-batch",
+        type=int,
+        help="sequences running together (block-table rows; default 256 on a GPU, 16 on a CPU)",
+    )
     command.add_argument(
         "--max-len",
         type=int,
         help="tokens a sequence may hold, prompt included (default: what the prompts need; "
-        "for serve min(max_position_embeddings, 4096))",
+        "for serve max_position_embeddings on a GPU, min(max_position_embeddings, 4096) on a CPU)",
+    )
+    command.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=8192,
+        help="tokens one step computes at most: every decoding sequence's next, then chunks of prompts (default 8192)",
+    )
+    command.add_argument(
+        "--gpu-memory-fraction",
+        type=float,
+        default=0.9,
+        help="share of the GPU's memory that weights, activations and the KV cache may take; the cache "
+        "gets what the other two leave (default 0.9)",
+    )
+    command.add_argument(
+        "--kv-blocks",
+        type=int,
+        help="KV cache blocks instead (default: from --gpu-memory-fraction on a GPU, --max-batch x --max-len on a CPU)",
+    )
+    command.add_argument("--block-size", type=int, default=16, help="tokens a KV cache block holds (default 16)")
+    command.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="do not reuse the cached blocks of a prompt's prefix computed for an earlier request",
     )
     command.add_argument(
         "--tp",
@@ -185,7 +214,6 @@ def _train(args: argparse.Namespace) -> None:
 
 def _generate(args: argparse.Namespace) -> None:
     from moemesh.errors import RequestError
-    from moemesh.inference.engine import DecodeEngine
     from moemesh.inference.generate import generate, prompt_ids, read_prompts
     from moemesh.inference.request import SamplingParams, check_request
 
@@ -202,7 +230,7 @@ def _generate(args: argparse.Namespace) -> None:
                 check_request(ids, params, min(max_len, limit))
         except RequestError as e:
             raise MoemeshError(f"{where}: {e}") from None
-        engine = DecodeEngine(model, max_batch=min(args.max_batch, len(requests)), max_len=max_len, group=group)
+        engine = _engine(args, model, group, max_len, len(requests))
         if not engine.leader:
             return engine.follow()
         try:
@@ -259,7 +287,6 @@ def _say_where_cut(results, params, max_len: int, limit: int, args: argparse.Nam
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from moemesh.inference.engine import DecodeEngine
     from moemesh.inference.server import serve
 
     api_key = args.api_key or os.environ.get("MOEMESH_API_KEY") or None
@@ -269,8 +296,9 @@ def _serve(args: argparse.Namespace) -> None:
     # The port is taken before the weights are read: a busy one fails now, not a minute later.
     sock = _listening_socket(args.host, args.port) if _is_rank_zero() else None
     with _loaded(args) as (model, tokenizer, group):
-        max_len = args.max_len or min(model.config.max_position_embeddings, 4096)
-        engine = DecodeEngine(model, max_batch=args.max_batch, max_len=max_len, group=group)
+        limit = model.config.max_position_embeddings
+        on_gpu = next(model.parameters()).is_cuda
+        engine = _engine(args, model, group, args.max_len or (limit if on_gpu else min(limit, 4096)))
         if not engine.leader:
             return engine.follow()
         serve(
@@ -284,6 +312,32 @@ def _serve(args: argparse.Namespace) -> None:
             max_waiting=args.max_waiting,
             max_request_bytes=args.max_request_bytes,
         )
+
+
+def _engine(args: argparse.Namespace, model, group, max_len: int, requests: int | None = None):
+    """The decode engine of generate and serve, from the command line's settings: on a GPU the KV
+    cache takes what --gpu-memory-fraction leaves after the weights and the largest step's
+    activations, on a CPU --max-batch rows of --max-len (unless --kv-blocks says)."""
+    from moemesh.inference.engine import DecodeEngine
+
+    on_gpu = next(model.parameters()).is_cuda
+    max_batch = args.max_batch or (256 if on_gpu else 16)
+    try:
+        return DecodeEngine(
+            model,
+            max_batch=max_batch if requests is None else min(max_batch, requests),
+            max_len=max_len,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            block_size=args.block_size,
+            num_blocks=args.kv_blocks,
+            gpu_memory_fraction=args.gpu_memory_fraction,
+            prefix_caching=args.prefix_caching,
+            group=group,
+        )
+    except ValueError as e:  # the cache cannot hold one sequence of --max-len
+        raise MoemeshError(
+            f"{e}: lower --max-len, or give the cache more room (--gpu-memory-fraction, --kv-blocks)"
+        ) from None
 
 
 def _listening_socket(host: str, port: int):
@@ -325,10 +379,14 @@ def _loaded(args: argparse.Namespace):
     from moemesh.inference.generate import load_for_generation
     from moemesh.parallel.mesh import ParallelDims, init_mesh
 
-    if args.max_batch < 1:
-        raise MoemeshError(f"--max-batch must be >= 1, got {args.max_batch}")
+    for flag in ("max_batch", "max_num_batched_tokens", "kv_blocks", "block_size"):
+        value = getattr(args, flag)
+        if value is not None and value < (2 if flag == "kv_blocks" else 1):
+            raise MoemeshError(f"--{flag.replace('_', '-')} must be >= {2 if flag == 'kv_blocks' else 1}, got {value}")
     if args.max_len is not None and args.max_len < 2:
         raise MoemeshError(f"--max-len must be >= 2, got {args.max_len}")
+    if not 0 < args.gpu_memory_fraction <= 1:
+        raise MoemeshError(f"--gpu-memory-fraction must be in (0, 1], got {args.gpu_memory_fraction}")
     device = device_for(args.device, "--device")
     # First the mesh: it checks the number of processes and makes "cuda" this rank's GPU.
     mesh = init_mesh(ParallelDims(tp=_tensor_parallel_size(args)))
@@ -437,8 +495,8 @@ def main(argv: list[str] | None = None) -> int:
 _MEMORY_ADVICE = {
     "train": "lower train.micro_batch or train.seq_len, or spread the model over more GPUs (parallel.ep, "
     "parallel.dp_shard, parallel.pp); `moemesh estimate` with the same config predicts each GPU's memory",
-    "generate": "lower --max-batch or --max-len, or split the model with --tp",
-    "serve": "lower --max-batch or --max-len, or split the model with --tp",
+    "generate": "lower --gpu-memory-fraction, --max-num-batched-tokens or --max-len, or split the model with --tp",
+    "serve": "lower --gpu-memory-fraction, --max-num-batched-tokens or --max-len, or split the model with --tp",
 }
 
 

@@ -125,6 +125,11 @@ def test_generate_many_prompts_from_a_file(tmp_path, capsys, trained):
     assert lines[0]["prompt_tokens"] == len("def ") + 1  # after the end-of-document token
     assert main([*checkpoint, "--prompt", "def ", "--max-new-tokens", "20"]) == 0
     assert capsys.readouterr().out == "def " + lines[0]["text"] + "\n"  # batched: the text of the prompt alone
+    # a cache of 7 blocks of 4 (28 entries: the 25 of the first request fit, not both requests whole)
+    # and 3 tokens a step (prompts prefilled in chunks): the same texts
+    small = ["--kv-blocks", "8", "--block-size", "4", "--max-num-batched-tokens", "3", "--no-prefix-caching"]
+    assert main([*checkpoint, "--prompts-file", str(tmp_path / "p.jsonl"), "--max-new-tokens", "20", *small]) == 0
+    assert [json.loads(line) for line in capsys.readouterr().out.splitlines()] == lines
 
     (tmp_path / "p.txt").write_text("def \nclass \n")
     assert (
@@ -155,6 +160,14 @@ def test_generate_many_prompts_from_a_file(tmp_path, capsys, trained):
         (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
         (["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1, got 0"),
         (["--tp", "0"], "--tp must be >= 1, got 0"),
+        (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1, got 0"),
+        (["--gpu-memory-fraction", "1.5"], "--gpu-memory-fraction must be in (0, 1], got 1.5"),
+        (["--kv-blocks", "1"], "--kv-blocks must be >= 2, got 1"),
+        (
+            ["--kv-blocks", "3", "--max-len", "64"],
+            "the KV cache holds 32 tokens (2 blocks of 16), fewer than one sequence of max_len=64: lower "
+            "--max-len, or give the cache more room (--gpu-memory-fraction, --kv-blocks)",
+        ),
         (["--device", "tpu"], "--device must be 'auto', 'cpu' or 'cuda[:N]', got 'tpu'"),
         (["--temperature", "hot"], "argument --temperature: invalid float value: 'hot'"),
         (
@@ -178,6 +191,10 @@ def test_generate_many_prompts_from_a_file(tmp_path, capsys, trained):
         "top-p-0",
         "max-new-tokens-0",
         "tp-0",
+        "max-num-batched-tokens-0",
+        "gpu-memory-fraction-1.5",
+        "kv-blocks-1",
+        "kv-blocks-too-few",
         "device-tpu",
         "temperature-word",
         "prompt-latin-1",

@@ -29,7 +29,7 @@ def reference(model, prompt: list[int], max_tokens: int, eos_id: int = 0) -> lis
     ids = list(prompt)
     with torch.no_grad():
         while len(ids) - len(prompt) < max_tokens:
-            token = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+            token = int(model(torch.tensor([ids], device=next(model.parameters()).device)).logits[0, -1].argmax())
             if token == eos_id:
                 break
             ids.append(token)

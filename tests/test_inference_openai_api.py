@@ -251,7 +251,11 @@ def test_streamed_logprobs_add_up_to_the_whole(client):
             tokens[choice.index] += choice.logprobs.tokens
             values[choice.index] += choice.logprobs.token_logprobs
     assert tokens == [c.logprobs.tokens for c in whole.choices]
-    assert values == [c.logprobs.token_logprobs for c in whole.choices]
+    # The same tokens; their values to fp32's rounding only: the two requests' sequences may share
+    # a step with different company (one prefill or two, a decode batch of 2 or 4), which rounds
+    # the same logits differently in the last bits.
+    for ours, theirs in zip(values, [c.logprobs.token_logprobs for c in whole.choices]):
+        assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-5)
 
 
 def test_structured_output_with_the_byte_tokenizer():

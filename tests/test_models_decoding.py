@@ -1,16 +1,20 @@
-"""Decoding with the static KV cache, every family: rows prefilled alone at different lengths,
-then decoded together one token a step, each at its own position, give the logits of the full
-forward (the training path, no cache) at every position.
+"""Decoding with the paged KV cache, every family: rows' prompts prefilled in chunks, several
+rows' chunks packed into one forward beside other rows' single decode tokens, then decoded
+together one token a step, each at its own position, give the logits of the full forward (the
+training path, no cache) at every position. The rows own shuffled blocks (random block tables)
+of 4 entries, so that sequences cross block edges at odd places and their last blocks are partial.
 
 fp32 on CPU, tolerance 1e-5 relative: the cached path computes attention explicitly over the
 cache (fp32 scores and softmax) where the full forward calls scaled_dot_product_attention, the
 same sums in another order (~1e-7); a key at the wrong position, a row reading another row's
-cache or a window off by one moves logits by far more."""
+blocks or a window off by one moves logits by far more."""
+
+import math
 
 import pytest
 import torch
 
-from moemesh.models import KVCache, ModelConfig, build
+from moemesh.models import ModelConfig, PagedKVCache, build
 from numerics import rel_err
 from test_parallel_families import CONFIGS
 from tiny_run import TINY_MODEL
@@ -25,23 +29,49 @@ FAMILIES = {
 }
 
 
-def decode_stepwise(model, input_ids: torch.Tensor, prefill: list[int]) -> torch.Tensor:
-    """Logits [B, S, V]: row b's first prefill[b] tokens in one forward into cache row b alone,
-    then the rest one token a step, all rows in one batch at their own positions (a row that is
+def paged_cache(rows: int, max_len: int, block_size: int = 4, spare: int = 3, seed: int = 0) -> PagedKVCache:
+    """A cache whose rows own shuffled blocks (random block tables), with spare blocks unused."""
+    per_row = math.ceil(max_len / block_size)
+    cache = PagedKVCache(1 + rows * per_row + spare, block_size, rows, max_len)
+    order = torch.randperm(cache.num_blocks - 1, generator=torch.Generator().manual_seed(seed), device="cpu") + 1
+    cache.block_tables[:rows] = order[: rows * per_row].view(rows, per_row).to(torch.int32)
+    return cache
+
+
+def decode_stepwise(model, input_ids: torch.Tensor, prefill: list[int], chunk: int = 3) -> torch.Tensor:
+    """Logits [B, S, V]. Rounds of one forward each: a row still in its first prefill[b] tokens
+    brings its next `chunk` of them (no further than prefill[b]), a row past them its next token,
+    all packed into one sequence of segments; once every row is past its prefill, the rest one
+    token a step, all rows in a decode-shaped batch [B, 1] at their own positions (a row that is
     done repeats its last token, rewriting the same cache entry)."""
     batch, seq = input_ids.shape
-    cache = KVCache(rows=batch + 1, max_len=seq + 3)  # a spare row, a longer buffer: only kv_len is read
+    device = input_ids.device
+    cache = paged_cache(batch, seq + 3)  # longer rows than needed: only the positions in use are read
+    cache.block_tables = cache.block_tables.to(device)
     logits = [[] for _ in range(batch)]
-    for b, n in enumerate(prefill):
-        cache.row_start, cache.kv_len = b, n
-        logits[b].append(model(input_ids[b : b + 1, :n], cache=cache).logits[0])
-    cache.row_start = 0
-    for step in range(seq - min(prefill)):
-        positions = torch.tensor([min(n + step, seq - 1) for n in prefill])
-        cache.kv_len = int(positions.max()) + 1
+    done = [0] * batch
+    while any(d < p for d, p in zip(done, prefill)):
+        tokens, rows, positions, segments = [], [], [], []
+        for b in range(batch):
+            if done[b] >= seq:
+                continue
+            n = min(chunk, prefill[b] - done[b]) if done[b] < prefill[b] else 1
+            segments.append((batch - 1 - b, len(tokens), n, done[b] + n))  # row b's sequence in table row B-1-b
+            tokens += input_ids[b, done[b] : done[b] + n].tolist()
+            rows += [batch - 1 - b] * n
+            positions += range(done[b], done[b] + n)
+        at = torch.tensor(positions, device=device)
+        cache.set_step(torch.tensor(rows, device=device), at, max(s[3] for s in segments), segments)
+        out = model(torch.tensor([tokens], device=device), cache=cache, positions=at[None]).logits[0]
+        for row, first, n, _ in segments:
+            logits[batch - 1 - row].append(out[first : first + n])
+            done[batch - 1 - row] += n
+    for step in range(seq - min(done)):
+        positions = torch.tensor([min(d + step, seq - 1) for d in done], device=device)
+        cache.set_step(torch.arange(batch - 1, -1, -1, device=device), positions, int(positions.max()) + 1)
         out = model(input_ids.gather(1, positions[:, None]), cache=cache, positions=positions[:, None]).logits
-        for b, n in enumerate(prefill):
-            if n + step < seq:
+        for b, d in enumerate(done):
+            if d + step < seq:
                 logits[b].append(out[b])
     return torch.stack([torch.cat(rows) for rows in logits])
 
@@ -57,12 +87,9 @@ def test_cached_decoding_of_rows_at_different_positions_equals_the_full_forward(
     assert rel_err(stepwise, full) <= RTOL, family
 
 
-def test_the_cache_refuses_rows_or_entries_it_does_not_have():
-    model = build(FAMILIES["qwen3_moe"], seed=1).eval()
-    cache = KVCache(rows=2, max_len=8)
-    cache.row_start = 1
-    with (
-        torch.no_grad(),
-        pytest.raises(ValueError, match=r"rows \[1, 3\) x 8 entries do not fit a cache of 2 rows x 8"),
-    ):
-        model(torch.zeros(2, 1, dtype=torch.long), cache=cache)
+def test_the_cache_refuses_entries_it_does_not_have():
+    cache = PagedKVCache(num_blocks=5, block_size=4, rows=2, max_len=8)
+    with pytest.raises(ValueError, match="9 entries do not fit a cache of rows of 8"):
+        cache.set_step(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), 9)
+    with pytest.raises(ValueError, match=r"a paged cache needs >= 2 blocks \(block 0 is the null block\)"):
+        PagedKVCache(num_blocks=1, block_size=4, rows=2, max_len=8)

@@ -1,6 +1,7 @@
 """The decoding kernels against their references: the router's fused top-k softmax, the few-row
-GEMV and attention against the KV cache — each op alone, then whole
-models decoding step by step with the kernels against the same model with the eager path.
+GEMV and attention against the paged KV cache — each op alone, then whole models prefilling
+packed chunks and decoding step by step with the kernels against the same model with the eager
+path.
 
 Triton runs compiled on a GPU, interpreted on a CPU. fp32 both sides, the same products summed
 in another order: relative error <= 1e-6 for an op, <= 1e-5 for a model's logits (as the cached
@@ -69,39 +70,90 @@ def test_gemv_of_up_to_three_weights(triton_kernels, dtype, rows):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window, norm", [(None, True), (5, False), (150, False)])
 @pytest.mark.parametrize("max_len", [40, 700])
-def test_decode_attention_equals_the_eager_path(triton_kernels, dtype, window, norm, max_len):
-    """Rows at different positions in a cache whose batch starts at row 1; q/k norm and rotary,
-    the new keys and values written at the rows' positions, attention over each row's own keys
-    (700 entries: in 4 splits of 192, some rows' splits empty, a window across a split's edge)."""
-    batch, heads, kv_heads, dim = 3, 8, 2, 32
-    assert decode_attention.split_count(max_len) == (1 if max_len < 128 else 4)
-    positions = torch.tensor([0, 17 if max_len < 200 else 300, max_len - 1])
-    q, k, v = (torch.randn(batch, n * dim).to(dtype) for n in (heads, kv_heads, kv_heads))
+@pytest.mark.parametrize("step", ["decode", "packed"])
+def test_paged_attention_equals_the_contiguous_reference(triton_kernels, dtype, window, norm, max_len, step):
+    """Three sequences in shuffled blocks of 16 (random block tables, partial last blocks), their
+    earlier keys and values in the cache; the step's tokens — one a sequence (decode), or 1, 5
+    and 37 consecutive tokens (packed: a chunk of a prompt in two tiles) — normed, rotated and
+    written at their slots, then attending over their own sequence up to their own position,
+    against each sequence's keys held contiguously and attended explicitly (700 entries: in 4
+    splits of 192, some empty, a window across a split's edge)."""
+    heads, kv_heads, dim, block_size = 8, 2, 32, 16
+    ends = [1, 18 if max_len < 200 else 301, max_len]  # each sequence's last position + 1
+    counts = [1, 1, 1] if step == "decode" else [1, 5, 37]
+    rows = [1, 2, 0]  # sequence b's block-table row
+    per_row = -(-max_len // block_size)
+    num_blocks = 1 + 3 * per_row + 5
+    order = torch.randperm(num_blocks - 1) + 1
+    tables = torch.zeros(4, per_row, dtype=torch.int32)  # 3 rows and the scratch row
+    tables[:3] = order[: 3 * per_row].view(3, per_row)
+    pools = [torch.randn(num_blocks * block_size, kv_heads, dim).to(dtype) for _ in range(2)]
+    reference = [[torch.randn(kv_heads, max_len, dim).to(dtype) for _ in range(3)] for _ in range(2)]
+    for pool, per_sequence in zip(pools, reference):  # the earlier entries, where the tables say
+        for b, row in enumerate(rows):
+            slots = (
+                tables[row, torch.arange(max_len) // block_size].long() * block_size
+                + torch.arange(max_len) % block_size
+            )
+            pool[slots] = per_sequence[b].transpose(0, 1)
+    expected_pools = [pool.clone() for pool in pools]
+
+    positions = torch.cat([torch.arange(end - n, end) for end, n in zip(ends, counts)])
+    token_rows = torch.cat([torch.full((n,), row) for row, n in zip(rows, counts)])
+    tokens = len(positions)
+    slots = tables[token_rows, positions // block_size].long() * block_size + positions % block_size
+    q, k, v = (torch.randn(tokens, n * dim).to(dtype) for n in (heads, kv_heads, kv_heads))
     angles = positions[:, None].float() * torch.rand(dim // 2)
     cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
     q_norm, k_norm = (torch.rand(dim).to(dtype) + 0.5 if norm else None for _ in range(2))
-    keys, values = (torch.randn(batch + 1, kv_heads, max_len, dim).to(dtype) for _ in range(2))
-    expected_keys, expected_values = keys.clone(), values.clone()
+    per_tile = decode_attention.tile_tokens(heads // kv_heads)
+    starts, lengths, first = [], [], 0
+    for n in counts:  # runs of at most per_tile tokens of one sequence
+        for at in range(first, first + n, per_tile):
+            starts.append(at)
+            lengths.append(min(per_tile, first + n - at))
+        first += n
+    assert len(starts) == (3 if step == "decode" else 4)
 
-    got_q = decode_attention.rope_to_cache(q, k, v, cos, sin, q_norm, k_norm, 1e-6, keys, values, 1, positions)
-    got = decode_attention.cached_attention(got_q, keys, values, 1, positions, max_len, dim**-0.5, window)
+    got_q = decode_attention.rope_to_cache(q, k, v, cos, sin, q_norm, k_norm, 1e-6, *pools, slots)
+    got = decode_attention.paged_attention(
+        got_q,
+        *pools,
+        tables,
+        block_size,
+        token_rows,
+        positions,
+        torch.tensor(starts, dtype=torch.int32),
+        torch.tensor(lengths, dtype=torch.int32),
+        1 if step == "decode" else per_tile,
+        max_len,
+        dim**-0.5,
+        window,
+    )
 
-    def heads_of(t, n):  # [B, n·D] -> [B, n, 1, D], normed and rotated as the eager path does
-        t = t.view(batch, n, 1, dim)
+    def heads_of(t, n):  # [N, n·D] -> [N, n, 1, D], normed and rotated as the eager path does
+        t = t.view(tokens, n, 1, dim)
         return t if not norm else rms_norm(t, q_norm if n == heads else k_norm, 1e-6)
 
     rope = cos[:, None], sin[:, None]
-    want_q = apply_rotary(heads_of(q, heads), *rope)
-    want_k = apply_rotary(heads_of(k, kv_heads), *rope)
-    rows = torch.arange(batch)
-    expected_keys[1 + rows, :, positions] = want_k[:, :, 0]
-    expected_values[1 + rows, :, positions] = v.view(batch, kv_heads, dim)
-    mask = attention_mask(positions[:, None], max_len, window)
-    want = grouped_attention(want_q, expected_keys[1:], expected_values[1:], mask, dim**-0.5)
-    assert rel_err(got_q, want_q[:, :, 0]) <= tol(dtype)
-    assert rel_err(keys, expected_keys) <= tol(dtype) and torch.equal(values, expected_values)
+    want_q = apply_rotary(heads_of(q, heads), *rope)[:, :, 0]
+    want_k = apply_rotary(heads_of(k, kv_heads), *rope)[:, :, 0]
+    expected_pools[0][slots], expected_pools[1][slots] = want_k, v.view(tokens, kv_heads, dim)
+    want, first = [], 0
+    for b, n in enumerate(counts):
+        keys, values = (per_sequence[b].clone() for per_sequence in reference)
+        keys[:, ends[b] - n : ends[b]] = want_k[first : first + n].transpose(0, 1)
+        values[:, ends[b] - n : ends[b]] = v[first : first + n].view(n, kv_heads, dim).transpose(0, 1)
+        mask = attention_mask(positions[first : first + n], max_len, window)
+        out = grouped_attention(
+            want_q[first : first + n].transpose(0, 1)[None], keys[None], values[None], mask, dim**-0.5
+        )
+        want.append(out[0].transpose(0, 1).reshape(n, -1))
+        first += n
+    assert rel_err(got_q, want_q) <= tol(dtype)
+    assert rel_err(pools[0], expected_pools[0]) <= tol(dtype) and torch.equal(pools[1], expected_pools[1])
     # bf16: q and k rounded after the rotary, then the probabilities before P·V: 2e-2
-    assert rel_err(got, want.reshape(batch, -1)) <= (tol(dtype) if dtype == torch.float32 else 2e-2)
+    assert rel_err(got, torch.cat(want)) <= (tol(dtype) if dtype == torch.float32 else 2e-2)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"])

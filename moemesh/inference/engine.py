@@ -1,43 +1,54 @@
-"""The decode engine: a model, its static KV cache, and one step that feeds every running
-sequence its last token and samples the next — captured as a CUDA graph where there is a GPU.
+"""The engine: a model, its paged KV cache, and one step that runs any mix of prompt chunks and
+decode tokens in one forward and samples the next token of the sequences that want one.
 
-Rows of the cache are sequences. A prompt is prefilled alone into its row (in chunks, eagerly);
-then all rows decode together, each at its own position. A decode step runs the first B rows,
-B the smallest of a few captured batch sizes (1, 2, 4, ... max_batch) that covers the highest
-row in use — the scheduler hands out the lowest free rows, so B follows the number of running
-sequences — and attends over the first kv_len cache entries, kv_len a power of two covering the
-furthest position. Rows in between that run nothing are padding: they write a key at position 0
-of a free row, which the next prefill of that row overwrites.
+The cache (models/kv_cache.py) is a pool of blocks; the scheduler decides which sequence holds
+which blocks (inference/blocks.py) and tells the engine each table row's blocks (`set_blocks`).
+A step is a list of `Chunk`s, one per sequence: tokens to compute at the positions that follow
+its cached ones, in its table row, and whether the last of them samples the sequence's next
+token. Two shapes of step:
 
-Each (B, kv_len, sampling mode) gets its own CUDA graph, captured on first use (after one eager
-warm-up run on a side stream) and replayed from then on: a step is then two small host-to-device
-copies (tokens, positions, sampling settings), one replay and one read of the B new tokens — the
-only synchronisation. On a CPU the same step runs eagerly.
+  * decode — every chunk one token that samples: the batch [B, 1], B the smallest of a few
+    captured sizes (1, 2, 4, ... max_batch) covering the chunks, attention reading each row up to
+    its position, at most kv_len entries (a power of two covering the furthest). Padding tokens
+    write into the null block through the scratch row. Each (B, kv_len, sampling mode) is a CUDA
+    graph, captured at first use (after an eager warm-up on a side stream) and replayed from then
+    on: a step is two small host-to-device copies, one replay and one read of the B tokens.
+  * packed — anything else: the chunks' tokens one after the other in a batch [1, N] (varlen),
+    each chunk attending causally to its own sequence's cache, its own new keys included (chunked
+    prefill beside decodes: the scheduler's token budget bounds N). Eager: its shapes change every
+    step, and its cost is in the GEMMs (the MoE block takes the grouped GEMM path of training).
 
-Each operation keeps the logits it sampled from (`last_logits`: [rows, V], read before the next
-call), so that requests with penalties, biases, grammars or log-probabilities can be processed
-after the step (processing.py); a prefill can also give the prompt's own log-probabilities
-(`last_prompt_logprobs`, from the logits of every prompt position).
+Pool size: `num_blocks` as given; else on a GPU from memory — one forward of the largest step
+(max_num_batched_tokens tokens, into the scratch row) measures the activations' peak, and the
+cache takes what is left of gpu_memory_fraction of the device after the weights and that peak;
+on a CPU max_batch rows of max_len entries (the static cache's capacity).
+
+A step keeps the logits it sampled from (`last_logits`: [sampling chunks, V], read before the
+next step), so that requests with penalties, biases, grammars or log-probabilities can be
+processed after it (processing.py); a chunk with `all_logits` keeps those of every token too
+(`last_all_logits`: a prompt's own log-probabilities).
 
 Under tensor parallelism every rank holds an engine over its shard; the rank that schedules
-(rank 0 of the group) broadcasts each prefill's and step's inputs first, and the others, in
-`follow`, run the same calls — collectives inside the model then pair up, and every rank
+(rank 0 of the group) broadcasts each step's inputs and block-table changes first, and the others,
+in `follow`, run the same calls — collectives inside the model then pair up, and every rank
 samples the same tokens from the same gathered logits.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from moemesh.inference.sampling import MODES, mode_for, sample, token_logprobs
-from moemesh.models import KVCache, MoECausalLM
+from moemesh.inference.blocks import BlockPool
+from moemesh.inference.sampling import MODES, mode_for, sample
+from moemesh.models import MoECausalLM, PagedKVCache
 from moemesh.parallel import comm
 
-_PREFILL, _DECODE, _STOP, _KEEP_ALIVE = 1, 2, 3, 4
+_FORWARD, _DECODE, _STOP, _KEEP_ALIVE, _TABLES = 1, 2, 3, 4, 5
 
 
 @dataclass(frozen=True)
@@ -48,14 +59,32 @@ class Sampling:
 
 
 @dataclass(frozen=True)
-class RowStep:
-    """One running sequence's input to a decode step."""
+class Chunk:
+    """One sequence's part of a step: `tokens` at positions start, start + 1, ... of the sequence
+    in table row `row`; with `sample`, the last one's logits choose the sequence's next token
+    (its `step`-th: the sampling noise's counter)."""
 
     row: int
-    token: int  # its last token, not yet in the cache
-    position: int  # where that token goes
-    step: int  # tokens it has sampled so far (the sampling noise's counter)
+    tokens: list[int]
+    start: int
+    sample: bool = True
+    step: int = 0
+    sampling: Sampling = Sampling()
+    all_logits: bool = False  # keep the logits of every token (a prompt's own log-probabilities)
+
+
+@dataclass(frozen=True)
+class RowStep:
+    """A decode step's chunk, spelled as before paging: one sequence's last token at `position`."""
+
+    row: int
+    token: int
+    position: int
+    step: int
     sampling: Sampling
+
+    def chunk(self) -> Chunk:
+        return Chunk(self.row, [self.token], self.position, True, self.step, self.sampling)
 
 
 class DecodeEngine:
@@ -65,7 +94,11 @@ class DecodeEngine:
         max_batch: int = 16,
         max_len: int | None = None,
         cuda_graphs: bool | None = None,
-        prefill_chunk: int = 1024,
+        max_num_batched_tokens: int = 8192,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        gpu_memory_fraction: float = 0.9,
+        prefix_caching: bool = True,
         group=None,
     ):
         self.model = model
@@ -73,74 +106,92 @@ class DecodeEngine:
         limit = model.config.max_position_embeddings
         self.max_len = min(max_len or limit, limit)
         self.max_batch = max_batch
+        self.max_num_batched_tokens = max_num_batched_tokens
+        if max_batch < 1 or max_num_batched_tokens < 1 or block_size < 1 or not 0 < gpu_memory_fraction <= 1:
+            raise ValueError(
+                f"max_batch, max_num_batched_tokens and block_size must be >= 1 and gpu_memory_fraction in (0, 1]; "
+                f"got {max_batch}, {max_num_batched_tokens}, {block_size}, {gpu_memory_fraction}"
+            )
         self.batch_sizes = sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length() + 1)})
         # 64, 128, ... up to max_len: attention reads at most twice the entries in use
         self.kv_lens = sorted(
             {min(1 << i, self.max_len) for i in range(6, self.max_len.bit_length() + 1)} | {self.max_len}
         )
-        self.cache = KVCache(max_batch, self.max_len)
-        self.prefill_chunk = prefill_chunk
+        self.block_size = block_size
         self.group = group
         self.leader = group is None or dist.get_rank(group) == 0
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.graphs: dict[tuple[int, int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
-        # The step's inputs, where a captured graph reads them: per row (token, position, seed,
-        # step) and (temperature, top_p).
-        self.ints = torch.zeros(max_batch, 4, dtype=torch.long, device=self.device)
+        # A decode step's inputs, where a captured graph reads them: per token (token, position,
+        # table row, seed, step) and (temperature, top_p).
+        self.ints = torch.zeros(max_batch, 5, dtype=torch.long, device=self.device)
         self.floats = torch.zeros(max_batch, 2, dtype=torch.float32, device=self.device)
         self.vocab = model.config.vocab_size
-        self.last_logits: torch.Tensor | None = None  # [rows, V] of the last prefill (1 row) or decode step
-        self.last_prompt_logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-
-    # ---- the two operations ----------------------------------------------------------------------
-    @torch.no_grad()
-    def prefill(self, row: int, prompt_ids: list[int], sampling: Sampling, prompt_logprobs: int | None = None) -> int:
-        """Put a prompt into cache row `row` (positions 0..len-1) and sample its first new token.
-        With `prompt_logprobs` = k, `last_prompt_logprobs` holds, for prompt tokens 1..len-1,
-        their log-probabilities and the k likeliest tokens' (sampling.token_logprobs, at
-        temperature 1, unprocessed)."""
-        if not 0 < len(prompt_ids) <= self.max_len or not 0 <= row < self.max_batch:
+        # The logits of the last step: [S, V] those each sampling chunk sampled from, in order, and
+        # chunk index -> [tokens, V] for the chunks that asked for all of theirs.
+        self.last_logits: torch.Tensor | None = None
+        self.last_all_logits: dict[int, torch.Tensor] = {}
+        if num_blocks is None:
+            num_blocks = self._blocks_from_memory(gpu_memory_fraction)
+        self.cache = PagedKVCache(num_blocks, block_size, max_batch, self.max_len, self.device)
+        if (num_blocks - 1) * block_size < self.max_len:
             raise ValueError(
-                f"prefill of {len(prompt_ids)} tokens into row {row}: the cache has "
-                f"{self.max_batch} rows of {self.max_len}"
+                f"the KV cache holds {(num_blocks - 1) * block_size} tokens ({num_blocks - 1} blocks of "
+                f"{block_size}), fewer than one sequence of max_len={self.max_len}"
             )
-        ids = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
-        k = -1 if prompt_logprobs is None else prompt_logprobs
-        settings = torch.tensor([sampling.temperature, sampling.top_p, k], dtype=torch.float64, device=self.device)
-        self._announce(_PREFILL, row, len(prompt_ids), sampling.seed, ids, settings)
-        return int(self._prefill(row, ids, sampling, prompt_logprobs))
+        self.tables = torch.zeros_like(self.cache.block_tables, device="cpu")  # the host's copy
+        self._changed: set[int] = set()
+        self.blocks = BlockPool(num_blocks, block_size, prefix_caching)
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the cache holds (the null block aside)."""
+        return (self.cache.num_blocks - 1) * self.block_size
+
+    # ---- the operations ---------------------------------------------------------------------------
+    def set_blocks(self, row: int, blocks: list[int]) -> None:
+        """Table row `row` holds these blocks (its sequence's entries 0, block_size, ... in order);
+        sent to the device with the next step."""
+        if len(blocks) > self.tables.shape[1]:
+            raise ValueError(f"{len(blocks)} blocks for row {row}: a row holds {self.tables.shape[1]}")
+        self.tables[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        self.tables[row, len(blocks) :] = 0
+        self._changed.add(row)
 
     @torch.no_grad()
-    def decode(self, rows: list[RowStep]) -> list[int]:
-        """One step of every given row: the token each samples next, in the order given."""
-        batch = next(b for b in self.batch_sizes if b > max(r.row for r in rows))
-        end = max(r.position for r in rows) + 1
+    def step(self, chunks: list[Chunk]) -> list[int]:
+        """One forward of the chunks; the next token of each chunk that samples, in order (their
+        logits in `last_logits`, and those of the chunks with `all_logits` in `last_all_logits`)."""
+        self.last_all_logits = {}
+        if not chunks:
+            return []
+        end = max(c.start + len(c.tokens) for c in chunks)
         if end > self.max_len:
-            raise ValueError(f"position {end - 1} is beyond the cache's {self.max_len} entries")
-        kv_len = next(n for n in self.kv_lens if n >= end)
-        mode = mode_for([r.sampling.temperature for r in rows], [r.sampling.top_p for r in rows])
-        ints, floats = [[0, 0, 0, 0]] * batch, [[0.0, 1.0]] * batch  # padding rows: token 0 at position 0, greedy
-        for r in rows:
-            ints[r.row] = [r.token, r.position, r.sampling.seed, r.step]
-            floats[r.row] = [r.sampling.temperature, r.sampling.top_p]
-        self.ints[:batch].copy_(torch.tensor(ints), non_blocking=True)
-        self.floats[:batch].copy_(torch.tensor(floats), non_blocking=True)
-        self._announce(_DECODE, batch, kv_len, MODES.index(mode))
-        tokens, self.last_logits = self._run(batch, kv_len, mode)
-        tokens = tokens.tolist()
-        return [tokens[r.row] for r in rows]
+            raise ValueError(f"position {end - 1} is beyond the cache's rows of {self.max_len} entries")
+        self._send_tables()
+        if len(chunks) <= self.max_batch and all(len(c.tokens) == 1 and c.sample and not c.all_logits for c in chunks):
+            return self._decode_step(chunks, end)
+        return self._packed_step(chunks)
+
+    def decode(self, rows: list[RowStep]) -> list[int]:
+        """One decode step of every given row: the token each samples next, in the order given."""
+        return self.step([r.chunk() for r in rows])
 
     @torch.no_grad()
     def warm_up(self) -> float:
-        """One greedy step at every batch size, while no sequence runs (padding rows only), so
-        that the kernels are compiled and their tiles tuned (seconds each on a GPU) before the
-        first requests rather than inside them. Returns the seconds it took."""
+        """One greedy decode step at every batch size and one packed step, while no sequence runs
+        (padding into the null block only), so that the kernels are compiled and their tiles tuned
+        (seconds each on a GPU) before the first requests rather than inside them. Returns the
+        seconds it took."""
         start = time.perf_counter()
+        # The packed step first: the cache's pools are allocated at the first write, which should
+        # not be a graph's warm-up on its side stream.
+        tokens = min(self.max_num_batched_tokens, self.max_len)
+        self._packed_step([Chunk(self.cache.scratch_row, [0] * tokens, 0, True)])
         kv_len = self.kv_lens[0]
         for batch in self.batch_sizes:
-            self.ints[:batch] = 0
-            self.floats[:batch] = torch.tensor([0.0, 1.0])
+            self._pad(batch)
             self._announce(_DECODE, batch, kv_len, MODES.index("greedy"))
             self._run(batch, kv_len, "greedy")
         if self.device.type == "cuda":
@@ -166,11 +217,15 @@ class DecodeEngine:
             if op == _KEEP_ALIVE:
                 continue
             with torch.no_grad():
-                if op == _PREFILL:
-                    ids = comm.broadcast_(torch.empty(b, dtype=torch.long, device=self.device), self.group)
-                    settings = comm.broadcast_(torch.empty(3, dtype=torch.float64, device=self.device), self.group)
-                    temperature, top_p, k = settings.tolist()
-                    self._prefill(a, ids, Sampling(temperature, top_p, seed=c), None if k < 0 else int(k))
+                if op == _TABLES:
+                    rows = comm.broadcast_(torch.empty(a, dtype=torch.long, device=self.device), self.group)
+                    tables = torch.empty(a, self.tables.shape[1], dtype=torch.int32, device=self.device)
+                    self.cache.block_tables[rows] = comm.broadcast_(tables, self.group)
+                elif op == _FORWARD:
+                    ints = comm.broadcast_(torch.empty(a, 4, dtype=torch.long, device=self.device), self.group)
+                    samples = comm.broadcast_(torch.empty(b, 3, dtype=torch.long, device=self.device), self.group)
+                    floats = comm.broadcast_(torch.empty(b, 2, dtype=torch.float32, device=self.device), self.group)
+                    self._forward(ints, samples, floats, _segments(ints.tolist()), MODES[c])
                 else:
                     comm.broadcast_(self.ints[:a], self.group)
                     comm.broadcast_(self.floats[:a], self.group)
@@ -186,33 +241,76 @@ class DecodeEngine:
         for t in tensors:
             comm.broadcast_(t, self.group)
 
-    def _prefill(self, row: int, ids: torch.Tensor, sampling: Sampling, prompt_logprobs: int | None) -> torch.Tensor:
-        self.cache.row_start = row
-        pieces = []
-        for start in range(0, len(ids), self.prefill_chunk):
-            chunk = ids[start : start + self.prefill_chunk]
-            self.cache.kv_len = start + len(chunk)
-            positions = torch.arange(start, start + len(chunk), device=self.device)[None]
-            every = prompt_logprobs is not None
-            logits = self.model.next_token_logits(chunk[None], self.cache, positions, all_positions=every)
-            if every:  # position t's logits give token t + 1's log-probability
-                targets = ids[start + 1 : start + 1 + len(chunk)]
-                pieces.append(token_logprobs(logits[0, : len(targets)], targets, prompt_logprobs))
-                logits = logits[:, -1]
-        if pieces:
-            self.last_prompt_logprobs = tuple(torch.cat(parts) for parts in zip(*pieces))
-        self.last_logits = logits
-        mode = mode_for([sampling.temperature], [sampling.top_p])
-        floats = torch.tensor([sampling.temperature, sampling.top_p], device=self.device)
-        ints = torch.tensor([sampling.seed, 0], device=self.device)  # step 0: the first sampled token
-        return sample(logits, floats[:1], floats[1:], ints[:1], ints[1:], mode)[0]
+    def _send_tables(self) -> None:
+        if not self._changed:
+            return
+        rows = torch.tensor(sorted(self._changed), dtype=torch.long)
+        tables = self.tables[rows].to(self.device)
+        rows = rows.to(self.device)
+        self._announce(_TABLES, len(rows), 0, 0, rows, tables)
+        self.cache.block_tables[rows] = tables
+        self._changed.clear()
+
+    def _pad(self, batch: int) -> None:
+        """Decode inputs 0..batch-1 all padding: token 0 at position 0 of the scratch row, greedy."""
+        self.ints[:batch] = torch.tensor([0, 0, self.cache.scratch_row, 0, 0])
+        self.floats[:batch] = torch.tensor([0.0, 1.0])
+
+    def _decode_step(self, chunks: list[Chunk], end: int) -> list[int]:
+        batch = next(b for b in self.batch_sizes if b >= len(chunks))
+        kv_len = next(n for n in self.kv_lens if n >= end)
+        mode = mode_for([c.sampling.temperature for c in chunks], [c.sampling.top_p for c in chunks])
+        ints = [[c.tokens[0], c.start, c.row, c.sampling.seed, c.step] for c in chunks]
+        ints += [[0, 0, self.cache.scratch_row, 0, 0]] * (batch - len(chunks))
+        floats = [[c.sampling.temperature, c.sampling.top_p] for c in chunks] + [[0.0, 1.0]] * (batch - len(chunks))
+        self.ints[:batch].copy_(torch.tensor(ints), non_blocking=True)
+        self.floats[:batch].copy_(torch.tensor(floats), non_blocking=True)
+        self._announce(_DECODE, batch, kv_len, MODES.index(mode))
+        tokens, logits = self._run(batch, kv_len, mode)
+        self.last_logits = logits[: len(chunks)]
+        return tokens[: len(chunks)].tolist()
+
+    def _packed_step(self, chunks: list[Chunk]) -> list[int]:
+        ints, samples, floats = [], [], []
+        for c in chunks:
+            if c.sample:
+                samples.append([len(ints) + len(c.tokens) - 1, c.sampling.seed, c.step])
+                floats.append([c.sampling.temperature, c.sampling.top_p])
+            ints += [[token, c.start + i, c.row, c.all_logits] for i, token in enumerate(c.tokens)]
+        sampled = [c for c in chunks if c.sample]
+        mode = mode_for([c.sampling.temperature for c in sampled], [c.sampling.top_p for c in sampled])
+        segments = _segments(ints)
+        ints = torch.tensor(ints, dtype=torch.long).to(self.device)
+        samples = torch.tensor(samples, dtype=torch.long).view(-1, 3).to(self.device)
+        floats = torch.tensor(floats, dtype=torch.float32).view(-1, 2).to(self.device)
+        self._announce(_FORWARD, len(ints), len(samples), MODES.index(mode), ints, samples, floats)
+        tokens, logits = self._forward(ints, samples, floats, segments, mode)
+        self.last_logits = logits[: len(samples)]
+        rest = logits[len(samples) :]
+        for i, c in enumerate(chunks):
+            if c.all_logits:
+                self.last_all_logits[i], rest = rest[: len(c.tokens)], rest[len(c.tokens) :]
+        return tokens[: len(samples)].tolist()
+
+    def _forward(self, ints, samples, floats, segments, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The packed step: ints [N, 4] (token, position, table row, all logits wanted), samples
+        [S, 3] (token index, seed, step) and floats [S, 2] (temperature, top_p). Returns the S
+        sampled tokens and the logits of the S sampling tokens, then of the tokens flagged."""
+        self.cache.set_step(ints[:, 2], ints[:, 1], max(s[3] for s in segments), segments)
+        if not len(samples):  # only chunks of prompts that go on: the last token's logits, unused
+            samples, floats = ints.new_tensor([[len(ints) - 1, 0, 0]]), floats.new_tensor([[0.0, 1.0]])
+            mode = "greedy"
+        at = torch.cat([samples[:, 0], ints[:, 3].nonzero()[:, 0]])
+        logits = self.model.next_token_logits(ints[None, :, 0], self.cache, ints[None, :, 1], at=at)
+        sampled = logits[: len(samples)]
+        return sample(sampled, floats[:, 0], floats[:, 1], samples[:, 1], samples[:, 2], mode), logits
 
     def _step(self, batch: int, kv_len: int, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(the tokens, the logits they were sampled from)."""
         ints, floats = self.ints[:batch], self.floats[:batch]
-        self.cache.row_start, self.cache.kv_len = 0, kv_len
+        self.cache.set_step(ints[:, 2], ints[:, 1], kv_len)
         logits = self.model.next_token_logits(ints[:, :1], self.cache, ints[:, 1:2])
-        return sample(logits, floats[:, 0], floats[:, 1], ints[:, 2], ints[:, 3], mode), logits
+        return sample(logits, floats[:, 0], floats[:, 1], ints[:, 3], ints[:, 4], mode), logits
 
     def _run(self, batch: int, kv_len: int, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.cuda_graphs:
@@ -235,3 +333,52 @@ class DecodeEngine:
         graph, out = self.graphs[key]
         graph.replay()
         return out
+
+    def _blocks_from_memory(self, fraction: float) -> int:
+        """CPU: max_batch rows of max_len entries. GPU: a provisional cache of the null block and one
+        more, one forward of the largest step into the scratch row (its activations' peak), then
+        the blocks that fit in `fraction` of the device after the weights and that peak (the
+        fewest over a tensor-parallel group)."""
+        per_row = math.ceil(self.max_len / self.block_size)
+        if self.device.type != "cuda":
+            return 1 + self.max_batch * per_row
+        self.cache = PagedKVCache(2, self.block_size, self.max_batch, self.max_len, self.device)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        tokens, scratch = self.max_num_batched_tokens, self.cache.scratch_row
+        chunks = [Chunk(scratch, [0] * min(self.max_len, tokens - s), 0, True) for s in range(0, tokens, self.max_len)]
+        ints = [[0, c.start + i, scratch, 0] for c in chunks for i in range(len(c.tokens))]
+        with torch.no_grad():
+            self._forward(
+                torch.tensor(ints, device=self.device),
+                torch.zeros(1, 3, dtype=torch.long, device=self.device),
+                torch.tensor([[0.0, 1.0]], device=self.device),
+                _segments(ints),
+                "greedy",
+            )
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        per_block = self.cache.bytes_per_block()
+        del self.cache
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        spare = fraction * total - (total - free) - peak
+        blocks = torch.tensor([max(2, int(spare // per_block))], device=self.device)
+        if self.group is not None:  # every rank the same pool: the smallest
+            blocks = -comm.all_reduce_max(-blocks, self.group)
+        return int(blocks)
+
+
+def _segments(ints: list[list[int]]) -> list[tuple[int, int, int, int]]:
+    """The runs of consecutive tokens of one table row in a packed step's (token, position, row,
+    flag) list: (row, first token, tokens, last position + 1)."""
+    segments = []
+    for i, (_, position, row, _) in enumerate(ints):
+        if segments and segments[-1][0] == row and position == segments[-1][3]:  # the run goes on
+            first = segments[-1][1]
+            segments[-1] = (row, first, i - first + 1, position + 1)
+        else:
+            segments.append((row, i, 1, position + 1))
+    return segments

@@ -1,12 +1,26 @@
-"""Continuous batching: requests wait in a bounded queue, take a free cache row as soon as one
-is free (their prompt prefilled, their first token sampled), and join the running batch at the
-next decode step; a finished or cancelled request gives its row back at once.
+"""Continuous batching with a token budget per step: requests wait in a bounded queue; each step
+runs one forward of at most `max_num_batched_tokens` tokens — first one token of every running
+sequence that is decoding, then chunks of the prompts being prefilled, oldest first, then new
+requests admitted while a table row, blocks and budget remain — so that decoding never stalls
+behind a long prompt, and several prompts are prefilled in one forward. A finished or cancelled
+request gives its row and blocks back at once.
 
-`step` is one round (drop cancelled requests, admit waiting ones, one decode step of every
-running one); `run_until_idle` drives it for a batch job (`moemesh generate`), `serve_forever`
-for the server, on its own thread, sleeping while there is nothing to do. `submit` may be called
-from any thread; a full queue raises QueueFull (the server's 503). Rows are handed out lowest
-first, so a decode step's batch stays as small as the number of running requests allows.
+A sequence's tokens are its prompt and what it has sampled; `computed` counts those whose keys
+and values are in the cache. A step computes the next ones; when that reaches the last token,
+its logits sample the next. Prefill, decode and recomputation are the same operation.
+
+Blocks (inference/blocks.py): a sequence holds those of its computed and scheduled entries; a
+new request first takes the blocks of its prompt's longest cached prefix (prefix caching), at
+least its last token left to compute (its logits are needed). When a running sequence needs a
+block and none is free, the youngest running sequence not in this step is preempted — its blocks
+released, its row given back, and it returns to the front of the queue with its tokens so far,
+recomputed when it is admitted again (recompute, not swap: no copy to host and back; its full
+blocks stay in the prefix cache meanwhile, so re-admission often finds them). A request that does
+not fit waits. None is lost: a sequence leaves only finished, cancelled or failed.
+
+`step` is one round; `run_until_idle` drives it for a batch job (`moemesh generate`),
+`serve_forever` for the server, on its own thread, sleeping while there is nothing to do.
+`submit` may be called from any thread; a full queue raises QueueFull (the server's 503).
 
 A request's failure is that request's alone: what is done for one row after the engine's step
 (processing.py: penalties, biases, grammars, log-probabilities; its text and stops) runs under
@@ -17,32 +31,49 @@ failing engine step (the model or the device) fails every request in it.
 from __future__ import annotations
 
 import heapq
+import math
 import threading
 import traceback
 from collections import Counter, deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from moemesh.data.tokenizer import Tokenizer
 from moemesh.errors import MoemeshError
-from moemesh.inference.engine import DecodeEngine, RowStep
+from moemesh.inference.blocks import block_key
+from moemesh.inference.engine import Chunk, DecodeEngine
 from moemesh.inference.grammar import Grammars
 from moemesh.inference.processing import FLOOR, RowSampler
 from moemesh.inference.request import Logprob, SamplingParams, Sequence, check_request
+from moemesh.inference.sampling import token_logprobs
 
 
 class QueueFull(MoemeshError):
     """Every row is busy and the waiting queue is at its limit."""
 
 
+@dataclass
+class Held:
+    """A running sequence's hold on the cache."""
+
+    blocks: list[int]
+    keys: list[int] = field(default_factory=list)  # prefix-cache keys of its first full blocks
+    computed: int = 0  # tokens whose keys and values are in the cache
+
+
 class Scheduler:
     def __init__(self, engine: DecodeEngine, tokenizer: Tokenizer, max_waiting: int = 64):
         self.engine, self.tokenizer, self.max_waiting = engine, tokenizer, max_waiting
+        self.pool = engine.blocks
         self.free_rows = list(range(engine.max_batch))  # a heap: the lowest row first
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.decode_batches: Counter[int] = Counter()  # requests in a decode step -> how many steps had that many
+        self.running: list[Sequence] = []  # in order of admission
+        self.held: dict[Sequence, Held] = {}
+        self.decode_batches: Counter[int] = Counter()  # sequences in a step -> how many steps had that many
+        self.preemptions = 0
+        self.prompt_tokens = self.cached_tokens = 0  # admitted; of them found in the prefix cache
         self.closed = False
         self._wake = threading.Condition()
         self.grammars = Grammars(tokenizer, engine.vocab)
@@ -73,15 +104,35 @@ class Scheduler:
                 self.waiting.remove(sequence)
                 sequence.finish("cancelled")
         self._retire()
-        admitted = self._admit()
-        self._retire()
-        if not self.running:
-            return admitted
-        rows = [RowStep(s.row, s.token_ids[-1], s.position, len(s.token_ids), s.params.sampling) for s in self.running]
-        self.decode_batches[len(rows)] += 1
-        tokens = self.engine.decode(rows)
-        for sequence, token in zip(list(self.running), tokens):
-            self._take(sequence, token, self.engine.last_logits[sequence.row])
+        work = self._schedule()
+        if not work:
+            return False
+        chunks = []
+        for sequence, count in work:
+            computed = self.held[sequence].computed
+            chunks.append(
+                Chunk(
+                    sequence.row,
+                    _tokens(sequence, computed, computed + count),
+                    computed,
+                    computed + count == _length(sequence),
+                    len(sequence.token_ids),
+                    sequence.params.sampling,
+                    _wants_prompt_logprobs(sequence, computed),
+                )
+            )
+        self.decode_batches[len(work)] += 1
+        tokens = self.engine.step(chunks)
+        sampled = 0
+        for i, ((sequence, count), chunk) in enumerate(zip(work, chunks)):
+            held = self.held[sequence]
+            held.computed += count
+            self._register(sequence, held)
+            if chunk.all_logits:
+                self._prompt_logprobs(sequence, chunk, self.engine.last_all_logits[i])
+            if chunk.sample:
+                self._take(sequence, tokens[sampled], self.engine.last_logits[sampled])
+                sampled += 1
         self._retire()
         return True
 
@@ -89,9 +140,10 @@ class Scheduler:
         while self.step():
             pass
 
-    def serve_forever(self, keep_alive_s: float = 30.0) -> None:
+    def serve_forever(self, keep_alive_s: float = 30.0, after_step: Callable[[], None] | None = None) -> None:
         """Run rounds until `close`; a failing round fails the requests in it, and serving goes on.
-        Idle, it tells the engine every keep_alive_s that it is alive (tensor-parallel followers)."""
+        Idle, it tells the engine every keep_alive_s that it is alive (tensor-parallel followers).
+        `after_step` runs after every round (the server hands that round's updates over at once)."""
         while True:
             with self._wake:
                 while not (self.closed or self.waiting or self.running):
@@ -107,38 +159,118 @@ class Scheduler:
                 for sequence in self.running:
                     sequence.finish("error", error.strip().splitlines()[-1])
                 self._retire()
+            if after_step is not None:
+                after_step()
         for sequence in [*self.waiting, *self.running]:
             sequence.finish("cancelled")
+        self._retire()
+        if after_step is not None:
+            after_step()
 
     def close(self) -> None:
         with self._wake:
             self.closed = True
             self._wake.notify()
 
-    def _admit(self) -> bool:
-        admitted = False
-        while self.free_rows:
-            with self._wake:
-                if not self.waiting:
-                    break
-                sequence = self.waiting.popleft()
-            sequence.row = heapq.heappop(self.free_rows)
-            self.running.append(sequence)
-            admitted = True
-            params = sequence.params
-            token = self.engine.prefill(sequence.row, sequence.prompt_ids, params.sampling, params.prompt_logprobs)
-            with self._guard(sequence):
-                if params.prompt_logprobs is not None:
-                    sequence.prompt_logprobs = [None, *_logprobs(*self.engine.last_prompt_logprobs)]
-                if params.max_tokens == 0:  # the prompt's log-probabilities alone
-                    sequence.finish("length")
-                    continue
-                self._take(sequence, token, self.engine.last_logits[0])
-        return admitted
+    # ---- inside ----------------------------------------------------------------------------------
+    def _schedule(self) -> list[tuple[Sequence, int]]:
+        """This step's (sequence, tokens to compute), within the token budget."""
+        budget = self.engine.max_num_batched_tokens
+        work: list[tuple[Sequence, int]] = []
+        scheduled: set[Sequence] = set()
+        decoding_first = sorted(self.running, key=lambda s: _length(s) - self.held[s].computed > 1)  # stable
+        for sequence in decoding_first:
+            if budget == 0:
+                break
+            if sequence not in self.held:  # preempted for an older one this round
+                continue
+            count = min(_length(sequence) - self.held[sequence].computed, budget)
+            if self._grow(sequence, self.held[sequence].computed + count, scheduled):
+                work.append((sequence, count))
+                scheduled.add(sequence)
+                budget -= count
+        while budget > 0 and self.free_rows:
+            admitted = self._admit(budget)
+            if admitted is None:
+                break
+            work.append(admitted)
+            budget -= admitted[1]
+        return work
+
+    def _admit(self, budget: int) -> tuple[Sequence, int] | None:
+        """The first waiting request into a row, with its cached prefix and blocks for its first
+        chunk; None if there is none or its blocks are not free (it waits)."""
+        with self._wake:
+            if not self.waiting:
+                return None
+            sequence = self.waiting[0]
+        length, size = _length(sequence), self.pool.block_size
+        blocks, keys = [], []
+        if not _wants_prompt_logprobs(sequence, 0):  # those need every prompt token's logits
+            blocks, keys = self.pool.match(_tokens(sequence, 0, length))
+        if len(blocks) * size >= length:  # the last token is computed again: its logits are needed
+            self.pool.release(blocks[-1:])
+            blocks, keys = blocks[:-1], keys[:-1]
+        computed = len(blocks) * size
+        count = min(length - computed, budget)
+        need = math.ceil((computed + count) / size) - len(blocks)
+        if need > self.pool.num_free:
+            self.pool.release(blocks)
+            return None
+        with self._wake:
+            self.waiting.popleft()
+        sequence.row = heapq.heappop(self.free_rows)
+        self.held[sequence] = Held(blocks + self.pool.allocate(need), keys, computed)
+        self.running.append(sequence)
+        self.engine.set_blocks(sequence.row, self.held[sequence].blocks)
+        self.prompt_tokens += length
+        self.cached_tokens += computed
+        return sequence, count
+
+    def _grow(self, sequence: Sequence, entries: int, scheduled: set[Sequence]) -> bool:
+        """Blocks for `entries` of the sequence, preempting the youngest running sequences not in
+        this step while none is free; False if the sequence itself had to go."""
+        held = self.held[sequence]
+        need = math.ceil(entries / self.pool.block_size) - len(held.blocks)
+        while need > self.pool.num_free:
+            victim = next((s for s in reversed(self.running) if s not in scheduled and s is not sequence), None)
+            self._preempt(sequence if victim is None else victim)
+            if victim is None:
+                return False
+        if need > 0:
+            held.blocks += self.pool.allocate(need)
+            self.engine.set_blocks(sequence.row, held.blocks)
+        return True
+
+    def _preempt(self, sequence: Sequence) -> None:
+        self._release(sequence)
+        self.preemptions += 1
+        with self._wake:
+            self.waiting.appendleft(sequence)
+
+    def _register(self, sequence: Sequence, held: Held) -> None:
+        """Key the sequence's newly full blocks in the prefix cache."""
+        if not self.pool.prefix_caching:
+            return
+        size = self.pool.block_size
+        for i in range(len(held.keys), held.computed // size):
+            tokens = _tokens(sequence, i * size, (i + 1) * size)
+            held.keys.append(block_key(held.keys[-1] if held.keys else None, tokens))
+            self.pool.register(held.blocks[i], held.keys[-1], tokens)
+
+    def _release(self, sequence: Sequence) -> None:
+        """Give the sequence's blocks and row back."""
+        self.pool.release(self.held.pop(sequence).blocks)
+        self.running.remove(sequence)
+        heapq.heappush(self.free_rows, sequence.row)
+        sequence.row = None
 
     def _take(self, sequence: Sequence, token: int, logits: torch.Tensor) -> None:
         """The row's token after the step: processed when it asks for it, then added."""
         with self._guard(sequence):
+            if sequence.params.max_tokens == 0:  # the prompt's log-probabilities alone
+                sequence.finish("length")
+                return
             logprob = None
             if sequence.sampler is not None:
                 token, logprob = sequence.sampler.choose(logits, token, len(sequence.token_ids))
@@ -163,17 +295,45 @@ class Scheduler:
                 self.sequence.finish_reason = "error"
             return True
 
+    def _prompt_logprobs(self, sequence: Sequence, chunk: Chunk, logits: torch.Tensor) -> None:
+        """The log-probabilities of the prompt tokens after the chunk's, from its logits."""
+        with self._guard(sequence):
+            targets = sequence.prompt_ids[chunk.start + 1 : chunk.start + 1 + len(chunk.tokens)]
+            ids = torch.tensor(targets, dtype=torch.long, device=logits.device)
+            found = token_logprobs(logits[: len(targets)], ids, sequence.params.prompt_logprobs)
+            sequence.prompt_logprobs = (sequence.prompt_logprobs or [None]) + _logprobs(*found)
+
     def _retire(self) -> None:
-        """Give the rows of finished and cancelled requests back."""
+        """Give the rows and blocks of finished and cancelled requests back."""
         for sequence in [s for s in self.running if s.cancelled or s.finish_reason is not None]:
             sequence.finish("cancelled")
-            self.running.remove(sequence)
-            heapq.heappush(self.free_rows, sequence.row)
+            self._release(sequence)
 
 
 def _logprobs(chosen: torch.Tensor, ids: torch.Tensor, top: torch.Tensor) -> list[Logprob]:
-    """engine.last_prompt_logprobs as one Logprob a token (-inf as processing.FLOOR)."""
+    """sampling.token_logprobs's tensors as one Logprob a token (-inf as processing.FLOOR)."""
     return [
         Logprob(max(c, FLOOR), tuple((i, max(v, FLOOR)) for i, v in zip(row_ids, row_top)))
         for c, row_ids, row_top in zip(chosen.tolist(), ids.tolist(), top.tolist())
     ]
+
+
+def _length(sequence: Sequence) -> int:
+    return len(sequence.prompt_ids) + len(sequence.token_ids)
+
+
+def _tokens(sequence: Sequence, start: int, end: int) -> list[int]:
+    """The sequence's tokens start..end-1, of its prompt and then of what it sampled."""
+    prompt = len(sequence.prompt_ids)
+    if end <= prompt:
+        return sequence.prompt_ids[start:end]
+    if start >= prompt:
+        return sequence.token_ids[start - prompt : end - prompt]
+    return sequence.prompt_ids[start:] + sequence.token_ids[: end - prompt]
+
+
+def _wants_prompt_logprobs(sequence: Sequence, computed: int) -> bool:
+    """Whether a chunk from `computed` on must keep its logits: the request asks for its prompt's
+    log-probabilities and they are known up to there only (not again after a preemption)."""
+    known = max(len(sequence.prompt_logprobs), 1)  # the first token's is None
+    return sequence.params.prompt_logprobs is not None and known == computed + 1 < len(sequence.prompt_ids)

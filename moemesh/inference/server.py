@@ -26,6 +26,8 @@ This module needs fastapi and uvicorn (`pip install moemesh[serve]`); nothing el
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -47,6 +49,7 @@ from moemesh.inference.responses import Reply
 from moemesh.inference.scheduler import QueueFull, Scheduler
 
 log = logging.getLogger("moemesh.serve")
+SWITCH_INTERVAL_S = 2e-4
 
 
 class Service:
@@ -79,6 +82,9 @@ class Service:
             max_waiting,  # a request that fits an empty queue (more could be refused with 503 forever)
         )
         self.created = int(time.time())
+        # Updates of this scheduler round, handed to the event loop together after it (`deliver`):
+        # one wake-up of the loop a round, not one a token a client.
+        self.outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, tuple]] = []
         self.app = _create_app(self)
         self.server = None  # the uvicorn server while it runs
 
@@ -95,7 +101,12 @@ class Service:
                 f"moemesh serve: decode steps of batch 1 to {self.engine.max_batch} ready in {seconds:.1f} s",
                 flush=True,
             )
-        worker = threading.Thread(target=self.scheduler.serve_forever, name="moemesh-scheduler", daemon=True)
+        rounds = functools.partial(self.scheduler.serve_forever, after_step=self.deliver)
+        worker = threading.Thread(target=rounds, name="moemesh-scheduler", daemon=True)
+        # The scheduler's thread is the GPU's critical path: when a step's tokens are back it must
+        # get the GIL from the event loop at once, not after Python's default 5 ms turn.
+        switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         worker.start()
         self.server = uvicorn.Server(
             uvicorn.Config(self.app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
@@ -108,6 +119,19 @@ class Service:
         finally:
             self.scheduler.close()
             worker.join()
+            sys.setswitchinterval(switch_interval)
+
+    def deliver(self) -> None:
+        """On the scheduler's thread after a round: its updates to their requests' queues."""
+        if not self.outbox:
+            return
+        updates, self.outbox = self.outbox, []
+        loops: dict[asyncio.AbstractEventLoop, list] = {}
+        for loop, queue, update in updates:
+            loops.setdefault(loop, []).append((queue, update))
+        for loop, items in loops.items():
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is waiting
+                loop.call_soon_threadsafe(_put_all, items)
 
     def shutdown(self) -> None:
         if self.server is not None:
@@ -283,7 +307,7 @@ def _create_app(service: Service) -> FastAPI:
             def on_update(sequence: Sequence, text: str) -> None:  # on the scheduler's thread
                 start, end = reported[0], len(sequence.token_ids)
                 reported[0] = end
-                loop.call_soon_threadsafe(updates.put_nowait, (index, text, sequence.finish_reason, (start, end)))
+                service.outbox.append((loop, updates, (index, text, sequence.finish_reason, (start, end))))
 
             return on_update
 
@@ -330,14 +354,16 @@ def _create_app(service: Service) -> FastAPI:
                 yield event
             finished, started = 0, set()
             while finished < len(reply.sequences):
-                index, text, reason, tokens = await updates.get()
-                finished += reason is not None
-                if reason == "error":
-                    error = ApiError(500, f"generation failed: {reply.sequences[index].error}", kind="server_error")
-                    yield "data: " + json.dumps(error.body()) + "\n\n"
-                else:
-                    yield reply.event(index, text, reason, tokens, first=index not in started)
-                    started.add(index)
+                events = []  # what has come since the last write, in one write
+                for index, text, reason, tokens in [await updates.get(), *_drain(updates)]:
+                    finished += reason is not None
+                    if reason == "error":
+                        error = ApiError(500, f"generation failed: {reply.sequences[index].error}", kind="server_error")
+                        events.append("data: " + json.dumps(error.body()) + "\n\n")
+                    else:
+                        events.append(reply.event(index, text, reason, tokens, first=index not in started))
+                        started.add(index)
+                yield "".join(events)
             if include_usage:
                 yield reply.usage_event()
             yield "data: [DONE]\n\n"
@@ -354,6 +380,18 @@ async def disconnected(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def _put_all(items: list[tuple[asyncio.Queue, tuple]]) -> None:
+    for queue, update in items:
+        queue.put_nowait(update)
+
+
+def _drain(queue: asyncio.Queue) -> list:
+    items = []
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items
 
 
 def cancel(sequences: list[Sequence]) -> None:

@@ -4,7 +4,7 @@ No distributed code lives here: parallelism is applied to a built model from `mo
 from moemesh.models import registry  # noqa: F401  (each family registers itself as it is imported)
 from moemesh.models.build import build
 from moemesh.models.config import ModelConfig
-from moemesh.models.kv_cache import KVCache
+from moemesh.models.kv_cache import PagedKVCache
 from moemesh.models.transformer import CausalLMOutput, MoECausalLM
 
-__all__ = ["ModelConfig", "build", "KVCache", "MoECausalLM", "CausalLMOutput"]
+__all__ = ["ModelConfig", "build", "PagedKVCache", "MoECausalLM", "CausalLMOutput"]

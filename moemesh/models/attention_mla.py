@@ -7,6 +7,14 @@ qk_rope_head_dim shared by all heads. Each head's query/key is [nope | rope], on
 rotated. With rope_interleave the rope dims come in (even, odd) pairs: V3 de-interleaves them
 before rotating, V2 rotates them as complex pairs in place; both give the same q·k, so one
 de-interleave serves both.
+
+With a KV cache the layer caches what every head's key and value come from: the normalised latent
+and the rotated shared key, kv_lora_rank + qk_rope_head_dim numbers a token (576 for V3, against
+128 heads × (192 + 128) expanded). Attention then runs on the latent ("absorbed", as DeepSeek
+serves it): each head's query part without rotary is taken through its slice of kv_b_proj's key
+half into the latent space, the scores are q_latent·latent + q_rope·k_rope — the same sums as
+q_nope·k_nope + q_rope·k_rope in another order — one key/value "head" shared by all query heads,
+and the output (probabilities · latent) goes through the value half of kv_b_proj per head.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moemesh.models.config import ModelConfig
-from moemesh.models.layers import KVCache, RMSNorm, apply_rotary, attention_mask, grouped_attention
+from moemesh.models.layers import PagedKVCache, RMSNorm, apply_rotary, paged_attention
 from moemesh.models.rope import softmax_scale
 from moemesh.ops.linear import Linear
 
@@ -53,7 +61,7 @@ class MLAttention(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         positions: torch.Tensor,
-        cache: KVCache | None = None,
+        cache: PagedKVCache | None = None,
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
         if self.q_proj is not None:
@@ -64,17 +72,34 @@ class MLAttention(nn.Module):
         q_nope, q_rot = q.split([self.nope, self.rope], dim=-1)
 
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(batch, seq, -1, self.nope + self.v_dim).transpose(1, 2)
-        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-
+        latent = self.kv_a_layernorm(latent)
         cos, sin = rope
         q_rot = self._rotate(q_rot, cos, sin)
-        k_rot = self._rotate(k_rot[:, None], cos, sin).expand(-1, k_nope.shape[1], -1, -1)  # one for all heads
-        q = torch.cat([q_nope, q_rot], dim=-1)
-        k = torch.cat([k_nope, k_rot], dim=-1)
+        k_rot = self._rotate(k_rot[:, None], cos, sin)  # [B, 1, T, rope]: one for all heads
         if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v, positions)
-            out = grouped_attention(q, k, v, attention_mask(positions, k.shape[2], None), self.scale)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+            return self._absorbed(q_nope, q_rot, latent, k_rot, cache)
+        kv = self.kv_b_proj(latent).view(batch, seq, -1, self.nope + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        q = torch.cat([q_nope, q_rot], dim=-1)
+        k = torch.cat([k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    def _absorbed(
+        self,
+        q_nope: torch.Tensor,
+        q_rot: torch.Tensor,
+        latent: torch.Tensor,
+        k_rot: torch.Tensor,
+        cache: PagedKVCache,
+    ) -> torch.Tensor:
+        """Attention over the cached latent: q_nope [B, h, T, nope], q_rot [B, h, T, rope], the
+        step's latent [B, T, rank] and rotated key [B, 1, T, rope] -> [B, T, hidden]."""
+        batch, heads, seq, _ = q_nope.shape
+        weight = self.kv_b_proj.weight.view(heads, self.nope + self.v_dim, self.kv_lora_rank)
+        w_k, w_v = weight.split([self.nope, self.v_dim], dim=1)  # this rank's heads under tensor parallelism
+        q = torch.cat([q_nope @ w_k.to(q_nope.dtype), q_rot], dim=-1)  # [B, h, T, rank + rope]
+        entry = torch.cat([latent[:, None], k_rot], dim=-1)  # [B, 1, T, rank + rope]
+        out = paged_attention(q, entry, None, cache, self.layer_idx, self.scale, value_dim=self.kv_lora_rank)
+        out = out @ w_v.transpose(1, 2).to(out.dtype)  # [B, h, T, v_dim]
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))

@@ -36,7 +36,15 @@ from moemesh.errors import ConfigError
 from moemesh.models import mixtral
 from moemesh.models.config import ModelConfig
 from moemesh.models.family import Family, register
-from moemesh.models.layers import Attention, DenseMLP, KVCache, RMSNorm, apply_rotary, attention_mask, grouped_attention
+from moemesh.models.layers import (
+    Attention,
+    DenseMLP,
+    PagedKVCache,
+    RMSNorm,
+    apply_rotary,
+    attention_mask,
+    paged_attention,
+)
 from moemesh.models.moe import MoEBlock, Routing, count_load, router_stats
 from moemesh.models.rope import RotaryEmbedding
 from moemesh.models.transformer import DecoderLayer
@@ -109,7 +117,7 @@ class Gemma4Attention(Attention):
         self.sinks = None
 
     def forward(
-        self, x: torch.Tensor, rope: dict, positions: torch.Tensor, cache: KVCache | None = None
+        self, x: torch.Tensor, rope: dict, positions: torch.Tensor, cache: PagedKVCache | None = None
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
         cos, sin = rope[self.layer_type]
@@ -121,8 +129,7 @@ class Gemma4Attention(Attention):
         v = _rms(v, self.eps).transpose(1, 2)
         # scale 1: the query norm takes the place of 1/sqrt(head_dim)
         if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v, positions)
-            out = grouped_attention(q, k, v, attention_mask(positions, k.shape[2], self.sliding_window), 1.0)
+            out = paged_attention(q, k, v, cache, self.layer_idx, 1.0, self.sliding_window)
         else:
             plain_causal = self.sliding_window is None or seq <= self.sliding_window
             mask = None if plain_causal else attention_mask(positions, seq, self.sliding_window)
@@ -183,7 +190,7 @@ class Gemma4DecoderLayer(DecoderLayer):
         self.post_feedforward_layernorm = RMSNorm(hidden, eps)
         self.layer_scalar = nn.Buffer(torch.ones(1))
 
-    def attention(self, h: torch.Tensor, rope, positions: torch.Tensor, cache: KVCache | None = None):
+    def attention(self, h: torch.Tensor, rope, positions: torch.Tensor, cache: PagedKVCache | None = None):
         if self.embed_scale is not None:
             h = h * torch.tensor(self.embed_scale).to(h.dtype)
         return h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), rope, positions, cache))

@@ -1,58 +1,134 @@
-"""The static key/value cache of decoding.
+"""The paged key/value cache of decoding and serving.
 
-Every layer's keys and values live in buffers allocated once, [rows, kv_heads, max_len, head_dim]
-(sized at the layer's first write, so under tensor parallelism they hold this rank's heads, and
-a family's layers may differ in heads and sizes). A row is one sequence; a token at position p
-writes entry p of its row. Before a forward the caller names the rows its batch occupies
-(`row_start`, the batch's rows following on) and how many entries attention reads (`kv_len`):
-the same buffers, the same shapes and no allocation from one step to the next, which is what a
-captured CUDA graph needs. Positions come per batch row ([B, T]), so sequences of different
-lengths decode side by side; a key is visible to a query when its position is not after the
-query's (and, on sliding-window layers, within the window).
+Storage is one pool of fixed-size blocks per layer, keys [num_blocks, block_size, kv_heads, D]
+and values beside them (allocated at the layer's first write, in the dtype and with the heads of
+what it writes: under tensor parallelism this rank's heads, and a family's layers may differ).
+DeepSeek's latent attention writes one "head" of kv_lora_rank + rope dims and no values (its
+values are the latent, the keys' first kv_lora_rank dims): the latent, not the expanded heads.
 
-Limits: no paging (a row reserves max_len entries), and DeepSeek's latent attention caches its
-expanded per-head keys and values, not the latent.
+A sequence's entries live in the blocks its row of `block_tables` names: entry p of the row's
+sequence is slot block_tables[row, p // block_size] · block_size + p % block_size. Who owns which
+block is the allocator's business (inference/blocks.py); here a block is storage. Block 0 is
+the null block, never handed out: a table's unused entries point at it, and so does the scratch
+row (the last row, all zeros) that the padding tokens of a fixed-size batch write into.
+
+Before a forward the caller lays out its tokens with `set_step`: for each token (in the batch's
+flattened [B, T] order) the table row of its sequence and its position. Two shapes of step:
+  * decode (segments None): token i is a sequence of its own whose last token it is; attention
+    reads each token's row up to its position. Shapes depend only on the number of tokens and
+    `kv_len` (a bound on the keys read), which is what a captured CUDA graph needs.
+  * packed (segments given): runs of consecutive tokens of one sequence — chunks of prompts
+    beside single decode tokens, in one forward — each a causal block against its own cached
+    prefix. The segments are host-side: (row, first token, tokens, keys to read).
+A key is visible to a query of the same sequence when its position is not after the query's
+(and, on sliding-window layers, within the window). New keys are written before attention
+reads, so a chunk attends to itself through the cache too.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+Segment = tuple[int, int, int, int]  # (table row, first token, tokens, keys to read: last position + 1)
 
-class KVCache:
-    def __init__(self, rows: int, max_len: int):
-        self.rows, self.max_len = rows, max_len
+
+class PagedKVCache:
+    def __init__(self, num_blocks: int, block_size: int, rows: int, max_len: int, device: torch.device | str = "cpu"):
+        if num_blocks < 2 or block_size < 1 or rows < 1 or max_len < 1:
+            raise ValueError(
+                f"a paged cache needs >= 2 blocks (block 0 is the null block), a block size, rows and a "
+                f"length >= 1; got {num_blocks} blocks of {block_size}, {rows} rows of {max_len}"
+            )
+        self.num_blocks, self.block_size, self.rows, self.max_len = num_blocks, block_size, rows, max_len
+        self.blocks_per_row = math.ceil(max_len / block_size)
+        # One more row than sequences: the scratch row of padding tokens (all null block).
+        self.block_tables = torch.zeros(rows + 1, self.blocks_per_row, dtype=torch.int32, device=device)
         self.keys: dict[int, torch.Tensor] = {}
-        self.values: dict[int, torch.Tensor] = {}
-        self.row_start = 0  # the batch's first row; batch row b is cache row row_start + b
-        self.kv_len = max_len  # entries attention reads (they must cover every query's position)
+        self.values: dict[int, torch.Tensor | None] = {}
+        # The step's layout (set_step): per token its table row, position and slot.
+        self.token_rows = self.positions = self.slots = None
+        self.segments: list[Segment] | None = None
+        self.kv_len = 0
+        self._tiles: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def update(
-        self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k/v [B, kv_heads, T, D] at `positions` ([T] for every row, or [B, T]) of the
-        batch's rows; return the rows' first kv_len keys and values (views, not copies)."""
-        batch = k.shape[0]
-        rows = torch.arange(batch, device=k.device)[:, None]
+    @property
+    def scratch_row(self) -> int:
+        return self.rows
+
+    # ---- the step's layout ----------------------------------------------------------------------
+    def set_step(
+        self, token_rows: torch.Tensor, positions: torch.Tensor, kv_len: int, segments: list[Segment] | None = None
+    ) -> None:
+        """Lay out the next forward's tokens: token_rows and positions [N] (device tensors, in the
+        batch's flattened order); kv_len bounds every key read (> every position, <= max_len);
+        segments as the module docstring says, None for a decode step."""
+        if kv_len > self.max_len:
+            raise ValueError(f"{kv_len} entries do not fit a cache of rows of {self.max_len}")
+        self.token_rows, self.positions = token_rows.contiguous(), positions.contiguous()  # the kernels' layout
+        self.kv_len, self.segments = kv_len, segments
+        blocks = self.block_tables[self.token_rows, self.positions // self.block_size].long()
+        self.slots = blocks * self.block_size + self.positions % self.block_size
+        self._tiles = {}
+
+    def tiles(self, tokens_per_tile: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Work units of the attention kernel: (first token [n], tokens [n], tokens_per_tile),
+        runs of at most tokens_per_tile tokens of one sequence (a decode step: one token each)."""
+        if self.segments is None:
+            tokens_per_tile = 1
+        if tokens_per_tile not in self._tiles:
+            if self.segments is None:
+                count = self.token_rows.shape[0]
+                starts = torch.arange(count, dtype=torch.int32, device=self.token_rows.device)
+                self._tiles[1] = (starts, torch.ones_like(starts))
+            else:
+                starts, lengths = [], []
+                for _, first, tokens, _ in self.segments:
+                    for start in range(first, first + tokens, tokens_per_tile):
+                        starts.append(start)
+                        lengths.append(min(tokens_per_tile, first + tokens - start))
+                device = self.token_rows.device
+                table = torch.tensor([starts, lengths], dtype=torch.int32).to(device, non_blocking=True)
+                self._tiles[tokens_per_tile] = (table[0], table[1])
+        return (*self._tiles[tokens_per_tile], tokens_per_tile)
+
+    # ---- storage --------------------------------------------------------------------------------
+    def pools(
+        self, layer_idx: int, like_k: torch.Tensor, value_dim: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer's key and value pools, flat [num_blocks · block_size, kv_heads, D] (allocated at
+        its first use with the kv heads, key size and dtype of `like_k` [..., kv_heads, D]; no
+        value pool when value_dim is None)."""
+        if layer_idx not in self.keys:
+            slots, heads = self.num_blocks * self.block_size, like_k.shape[-2]
+            self.keys[layer_idx] = like_k.new_zeros(slots, heads, like_k.shape[-1])
+            self.values[layer_idx] = None if value_dim is None else like_k.new_zeros(slots, heads, value_dim)
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        """Put the step's new keys and values, [N, kv_heads, D] in token order, at their slots."""
+        keys, values = self.pools(layer_idx, k, None if v is None else v.shape[-1])
+        keys.index_copy_(0, self.slots, k.to(keys.dtype))
+        if v is not None:
+            values.index_copy_(0, self.slots, v.to(values.dtype))
+
+    def gather(
+        self, layer_idx: int, rows: torch.Tensor | int, entries: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The first `entries` (rounded up to whole blocks) keys and values of each of `rows` [n]
+        (or of one row), read through their block tables: [n, kv_heads, L, D] copies."""
+        tables = self.block_tables[rows : rows + 1] if isinstance(rows, int) else self.block_tables[rows]
+        blocks = tables[:, : math.ceil(entries / self.block_size)].long()
         out = []
-        for buffer, new in zip(self.buffers(layer_idx, batch, k, v.shape[3]), (k, v)):
-            mine = buffer[self.row_start : self.row_start + batch]
-            mine[rows, :, positions] = new.transpose(1, 2).to(buffer.dtype)  # [B, T, heads, D] by advanced indexing
-            out.append(mine[:, :, : self.kv_len])
+        for pool in (self.keys[layer_idx], self.values[layer_idx]):
+            if pool is None:
+                out.append(None)
+                continue
+            paged = pool.view(self.num_blocks, self.block_size, *pool.shape[1:])[blocks]  # [n, b, bs, heads, D]
+            out.append(paged.flatten(1, 2).transpose(1, 2))
         return out[0], out[1]
 
-    def buffers(
-        self, layer_idx: int, batch: int, like: torch.Tensor, value_dim: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's whole key and value buffers (allocated at its first write, in the dtype
-        and with the kv heads and key size of `like` [B, kv_heads, T, D]), after checking that
-        `batch` rows from row_start and kv_len entries fit."""
-        if self.row_start + batch > self.rows or self.kv_len > self.max_len:
-            raise ValueError(
-                f"rows [{self.row_start}, {self.row_start + batch}) x {self.kv_len} entries do not "
-                f"fit a cache of {self.rows} rows x {self.max_len}"
-            )
-        if layer_idx not in self.keys:
-            self.keys[layer_idx] = like.new_zeros(self.rows, like.shape[1], self.max_len, like.shape[3])
-            self.values[layer_idx] = like.new_zeros(self.rows, like.shape[1], self.max_len, value_dim)
-        return self.keys[layer_idx], self.values[layer_idx]
+    def bytes_per_block(self) -> int:
+        """What one block takes over all layers written so far."""
+        return sum(t.nbytes for t in [*self.keys.values(), *self.values.values()] if t is not None) // self.num_blocks

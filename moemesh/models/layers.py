@@ -1,6 +1,8 @@
 """The dense building blocks: RMSNorm, rotary application, grouped-query attention, the gated MLP.
 Numerics follow Hugging Face `transformers` so that logits match it to float32 rounding. With a
-KV cache (kv_cache.py) attention reads the cached keys at per-row positions instead."""
+paged KV cache (kv_cache.py) attention writes the step's keys and values into it and reads each
+token's sequence through its block table instead (`paged_attention`, the reference of the
+kernels in ops/decode_attention.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moemesh.models.config import ModelConfig
-from moemesh.models.kv_cache import KVCache
+from moemesh.models.kv_cache import PagedKVCache
 from moemesh.ops import decode_attention, gemv
 from moemesh.ops.backend import use_triton
 from moemesh.ops.linear import Linear
@@ -78,18 +80,17 @@ class Attention(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         positions: torch.Tensor,
-        cache: KVCache | None = None,
+        cache: PagedKVCache | None = None,
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
         if (
             cache is not None
-            and seq == 1
             and self.sinks is None
             and use_triton(x)
             and decode_attention.fits(self.head_dim, rope[0].shape[-1])
             and getattr(self.q_proj, "lora_A", None) is None  # the kernels read the base weights (merge adapters first)
         ):
-            return self.decode(x, rope, positions, cache)
+            return self.fused(x, rope, cache)
         q = self.q_proj(x).view(batch, seq, -1, self.head_dim)
         k = self.k_proj(x).view(batch, seq, -1, self.head_dim)
         v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
@@ -99,9 +100,9 @@ class Attention(nn.Module):
         q = apply_rotary(q.transpose(1, 2), cos, sin)
         k = apply_rotary(k.transpose(1, 2), cos, sin)
         if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v, positions)
-        if cache is not None or self.sinks is not None:  # scaled_dot_product_attention takes no sinks
-            mask = attention_mask(positions, k.shape[2], self.sliding_window)
+            out = paged_attention(q, k, v, cache, self.layer_idx, self.head_dim**-0.5, self.sliding_window, self.sinks)
+        elif self.sinks is not None:  # scaled_dot_product_attention takes no sinks
+            mask = attention_mask(positions, seq, self.sliding_window)
             out = grouped_attention(q, k, v, mask, self.head_dim**-0.5, self.sinks)
         else:
             plain_causal = self.sliding_window is None or seq <= self.sliding_window
@@ -111,30 +112,87 @@ class Attention(nn.Module):
             )
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
-    def decode(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor, cache: KVCache
-    ) -> torch.Tensor:
-        """One token per row [B, 1, H] through the decoding kernels (ops/gemv.py,
-        ops/decode_attention.py): the forward above in three or four launches and o_proj."""
-        batch = x.shape[0]
-        rows, projections = x[:, 0], (self.q_proj, self.k_proj, self.v_proj)
+    def fused(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: PagedKVCache) -> torch.Tensor:
+        """The step's tokens [B, T, H] through the kernels of ops/gemv.py (a few rows) and
+        ops/decode_attention.py: the forward above in three or four launches and o_proj."""
+        batch, seq, _ = x.shape
+        rows, projections = x.reshape(batch * seq, -1), (self.q_proj, self.k_proj, self.v_proj)
         if gemv.fits(rows, *(p.weight for p in projections)):  # the three in one launch
             q, k, v = gemv.gemv(rows, [p.weight for p in projections])
             if self.q_proj.bias is not None:
                 q, k, v = (out + p.bias for out, p in zip((q, k, v), projections))
         else:
             q, k, v = (proj(rows) for proj in projections)
-        like = k.view(batch, -1, 1, self.head_dim)
-        keys, values = cache.buffers(self.layer_idx, batch, like, self.head_dim)
-        cos, sin = (table.reshape(-1, self.head_dim).expand(batch, -1) for table in rope)
+        keys, values = cache.pools(self.layer_idx, k.view(batch * seq, -1, self.head_dim), self.head_dim)
+        cos, sin = (torch.broadcast_to(t, (batch, seq, self.head_dim)).reshape(-1, self.head_dim) for t in rope)
         norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
         eps = self.q_norm.eps if self.q_norm is not None else 0.0
-        at = positions.reshape(-1).expand(batch)  # each row's position
-        q = decode_attention.rope_to_cache(q, k, v, cos, sin, *norms, eps, keys, values, cache.row_start, at)
-        out = decode_attention.cached_attention(
-            q, keys, values, cache.row_start, at, cache.kv_len, self.head_dim**-0.5, self.sliding_window
+        q = decode_attention.rope_to_cache(q, k, v, cos, sin, *norms, eps, keys, values, cache.slots)
+        starts, lengths, per_tile = cache.tiles(decode_attention.tile_tokens(q.shape[1] // keys.shape[1]))
+        out = decode_attention.paged_attention(
+            q,
+            keys,
+            values,
+            cache.block_tables,
+            cache.block_size,
+            cache.token_rows,
+            cache.positions,
+            starts,
+            lengths,
+            per_tile,
+            cache.kv_len,
+            self.head_dim**-0.5,
+            self.sliding_window,
         )
-        return self.o_proj(out[:, None])
+        return self.o_proj(out.view(batch, seq, -1))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    cache: PagedKVCache,
+    layer_idx: int,
+    scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    value_dim: int | None = None,
+) -> torch.Tensor:
+    """Attention of the step's queries q [B, h, T, D] over the cache, after writing the step's
+    keys k [B, h_kv, T, D] and values v [B, h_kv, T, Dv] into it: each token's queries against its
+    sequence's keys up to its position (cache.set_step laid the tokens out) -> [B, h, T, Dv].
+    With v None the values are the keys' first value_dim dims (DeepSeek's latent). Eager: the
+    keys gathered through the block table, then `grouped_attention` with the causal mask."""
+    batch, heads, seq, _ = q.shape
+
+    def by_token(t: torch.Tensor) -> torch.Tensor:  # [B, heads, T, D] -> [B·T, heads, D]
+        return t.transpose(1, 2).reshape(batch * seq, t.shape[1], t.shape[-1])
+
+    cache.write(layer_idx, by_token(k), None if v is None else by_token(v))
+    queries = by_token(q)
+
+    def attend(q_rows: torch.Tensor, rows, entries: int, positions: torch.Tensor) -> torch.Tensor:
+        keys, values = cache.gather(layer_idx, rows, entries)
+        if values is None:
+            values = keys[..., :value_dim]
+        mask = attention_mask(positions, keys.shape[2], window)
+        return grouped_attention(q_rows, keys, values, mask, scale, sinks)
+
+    if cache.segments is None:  # a decode step: every token alone in its row
+        out = attend(queries[:, :, None], cache.token_rows, cache.kv_len, cache.positions[:, None])[:, :, 0]
+    else:
+        out = torch.cat(
+            [
+                attend(
+                    queries[first : first + count].transpose(0, 1)[None],
+                    row,
+                    entries,
+                    cache.positions[first : first + count],
+                )[0].transpose(0, 1)
+                for row, first, count, entries in cache.segments
+            ]
+        )
+    return out.view(batch, seq, heads, -1).transpose(1, 2)
 
 
 def grouped_attention(

@@ -17,7 +17,7 @@ from torch import nn
 from moemesh.models.attention_mla import MLAttention
 from moemesh.models.config import ModelConfig
 from moemesh.models.family import family
-from moemesh.models.layers import Attention, DenseMLP, KVCache, RMSNorm
+from moemesh.models.layers import Attention, DenseMLP, PagedKVCache, RMSNorm
 from moemesh.models.moe import Dispatched, MoEBlock, RouterStats, Routing, load_balancing_loss
 from moemesh.models.rope import RotaryEmbedding
 from moemesh.ops import linear_cross_entropy, recompute
@@ -47,7 +47,7 @@ class DecoderLayer(nn.Module):
         )
 
     # ---- stages ---------------------------------------------------------------------------------
-    def attention(self, h: torch.Tensor, rope, positions: torch.Tensor, cache: KVCache | None = None):
+    def attention(self, h: torch.Tensor, rope, positions: torch.Tensor, cache: PagedKVCache | None = None):
         """h + attention(norm(h)): [B, T, H] -> [B, T, H]."""
         return h + self.self_attn(self.input_layernorm(h), rope, positions, cache)
 
@@ -71,7 +71,7 @@ class DecoderLayer(nn.Module):
         return h + mlp_out.view_as(h)
 
     def forward(
-        self, h: torch.Tensor, rope, positions: torch.Tensor, cache: KVCache | None = None
+        self, h: torch.Tensor, rope, positions: torch.Tensor, cache: PagedKVCache | None = None
     ) -> tuple[torch.Tensor, RouterStats | None]:
         h = self.attention(h, rope, positions, cache)
         if not self.is_moe:
@@ -134,7 +134,7 @@ class MoECausalLM(nn.Module):
         input_ids: torch.Tensor,
         labels: torch.Tensor | None = None,
         output_router_logits: bool | None = None,
-        cache: KVCache | None = None,
+        cache: PagedKVCache | None = None,
         positions: torch.Tensor | None = None,
         return_logits: bool = True,
     ) -> CausalLMOutput:
@@ -160,20 +160,21 @@ class MoECausalLM(nn.Module):
         return CausalLMOutput(logits=logits, loss=loss, aux_loss=aux_loss, ce_loss=ce_loss)
 
     def next_token_logits(
-        self, input_ids: torch.Tensor, cache: KVCache, positions: torch.Tensor, all_positions: bool = False
+        self, input_ids: torch.Tensor, cache: PagedKVCache, positions: torch.Tensor, at: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Decoding: the logits [B, V] of each row's last position only (the next token's), or
-        [B, T, V] of every position with `all_positions` (a prompt's own log-probabilities),
-        gathered over the vocabulary under tensor parallelism."""
+        with `at` [S] of those tokens of the flattened batch, gathered over the vocabulary under
+        tensor parallelism."""
         h, _ = self.run_layers(self.model.embed_tokens(input_ids), positions, cache=cache)
-        return self.gather_logits(self.head(self.model.norm(h if all_positions else h[:, -1]))[0])
+        h = h[:, -1] if at is None else h.flatten(0, 1)[at]
+        return self.gather_logits(self.head(self.model.norm(h))[0])
 
     def run_layers(
         self,
         h: torch.Tensor,
         positions: torch.Tensor,
         layers: Iterable[int] | None = None,
-        cache: KVCache | None = None,
+        cache: PagedKVCache | None = None,
     ) -> tuple[torch.Tensor, list[RouterStats]]:
         """Hidden states through the decoder layers (all, or those indexed: a pipeline stage's),
         with the router statistics of the MoE layers among them. Under activation checkpointing

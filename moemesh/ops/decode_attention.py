@@ -1,26 +1,31 @@
-"""Attention for decoding: one new token per row against the static KV cache, in two kernels
-(and a merge).
+"""Attention against the paged KV cache (models/kv_cache.py): the new tokens of a step — one a
+row when decoding, chunks of prompts beside them when prefilling — in two kernels (and a merge).
 
-    rope_to_cache     q, k, v projections [B, heads·D] -> the per-head RMSNorm (Qwen3's q/k norm,
+    rope_to_cache     q, k, v projections [N, heads·D] -> the per-head RMSNorm (Qwen3's q/k norm,
                       optional) and rotary embedding of q and k; k and v written into the cache
-                      at each row's position, q returned [B, heads, D]
-    cached_attention  softmax(q·kᵀ·scale) v over each row's keys 0..position (or the last
-                      `window` of them), the query heads that share a key/value head together
+                      at each token's slot, q returned [N, heads, D]
+    paged_attention   softmax(q·kᵀ·scale) v of each token over its sequence's keys 0..position
+                      (or the last `window` of them), read through the sequence's block table
 
 Eagerly these are some twenty kernels a layer (norms, the rotary's halves and concatenations,
-the cache's indexed writes, the mask, scores, softmax, casts), each of a microsecond's work;
-decoding is made of such launches. The attention kernel runs one program per (row, key/value
-head, split of the keys): its query heads are one matrix, the keys are read once, in blocks,
-with a running softmax, and only up to the row's own position — the entries past it, which the
-eager path reads and masks, are skipped; a second small kernel merges the splits
-(flash-decoding: at batch 1 there would otherwise be only h_kv programs, four for Qwen3-30B-A3B,
-and one such program per layer took 11 µs over 576 keys on an H200).
+the cache's indexed writes, the gathers through the block table, the mask, scores, softmax,
+casts), each of a microsecond's work when decoding; decoding is made of such launches.
 
-The reference is `models/layers.Attention`'s eager path (tests compare the two); these kernels
-serve it when one token per row meets a cache on a Triton device. Limits: a power-of-two head
-size (16 to 256) covered whole by the rotary tables, no attention sinks, rows whose last dimension
-is contiguous. Numerics: fp32 norms, rotary and softmax, rounded once to the cache's dtype; the
-eager path rounds after each bf16 operation, so in bf16 the two differ by a rounding or two.
+The attention kernel runs one program per (tile, key/value head, split of the keys). A tile is a
+run of consecutive tokens of one sequence (one token when decoding, up to `tile_tokens` of a
+prompt's chunk): its tokens × the query heads that share the key/value head are one matrix, the
+keys are read once, in blocks, with a running softmax (flash attention), only up to the tile's
+last position and from its window's first — entries past them are skipped — each key block
+through the block table, and the causal (and window) mask applied per query. A second small
+kernel merges the splits (flash-decoding: at batch 1 there would otherwise be only h_kv
+programs, four for Qwen3-30B-A3B, and one such program per layer took 11 µs over 576 keys on an
+H200); chunks of prompts have tiles enough and run unsplit.
+
+The reference is `models/layers.paged_attention` (the eager path: gathers through the block
+table, explicit masked softmax; tests compare the two). Limits: a power-of-two head size
+(16 to 256) covered whole by the rotary tables, no attention sinks, values of the keys' size.
+Numerics: fp32 norms, rotary and softmax, rounded once to the cache's dtype; the eager path
+rounds after each bf16 operation, so in bf16 the two differ by a rounding or two.
 """
 
 import torch
@@ -29,11 +34,17 @@ from moemesh.ops.backend import tl, triton
 
 BLOCK_KEYS = 64
 SPLIT_KEYS, MAX_SPLITS = 128, 16  # see split_count
+TILE_ROWS = 128  # a tile's query rows: its tokens × the query heads of one key/value head
 
 
 def fits(head_dim: int, rotary_dim: int) -> bool:
     """Whether these kernels take a layer of this head size and rotary width."""
     return head_dim == rotary_dim and 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
+
+
+def tile_tokens(group: int) -> int:
+    """Tokens of one sequence per tile, so that tokens × group fill about TILE_ROWS rows."""
+    return max(1, TILE_ROWS // triton.next_power_of_2(group))
 
 
 def rope_to_cache(
@@ -47,18 +58,16 @@ def rope_to_cache(
     eps: float,
     keys: torch.Tensor,
     values: torch.Tensor,
-    row_start: int,
-    positions: torch.Tensor,
+    slots: torch.Tensor,
 ) -> torch.Tensor:
-    """q [B, h·D], k and v [B, h_kv·D] (rows may be strided), cos/sin [B, D], norm weights [D] or
-    None, the cache's keys/values [rows, h_kv, max_len, D], positions [B] (may be strided)
-    -> q [B, h, D]."""
-    batch, head_dim = cos.shape
+    """q [N, h·D], k and v [N, h_kv·D] (rows may be strided), cos/sin [N, D], norm weights [D] or
+    None, the cache's key and value pools [slots, h_kv, D], each token's slot [N] -> q [N, h, D]."""
+    tokens, head_dim = cos.shape
     heads, kv_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
-    out = q.new_empty(batch, heads, head_dim)
-    if batch:
+    out = q.new_empty(tokens, heads, head_dim)
+    if tokens:
         has_norm = q_norm is not None
-        _rope_to_cache_kernel[(batch, heads + 2 * kv_heads)](
+        _rope_to_cache_kernel[(tokens, heads + 2 * kv_heads)](
             q,
             k,
             v,
@@ -75,10 +84,7 @@ def rope_to_cache(
             values,
             keys.stride(0),
             keys.stride(1),
-            keys.stride(2),
-            row_start,
-            positions,
-            positions.stride(0),
+            slots,
             HEADS=heads,
             KV_HEADS=kv_heads,
             HALF=head_dim // 2,
@@ -87,54 +93,67 @@ def rope_to_cache(
     return out
 
 
-def cached_attention(
+def paged_attention(
     q: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    row_start: int,
+    block_tables: torch.Tensor,
+    block_size: int,
+    token_rows: torch.Tensor,
     positions: torch.Tensor,
+    tile_starts: torch.Tensor,
+    tile_lengths: torch.Tensor,
+    tokens_per_tile: int,
     kv_len: int,
     scale: float,
     window: int | None,
 ) -> torch.Tensor:
-    """q [B, h, D] against the cache's keys/values [rows, h_kv, max_len, D] of rows row_start..,
-    each row's keys up to its position (< kv_len) -> [B, h·D] in q's dtype."""
-    batch, heads, head_dim = q.shape
+    """q [N, h, D] of tokens at `positions` [N] of the sequences in table rows `token_rows` [N]
+    against the pools [slots, h_kv, D] through `block_tables` [rows, W]; the tiles (first token,
+    tokens) each a run of one sequence's tokens; kv_len bounds the keys read -> [N, h·D]."""
+    tokens, heads, head_dim = q.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
-    out = q.new_empty(batch, heads * head_dim)
-    splits = split_count(kv_len)
+    out = q.new_empty(tokens, heads * head_dim)
+    tiles = tile_starts.shape[0]
+    splits = split_count(kv_len) if tokens_per_tile == 1 or tiles * kv_heads < 64 else 1
     chunk = triton.cdiv(triton.cdiv(kv_len, splits), BLOCK_KEYS) * BLOCK_KEYS
-    partial = out if splits == 1 else q.new_empty(batch, heads, splits, head_dim + 2, dtype=torch.float32)
-    if batch:
-        _cached_attention_kernel[(batch, kv_heads, splits)](
+    partial = out if splits == 1 else q.new_empty(tokens, heads, splits, head_dim + 2, dtype=torch.float32)
+    rows = max(16, triton.next_power_of_2(tokens_per_tile * group))
+    if tiles:
+        _paged_attention_kernel[(tiles, kv_heads, splits)](
             q.contiguous(),
             keys,
             values,
             partial,
             keys.stride(0),
             keys.stride(1),
-            keys.stride(2),
-            row_start,
+            block_tables,
+            block_tables.stride(0),
+            block_size,
+            token_rows,
             positions,
-            positions.stride(0),
+            tile_starts,
+            tile_lengths,
             chunk,
             scale,
             window or 0,
             GROUP=group,
-            GROUP_PAD=max(16, triton.next_power_of_2(group)),
+            HEADS=heads,
+            ROWS=rows,
             D=head_dim,
             BLOCK_N=BLOCK_KEYS,
             SPLITS=splits,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=4 if rows <= 64 else 8,
         )
         if splits > 1:
-            _merge_splits_kernel[(batch * heads,)](partial, out, SPLITS=splits, D=head_dim)
+            _merge_splits_kernel[(tokens * heads,)](partial, out, SPLITS=splits, D=head_dim)
     return out
 
 
 def split_count(kv_len: int) -> int:
-    """Programs per (row, key/value head): one per SPLIT_KEYS entries of the cache read, a power of
+    """Programs per (tile, key/value head): one per SPLIT_KEYS entries of the cache read, a power of
     two, at most MAX_SPLITS (flash-decoding's split; one row at batch 1 has only h_kv programs)."""
     return min(MAX_SPLITS, 1 << max(0, (kv_len // SPLIT_KEYS).bit_length() - 1))
 
@@ -155,25 +174,21 @@ def _rope_to_cache_kernel(
     out_ptr,
     keys_ptr,
     values_ptr,
-    row_stride,
+    slot_stride,
     head_stride,
-    pos_stride,
-    row_start,
-    positions_ptr,
-    positions_step,
+    slots_ptr,
     HEADS: tl.constexpr,
     KV_HEADS: tl.constexpr,
     HALF: tl.constexpr,
     HAS_NORM: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     d = tl.arange(0, HALF)
-    position = tl.load(positions_ptr + row * positions_step).to(tl.int64)
-    cache_at = (row_start + row) * row_stride + position * pos_stride
+    cache_at = tl.load(slots_ptr + token).to(tl.int64) * slot_stride
     if head >= HEADS + KV_HEADS:  # a value head: into the cache as it is
         h = head - HEADS - KV_HEADS
-        src = v_ptr + row * v_stride + h * 2 * HALF
+        src = v_ptr + token * v_stride + h * 2 * HALF
         dst = values_ptr + cache_at + h * head_stride
         tl.store(dst + d, tl.load(src + d))
         tl.store(dst + HALF + d, tl.load(src + HALF + d))
@@ -181,9 +196,9 @@ def _rope_to_cache_kernel(
         is_query = head < HEADS
         h = tl.where(is_query, head, head - HEADS)
         if is_query:
-            src = q_ptr + row * q_stride + h * 2 * HALF
+            src = q_ptr + token * q_stride + h * 2 * HALF
         else:
-            src = k_ptr + row * k_stride + h * 2 * HALF
+            src = k_ptr + token * k_stride + h * 2 * HALF
         lo = tl.load(src + d).to(tl.float32)
         hi = tl.load(src + HALF + d).to(tl.float32)
         if HAS_NORM:  # transformers' RMSNorm: normalise in fp32, round, then scale by the weight
@@ -196,13 +211,13 @@ def _rope_to_cache_kernel(
             hi = (hi * rstd).to(src.dtype.element_ty).to(tl.float32) * tl.load(norm_ptr + HALF + d).to(tl.float32)
             lo = lo.to(src.dtype.element_ty).to(tl.float32)
             hi = hi.to(src.dtype.element_ty).to(tl.float32)
-        table = row * 2 * HALF
+        table = token * 2 * HALF
         cos_lo, cos_hi = tl.load(cos_ptr + table + d).to(tl.float32), tl.load(cos_ptr + table + HALF + d).to(tl.float32)
         sin_lo, sin_hi = tl.load(sin_ptr + table + d).to(tl.float32), tl.load(sin_ptr + table + HALF + d).to(tl.float32)
         out_lo = lo * cos_lo - hi * sin_lo  # x·cos + rotate_half(x)·sin, rotate_half(x) = (-hi, lo)
         out_hi = hi * cos_hi + lo * sin_hi
         if is_query:
-            dst = out_ptr + (row * HEADS + h) * 2 * HALF
+            dst = out_ptr + (token * HEADS + h) * 2 * HALF
         else:
             dst = keys_ptr + cache_at + h * head_stride
         tl.store(dst + d, out_lo.to(dst.dtype.element_ty))
@@ -210,86 +225,91 @@ def _rope_to_cache_kernel(
 
 
 @triton.jit
-def _cached_attention_kernel(
+def _paged_attention_kernel(
     q_ptr,
     keys_ptr,
     values_ptr,
     out_ptr,
-    row_stride,
+    slot_stride,
     head_stride,
-    pos_stride,
-    row_start,
+    tables_ptr,
+    table_stride,
+    block_size,
+    rows_ptr,
     positions_ptr,
-    positions_step,
+    tile_starts_ptr,
+    tile_lengths_ptr,
     chunk,
     scale,
     window,
     GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
+    HEADS: tl.constexpr,
+    ROWS: tl.constexpr,
     D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(0)
     kv_head = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2).to(tl.int64)
-    position = tl.load(positions_ptr + row * positions_step).to(tl.int64)
-    first = tl.where(window > 0, tl.maximum(position - window + 1, 0), 0)  # the window's first key
-    lo = tl.maximum(first, split * chunk)  # this program's keys: [lo, hi)
-    hi = tl.minimum(position + 1, (split + 1) * chunk)
-    heads = tl.arange(0, GROUP_PAD)
+    first = tl.load(tile_starts_ptr + tile).to(tl.int64)
+    count = tl.load(tile_lengths_ptr + tile)
+    r = tl.arange(0, ROWS)  # query row r: token r // GROUP of the tile, head r % GROUP of the group
+    valid = r // GROUP < count
+    token = first + r // GROUP
+    head = kv_head * GROUP + r % GROUP
+    position = tl.load(positions_ptr + token, mask=valid, other=0).to(tl.int64)
+    table = tables_ptr + tl.load(rows_ptr + first).to(tl.int64) * table_stride
+    last = tl.max(tl.where(valid, position, -1), axis=0)
+    lowest = tl.where(window > 0, position - window + 1, 0)  # each query's first visible key
+    first_key = tl.maximum(tl.min(tl.where(valid, lowest, last), axis=0), 0)
+    lo = tl.maximum(first_key, split * chunk)  # this program's keys: [lo, hi)
+    hi = tl.minimum(last + 1, (split + 1) * chunk)
     d = tl.arange(0, D)
-    head = kv_head * GROUP + heads  # the query heads of this key/value head
-    q = tl.load(
-        q_ptr + ((row * tl.num_programs(1) * GROUP + head) * D)[:, None] + d[None, :],
-        mask=(heads < GROUP)[:, None],
-        other=0.0,
-    )
-    cache = keys_ptr + (row_start + row) * row_stride + kv_head * head_stride
-    vcache = values_ptr + (row_start + row) * row_stride + kv_head * head_stride
-    running_max = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-    total = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    acc = tl.zeros([GROUP_PAD, D], dtype=tl.float32)
+    at = (token * HEADS + head) * D  # q's and the output's [N, h, D]
+    q = tl.load(q_ptr + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+    running_max = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    total = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, D], dtype=tl.float32)
     begin = lo // BLOCK_N * BLOCK_N
     for start in range(begin, tl.where(hi > lo, hi, begin), BLOCK_N):  # no block when no key is here
         keys_at = start + tl.arange(0, BLOCK_N)
-        visible = (keys_at >= lo) & (keys_at < hi)
-        k = tl.load(cache + keys_at[:, None] * pos_stride + d[None, :], mask=visible[:, None], other=0.0)
+        present = (keys_at >= lo) & (keys_at < hi)
+        block = tl.load(table + keys_at // block_size, mask=present, other=0).to(tl.int64)
+        slot = (block * block_size + keys_at % block_size) * slot_stride + kv_head * head_stride
+        k = tl.load(keys_ptr + slot[:, None] + d[None, :], mask=present[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        scores = tl.where(visible[None, :], scores, float("-inf"))
+        visible = present[None, :] & (keys_at[None, :] <= position[:, None]) & (keys_at[None, :] >= lowest[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        alpha = tl.exp(running_max - new_max)
-        p = tl.exp(scores - new_max[:, None])
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row that sees no key yet
+        alpha = tl.exp(running_max - shift)
+        p = tl.exp(scores - shift[:, None])
         total = total * alpha + tl.sum(p, axis=1)
-        v = tl.load(vcache + keys_at[:, None] * pos_stride + d[None, :], mask=visible[:, None], other=0.0)
+        v = tl.load(values_ptr + slot[:, None] + d[None, :], mask=present[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         running_max = new_max
-    mine = (heads < GROUP)[:, None]
     if SPLITS == 1:
-        out = acc / total[:, None]
-        tl.store(
-            out_ptr + ((row * tl.num_programs(1) * GROUP + head) * D)[:, None] + d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=mine,
-        )
-    else:  # [B, h, SPLITS, D + 2]: the unnormalised sum, its running maximum and total
-        at = ((row * tl.num_programs(1) * GROUP + head) * SPLITS + split) * (D + 2)
-        tl.store(out_ptr + at[:, None] + d[None, :], acc, mask=mine)
-        tl.store(out_ptr + at + D, running_max, mask=heads < GROUP)
-        tl.store(out_ptr + at + D + 1, total, mask=heads < GROUP)
+        out = acc / tl.where(total > 0, total, 1.0)[:, None]  # a padding row has no key
+        tl.store(out_ptr + at[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
+    else:  # [N, h, SPLITS, D + 2]: the unnormalised sum, its running maximum and total
+        at = ((token * HEADS + head) * SPLITS + split) * (D + 2)
+        tl.store(out_ptr + at[:, None] + d[None, :], acc, mask=valid[:, None])
+        tl.store(out_ptr + at + D, running_max, mask=valid)
+        tl.store(out_ptr + at + D + 1, total, mask=valid)
 
 
 @triton.jit
 def _merge_splits_kernel(partial_ptr, out_ptr, SPLITS: tl.constexpr, D: tl.constexpr):
-    """One (row, head): the splits' sums rescaled to their common maximum (a split without keys
+    """One (token, head): the splits' sums rescaled to their common maximum (a split without keys
     has maximum -inf and weighs nothing)."""
-    row_head = tl.program_id(0).to(tl.int64)
+    token_head = tl.program_id(0).to(tl.int64)
     splits = tl.arange(0, SPLITS)
     d = tl.arange(0, D)
-    at = (row_head * SPLITS + splits) * (D + 2)
+    at = (token_head * SPLITS + splits) * (D + 2)
     maxima = tl.load(partial_ptr + at + D)
     scale = tl.exp(maxima - tl.max(maxima, axis=0))
     total = tl.sum(tl.load(partial_ptr + at + D + 1) * scale, axis=0)
     acc = tl.sum(tl.load(partial_ptr + at[:, None] + d[None, :]) * scale[:, None], axis=0)
-    tl.store(out_ptr + row_head * D + d, (acc / total).to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + token_head * D + d, (acc / total).to(out_ptr.dtype.element_ty))

@@ -1,0 +1,211 @@
+"""The paged cache under the scheduler (fp32, CPU): chunks of several prompts packed into one
+forward beside other sequences' decode tokens under a token budget, prefix sharing, preemption
+when blocks run out, and cancellations change no token — each request gets, greedy, exactly the
+tokens of its prompt generated alone (and of the no-cache reference), seeded sampling included —
+and every block comes back. Blocks of 4 entries, so that sequences span many blocks and end in
+partial ones.
+
+Exact token equality is safe here for the reason test_inference_generate gives: random weights
+with a wide initialisation keep the top two logits far apart compared with the ~1e-6 by which
+differently batched logits differ."""
+
+import pytest
+import torch
+
+from moemesh.data.tokenizer import ByteTokenizer
+from moemesh.inference.blocks import BlockPool, block_key
+from moemesh.inference.engine import DecodeEngine
+from moemesh.inference.generate import generate
+from moemesh.inference.request import SamplingParams
+from moemesh.inference.scheduler import Scheduler
+from moemesh.models import build
+from test_inference_generate import reference
+from test_models_decoding import FAMILIES
+
+TOKENIZER = ByteTokenizer()
+LENGTHS = [5, 23, 1, 17, 30, 9, 12]
+
+
+def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [[0, *torch.randint(1, 256, (n - 1,), generator=generator).tolist()] for n in lengths]
+
+
+def alone(model, prompt: list[int], params: SamplingParams) -> list[int]:
+    return generate(DecodeEngine(model, max_batch=1, max_len=64), TOKENIZER, [prompt], params)[0].token_ids
+
+
+class Recorder:
+    """Wraps engine.step: the chunks of every step."""
+
+    def __init__(self, engine: DecodeEngine):
+        self.steps, step = [], engine.step
+        engine.step = lambda chunks: (self.steps.append(chunks), step(chunks))[1]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build(FAMILIES["qwen3_moe"].replace(max_position_embeddings=64), seed=5).eval()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3", "gemma4_k_eq_v"])
+def test_chunked_prefill_beside_decoding_equals_each_prompt_alone(family):
+    model = build(FAMILIES[family].replace(vocab_size=256, max_position_embeddings=64), seed=5).eval()
+    engine = DecodeEngine(model, max_batch=4, max_len=64, max_num_batched_tokens=16, block_size=4)
+    steps = Recorder(engine).steps
+    params = [SamplingParams(max_tokens=n) for n in (9, 4, 12, 7, 3, 10, 6)]
+    batch = prompts(LENGTHS)
+    results = generate(engine, TOKENIZER, batch, params)
+    for prompt, p, result in zip(batch, params, results):
+        expected = reference(model, prompt, p.max_tokens)
+        assert result.token_ids == alone(model, prompt, p) == expected
+    assert all(sum(len(c.tokens) for c in chunks) <= 16 for chunks in steps)  # the budget holds
+    # some step packed chunks of two prompts, and some step prefilled beside decode tokens
+    assert any(sum(len(c.tokens) > 1 for c in chunks) >= 2 for chunks in steps)
+    assert any(any(len(c.tokens) > 1 for c in chunks) and any(len(c.tokens) == 1 for c in chunks) for chunks in steps)
+    assert engine.blocks.num_free == engine.cache.num_blocks - 1
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(model):
+    """With a budget of 8 tokens a step, a prompt of 40 takes several steps, and the sequence
+    already decoding gets its token in every one of them."""
+    engine = DecodeEngine(model, max_batch=2, max_len=64, max_num_batched_tokens=8, block_size=4)
+    steps = Recorder(engine).steps
+    short, long = prompts([3, 40], seed=1)
+    scheduler = Scheduler(engine, TOKENIZER)
+    first = scheduler.submit(short, SamplingParams(max_tokens=20))
+    scheduler.step()  # the short prompt, prefilled, samples its first token
+    second = scheduler.submit(long, SamplingParams(max_tokens=5))
+    scheduler.run_until_idle()
+    assert first.row is None and second.row is None  # rows are given back at the end; the first had row 0
+    prefilling = [chunks for chunks in steps[1:] if any(c.row == 1 and len(c.tokens) > 1 for c in chunks)]
+    assert len(prefilling) == 6  # 7 + 7 + 7 + 7 + 7 + 5 tokens beside one decode token each
+    assert all(any(c.row == 0 and len(c.tokens) == 1 for c in chunks) for chunks in prefilling)
+    assert first.token_ids == alone(model, short, SamplingParams(max_tokens=20))
+    assert second.token_ids == alone(model, long, SamplingParams(max_tokens=5))
+
+
+def test_followers_of_a_cached_prefix_prefill_only_the_rest_and_match_no_sharing(model):
+    prefix = prompts([24], seed=2)[0]  # 6 full blocks of 4
+    suffixes = prompts([5, 9, 1], seed=3)
+    # the prefix and 4 or 8 more tokens; the prefix alone (twice); a part of it
+    requests = [prefix + s[1:] for s in suffixes] + [prefix, prefix[:10]]
+    params = SamplingParams(max_tokens=8)
+    expected = [alone(model, r, params) for r in requests]
+    for prefix_caching in (True, False):
+        engine = DecodeEngine(model, max_batch=4, max_len=64, block_size=4, prefix_caching=prefix_caching)
+        steps = Recorder(engine).steps
+        scheduler = Scheduler(engine, TOKENIZER)
+        scheduler.submit(prefix + [7, 7], params)
+        scheduler.run_until_idle()  # the first request: its full blocks are cached
+        computed_before = sum(len(c.tokens) for chunks in steps for c in chunks)
+        followers = [scheduler.submit(r, params) for r in requests]
+        scheduler.run_until_idle()
+        assert [f.token_ids for f in followers] == expected
+        computed = sum(len(c.tokens) for chunks in steps for c in chunks) - computed_before
+        decoded = sum(len(f.token_ids) for f in followers) - len(followers)  # each last token fed back
+        prefilled = computed - decoded
+        if prefix_caching:
+            # 24 cached tokens each, but the prefix alone computes its last block again (its last
+            # token's logits are needed), and prefix[:10] finds 2 blocks
+            assert scheduler.cached_tokens == 2 * 24 + 2 * 20 + 8
+            assert prefilled == sum(len(r) for r in requests) - scheduler.cached_tokens
+        else:
+            assert scheduler.cached_tokens == 0 and prefilled == sum(len(r) for r in requests)
+        assert engine.blocks.num_free == engine.cache.num_blocks - 1
+
+
+def test_preempted_requests_finish_with_their_own_tokens(model):
+    """12 blocks of 4 for 4 requests that grow to 24 tokens each: the youngest are preempted
+    (their blocks taken back, recomputed later), a request that does not fit waits; every request
+    still gets the tokens it gets alone, seeded sampling included (the noise counts its own
+    tokens), and the blocks all come back."""
+    engine = DecodeEngine(model, max_batch=4, max_len=32, block_size=4, num_blocks=13)
+    batch = prompts([9, 8, 10, 7], seed=4)
+    params = [
+        SamplingParams(max_tokens=14),
+        SamplingParams(max_tokens=15, temperature=1.0, top_p=0.9, seed=3),
+        SamplingParams(max_tokens=13),
+        SamplingParams(max_tokens=16, temperature=0.7, seed=4),
+    ]
+    scheduler = Scheduler(engine, TOKENIZER)
+    sequences = [scheduler.submit(p, q) for p, q in zip(batch, params)]
+    scheduler.run_until_idle()
+    assert scheduler.preemptions > 0
+    for prompt, p, sequence in zip(batch, params, sequences):
+        assert sequence.token_ids == alone(model, prompt, p)
+        assert sequence.finish_reason in ("length", "stop")
+    assert engine.blocks.num_free == 12 and not any(engine.blocks.refs)
+
+
+def test_blocks_are_all_free_after_a_run_with_cancellations(model):
+    engine = DecodeEngine(model, max_batch=3, max_len=64, max_num_batched_tokens=12, block_size=4)
+    batch = prompts(LENGTHS, seed=5)
+    scheduler = Scheduler(engine, TOKENIZER)
+
+    def cancel_after(count):
+        def on_update(sequence, text):
+            if len(sequence.token_ids) >= count:
+                sequence.cancelled = True
+
+        return on_update
+
+    sequences = [
+        scheduler.submit(p, SamplingParams(max_tokens=12), cancel_after(3) if i in (0, 3) else None)
+        for i, p in enumerate(batch)
+    ]
+    sequences[-1].cancelled = True  # still waiting
+    scheduler.step()
+    scheduler.step()
+    prefilling = [s for s in scheduler.running if scheduler.held[s].computed < len(s.prompt_ids)]
+    assert len(prefilling) == 1  # part-way through its prompt
+    prefilling[0].cancelled = True
+    scheduler.run_until_idle()
+    assert [s.finish_reason for s in sequences].count("cancelled") == 4
+    for i, (prompt, sequence) in enumerate(zip(batch, sequences)):
+        if sequence.finish_reason != "cancelled":
+            assert sequence.token_ids == alone(model, prompt, SamplingParams(max_tokens=12)), i
+    assert engine.blocks.num_free == engine.cache.num_blocks - 1 and not any(engine.blocks.refs)
+    assert sorted(scheduler.free_rows) == [0, 1, 2] and not scheduler.held and not scheduler.running
+
+
+def test_the_block_pool_counts_references_and_evicts_the_least_recently_freed():
+    pool = BlockPool(num_blocks=6, block_size=2)
+    a = pool.allocate(3)
+    assert a == [1, 2, 3] and pool.num_free == 2
+    tokens = [5, 6, 7, 8, 9]
+    keys = [block_key(None, tokens[:2])]
+    keys.append(block_key(keys[0], tokens[2:4]))
+    for block, key, start in zip(a, keys, (0, 2)):
+        pool.register(block, key, tokens[start : start + 2])
+    assert pool.match([5, 6, 7, 8, 1]) == ([1, 2], keys)  # held twice now
+    assert pool.match([5, 6, 0, 0]) == ([1], keys[:1])
+    assert pool.match([6, 5, 7, 8]) == ([], [])  # the same second block after another first: no match
+    pool.release(a)
+    assert pool.refs[1:4] == [2, 1, 0] and pool.num_free == 3
+    pool.release([1, 2])
+    pool.release([1])
+    assert list(pool.free) == [4, 5, 3, 2, 1]  # freed order: the tail before the prefix
+    assert pool.allocate(3) == [4, 5, 3] and pool.match(tokens) == ([1, 2], keys)
+    pool.release([1, 2])
+    assert pool.allocate(2) == [2, 1]  # evicted: their keys are gone
+    assert pool.match(tokens) == ([], []) and not pool.cached
+    with pytest.raises(ValueError, match="1 blocks asked for, 0 free"):
+        pool.allocate(1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the compiled kernels and CUDA graphs")
+def test_on_a_gpu_chunked_prefill_and_graphed_decoding_equal_the_reference():
+    """fp32 on the GPU: packed steps through the compiled paged-attention kernels (tiles of many
+    tokens), decode steps replayed from CUDA graphs, a pool sized from free memory."""
+    config = FAMILIES["qwen3_moe"].replace(head_dim=16, max_position_embeddings=64)  # heads the kernels take
+    model = build(config, seed=5, device="cuda").eval()
+    engine = DecodeEngine(model, max_batch=4, max_len=64, max_num_batched_tokens=16, block_size=4)
+    assert engine.cuda_graphs and engine.cache.num_blocks > 4 * 16
+    engine.warm_up()
+    batch = prompts(LENGTHS)
+    params = [SamplingParams(max_tokens=n) for n in (9, 4, 12, 7, 3, 10, 6)]
+    results = generate(engine, TOKENIZER, batch, params)
+    assert engine.graphs  # decode steps ran as graphs
+    for prompt, p, result in zip(batch, params, results):
+        assert result.token_ids == reference(model, prompt, p.max_tokens)
