@@ -184,6 +184,13 @@ def profile_rows(model, args, config) -> list[dict]:
         entry = by_name.setdefault(k["name"][:70], [0.0, 0])
         entry[0] += k["dur"]
         entry[1] += 1
+    if args.host_profile:  # where the host's time goes: Python's profiler over 10 steps
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.runcall(lambda: [engine.step(chunk) for _ in range(10)])
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(args.host_profile)
     engine.blocks.release(blocks)
     rows = [
         {
@@ -286,6 +293,7 @@ def main():
     parser.add_argument("--short-len", type=int, default=256, help="length of the prefill table's short prompts")
     parser.add_argument("--prefix-len", type=int, default=1024, help="shared prefix of the prefix table (0: no table)")
     parser.add_argument("--profile-step", type=int, default=0, help="profile a step of N tokens after a cached prefix")
+    parser.add_argument("--host-profile", type=int, default=0, help="with --profile-step: N costliest functions")
     parser.add_argument("--offline", action=argparse.BooleanOptionalAction, default=True, help="the offline table")
     parser.add_argument("--repeat", type=int, default=3, help="timed repetitions of the prefill and prefix tables")
     parser.add_argument(

@@ -115,6 +115,35 @@ def test_followers_of_a_cached_prefix_prefill_only_the_rest_and_match_no_sharing
         assert engine.blocks.num_free == engine.cache.num_blocks - 1
 
 
+def test_prompt_logprobs_of_a_prompt_prefilled_in_chunks_equal_the_full_forward(model):
+    """A prompt's own log-probabilities (echo) come from the logits of every chunk of it, here 5
+    steps of at most 6 tokens beside another request's decoding; the prefix cache, which would
+    skip computing the cached tokens, is not used for such a request (its twin, asked after the
+    first filled the cache, gets all of them too). fp32: 1e-5."""
+    prompt = prompts([27], seed=4)[0]
+    with torch.no_grad():
+        full = torch.log_softmax(model(torch.tensor([prompt])).logits[0].double(), dim=-1)
+    engine = DecodeEngine(model, max_batch=4, max_len=64, max_num_batched_tokens=6, block_size=4)
+    scheduler = Scheduler(engine, TOKENIZER)
+    other = scheduler.submit(prompts([3], seed=5)[0], SamplingParams(max_tokens=20))
+    asked = [scheduler.submit(prompt, SamplingParams(max_tokens=0, prompt_logprobs=2))]
+    scheduler.run_until_idle()
+    asked.append(scheduler.submit(prompt, SamplingParams(max_tokens=3, prompt_logprobs=2)))
+    scheduler.run_until_idle()  # the prompt's 6 full blocks are cached now, and not used
+    assert other.finish_reason == "length" and len(other.token_ids) == 20
+    assert scheduler.cached_tokens == 0 and engine.blocks.hits == 0
+    assert [len(s.token_ids) for s in asked] == [0, 3]
+    assert asked[1].token_ids == alone(model, prompt, SamplingParams(max_tokens=3))
+    for sequence in asked:
+        assert sequence.prompt_logprobs[0] is None and len(sequence.prompt_logprobs) == len(prompt)
+        for t, entry in enumerate(sequence.prompt_logprobs[1:], start=1):
+            assert entry.logprob == pytest.approx(float(full[t - 1, prompt[t]]), rel=1e-5, abs=1e-5)
+            top = full[t - 1].topk(2)
+            assert [i for i, _ in entry.top] == top.indices.tolist()
+            assert [v for _, v in entry.top] == pytest.approx(top.values.tolist(), rel=1e-5, abs=1e-5)
+    assert engine.blocks.num_free == engine.cache.num_blocks - 1
+
+
 def test_preempted_requests_finish_with_their_own_tokens(model):
     """12 blocks of 4 for 4 requests that grow to 24 tokens each: the youngest are preempted
     (their blocks taken back, recomputed later), a request that does not fit waits; every request

@@ -286,7 +286,7 @@ class DecodeEngine:
         self._announce(_FORWARD, len(ints), len(samples), MODES.index(mode), ints, samples, floats)
         tokens, logits = self._forward(ints, samples, floats, segments, mode)
         self.last_logits = logits[: len(samples)]
-        rest = logits[len(samples) :]
+        rest = logits[max(len(samples), 1) :]  # with nothing to sample, _forward sampled a stand-in
         for i, c in enumerate(chunks):
             if c.all_logits:
                 self.last_all_logits[i], rest = rest[: len(c.tokens)], rest[len(c.tokens) :]
