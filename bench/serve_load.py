@@ -140,6 +140,10 @@ def serve_child(args) -> None:
         args.salt = f"engine {clients}"
         report["engine"].append(engine_alone(scheduler, tokenizer, clients, args))
     print("REPORT " + json.dumps(report), flush=True)
+    if args.switch_interval:  # the server's GIL turn for the scheduler's thread, for comparison
+        import moemesh.inference.server
+
+        moemesh.inference.server.SWITCH_INTERVAL_S = args.switch_interval
     Service(engine, tokenizer, model_name="random", max_waiting=max(args.client_counts) + 1).serve(
         "127.0.0.1", args.port, announce=True
     )
@@ -202,7 +206,8 @@ def start_server(args) -> tuple[subprocess.Popen, str, dict]:
     """The child server; returns once it listens, with its URL and its report."""
     port = args.port
     command = [sys.executable, __file__, "--serve", "--port", str(port), "--clients", args.clients]
-    for name in ("layers", "config", "requests", "prompt_len", "max_tokens", "long_prompt", "serve_args"):
+    names = ("layers", "config", "requests", "prompt_len", "max_tokens", "long_prompt", "serve_args", "switch_interval")
+    for name in names:
         value = getattr(args, name)
         if value is not None:
             command += [f"--{name.replace('_', '-')}", str(value)]
@@ -234,6 +239,7 @@ def main():
     parser.add_argument("--serve-args", default="", help="moemesh serve options for the child, e.g. '--max-batch 64'")
     parser.add_argument("--long-prompt", type=int, default=32000, help="the capacity check's prompt (0: none)")
     parser.add_argument("--client-procs", type=int, default=8)
+    parser.add_argument("--switch-interval", type=float, help="the server's sys.setswitchinterval (default its own)")
     parser.add_argument("--port", type=int, default=8013)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child
     args = parser.parse_args()

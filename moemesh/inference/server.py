@@ -9,11 +9,12 @@ checked by protocol.py, answered in responses.py's objects, and run by the sched
     POST /v1/chat/completions      for tokenizers with a chat template (chat.py); else 400
 
 Streams are server-sent events, one chunk per token (with the text that became final, maybe ""),
-ending in `data: [DONE]`. Errors are OpenAI's error object with their status, never plain text:
-400 for a bad body or field (protocol.py names it), 401 without the API key (when one is set),
-404 for another model or path, 405 for another method, 413 for a body over the limit, 415 for a
-body that is not JSON, 500 when a request's generation fails (that request alone), 503 with
-Retry-After when the waiting queue is full.
+ending in `data: [DONE]`; the chunks that have come since a stream's last write go in one write.
+Errors are OpenAI's error object with their status, never plain text: 400 for a bad body or
+field (protocol.py names it), 401 without the API key (when one is set), 404 for another model
+or path, 405 for another method, 413 for a body over the limit, 415 for a body that is not JSON,
+500 when a request's generation fails (that request alone), 503 with Retry-After when the
+waiting queue is full.
 
 A client that leaves frees its rows at the next step: a stream's end cancels its sequences, and
 while a non-streaming request runs, a watcher waits for the connection's http.disconnect message.
