@@ -2,7 +2,7 @@
 does by default and `moemesh train` does), AdamW step, zero_grad — of moemesh against
 transformers' own Qwen3-MoE, side by side in one run, on one GPU; and moemesh alone over two GPUs.
 
-    PYTHONPATH=. python3 bench/e2e.py [--layers 6] [--seq 4096] [--batch 4] [--moemesh-fp32-master]
+    PYTHONPATH=. python3 bench/e2e.py [--layers 6] [--seq 4096] [--batch 4] [--moemesh-fp32-master] [--recompute full]
     PYTHONPATH=. torchrun --nproc-per-node 2 bench/e2e.py --layout ep [--single-gpu-baseline TOKENS_PER_S]
     PYTHONPATH=. torchrun --nproc-per-node 2 bench/e2e.py --layout dp_shard [--single-gpu-baseline TOKENS_PER_S]
     PYTHONPATH=. python3 bench/e2e.py --config configs/tiny.toml --seq 128 --batch 2 --steps 2 --warmup 1   (CPU smoke)
@@ -17,6 +17,8 @@ Variants on one GPU (transformers first, each freed before the next so peaks are
   moemesh:      bf16 weights and AdamW state, `build(..., dtype=bf16)`, fused linear cross-entropy.
   moemesh fp32-master (--moemesh-fp32-master): fp32 weights and AdamW state under
                 torch.autocast(bf16), as `moemesh train` runs today.
+  moemesh with activation checkpointing (--recompute full,selective): the bf16 row again, each
+                decoder layer recomputed in backward (train.activation_checkpointing).
 Two GPUs (torchrun, moemesh only, --batch sequences per GPU): ep=2 or dp_shard=2 (FSDP2: the shards
 gathered before each block, gradients reduce-scattered), bf16 weights and AdamW state as on one
 GPU (or fp32 weights under autocast, FSDP gathering them in bf16, with --moemesh-fp32-master), data
@@ -259,7 +261,11 @@ def main():
         help="dp_shard: keep each block's gathered weights from forward to backward (one all-gather per step)",
     )
     parser.add_argument("--single-gpu-baseline", type=float, help="moemesh tokens/s on one GPU: print the scaling")
+    parser.add_argument(
+        "--recompute", default="", help="one GPU: moemesh rows with these activation checkpointing modes too (full,...)"
+    )
     args = parser.parse_args()
+    args.recompute = [mode for mode in args.recompute.split(",") if mode]
     torch.backends.cuda.matmul.allow_tf32 = True  # only the fp32 leftovers; GEMMs run in bf16
     config = model_config(args)
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu")
@@ -284,11 +290,13 @@ def main():
         )
         del model
         free()
-        variants = [("moemesh (bf16)", torch.bfloat16, False)]
+        variants = [("moemesh (bf16)", torch.bfloat16, False, "none")]
+        variants += [(f"moemesh (bf16, {mode} recompute)", torch.bfloat16, False, mode) for mode in args.recompute]
         if args.moemesh_fp32_master:
-            variants.append(("moemesh (fp32 master, bf16 autocast)", None, True))
-        for name, dtype, autocast in variants:
+            variants.append(("moemesh (fp32 master, bf16 autocast)", None, True, "none"))
+        for name, dtype, autocast, recompute in variants:
             model = build(config, seed=args.seed, device=device, dtype=dtype)
+            model.activation_checkpointing = recompute
             rows.append(
                 run_variant(
                     name,
