@@ -36,7 +36,7 @@ from bench.common import print_table, qwen3_30b_a3b, sync, timed
 from bench.e2e import free, transformers_model
 from moemesh.config import load_config
 from moemesh.data.tokenizer import ByteTokenizer
-from moemesh.inference.engine import Chunk, DecodeEngine, RowStep, Sampling
+from moemesh.inference.engine import Chunk, DecodeEngine, Sampling
 from moemesh.inference.generate import generate
 from moemesh.inference.request import SamplingParams
 from moemesh.inference.scheduler import Scheduler
@@ -132,8 +132,8 @@ def engine_steps(engine: DecodeEngine, prompts: list[list[int]]):
         tokens += engine.step([Chunk(row, prompts[row], 0, True, 0, sampling) for row in rows])
 
     def step(i: int) -> None:
-        tokens[:] = engine.decode(
-            [RowStep(row, tokens[row], len(prompt) + i, i + 1, sampling) for row, prompt in enumerate(prompts)]
+        tokens[:] = engine.step(
+            [Chunk(row, [tokens[row]], len(prompt) + i, True, i + 1, sampling) for row, prompt in enumerate(prompts)]
         )
 
     step(0)

@@ -90,13 +90,14 @@ def offline_rows(model, args, prompts, tokenizer) -> list[dict]:
         )
     rows[0]["seconds"] += f" (+{warm_up_s:.1f} s warm-up)"
     if args.check:
+        checked = min(args.check, len(prompts))
         same_tokens = same_sequences = total = 0
         for prompt, sequence in zip(prompts[: args.check], sequences):
             alone = generate(engine, tokenizer, [prompt], params)[0].token_ids
             total += len(alone)
             same_tokens += next((i for i, (a, b) in enumerate(zip(alone, sequence.token_ids)) if a != b), len(alone))
             same_sequences += alone == sequence.token_ids
-        rows[1]["same as alone"] = f"{same_sequences}/{args.check} requests, {same_tokens / total:.0%} of tokens"
+        rows[1]["same as alone"] = f"{same_sequences}/{checked} requests, {same_tokens / total:.0%} of tokens"
     rows[1]["blocks"] = f"{engine.cache.num_blocks} of {engine.block_size} ({engine.capacity:,} tokens)"
     del engine
     free()

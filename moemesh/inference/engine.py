@@ -73,20 +73,6 @@ class Chunk:
     all_logits: bool = False  # keep the logits of every token (a prompt's own log-probabilities)
 
 
-@dataclass(frozen=True)
-class RowStep:
-    """A decode step's chunk, spelled as before paging: one sequence's last token at `position`."""
-
-    row: int
-    token: int
-    position: int
-    step: int
-    sampling: Sampling
-
-    def chunk(self) -> Chunk:
-        return Chunk(self.row, [self.token], self.position, True, self.step, self.sampling)
-
-
 class DecodeEngine:
     def __init__(
         self,
@@ -173,10 +159,6 @@ class DecodeEngine:
         if len(chunks) <= self.max_batch and all(len(c.tokens) == 1 and c.sample and not c.all_logits for c in chunks):
             return self._decode_step(chunks, end)
         return self._packed_step(chunks)
-
-    def decode(self, rows: list[RowStep]) -> list[int]:
-        """One decode step of every given row: the token each samples next, in the order given."""
-        return self.step([r.chunk() for r in rows])
 
     @torch.no_grad()
     def warm_up(self) -> float:
@@ -284,26 +266,26 @@ class DecodeEngine:
         samples = torch.tensor(samples, dtype=torch.long).view(-1, 3).to(self.device)
         floats = torch.tensor(floats, dtype=torch.float32).view(-1, 2).to(self.device)
         self._announce(_FORWARD, len(ints), len(samples), MODES.index(mode), ints, samples, floats)
-        tokens, logits = self._forward(ints, samples, floats, segments, mode)
-        self.last_logits = logits[: len(samples)]
-        rest = logits[max(len(samples), 1) :]  # with nothing to sample, _forward sampled a stand-in
+        tokens, self.last_logits, rest = self._forward(ints, samples, floats, segments, mode)
         for i, c in enumerate(chunks):
             if c.all_logits:
                 self.last_all_logits[i], rest = rest[: len(c.tokens)], rest[len(c.tokens) :]
-        return tokens[: len(samples)].tolist()
+        return tokens.tolist()
 
-    def _forward(self, ints, samples, floats, segments, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, ints, samples, floats, segments, mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The packed step: ints [N, 4] (token, position, table row, all logits wanted), samples
         [S, 3] (token index, seed, step) and floats [S, 2] (temperature, top_p). Returns the S
-        sampled tokens and the logits of the S sampling tokens, then of the tokens flagged."""
+        sampled tokens, their logits [S, V], and the logits of the tokens flagged [F, V]."""
         self.cache.set_step(ints[:, 2], ints[:, 1], max(s[3] for s in segments), segments)
-        if not len(samples):  # only chunks of prompts that go on: the last token's logits, unused
+        count = len(samples)
+        if not count:  # only chunks of prompts that go on: the last token stands in (never read)
             samples, floats = ints.new_tensor([[len(ints) - 1, 0, 0]]), floats.new_tensor([[0.0, 1.0]])
             mode = "greedy"
         at = torch.cat([samples[:, 0], ints[:, 3].nonzero()[:, 0]])
         logits = self.model.next_token_logits(ints[None, :, 0], self.cache, ints[None, :, 1], at=at)
-        sampled = logits[: len(samples)]
-        return sample(sampled, floats[:, 0], floats[:, 1], samples[:, 1], samples[:, 2], mode), logits
+        sampled, flagged = logits[: len(samples)], logits[len(samples) :]
+        tokens = sample(sampled, floats[:, 0], floats[:, 1], samples[:, 1], samples[:, 2], mode)
+        return tokens[:count], sampled[:count], flagged
 
     def _step(self, batch: int, kv_len: int, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(the tokens, the logits they were sampled from)."""
@@ -347,9 +329,8 @@ class DecodeEngine:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        tokens, scratch = self.max_num_batched_tokens, self.cache.scratch_row
-        chunks = [Chunk(scratch, [0] * min(self.max_len, tokens - s), 0, True) for s in range(0, tokens, self.max_len)]
-        ints = [[0, c.start + i, scratch, 0] for c in chunks for i in range(len(c.tokens))]
+        # the step's tokens as sequences of at most max_len in the scratch row
+        ints = [[0, i % self.max_len, self.cache.scratch_row, 0] for i in range(self.max_num_batched_tokens)]
         with torch.no_grad():
             self._forward(
                 torch.tensor(ints, device=self.device),

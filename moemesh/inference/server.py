@@ -85,7 +85,8 @@ class Service:
         self.created = int(time.time())
         # Updates of this scheduler round, handed to the event loop together after it (`deliver`):
         # one wake-up of the loop a round, not one a token a client.
-        self.outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, tuple]] = []
+        self.outbox: list[tuple[asyncio.Queue, tuple]] = []
+        self.loop: asyncio.AbstractEventLoop | None = None  # uvicorn's, known from the first request
         self.app = _create_app(self)
         self.server = None  # the uvicorn server while it runs
 
@@ -127,12 +128,8 @@ class Service:
         if not self.outbox:
             return
         updates, self.outbox = self.outbox, []
-        loops: dict[asyncio.AbstractEventLoop, list] = {}
-        for loop, queue, update in updates:
-            loops.setdefault(loop, []).append((queue, update))
-        for loop, items in loops.items():
-            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is waiting
-                loop.call_soon_threadsafe(_put_all, items)
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is waiting
+            self.loop.call_soon_threadsafe(_put_all, updates)
 
     def shutdown(self) -> None:
         if self.server is not None:
@@ -298,7 +295,7 @@ def _create_app(service: Service) -> FastAPI:
         return await respond(request, chat_plan(await read_json(request), service.served))
 
     async def respond(request: Request, plan: Plan):
-        loop = asyncio.get_running_loop()
+        service.loop = asyncio.get_running_loop()
         updates: asyncio.Queue = asyncio.Queue()
         sequences: list[Sequence] = []
 
@@ -308,7 +305,7 @@ def _create_app(service: Service) -> FastAPI:
             def on_update(sequence: Sequence, text: str) -> None:  # on the scheduler's thread
                 start, end = reported[0], len(sequence.token_ids)
                 reported[0] = end
-                service.outbox.append((loop, updates, (index, text, sequence.finish_reason, (start, end))))
+                service.outbox.append((updates, (index, text, sequence.finish_reason, (start, end))))
 
             return on_update
 
