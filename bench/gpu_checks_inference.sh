@@ -27,6 +27,9 @@
 #   bash bench/gpu_checks_inference.sh offline48  the offline workload (256 prompts of 128-1024
 #       tokens, 256 new each) and the prefill and prefix tables, 48-layer shape, moemesh alone
 #   bash bench/gpu_checks_inference.sh peer48   the same workload through transformers' generate_batch
+#   bash bench/gpu_checks_inference.sh graphs   the GPU tests of the paged engine (packed steps as
+#       CUDA graphs), a process per file; the prefill, prefix and profile tables of the 48-layer
+#       shape with packed steps eager (--packed-graph-tokens 0) and as graphs (the default)
 # Packages the image lacks (fastapi, uvicorn and theirs) travel as wheels in .whl (device README).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.:${PYTHONPATH:-} NCCL_NVLS_ENABLE=0
@@ -48,6 +51,18 @@ paged)
     timeout 200 python3 bench/serve_offline.py --layers 6 --prompts 64 --new-tokens 128 2>&1 | quiet | tail -30
     timeout 100 python3 bench/serve_offline.py --layers 6 --prompts 64 --new-tokens 128 --dtype float32 --check 16 \
         --prefill-len 0 --prefix-len 0 --no-transformers 2>&1 | quiet | tail -6
+    ;;
+graphs)
+    for file in inference_paging ops_decode_kernels inference_generate models_decoding; do
+        timeout 300 python3 -m pytest -q tests/test_$file.py > "$LOGS/graphs_tests_$file.txt" 2>&1 &
+    done
+    wait
+    echo "== GPU tests"; for f in "$LOGS"/graphs_tests_*.txt; do echo "$f: $(tail -1 "$f")"; done
+    for tokens in ${TOKENS:-0 2048}; do
+        echo "== --packed-graph-tokens $tokens"
+        timeout 170 python3 bench/serve_offline.py --layers 48 --no-offline --no-transformers --profile-step 64 \
+            --packed-graph-tokens $tokens 2>&1 | quiet | grep -v "^$" | head -${ROWS:-34}
+    done
     ;;
 offline48)
     timeout 580 python3 bench/serve_offline.py --layers 48 --prompts 256 --new-tokens 256 --no-transformers \

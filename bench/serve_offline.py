@@ -112,6 +112,7 @@ def make_engine(model, args, max_len: int, tokens: int | None = None) -> DecodeE
         max_batch=args.max_batch,
         max_len=max_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        packed_graph_tokens=args.packed_graph_tokens,
         block_size=args.block_size,
         num_blocks=None if tokens is None else 2 + math.ceil(tokens / args.block_size) + args.max_batch,
         gpu_memory_fraction=args.gpu_memory_fraction,
@@ -286,6 +287,7 @@ def main():
     parser.add_argument("--max-batch", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--packed-graph-tokens", type=int, help="the engine's (default its own; 0: packed steps eager)")
     parser.add_argument("--gpu-memory-fraction", type=float, default=0.9)
     parser.add_argument("--check", type=int, default=8, help="requests compared with their prompt generated alone")
     parser.add_argument(

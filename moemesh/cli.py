@@ -162,8 +162,15 @@ def _model_arguments(command: argparse.ArgumentParser) -> None:
     command.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=8192,
-        help="tokens one step computes at most: every decoding sequence's next, then chunks of prompts (default 8192)",
+        help="tokens one step computes at most: every decoding sequence's next, then chunks of prompts "
+        "(default: 8192 for generate; 2048 for serve, so that a burst of prompts reaches its first tokens "
+        "in several short steps rather than one long one)",
+    )
+    command.add_argument(
+        "--packed-graph-tokens",
+        type=int,
+        help="steps of prompt chunks up to this many tokens run as CUDA graphs, padded to a few sizes "
+        "(default min(2048, --max-num-batched-tokens) on a GPU; 0: eagerly)",
     )
     command.add_argument(
         "--gpu-memory-fraction",
@@ -315,9 +322,10 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 def _engine(args: argparse.Namespace, model, group, max_len: int, requests: int | None = None):
-    """The decode engine of generate and serve, from the command line's settings: on a GPU the KV
-    cache takes what --gpu-memory-fraction leaves after the weights and the largest step's
-    activations, on a CPU --max-batch rows of --max-len (unless --kv-blocks says)."""
+    """The decode engine of generate (`requests` prompts) and serve (None), from the command line's
+    settings: on a GPU the KV cache takes what --gpu-memory-fraction leaves after the weights and
+    the largest step's activations, on a CPU --max-batch rows of --max-len (unless --kv-blocks
+    says)."""
     from moemesh.inference.engine import DecodeEngine
 
     on_gpu = next(model.parameters()).is_cuda
@@ -327,7 +335,8 @@ def _engine(args: argparse.Namespace, model, group, max_len: int, requests: int 
             model,
             max_batch=max_batch if requests is None else min(max_batch, requests),
             max_len=max_len,
-            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_batched_tokens=args.max_num_batched_tokens or (2048 if requests is None else 8192),
+            packed_graph_tokens=args.packed_graph_tokens,
             block_size=args.block_size,
             num_blocks=args.kv_blocks,
             gpu_memory_fraction=args.gpu_memory_fraction,
@@ -383,6 +392,8 @@ def _loaded(args: argparse.Namespace):
         value = getattr(args, flag)
         if value is not None and value < (2 if flag == "kv_blocks" else 1):
             raise MoemeshError(f"--{flag.replace('_', '-')} must be >= {2 if flag == 'kv_blocks' else 1}, got {value}")
+    if args.packed_graph_tokens is not None and args.packed_graph_tokens < 0:
+        raise MoemeshError(f"--packed-graph-tokens must be >= 0, got {args.packed_graph_tokens}")
     if args.max_len is not None and args.max_len < 2:
         raise MoemeshError(f"--max-len must be >= 2, got {args.max_len}")
     if not 0 < args.gpu_memory_fraction <= 1:

@@ -161,6 +161,7 @@ def test_generate_many_prompts_from_a_file(tmp_path, capsys, trained):
         (["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1, got 0"),
         (["--tp", "0"], "--tp must be >= 1, got 0"),
         (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1, got 0"),
+        (["--packed-graph-tokens", "-1"], "--packed-graph-tokens must be >= 0, got -1"),
         (["--gpu-memory-fraction", "1.5"], "--gpu-memory-fraction must be in (0, 1], got 1.5"),
         (["--kv-blocks", "1"], "--kv-blocks must be >= 2, got 1"),
         (
@@ -192,6 +193,7 @@ def test_generate_many_prompts_from_a_file(tmp_path, capsys, trained):
         "max-new-tokens-0",
         "tp-0",
         "max-num-batched-tokens-0",
+        "packed-graph-tokens-negative",
         "gpu-memory-fraction-1.5",
         "kv-blocks-1",
         "kv-blocks-too-few",

@@ -19,6 +19,7 @@ from moemesh.inference.generate import generate
 from moemesh.inference.request import SamplingParams
 from moemesh.inference.scheduler import Scheduler
 from moemesh.models import build
+from moemesh.ops.backend import HAVE_TRITON
 from test_inference_generate import reference
 from test_models_decoding import FAMILIES
 
@@ -28,7 +29,7 @@ LENGTHS = [5, 23, 1, 17, 30, 9, 12]
 
 def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
-    return [[0, *torch.randint(1, 256, (n - 1,), generator=generator).tolist()] for n in lengths]
+    return [[0, *torch.randint(1, 256, (n - 1,), generator=generator, device="cpu").tolist()] for n in lengths]
 
 
 def alone(model, prompt: list[int], params: SamplingParams) -> list[int]:
@@ -223,10 +224,42 @@ def test_the_block_pool_counts_references_and_evicts_the_least_recently_freed():
         pool.allocate(1)
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_packed_steps_padded_to_buckets_equal_each_prompt_alone(monkeypatch, family):
+    """The body of a captured packed step (run eagerly on a CPU, as a CUDA graph on a GPU): tokens
+    and samples padded to a bucket in the fixed buffers, the attention's tiles found on the
+    device (no host runs), padding in the scratch row. Qwen3's attention takes the kernels, so
+    its packed steps go through the bucket; GPT-OSS's (sinks) reads the runs on the host, so the
+    engine notices at its first bucket and runs its packed steps eagerly from then on — the
+    tokens are right either way."""
+    if not HAVE_TRITON:
+        pytest.skip("triton is not installed")
+    monkeypatch.setenv("MOEMESH_KERNELS", "triton")  # interpreted on a CPU
+    config = FAMILIES[family].replace(head_dim=16, vocab_size=256, max_position_embeddings=64)
+    model = build(config, seed=5, device="cuda" if torch.cuda.is_available() else "cpu").eval()
+    engine = DecodeEngine(
+        model, max_batch=4, max_len=64, max_num_batched_tokens=16, block_size=4, packed_graph_tokens=16
+    )
+    buckets, replay = [], engine._replay
+    engine._replay = lambda key, step: (buckets.append(key[0] == "packed"), replay(key, step))[1]
+    batch = prompts(LENGTHS if family == "qwen3_moe" else LENGTHS[:2])  # (the interpreter is slow)
+    params = [SamplingParams(max_tokens=n) for n in (3, 1, 2, 1, 2, 1, 2)][: len(batch)]
+    results = generate(engine, TOKENIZER, batch, params)
+    for prompt, p, result in zip(batch, params, results):
+        assert result.token_ids == reference(model, prompt, p.max_tokens)
+    assert engine.blocks.num_free == engine.cache.num_blocks - 1
+    if family == "qwen3_moe":
+        assert sum(buckets) > 3 and engine.packed_buckets == [16]  # every packed step went through the bucket
+    else:
+        # tried once (on a GPU already when the pool was sized from memory), then eager
+        assert sum(buckets) <= 1 and engine.packed_buckets == []
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the compiled kernels and CUDA graphs")
 def test_on_a_gpu_chunked_prefill_and_graphed_decoding_equal_the_reference():
-    """fp32 on the GPU: packed steps through the compiled paged-attention kernels (tiles of many
-    tokens), decode steps replayed from CUDA graphs, a pool sized from free memory."""
+    """fp32 on the GPU: packed steps and decode steps replayed from CUDA graphs (the packed ones
+    padded to their bucket), through the compiled paged-attention kernels, a pool sized from free
+    memory."""
     config = FAMILIES["qwen3_moe"].replace(head_dim=16, max_position_embeddings=64)  # heads the kernels take
     model = build(config, seed=5, device="cuda").eval()
     engine = DecodeEngine(model, max_batch=4, max_len=64, max_num_batched_tokens=16, block_size=4)
@@ -235,6 +268,6 @@ def test_on_a_gpu_chunked_prefill_and_graphed_decoding_equal_the_reference():
     batch = prompts(LENGTHS)
     params = [SamplingParams(max_tokens=n) for n in (9, 4, 12, 7, 3, 10, 6)]
     results = generate(engine, TOKENIZER, batch, params)
-    assert engine.graphs  # decode steps ran as graphs
+    assert {key[0] for key in engine.graphs} >= {"packed", 1}  # packed and decode steps ran as graphs
     for prompt, p, result in zip(batch, params, results):
         assert result.token_ids == reference(model, prompt, p.max_tokens)

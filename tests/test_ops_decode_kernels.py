@@ -77,7 +77,7 @@ def test_paged_attention_equals_the_contiguous_reference(triton_kernels, dtype, 
     and 37 consecutive tokens (packed: a chunk of a prompt in two tiles) — normed, rotated and
     written at their slots, then attending over their own sequence up to their own position,
     against each sequence's keys held contiguously and attended explicitly (700 entries: in 4
-    splits of 192, some empty, a window across a split's edge)."""
+    splits, each every 4th block of 64 keys, some empty, a window across blocks)."""
     heads, kv_heads, dim, block_size = 8, 2, 32, 16
     ends = [1, 18 if max_len < 200 else 301, max_len]  # each sequence's last position + 1
     counts = [1, 1, 1] if step == "decode" else [1, 5, 37]
@@ -114,6 +114,8 @@ def test_paged_attention_equals_the_contiguous_reference(triton_kernels, dtype, 
             lengths.append(min(per_tile, first + n - at))
         first += n
     assert len(starts) == (3 if step == "decode" else 4)
+    if step == "packed":  # a packed step's table has an entry per token: empty tiles after its own (not read)
+        starts, lengths = starts + [0] * (tokens - 4), lengths + [0] * (tokens - 4)
 
     got_q = decode_attention.rope_to_cache(q, k, v, cos, sin, q_norm, k_norm, 1e-6, *pools, slots)
     got = decode_attention.paged_attention(
@@ -125,6 +127,7 @@ def test_paged_attention_equals_the_contiguous_reference(triton_kernels, dtype, 
         positions,
         torch.tensor(starts, dtype=torch.int32),
         torch.tensor(lengths, dtype=torch.int32),
+        torch.tensor([3 if step == "decode" else 4], dtype=torch.int32),
         1 if step == "decode" else per_tile,
         max_len,
         dim**-0.5,

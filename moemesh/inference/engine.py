@@ -15,8 +15,18 @@ token. Two shapes of step:
     on: a step is two small host-to-device copies, one replay and one read of the B tokens.
   * packed — anything else: the chunks' tokens one after the other in a batch [1, N] (varlen),
     each chunk attending causally to its own sequence's cache, its own new keys included (chunked
-    prefill beside decodes: the scheduler's token budget bounds N). Eager: its shapes change every
-    step, and its cost is in the GEMMs (the MoE block takes the grouped GEMM path of training).
+    prefill beside decodes: the scheduler's token budget bounds N; the MoE block takes the
+    grouped GEMM path of training). Up to `packed_graph_tokens` tokens the step is padded to the
+    next of a few bucket sizes (16, 24, 32, 48, ... : at most a third is padding), its tokens,
+    positions, rows and samples copied into fixed buffers, and each (bucket, sampling mode) is a
+    CUDA graph as the decode steps are — the attention's tiles are found on the device, so one
+    graph serves every mix of chunks. Eagerly a 48-layer packed step launches ~900 kernels from
+    Python (~50 ms of host time for ~10 ms of GPU work at 64 tokens), which bounded the
+    time-to-first-token of every request the server admitted while others decode. Padding
+    tokens sit at position 0 of the scratch row, each its own run; a bucket samples
+    min(bucket, max_batch) rows, those past the step's at its first token. Larger steps, steps
+    that keep all the logits of a chunk, and models whose attention needs the runs on the host
+    (the eager reference: latent attention, sinks) run eagerly.
 
 Pool size: `num_blocks` as given; else on a GPU from memory — one forward of the largest step
 (max_num_batched_tokens tokens, into the scratch row) measures the activations' peak, and the
@@ -46,6 +56,7 @@ import torch.distributed as dist
 from moemesh.inference.blocks import BlockPool
 from moemesh.inference.sampling import MODES, mode_for, sample
 from moemesh.models import MoECausalLM, PagedKVCache
+from moemesh.models.kv_cache import HostLayoutMissing
 from moemesh.parallel import comm
 
 _FORWARD, _DECODE, _STOP, _KEEP_ALIVE, _TABLES = 1, 2, 3, 4, 5
@@ -81,6 +92,7 @@ class DecodeEngine:
         max_len: int | None = None,
         cuda_graphs: bool | None = None,
         max_num_batched_tokens: int = 8192,
+        packed_graph_tokens: int | None = None,
         block_size: int = 16,
         num_blocks: int | None = None,
         gpu_memory_fraction: float = 0.9,
@@ -107,8 +119,19 @@ class DecodeEngine:
         self.group = group
         self.leader = group is None or dist.get_rank(group) == 0
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
-        self.graphs: dict[tuple[int, int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._pool = None
+        # Packed steps padded to a bucket (captured when cuda_graphs): 16, 24, 32, 48, 64, ...
+        if packed_graph_tokens is None:
+            packed_graph_tokens = min(2048, max_num_batched_tokens) if self.cuda_graphs else 0
+        sizes = sorted({size for i in range(4, 20) for size in (1 << i, 3 << (i - 1))} | {packed_graph_tokens})
+        self.packed_buckets = [size for size in sizes if 16 <= size <= min(packed_graph_tokens, max_num_batched_tokens)]
+        largest = self.packed_buckets[-1] if self.packed_buckets else 0
+        # A bucket's inputs: per token (token, position, table row); per sampling row (token
+        # index, seed, step) and (temperature, top_p).
+        self.packed_ints = torch.zeros(largest, 3, dtype=torch.long, device=self.device)
+        self.packed_samples = torch.zeros(min(largest, max_batch), 3, dtype=torch.long, device=self.device)
+        self.packed_floats = torch.zeros(min(largest, max_batch), 2, dtype=torch.float32, device=self.device)
         # A decode step's inputs, where a captured graph reads them: per token (token, position,
         # table row, seed, step) and (temperature, top_p).
         self.ints = torch.zeros(max_batch, 5, dtype=torch.long, device=self.device)
@@ -162,15 +185,19 @@ class DecodeEngine:
 
     @torch.no_grad()
     def warm_up(self) -> float:
-        """One greedy decode step at every batch size and one packed step, while no sequence runs
-        (padding into the null block only), so that the kernels are compiled and their tiles tuned
-        (seconds each on a GPU) before the first requests rather than inside them. Returns the
+        """One greedy decode step at every batch size, one eager packed step and one greedy
+        packed step at every bucket size, while no sequence runs (padding into the null block
+        only), so that the kernels are compiled, their tiles tuned and the graphs captured
+        (seconds on a GPU) before the first requests rather than inside them. Returns the
         seconds it took."""
         start = time.perf_counter()
-        # The packed step first: the cache's pools are allocated at the first write, which should
-        # not be a graph's warm-up on its side stream.
+        # The eager packed step first: the cache's pools are allocated at the first write, which
+        # should not be a graph's warm-up on its side stream.
         tokens = min(self.max_num_batched_tokens, self.max_len)
         self._packed_step([Chunk(self.cache.scratch_row, [0] * tokens, 0, True)])
+        for bucket in self.packed_buckets:  # runs of at most max_len tokens of the scratch row, sampling nothing
+            pieces = [min(self.max_len, bucket - first) for first in range(0, bucket, self.max_len)]
+            self._packed_step([Chunk(self.cache.scratch_row, [0] * n, 0, sample=False) for n in pieces])
         kv_len = self.kv_lens[0]
         for batch in self.batch_sizes:
             self._pad(batch)
@@ -207,7 +234,8 @@ class DecodeEngine:
                     ints = comm.broadcast_(torch.empty(a, 4, dtype=torch.long, device=self.device), self.group)
                     samples = comm.broadcast_(torch.empty(b, 3, dtype=torch.long, device=self.device), self.group)
                     floats = comm.broadcast_(torch.empty(b, 2, dtype=torch.float32, device=self.device), self.group)
-                    self._forward(ints, samples, floats, _segments(ints.tolist()), MODES[c])
+                    host = ints.tolist()
+                    self._forward(ints, samples, floats, _segments(host), MODES[c], any(t[3] for t in host))
                 else:
                     comm.broadcast_(self.ints[:a], self.group)
                     comm.broadcast_(self.floats[:a], self.group)
@@ -266,26 +294,62 @@ class DecodeEngine:
         samples = torch.tensor(samples, dtype=torch.long).view(-1, 3).to(self.device)
         floats = torch.tensor(floats, dtype=torch.float32).view(-1, 2).to(self.device)
         self._announce(_FORWARD, len(ints), len(samples), MODES.index(mode), ints, samples, floats)
-        tokens, self.last_logits, rest = self._forward(ints, samples, floats, segments, mode)
+        flagged = any(c.all_logits for c in chunks)
+        tokens, self.last_logits, rest = self._forward(ints, samples, floats, segments, mode, flagged)
         for i, c in enumerate(chunks):
             if c.all_logits:
                 self.last_all_logits[i], rest = rest[: len(c.tokens)], rest[len(c.tokens) :]
         return tokens.tolist()
 
-    def _forward(self, ints, samples, floats, segments, mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _forward(
+        self, ints, samples, floats, segments, mode: str, flagged: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The packed step: ints [N, 4] (token, position, table row, all logits wanted), samples
-        [S, 3] (token index, seed, step) and floats [S, 2] (temperature, top_p). Returns the S
-        sampled tokens, their logits [S, V], and the logits of the tokens flagged [F, V]."""
-        self.cache.set_step(ints[:, 2], ints[:, 1], max(s[3] for s in segments), segments)
+        [S, 3] (token index, seed, step) and floats [S, 2] (temperature, top_p); `flagged`
+        whether any token wants all its logits. Returns the S sampled tokens, their logits
+        [S, V], and the logits of the tokens flagged [F, V]. In a bucket when one takes it."""
         count = len(samples)
+        bucket = next((b for b in self.packed_buckets if b >= len(ints)), None)
+        if bucket is not None and not flagged:
+            rows = self._fill_bucket(ints, samples, floats, bucket)
+            try:
+                tokens, logits = self._replay(("packed", bucket, mode), lambda: self._bucket_step(bucket, rows, mode))
+                return tokens[:count], logits[:count], logits[:0]
+            except HostLayoutMissing:  # this model's attention reads the runs on the host: eager from now on
+                self.packed_buckets = []
+        return self._eager_forward(ints, samples, floats, segments, mode)
+
+    def _eager_forward(self, ints, samples, floats, segments, mode: str) -> tuple[torch.Tensor, ...]:
+        count = len(samples)
+        self.cache.set_step(ints[:, 2], ints[:, 1], max(s[3] for s in segments), segments)
         if not count:  # only chunks of prompts that go on: the last token stands in (never read)
             samples, floats = ints.new_tensor([[len(ints) - 1, 0, 0]]), floats.new_tensor([[0.0, 1.0]])
             mode = "greedy"
         at = torch.cat([samples[:, 0], ints[:, 3].nonzero()[:, 0]])
         logits = self.model.next_token_logits(ints[None, :, 0], self.cache, ints[None, :, 1], at=at)
-        sampled, flagged = logits[: len(samples)], logits[len(samples) :]
+        sampled, flagged_logits = logits[: len(samples)], logits[len(samples) :]
         tokens = sample(sampled, floats[:, 0], floats[:, 1], samples[:, 1], samples[:, 2], mode)
-        return tokens[:count], sampled[:count], flagged
+        return tokens[:count], sampled[:count], flagged_logits
+
+    def _fill_bucket(self, ints, samples, floats, bucket: int) -> int:
+        """The step's inputs into the fixed buffers, padded to `bucket` tokens; returns the
+        bucket's sampling rows."""
+        rows, count = min(bucket, self.max_batch), len(samples)
+        self.packed_ints[: len(ints)] = ints[:, :3]
+        self.packed_ints[len(ints) : bucket] = self.packed_ints.new_tensor([0, 0, self.cache.scratch_row])
+        self.packed_samples[:count] = samples
+        self.packed_samples[count:rows] = 0
+        self.packed_floats[:count] = floats
+        self.packed_floats[count:rows] = self.packed_floats.new_tensor([0.0, 1.0])
+        return rows
+
+    def _bucket_step(self, bucket: int, rows: int, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """A packed step of `bucket` tokens from the fixed buffers, laid out without host runs:
+        (the `rows` sampled tokens, their logits)."""
+        ints, samples, floats = self.packed_ints[:bucket], self.packed_samples[:rows], self.packed_floats[:rows]
+        self.cache.set_step(ints[:, 2], ints[:, 1], self.max_len, packed=True)
+        logits = self.model.next_token_logits(ints[None, :, 0], self.cache, ints[None, :, 1], at=samples[:, 0])
+        return sample(logits, floats[:, 0], floats[:, 1], samples[:, 1], samples[:, 2], mode), logits
 
     def _step(self, batch: int, kv_len: int, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(the tokens, the logits they were sampled from)."""
@@ -295,22 +359,26 @@ class DecodeEngine:
         return sample(logits, floats[:, 0], floats[:, 1], ints[:, 3], ints[:, 4], mode), logits
 
     def _run(self, batch: int, kv_len: int, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._replay((batch, kv_len, mode), lambda: self._step(batch, kv_len, mode))
+
+    def _replay(self, key: tuple, step) -> tuple[torch.Tensor, torch.Tensor]:
+        """`step()` (a forward from the fixed input buffers), as the CUDA graph of `key`: captured
+        at first use, replayed from then on. Without CUDA graphs, `step()` itself."""
         if not self.cuda_graphs:
-            return self._step(batch, kv_len, mode)
-        key = (batch, kv_len, mode)
+            return step()
         if key not in self.graphs:
             # Warm-up first (lazy initialisation, kernel compilation), then capture. The warm-up
             # computes this very step, so its cache writes are the ones the replay repeats.
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
-                self._step(batch, kv_len, mode)
+                step()
             torch.cuda.current_stream(self.device).wait_stream(side)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                out = self._step(batch, kv_len, mode)
+                out = step()
             self.graphs[key] = (graph, out)
         graph, out = self.graphs[key]
         graph.replay()
@@ -318,9 +386,10 @@ class DecodeEngine:
 
     def _blocks_from_memory(self, fraction: float) -> int:
         """CPU: max_batch rows of max_len entries. GPU: a provisional cache of the null block and one
-        more, one forward of the largest step into the scratch row (its activations' peak), then
-        the blocks that fit in `fraction` of the device after the weights and that peak (the
-        fewest over a tensor-parallel group)."""
+        more, one forward of the largest step into the scratch row (its activations' peak) and,
+        with CUDA graphs, one of the largest bucket (the graphs' pool keeps that much apart),
+        then the blocks that fit in `fraction` of the device after the weights and those peaks
+        (the fewest over a tensor-parallel group)."""
         per_row = math.ceil(self.max_len / self.block_size)
         if self.device.type != "cuda":
             return 1 + self.max_batch * per_row
@@ -331,16 +400,25 @@ class DecodeEngine:
         before = torch.cuda.memory_allocated(self.device)
         # the step's tokens as sequences of at most max_len in the scratch row
         ints = [[0, i % self.max_len, self.cache.scratch_row, 0] for i in range(self.max_num_batched_tokens)]
+        ints_on_device = torch.tensor(ints, device=self.device)
+        samples = torch.zeros(1, 3, dtype=torch.long, device=self.device)
+        floats = torch.tensor([[0.0, 1.0]], device=self.device)
         with torch.no_grad():
-            self._forward(
-                torch.tensor(ints, device=self.device),
-                torch.zeros(1, 3, dtype=torch.long, device=self.device),
-                torch.tensor([[0.0, 1.0]], device=self.device),
-                _segments(ints),
-                "greedy",
-            )
+            self._eager_forward(ints_on_device, samples, floats, _segments(ints), "greedy")
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
+        if self.cuda_graphs and self.packed_buckets:
+            bucket = self.packed_buckets[-1]
+            torch.cuda.reset_peak_memory_stats(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+            rows = self._fill_bucket(ints_on_device[:0], samples[:0], floats[:0], bucket)
+            try:
+                with torch.no_grad():
+                    self._bucket_step(bucket, rows, "greedy")
+                torch.cuda.synchronize(self.device)
+                peak += torch.cuda.max_memory_allocated(self.device) - before
+            except HostLayoutMissing:
+                self.packed_buckets = []
         per_block = self.cache.bytes_per_block()
         del self.cache
         torch.cuda.empty_cache()

@@ -17,9 +17,14 @@ flattened [B, T] order) the table row of its sequence and its position. Two shap
   * decode (segments None): token i is a sequence of its own whose last token it is; attention
     reads each token's row up to its position. Shapes depend only on the number of tokens and
     `kv_len` (a bound on the keys read), which is what a captured CUDA graph needs.
-  * packed (segments given): runs of consecutive tokens of one sequence — chunks of prompts
-    beside single decode tokens, in one forward — each a causal block against its own cached
-    prefix. The segments are host-side: (row, first token, tokens, keys to read).
+  * packed: runs of consecutive tokens of one sequence — chunks of prompts beside single decode
+    tokens, in one forward — each a causal block against its own cached prefix. A run is where
+    the row stays the same and the position goes up by one. The attention kernel's tiles (runs
+    of at most so many tokens) are found on the device from the tokens' rows and positions, so
+    that a packed step of a given size is one fixed sequence of kernels that a CUDA graph can
+    capture and replay with other runs. The eager reference attention reads the runs on the
+    host instead (`segments`: (row, first token, tokens, keys to read)); a step laid out without
+    them (a captured one) refuses that path.
 A key is visible to a query of the same sequence when its position is not after the query's
 (and, on sliding-window layers, within the window). New keys are written before attention
 reads, so a chunk attends to itself through the cache too.
@@ -32,6 +37,10 @@ import math
 import torch
 
 Segment = tuple[int, int, int, int]  # (table row, first token, tokens, keys to read: last position + 1)
+
+
+class HostLayoutMissing(RuntimeError):
+    """A layer needs the step's runs on the host, and the step was laid out without them."""
 
 
 class PagedKVCache:
@@ -49,7 +58,8 @@ class PagedKVCache:
         self.values: dict[int, torch.Tensor | None] = {}
         # The step's layout (set_step): per token its table row, position and slot.
         self.token_rows = self.positions = self.slots = None
-        self.segments: list[Segment] | None = None
+        self.packed = False
+        self._segments: list[Segment] | None = None
         self.kv_len = 0
         self._tiles: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -59,38 +69,57 @@ class PagedKVCache:
 
     # ---- the step's layout ----------------------------------------------------------------------
     def set_step(
-        self, token_rows: torch.Tensor, positions: torch.Tensor, kv_len: int, segments: list[Segment] | None = None
+        self,
+        token_rows: torch.Tensor,
+        positions: torch.Tensor,
+        kv_len: int,
+        segments: list[Segment] | None = None,
+        packed: bool | None = None,
     ) -> None:
         """Lay out the next forward's tokens: token_rows and positions [N] (device tensors, in the
-        batch's flattened order); kv_len bounds every key read (> every position, <= max_len);
-        segments as the module docstring says, None for a decode step."""
+        batch's flattened order); kv_len bounds every key read (> every position, <= max_len).
+        A packed step (default: when segments are given) may come without its segments on the
+        host: then only the attention kernels serve it (see the module docstring)."""
         if kv_len > self.max_len:
             raise ValueError(f"{kv_len} entries do not fit a cache of rows of {self.max_len}")
         self.token_rows, self.positions = token_rows.contiguous(), positions.contiguous()  # the kernels' layout
-        self.kv_len, self.segments = kv_len, segments
+        self.kv_len, self._segments = kv_len, segments
+        self.packed = segments is not None if packed is None else packed
         blocks = self.block_tables[self.token_rows, self.positions // self.block_size].long()
         self.slots = blocks * self.block_size + self.positions % self.block_size
         self._tiles = {}
 
-    def tiles(self, tokens_per_tile: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Work units of the attention kernel: (first token [n], tokens [n], tokens_per_tile),
-        runs of at most tokens_per_tile tokens of one sequence (a decode step: one token each)."""
-        if self.segments is None:
+    @property
+    def segments(self) -> list[Segment] | None:
+        """A packed step's runs on the host (None for a decode step)."""
+        if self.packed and self._segments is None:
+            raise HostLayoutMissing(
+                "this packed step was laid out on the device only (a CUDA graph's); attention that "
+                "reads the runs on the host (the eager reference) cannot serve it"
+            )
+        return self._segments
+
+    def tiles(self, tokens_per_tile: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """Work units of the attention kernel: (first token [n], tokens [n], tiles [1],
+        tokens_per_tile), runs of at most tokens_per_tile tokens of one sequence, in token order
+        (a decode step: one token each). A packed step's table has as many entries as tokens;
+        those past its `tiles` are empty (0 tokens from token 0)."""
+        if not self.packed:
             tokens_per_tile = 1
         if tokens_per_tile not in self._tiles:
-            if self.segments is None:
-                count = self.token_rows.shape[0]
-                starts = torch.arange(count, dtype=torch.int32, device=self.token_rows.device)
-                self._tiles[1] = (starts, torch.ones_like(starts))
-            else:
-                starts, lengths = [], []
-                for _, first, tokens, _ in self.segments:
-                    for start in range(first, first + tokens, tokens_per_tile):
-                        starts.append(start)
-                        lengths.append(min(tokens_per_tile, first + tokens - start))
-                device = self.token_rows.device
-                table = torch.tensor([starts, lengths], dtype=torch.int32).to(device, non_blocking=True)
-                self._tiles[tokens_per_tile] = (table[0], table[1])
+            rows, positions = self.token_rows, self.positions
+            index = torch.arange(rows.shape[0], device=rows.device)
+            if not self.packed:
+                starts, lengths, count = index, torch.ones_like(index), torch.full_like(index[:1], len(index))
+            else:  # all on the device, no host sync: a run starts where the row or the position jumps
+                starts_run = torch.ones_like(rows, dtype=torch.bool)
+                starts_run[1:] = (rows[1:] != rows[:-1]) | (positions[1:] != positions[:-1] + 1)
+                run_start = torch.where(starts_run, index, 0).cummax(0).values
+                tile = ((index - run_start) % tokens_per_tile == 0).cumsum(0) - 1  # each token's tile
+                starts = torch.zeros_like(index).scatter_reduce(0, tile, index, "amin", include_self=False)
+                lengths = torch.zeros_like(index).scatter_add(0, tile, torch.ones_like(index))
+                count = tile[-1:] + 1
+            self._tiles[tokens_per_tile] = (starts.int(), lengths.int(), count.int())
         return (*self._tiles[tokens_per_tile], tokens_per_tile)
 
     # ---- storage --------------------------------------------------------------------------------

@@ -128,7 +128,7 @@ class Attention(nn.Module):
         norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
         eps = self.q_norm.eps if self.q_norm is not None else 0.0
         q = decode_attention.rope_to_cache(q, k, v, cos, sin, *norms, eps, keys, values, cache.slots)
-        starts, lengths, per_tile = cache.tiles(decode_attention.tile_tokens(q.shape[1] // keys.shape[1]))
+        starts, lengths, count, per_tile = cache.tiles(decode_attention.tile_tokens(q.shape[1] // keys.shape[1]))
         out = decode_attention.paged_attention(
             q,
             keys,
@@ -139,6 +139,7 @@ class Attention(nn.Module):
             cache.positions,
             starts,
             lengths,
+            count,
             per_tile,
             cache.kv_len,
             self.head_dim**-0.5,

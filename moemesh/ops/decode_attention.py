@@ -19,7 +19,12 @@ last position and from its window's first — entries past them are skipped — 
 through the block table, and the causal (and window) mask applied per query. A second small
 kernel merges the splits (flash-decoding: at batch 1 there would otherwise be only h_kv
 programs, four for Qwen3-30B-A3B, and one such program per layer took 11 µs over 576 keys on an
-H200); chunks of prompts have tiles enough and run unsplit.
+H200). A split takes every SPLITS-th block of its tile's keys, so that the splits share any
+length of keys without knowing it: a packed step captured in a CUDA graph replays with other
+lengths (64 tokens after 1,024 cached are four tiles, 16 programs unsplit: 72 µs a layer on
+an H200, 27 µs in 8 splits). Steps with tiles enough (about 64 tiles × key/value heads) run
+unsplit. A packed step's tile table has an entry per token (its tiles are found on the device,
+their number unknown to the host); the programs past the step's tiles do nothing.
 
 The reference is `models/layers.paged_attention` (the eager path: gathers through the block
 table, explicit masked softmax; tests compare the two). Limits: a power-of-two head size
@@ -103,6 +108,7 @@ def paged_attention(
     positions: torch.Tensor,
     tile_starts: torch.Tensor,
     tile_lengths: torch.Tensor,
+    tile_count: torch.Tensor,
     tokens_per_tile: int,
     kv_len: int,
     scale: float,
@@ -110,14 +116,15 @@ def paged_attention(
 ) -> torch.Tensor:
     """q [N, h, D] of tokens at `positions` [N] of the sequences in table rows `token_rows` [N]
     against the pools [slots, h_kv, D] through `block_tables` [rows, W]; the tiles (first token,
-    tokens) each a run of one sequence's tokens; kv_len bounds the keys read -> [N, h·D]."""
+    tokens) each a run of one sequence's tokens, the first `tile_count` [1] of the table's;
+    kv_len bounds the keys read (the splits) -> [N, h·D]."""
     tokens, heads, head_dim = q.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
     out = q.new_empty(tokens, heads * head_dim)
-    tiles = tile_starts.shape[0]
-    splits = split_count(kv_len) if tokens_per_tile == 1 or tiles * kv_heads < 64 else 1
-    chunk = triton.cdiv(triton.cdiv(kv_len, splits), BLOCK_KEYS) * BLOCK_KEYS
+    tiles = tile_starts.shape[0]  # a packed step's table has an entry per token, the tiles first
+    few_tiles = triton.cdiv(tokens, tokens_per_tile) * kv_heads < 64  # (a packed step's, as if one chunk)
+    splits = split_count(kv_len) if tokens_per_tile == 1 or few_tiles else 1
     partial = out if splits == 1 else q.new_empty(tokens, heads, splits, head_dim + 2, dtype=torch.float32)
     rows = max(16, triton.next_power_of_2(tokens_per_tile * group))
     if tiles:
@@ -135,7 +142,7 @@ def paged_attention(
             positions,
             tile_starts,
             tile_lengths,
-            chunk,
+            tile_count,
             scale,
             window or 0,
             GROUP=group,
@@ -239,7 +246,7 @@ def _paged_attention_kernel(
     positions_ptr,
     tile_starts_ptr,
     tile_lengths_ptr,
-    chunk,
+    tile_count_ptr,
     scale,
     window,
     GROUP: tl.constexpr,
@@ -250,54 +257,54 @@ def _paged_attention_kernel(
     SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    tile = tl.program_id(0)
     kv_head = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2).to(tl.int64)
-    first = tl.load(tile_starts_ptr + tile).to(tl.int64)
-    count = tl.load(tile_lengths_ptr + tile)
-    r = tl.arange(0, ROWS)  # query row r: token r // GROUP of the tile, head r % GROUP of the group
-    valid = r // GROUP < count
-    token = first + r // GROUP
-    head = kv_head * GROUP + r % GROUP
-    position = tl.load(positions_ptr + token, mask=valid, other=0).to(tl.int64)
-    table = tables_ptr + tl.load(rows_ptr + first).to(tl.int64) * table_stride
-    last = tl.max(tl.where(valid, position, -1), axis=0)
-    lowest = tl.where(window > 0, position - window + 1, 0)  # each query's first visible key
-    first_key = tl.maximum(tl.min(tl.where(valid, lowest, last), axis=0), 0)
-    lo = tl.maximum(first_key, split * chunk)  # this program's keys: [lo, hi)
-    hi = tl.minimum(last + 1, (split + 1) * chunk)
-    d = tl.arange(0, D)
-    at = (token * HEADS + head) * D  # q's and the output's [N, h, D]
-    q = tl.load(q_ptr + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-    running_max = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-    total = tl.zeros([ROWS], dtype=tl.float32)
-    acc = tl.zeros([ROWS, D], dtype=tl.float32)
-    begin = lo // BLOCK_N * BLOCK_N
-    for start in range(begin, tl.where(hi > lo, hi, begin), BLOCK_N):  # no block when no key is here
-        keys_at = start + tl.arange(0, BLOCK_N)
-        present = (keys_at >= lo) & (keys_at < hi)
-        block = tl.load(table + keys_at // block_size, mask=present, other=0).to(tl.int64)
-        slot = (block * block_size + keys_at % block_size) * slot_stride + kv_head * head_stride
-        k = tl.load(keys_ptr + slot[:, None] + d[None, :], mask=present[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        visible = present[None, :] & (keys_at[None, :] <= position[:, None]) & (keys_at[None, :] >= lowest[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row that sees no key yet
-        alpha = tl.exp(running_max - shift)
-        p = tl.exp(scores - shift[:, None])
-        total = total * alpha + tl.sum(p, axis=1)
-        v = tl.load(values_ptr + slot[:, None] + d[None, :], mask=present[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        running_max = new_max
-    if SPLITS == 1:
-        out = acc / tl.where(total > 0, total, 1.0)[:, None]  # a padding row has no key
-        tl.store(out_ptr + at[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
-    else:  # [N, h, SPLITS, D + 2]: the unnormalised sum, its running maximum and total
-        at = ((token * HEADS + head) * SPLITS + split) * (D + 2)
-        tl.store(out_ptr + at[:, None] + d[None, :], acc, mask=valid[:, None])
-        tl.store(out_ptr + at + D, running_max, mask=valid)
-        tl.store(out_ptr + at + D + 1, total, mask=valid)
+    tile = tl.program_id(0)
+    if tile < tl.load(tile_count_ptr):  # a table entry past the step's tiles: nothing to do
+        first = tl.load(tile_starts_ptr + tile).to(tl.int64)
+        count = tl.load(tile_lengths_ptr + tile)
+        r = tl.arange(0, ROWS)  # query row r: token r // GROUP of the tile, head r % GROUP of the group
+        valid = r // GROUP < count
+        token = first + r // GROUP
+        head = kv_head * GROUP + r % GROUP
+        position = tl.load(positions_ptr + token, mask=valid, other=0).to(tl.int64)
+        table = tables_ptr + tl.load(rows_ptr + first).to(tl.int64) * table_stride
+        last = tl.max(tl.where(valid, position, -1), axis=0)
+        lowest = tl.where(window > 0, position - window + 1, 0)  # each query's first visible key
+        first_key = tl.maximum(tl.min(tl.where(valid, lowest, last), axis=0), 0)
+        lo, hi = first_key, last + 1  # the tile's keys [lo, hi): this program takes every SPLITS-th block
+        d = tl.arange(0, D)
+        at = (token * HEADS + head) * D  # q's and the output's [N, h, D]
+        q = tl.load(q_ptr + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        running_max = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+        total = tl.zeros([ROWS], dtype=tl.float32)
+        acc = tl.zeros([ROWS, D], dtype=tl.float32)
+        begin = lo // BLOCK_N * BLOCK_N + split * BLOCK_N
+        for start in range(begin, hi, SPLITS * BLOCK_N):  # no block when no key is here
+            keys_at = start + tl.arange(0, BLOCK_N)
+            present = (keys_at >= lo) & (keys_at < hi)
+            block = tl.load(table + keys_at // block_size, mask=present, other=0).to(tl.int64)
+            slot = (block * block_size + keys_at % block_size) * slot_stride + kv_head * head_stride
+            k = tl.load(keys_ptr + slot[:, None] + d[None, :], mask=present[:, None], other=0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            visible = present[None, :] & (keys_at[None, :] <= position[:, None]) & (keys_at[None, :] >= lowest[:, None])
+            scores = tl.where(visible, scores, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row that sees no key yet
+            alpha = tl.exp(running_max - shift)
+            p = tl.exp(scores - shift[:, None])
+            total = total * alpha + tl.sum(p, axis=1)
+            v = tl.load(values_ptr + slot[:, None] + d[None, :], mask=present[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            running_max = new_max
+        if SPLITS == 1:
+            out = acc / tl.where(total > 0, total, 1.0)[:, None]  # a padding row has no key
+            tl.store(out_ptr + at[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
+        else:  # [N, h, SPLITS, D + 2]: the unnormalised sum, its running maximum and total
+            at = ((token * HEADS + head) * SPLITS + split) * (D + 2)
+            tl.store(out_ptr + at[:, None] + d[None, :], acc, mask=valid[:, None])
+            tl.store(out_ptr + at + D, running_max, mask=valid)
+            tl.store(out_ptr + at + D + 1, total, mask=valid)
 
 
 @triton.jit
