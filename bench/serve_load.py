@@ -22,7 +22,9 @@ in --client-procs processes (threads within each), so that their own Python boun
 
 Prompts are random lowercase letters (the byte tokenizer: a prompt of L letters is L tokens),
 greedy, no end-of-sequence stop (the child's tokenizer has none): every request makes exactly
---max-tokens tokens. Time to first token: from sending the request to the first streamed chunk.
+--max-tokens tokens. Time to first token: from sending the request to the first streamed chunk;
+beside it the server's own view (p50): from the request's arrival to its submission to the
+scheduler, and from there to its first token.
 """
 
 from __future__ import annotations
@@ -144,9 +146,46 @@ def serve_child(args) -> None:
         import moemesh.inference.server
 
         moemesh.inference.server.SWITCH_INTERVAL_S = args.switch_interval
-    Service(engine, tokenizer, model_name="random", max_waiting=max(args.client_counts) + 1).serve(
-        "127.0.0.1", args.port, announce=True
-    )
+    service = Service(engine, tokenizer, model_name="random", max_waiting=max(args.client_counts) + 1)
+    timed_inside(service)
+    service.serve("127.0.0.1", args.port, announce=True)
+
+
+def timed_inside(service) -> None:
+    """Where a served request's time to first token goes, seen from the server: from the HTTP
+    request's arrival (an ASGI wrapper) to its submission to the scheduler, and from there to its
+    first update (the scheduler's thread). `GET /bench/inside` returns the pairs since the last
+    call, in ms."""
+    import contextvars
+
+    arrived = contextvars.ContextVar("arrived", default=None)
+    pairs: list[tuple[float, float]] = []
+    submit, app = service.scheduler.submit, service.app
+
+    async def timed_app(scope, receive, send):
+        arrived.set(time.perf_counter())
+        await app(scope, receive, send)
+
+    def timed_submit(prompt_ids, params, on_update=None):
+        start, first = arrived.get(), []
+        submitted = time.perf_counter()
+
+        def relay(sequence, text):
+            if not first:
+                first.append(time.perf_counter())
+                pairs.append(((submitted - (start or submitted)) * 1e3, (first[0] - submitted) * 1e3))
+            if on_update is not None:
+                on_update(sequence, text)
+
+        return submit(prompt_ids, params, relay)
+
+    @app.get("/bench/inside")
+    async def inside():
+        taken = list(pairs)
+        pairs.clear()
+        return taken
+
+    service.scheduler.submit, service.app = timed_submit, timed_app
 
 
 # ---- the clients -------------------------------------------------------------------------------------
@@ -261,15 +300,22 @@ def main():
             args.salt = f"serve warm-up {clients}"
             load(url, model, clients, args)  # warm-up, as the engine's side had
             args.salt = f"serve {clients}"
+            if child is not None:
+                httpx.get(url + "/bench/inside")  # forget the warm-up's
             row = load(url, model, clients, args)
+            if child is not None:  # the server's own view of the first token
+                pairs = httpx.get(url + "/bench/inside").json()
+                row["arrival → submit p50 ms"] = statistics.median(a for a, _ in pairs)
+                row["submit → first token p50 ms"] = statistics.median(b for _, b in pairs)
             alone = engine_rows.get(clients)
             if alone:
                 rows.append({k: v for k, v in alone.items()})
                 row["of the engine"] = f"{row['tokens/s'] / alone['tokens/s']:.0%}"
             rows.append(row)
         for row in rows:
-            for key in ("tokens/s", "TTFT p50 ms", "TTFT p99 ms"):
-                row[key] = f"{row[key]:,.0f}"
+            for key in [k for k in row if k.endswith(("tokens/s", " ms"))]:
+                if isinstance(row[key], float):
+                    row[key] = f"{row[key]:,.0f}"
         title = (
             f"moemesh serve under load ({model} at {url}): prompt {args.prompt_len} tokens, {args.max_tokens} "
             f"new tokens a request, {args.requests} requests a client, greedy, streamed, openai client"
