@@ -12,12 +12,17 @@ wrong expert is orders larger."""
 import pytest
 import torch
 from torch.func import functional_call
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from moemesh.errors import ConfigError
 from moemesh.models import ModelConfig, build
 from moemesh.models.build import init_weights, meta_model
 from moemesh.models.lora import LoraConfig, apply_lora, has_adapter, is_adapter, merge_adapters
 from moemesh.models.moe import EXPERT_BANKS, Experts
+from moemesh.ops.grouped_mm import grouped_mm
+from moemesh.ops.linear import linear
+from moemesh.ops.low_rank import low_rank_factors
 from moemesh.train.optim import build_optimizer
 from numerics import rel_err
 from test_activation_checkpointing import DEEPSEEK_V3, QWEN3
@@ -152,6 +157,98 @@ def test_expert_adapters_in_the_grouped_gemms(sizes):
                 assert torch.equal(grad[e], torch.zeros_like(grad[e])), (name, e)
             else:
                 assert rel_err(grad[e], factor.grad[e]) <= RTOL, (name, e)
+
+
+@pytest.mark.parametrize("dropout", [False, True], ids=["same-input", "dropout-input"])
+@pytest.mark.parametrize("op", ["linear", "grouped_mm"])
+def test_base_and_update_in_one_node_against_float64(op, dropout):
+    """`ops/linear.py` and `ops/grouped_mm.py` with LoRA's factors (cast by `low_rank_factors`, B
+    scaled): the output x·Wᵀ + s·x_r·Aᵀ·Bᵀ and the gradients of x, of the update's own input x_r
+    (LoRA's dropout) and of the fp32 factors, against float64 autograd of that formula."""
+    scale = 2.5
+    if op == "linear":
+        x = torch.randn(2, 7, 12, requires_grad=True)  # [B, T, in]
+        weight, a, b = torch.randn(10, 12), torch.randn(3, 12), torch.randn(10, 3)
+        sizes = None
+    else:
+        sizes = torch.tensor([4, 0, 9, 1])  # an empty expert too
+        x = torch.randn(14, 12, requires_grad=True)
+        weight, a, b = torch.randn(4, 10, 12), torch.randn(4, 3, 12), torch.randn(4, 10, 3)
+    a, b = a.requires_grad_(), b.requires_grad_()
+    x_r = torch.randn(x.shape, requires_grad=True) if dropout else None
+    factors = low_rank_factors(a, b, x.dtype, scale)
+    if op == "linear":
+        out = linear(x, weight, None, factors, x_r)
+    else:
+        out = grouped_mm(x, weight, sizes, low_rank=factors, x_low_rank=x_r)
+    grad_out = torch.randn(out.shape)
+    out.backward(grad_out)
+
+    inputs = [t.detach().double().requires_grad_() for t in (x, a, b, x if x_r is None else x_r)]
+    x64, a64, b64, xr64 = inputs
+    if x_r is None:
+        xr64 = x64
+    if op == "linear":
+        expected = x64 @ weight.double().T + scale * (xr64 @ a64.T) @ b64.T
+    else:
+        pieces = zip(x64.split(sizes.tolist()), xr64.split(sizes.tolist()), weight.double(), a64, b64)
+        expected = torch.cat([p @ w.T + scale * (r @ ae.T) @ be.T for p, r, w, ae, be in pieces])
+    expected.backward(grad_out.double())
+    assert rel_err(out, expected) <= RTOL
+    assert rel_err(x.grad, x64.grad) <= RTOL
+    assert rel_err(a.grad, a64.grad) <= RTOL and rel_err(b.grad, b64.grad) <= RTOL
+    if dropout:
+        assert rel_err(x_r.grad, inputs[3].grad) <= RTOL
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_recomputation_with_adapters_changes_nothing(dropout, autocast):
+    """Activation checkpointing on a LoRA model (attention, a dense layer and every expert
+    adapted): full and selective give the loss and every adapter gradient of none bit for bit,
+    dropout's masks included. Under bf16 autocast each fp32 factor is read once a forward (its
+    cast) and never in backward: the recomputation and the backward use the forward's copy."""
+    input_ids = torch.randint(0, QWEN3.vocab_size, (2, 13))
+    results = {}
+    for mode in ("none", "full", "selective"):
+        torch.manual_seed(7)  # dropout's masks
+        model = lora_model(QWEN3, LoraConfig(rank=4, alpha=12.0, targets=QWEN3_TARGETS, dropout=dropout))
+        model.train()
+        model.activation_checkpointing = mode
+        factors = [p for name, p in model.named_parameters() if is_adapter(name)]
+        reads = FactorReads(factors)
+        with reads:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = model(input_ids, labels=input_ids, return_logits=False).loss
+            reads.phase = "backward"
+            loss.backward()
+        if autocast:  # in fp32 the cast is the factor itself, used as it is
+            assert reads.counts == {"forward": len(factors), "backward": 0}, (mode, reads.counts)
+        results[mode] = loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    plain_loss, plain_grads = results["none"]
+    for mode in ("full", "selective"):
+        loss, grads = results[mode]
+        assert torch.equal(loss, plain_loss), mode
+        assert grads.keys() == plain_grads.keys()
+        assert all(torch.equal(grads[n], plain_grads[n]) for n in grads), mode
+
+
+class FactorReads(TorchDispatchMode):
+    """How many ops read one of `tensors` (views and allocations like it read nothing), in
+    forward and in backward."""
+
+    def __init__(self, tensors):
+        super().__init__()
+        self.storages = {t.untyped_storage().data_ptr() for t in tensors}
+        self.phase, self.counts = "forward", {"forward": 0, "backward": 0}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        read = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if func.is_view or func.overloadpacket in (torch.ops.aten.empty_like, torch.ops.aten.new_empty):
+            return func(*args, **(kwargs or {}))
+        if any(t.untyped_storage().data_ptr() in self.storages for t in read):
+            self.counts[self.phase] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def test_merge_gives_the_adapted_logits():

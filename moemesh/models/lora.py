@@ -17,6 +17,14 @@ What takes adapters (`apply_lora`, from the run's `[lora]` section):
 Everything else is frozen: no gradient, no optimizer state. The adapters keep the dtype they are
 made in (train.param_dtype); the base may be bf16.
 
+How it computes (a LoRA step is bound by the host's kernel launches, bench/lora.py --count-ops):
+each forward casts A and s·B to the compute dtype once (`ops/low_rank.py`: the scale rides B's
+cast, and a checkpointed layer's recomputation reuses the copies), and the update runs in the
+base's own autograd node (`ops/linear.py`, `ops/grouped_mm.py`): its rank-r GEMM adds into the
+base product, and in backward its share of the input gradient into the base's. So an adapter
+adds to a forward two GEMMs (x·Aᵀ, then the one that adds its product with s·Bᵀ) and one cast per
+factor, and no elementwise kernel.
+
 Patterns: `*` stands for any characters; a pattern matches a module's full name, or its end after
 a dot ("q_proj" matches every layer's attention q_proj). A pattern that matches nothing LoRA can
 adapt is an error.
@@ -44,7 +52,9 @@ from torch import nn
 
 from moemesh.errors import ConfigError
 from moemesh.models.moe import EXPERT_BANKS, Experts, MoEBlock
+from moemesh.ops.backend import autocast_inputs
 from moemesh.ops.linear import Linear, linear
+from moemesh.ops.low_rank import low_rank_factors
 
 DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
@@ -87,13 +97,16 @@ class LoraLinear(Linear):
     lora_dropout: float
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias) + lora_delta(self, x)
+        return adapted_linear(self, x, self.bias)
 
 
-def lora_delta(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """s · dropout(x)·Aᵀ·Bᵀ of a module holding lora_A, lora_B, lora_scaling and lora_dropout."""
-    x = F.dropout(x, module.lora_dropout, module.training) if module.lora_dropout else x
-    return linear(linear(x, module.lora_A), module.lora_B) * module.lora_scaling
+def adapted_linear(module: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x·Wᵀ (+ bias) + s · dropout(x)·Aᵀ·Bᵀ of a module holding weight, lora_A, lora_B,
+    lora_scaling and lora_dropout: one autograd node (`ops/linear.py`), the factors cast once."""
+    (x,) = autocast_inputs(x)
+    dropped = F.dropout(x, module.lora_dropout) if module.lora_dropout and module.training else None
+    factors = low_rank_factors(module.lora_A, module.lora_B, x.dtype, module.lora_scaling)
+    return linear(x, module.weight, bias, factors, dropped)
 
 
 def has_adapter(module: nn.Module) -> bool:
