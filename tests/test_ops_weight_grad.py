@@ -9,8 +9,8 @@ import torch
 
 from moemesh.ops.backend import autocast_inputs
 from moemesh.ops.grouped_mm import grouped_mm
-from moemesh.ops.linear import linear
-from moemesh.ops.low_rank import low_rank_factors
+from moemesh.ops.linear import linear, linears
+from moemesh.ops.low_rank import low_rank_factors, stacked_low_rank_factors
 from moemesh.ops.weight_grad import WeightGradStore
 from numerics import rel_err
 
@@ -40,6 +40,23 @@ def lora_linear_case():
     return x, [a, b], run, []
 
 
+def lora_linears_case():
+    """Projections of one input (attention's q, k, v): stacked A, one node."""
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    weights = [torch.randn(out, 16) for out in (8, 4, 4)]
+    factors = [
+        (torch.nn.Parameter(torch.randn(r, 16)), torch.nn.Parameter(torch.randn(out, r)))
+        for out, r in ((8, 4), (4, 2), (4, 4))
+    ]
+
+    def run():
+        (rows,) = autocast_inputs(x)
+        a, bs = stacked_low_rank_factors([a for a, _ in factors], [b for _, b in factors], rows.dtype, [2.5, 1.0, 0.5])
+        return torch.cat([out.flatten() for out in linears(rows, weights, a, bs)])
+
+    return x, [t for pair in factors for t in pair], run, []
+
+
 def lora_grouped_case():
     sizes = torch.tensor([4, 0, 7, 1])
     x = torch.randn(int(sizes.sum()), 16, requires_grad=True)
@@ -53,7 +70,7 @@ def lora_grouped_case():
     return x, [a, b], run, []
 
 
-@pytest.mark.parametrize("case", [linear_case, grouped_case, lora_linear_case, lora_grouped_case])
+@pytest.mark.parametrize("case", [linear_case, grouped_case, lora_linear_case, lora_linears_case, lora_grouped_case])
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 def test_deferred_weight_gradient_arrives_on_pop(case, autocast):
     x, deferred, run, others = case()

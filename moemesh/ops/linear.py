@@ -92,6 +92,73 @@ class _Linear(torch.autograd.Function):
         return grad_x, *weight_gradients(), grad_x_r
 
 
+class _SharedInputLinears(torch.autograd.Function):
+    """[x·W_iᵀ + (x·A_iᵀ)·B_iᵀ] for projections of one input (attention's q, k, v), the A_i stacked
+    as one A [Σ r_i, in]: one GEMM gives every rank-r product, and backward gives x's gradient once,
+    the base GEMMs and the stacked update accumulating into it (no gradient sums). Otherwise as
+    `_Linear` (weights on ctx, outputs and the rank-r products kept, deferrable weight gradients)."""
+
+    @staticmethod
+    def forward(ctx, x, a, *weights_and_bs):
+        count = len(weights_and_bs) // 2
+        weights, bs = weights_and_bs[:count], weights_and_bs[count:]
+        ctx.a, ctx.weights, ctx.bs = a, weights, bs
+        low_rank = recompute.kept(lambda: F.linear(x, a))
+
+        def project(weight: torch.Tensor, piece: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            out = F.linear(x, weight.to(x.dtype))
+            _add_product(out, piece, b.t())
+            return out
+
+        pieces = low_rank.split([b.shape[1] for b in bs], dim=-1)
+        outs = [recompute.kept(lambda w=w, p=p, b=b: project(w, p, b)) for w, p, b in zip(weights, pieces, bs)]
+        ctx.save_for_backward(x, low_rank)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        x, low_rank = ctx.saved_tensors
+        a, weights, bs = ctx.a, ctx.weights, ctx.bs
+        needs = ctx.needs_input_grad
+        needs_weights, needs_bs = needs[2 : 2 + len(weights)], needs[2 + len(weights) :]
+        grads = [g.contiguous() for g in grads]
+        ranks = [b.shape[1] for b in bs]
+        grad_low_rank = x.new_empty(*x.shape[:-1], sum(ranks))
+        for grad, b, piece in zip(grads, bs, grad_low_rank.split(ranks, dim=-1)):
+            torch.mm(_rows(grad), b, out=_rows(piece))
+        grad_x = None
+        if needs[0]:
+            grad_x = grads[0] @ weights[0].to(x.dtype)
+            for grad, weight in zip(grads[1:], weights[1:]):
+                _add_product(grad_x, grad, weight.to(x.dtype))
+            _add_product(grad_x, grad_low_rank, a)
+
+        def weight_gradients() -> list[torch.Tensor | None]:
+            pieces = low_rank.split(ranks, dim=-1)
+            return [
+                _rows(grad_low_rank).T @ _rows(x) if needs[1] else None,
+                *[(_rows(g).T @ _rows(x)).to(w.dtype) if n else None for g, w, n in zip(grads, weights, needs_weights)],
+                *[_rows(g).T @ _rows(p) if n else None for g, p, n in zip(grads, pieces, needs_bs)],
+            ]
+
+        nothing = [None] * (1 + 2 * len(weights))
+        if not any(needs[1:]):
+            return grad_x, *nothing
+        if weight_grad.put(lambda: send_gradients(weight_gradients(), (a, *weights, *bs))):
+            return grad_x, *nothing
+        return grad_x, *weight_gradients()
+
+
+def linears(
+    x: torch.Tensor, weights: list[torch.Tensor], a: torch.Tensor, bs: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """[x·W_iᵀ + (x·A_iᵀ)·B_iᵀ] for projections of one input x: A the A_i [r_i, in] stacked
+    ([Σ r_i, in]), B_i [out_i, r_i], both in the compute dtype. One autograd node: x is read once
+    for every rank-r product, and its gradient is accumulated by the GEMMs themselves."""
+    (x,) = autocast_inputs(x)
+    return list(_SharedInputLinears.apply(x, a, *weights, *bs))
+
+
 def send_gradients(grads: list[torch.Tensor | None], tensors: tuple[torch.Tensor | None, ...]) -> None:
     """Backward from each tensor given a gradient (a deferred weight-gradient job)."""
     pairs = [(t, g) for t, g in zip(tensors, grads) if g is not None]

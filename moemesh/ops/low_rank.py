@@ -47,6 +47,16 @@ def scaled_cast(weight: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) ->
     return _ScaledCast.apply(weight, scale, dtype)
 
 
+def stacked_low_rank_factors(
+    as_: list[torch.Tensor], bs: list[torch.Tensor], dtype: torch.dtype, scales: list[float]
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The A_i stacked [Σ r_i, in] and each s_i·B_i, in `dtype`, once a forward: the factors of
+    projections of one input (`ops/linear.py`'s `linears`). The stack is two kernels (concatenate,
+    cast), its gradient one cast (then views)."""
+    stacked = recompute.reused(lambda: torch.cat(as_).to(dtype))
+    return stacked, [recompute.reused(lambda b=b, s=s: scaled_cast(b, dtype, s)) for b, s in zip(bs, scales)]
+
+
 def low_rank_factors(
     a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

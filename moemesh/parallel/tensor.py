@@ -43,9 +43,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from moemesh.errors import ConfigError
+from moemesh.models.adapted import adapted_linear, has_adapter
 from moemesh.models.attention_mla import MLAttention
 from moemesh.models.layers import Attention, DenseMLP
-from moemesh.models.lora import adapted_linear, has_adapter, is_adapter
+from moemesh.models.lora import is_adapter
 from moemesh.models.moe import MoEBlock
 from moemesh.models.registry import family
 from moemesh.models.transformer import MoECausalLM, shift_labels
