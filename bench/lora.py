@@ -4,7 +4,7 @@ one GPU (issue 30): step time, tokens/s, MFU, peak memory, trainable parameters.
     PYTHONPATH=. python3 bench/lora.py [--layers 48] [--seq 4096] [--batch 1] [--rank 16 --alpha 32]
     PYTHONPATH=. python3 bench/lora.py --hf /models/Qwen3-30B-A3B          (read a real directory)
     PYTHONPATH=. python3 bench/lora.py --config configs/tiny.toml --seq 64 --steps 2 --warmup 1   (CPU smoke)
-    PYTHONPATH=. python3 bench/lora.py --count-ops [--config configs/tiny.toml --seq 256]   (CPU: ops a layer)
+    PYTHONPATH=. python3 bench/lora.py --count-ops [N] [--config configs/tiny.toml --seq 256]   (CPU: kernels a layer)
 
 Model: Qwen3-30B-A3B's shape (hidden 2048, 128 experts top-8, expert width 768, 32/4 heads of
 128, vocabulary 151,936) cut to --layers layers, with random weights built on the GPU (the device
@@ -280,7 +280,7 @@ def count_step_ops(config: ModelConfig, args, experts: bool, recompute: str) -> 
     counter = OpCounter()
     # One grouped GEMM launch per bank, as on a GPU (the CPU path otherwise loops over experts).
     with (
-        mock.patch("moemesh.ops.grouped_mm._use_kernel", lambda x, *weight: x.dtype == torch.bfloat16),
+        mock.patch("moemesh.ops.grouped_mm._use_kernel", lambda x: x.dtype == torch.bfloat16),
         counter.triton_launches(),
         counter,
     ):
@@ -310,7 +310,7 @@ def print_op_counts(config: ModelConfig, args) -> None:
                 detail.append((targets, recompute, by_op.most_common(args.count_ops)))
     kernels = "Triton's interpreter" if INTERPRETED else "their references (no Triton)"
     print(f"model: {args.config}; {args.batch}×{args.seq} tokens; LoRA r={args.rank}; moemesh's kernels: {kernels}")
-    print_table(rows, "aten ops a decoder layer dispatches in one LoRA training step (CPU, counted as a GPU launches)")
+    print_table(rows, "kernels a decoder layer launches in a LoRA training step (CPU, counted as a GPU launches them)")
     for targets, recompute, ops in detail:
         print_table([{"op": op, "calls": c} for op, c in ops], f"{targets}, {recompute} recompute: the most called ops")
 
@@ -320,7 +320,7 @@ def main():
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--hf", help="a Hugging Face directory to read the model from (both sides)")
     parser.add_argument("--config", help="take the model from this run config (configs/tiny.toml: a CPU smoke run)")
-    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--seq", type=int, help="tokens a sequence (default 4096; 256 with --count-ops)")
     parser.add_argument("--batch", type=int, default=1, help="sequences per step")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--alpha", type=float, default=32.0)
@@ -345,6 +345,7 @@ def main():
         help="count the aten ops a layer dispatches (CPU; with N, also list the N most called)",
     )
     args = parser.parse_args()
+    args.seq = args.seq or (4096 if args.count_ops is None else 256)
     if args.count_ops is not None:
         if HAVE_TRITON and not INTERPRETED:  # the interpreter is chosen at import: start again with it
             env = {**os.environ, "TRITON_INTERPRET": "1", "MOEMESH_KERNELS": "triton"}
