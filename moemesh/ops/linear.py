@@ -1,5 +1,5 @@
 """A linear layer whose weight gradient can wait (zero-bubble pipelines, `weight_grad.py`), with an
-optional low-rank update computed in the same autograd node (LoRA, `models/lora.py`):
+optional low-rank update computed in the same autograd node (LoRA, `models/adapted.py`):
 
     y = x·Wᵀ + (x_r·Aᵀ)·Bᵀ        x_r = x, or LoRA's dropout of it; A [r, in], B [out, r]
 
