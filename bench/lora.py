@@ -4,6 +4,7 @@ one GPU (issue 30): step time, tokens/s, MFU, peak memory, trainable parameters.
     PYTHONPATH=. python3 bench/lora.py [--layers 48] [--seq 4096] [--batch 1] [--rank 16 --alpha 32]
     PYTHONPATH=. python3 bench/lora.py --hf /models/Qwen3-30B-A3B          (read a real directory)
     PYTHONPATH=. python3 bench/lora.py --config configs/tiny.toml --seq 64 --steps 2 --warmup 1   (CPU smoke)
+    PYTHONPATH=. python3 bench/lora.py --count-ops [N] [--config configs/tiny.toml --seq 256]   (CPU: kernels a layer)
 
 Model: Qwen3-30B-A3B's shape (hidden 2048, 128 experts top-8, expert width 768, 32/4 heads of
 128, vocabulary 151,936) cut to --layers layers, with random weights built on the GPU (the device
@@ -24,22 +25,37 @@ Each variant is freed before the next, so that each peak is its own (max allocat
 step: the AdamW state is in it). MFU = tokens/s × FLOPs per token / peak bf16 FLOP/s, FLOPs per
 token from moemesh.train.flops: 4 per frozen active parameter (forward, input gradient), 6 per
 trained one, attention's scores and values; recomputation is not counted (the usual convention).
+
+--count-ops (CPU, no GPU needed): the kernels that one decoder layer of moemesh's LoRA step
+launches, forward and backward (the recomputation inside), per recompute mode: a proxy for the
+GPU's, since the step is bound by the host's launches. Counted as on a GPU: bf16 base, fp32
+adapters, bf16 autocast, one grouped GEMM per expert bank (not the CPU's loop over experts), and
+moemesh's Triton kernels (RMSNorm, SwiGLU, permute, combine) run by Triton's CPU interpreter, one
+launch each (the script restarts itself with TRITON_INTERPRET=1 and MOEMESH_KERNELS=triton; without
+Triton their references' ops are counted instead). Each aten op that computes counts once; views,
+aliases and allocations launch nothing and are left out. A layer's count is that of a model with
+two layers less that of one with one. The list of the most called ops shows where they go.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import gc
 import os
+import sys
+from unittest import mock
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.common import median_ms, print_table, qwen3_30b_a3b
 from moemesh.config import load_config
 from moemesh.models import ModelConfig
 from moemesh.models.build import init_weights, meta_model
 from moemesh.models.lora import LoraConfig, apply_lora, is_adapter
+from moemesh.ops.backend import HAVE_TRITON, INTERPRETED
 from moemesh.train.flops import flops_per_token, peak_flops
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -198,12 +214,113 @@ def print_profile(name: str, targets: str, step, top: int) -> None:
     )
 
 
+# ---- aten ops per layer (CPU) --------------------------------------------------------------------
+
+_LAUNCH_NOTHING = {
+    "empty",
+    "empty_strided",
+    "empty_like",
+    "detach",
+    "alias",
+    "lift_fresh",
+    "_unsafe_view",
+    "promote_types",
+    "new_empty",
+    "new_empty_strided",
+}
+
+
+class OpCounter(TorchDispatchMode):
+    """The aten ops dispatched inside it that compute, by phase and name (views, aliases and
+    allocations left out), and the Triton kernels its interpreter runs (not the ops they run)."""
+
+    def __init__(self):
+        super().__init__()
+        self.phase = "forward"
+        self.counts: collections.Counter = collections.Counter()
+        self.in_kernel = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not (self.in_kernel or func.is_view or name in _LAUNCH_NOTHING):
+            self.counts[self.phase, name] += 1
+        return func(*args, **(kwargs or {}))
+
+    @contextlib.contextmanager
+    def triton_launches(self):
+        if not INTERPRETED:
+            yield
+            return
+        from triton.runtime.interpreter import GridExecutor
+
+        launch = GridExecutor.__call__
+
+        def counted(executor, *args, **kwargs):
+            self.counts[self.phase, f"triton {executor.fn.__name__}"] += 1
+            self.in_kernel = True
+            try:
+                return launch(executor, *args, **kwargs)
+            finally:
+                self.in_kernel = False
+
+        with mock.patch.object(GridExecutor, "__call__", counted):
+            yield
+
+
+def count_step_ops(config: ModelConfig, args, experts: bool, recompute: str) -> collections.Counter:
+    """(phase, op) -> calls in one LoRA training step's forward and backward (not the optimizer)."""
+    model = meta_model(config, torch.bfloat16)
+    apply_lora(model, LoraConfig(rank=args.rank, alpha=args.alpha, targets=ATTENTION, experts=experts), torch.float32)
+    model.activation_checkpointing = recompute
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    init_weights(model, args.seed)
+    model.train()
+    ids = torch.randint(config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(1234))
+    counter = OpCounter()
+    # One grouped GEMM launch per bank, as on a GPU (the CPU path otherwise loops over experts).
+    with (
+        mock.patch("moemesh.ops.grouped_mm._use_kernel", lambda x: x.dtype == torch.bfloat16),
+        counter.triton_launches(),
+        counter,
+    ):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(ids, labels=ids, return_logits=False).loss
+        counter.phase = "backward"
+        loss.backward()
+    return counter.counts
+
+
+def print_op_counts(config: ModelConfig, args) -> None:
+    rows, detail = [], []
+    for targets in args.targets.split(","):
+        for recompute in ["none", *args.recompute.split(",")]:
+            one, two = (
+                count_step_ops(config.replace(num_hidden_layers=n), args, TARGETS[targets], recompute) for n in (1, 2)
+            )
+            layer = two - one
+            phases = {phase: sum(c for (p, _), c in layer.items() if p == phase) for phase in ("forward", "backward")}
+            rows.append(
+                {"LoRA on": targets, "recompute": recompute, **phases, "forward + backward": sum(phases.values())}
+            )
+            if args.count_ops > 0:
+                by_op = collections.Counter()
+                for (_, op), c in layer.items():
+                    by_op[op] += c
+                detail.append((targets, recompute, by_op.most_common(args.count_ops)))
+    kernels = "Triton's interpreter" if INTERPRETED else "their references (no Triton)"
+    print(f"model: {args.config}; {args.batch}×{args.seq} tokens; LoRA r={args.rank}; moemesh's kernels: {kernels}")
+    print_table(rows, "kernels a decoder layer launches in a LoRA training step (CPU, counted as a GPU launches them)")
+    for targets, recompute, ops in detail:
+        print_table([{"op": op, "calls": c} for op, c in ops], f"{targets}, {recompute} recompute: the most called ops")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--hf", help="a Hugging Face directory to read the model from (both sides)")
     parser.add_argument("--config", help="take the model from this run config (configs/tiny.toml: a CPU smoke run)")
-    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--seq", type=int, help="tokens a sequence (default 4096; 256 with --count-ops)")
     parser.add_argument("--batch", type=int, default=1, help="sequences per step")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--alpha", type=float, default=32.0)
@@ -218,7 +335,24 @@ def main():
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", type=int, default=0, help="print the N costliest kernels of one step (GPU)")
+    parser.add_argument(
+        "--count-ops",
+        type=int,
+        nargs="?",
+        const=0,
+        default=None,
+        metavar="N",
+        help="count the aten ops a layer dispatches (CPU; with N, also list the N most called)",
+    )
     args = parser.parse_args()
+    args.seq = args.seq or (4096 if args.count_ops is None else 256)
+    if args.count_ops is not None:
+        if HAVE_TRITON and not INTERPRETED:  # the interpreter is chosen at import: start again with it
+            env = {**os.environ, "TRITON_INTERPRET": "1", "MOEMESH_KERNELS": "triton"}
+            os.execve(sys.executable, [sys.executable, *sys.argv], env)
+        args.config = args.config or "configs/tiny.toml"
+        print_op_counts(model_config(args), args)
+        return
     torch.backends.cuda.matmul.allow_tf32 = True
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

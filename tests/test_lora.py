@@ -9,15 +9,23 @@ Tolerance 1e-5 relative: the fp32 model against the fp64 one differs by fp32 rou
 operation) over a few hundred operations; a wrong scaling, a transposed factor or an adapter on the
 wrong expert is orders larger."""
 
+from collections import Counter
+
 import pytest
 import torch
 from torch.func import functional_call
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from moemesh.errors import ConfigError
 from moemesh.models import ModelConfig, build
+from moemesh.models.adapted import projections as adapted_projections
 from moemesh.models.build import init_weights, meta_model
-from moemesh.models.lora import LoraConfig, apply_lora, has_adapter, is_adapter, merge_adapters
+from moemesh.models.lora import LoraConfig, add_linear_adapter, apply_lora, has_adapter, is_adapter, merge_adapters
 from moemesh.models.moe import EXPERT_BANKS, Experts
+from moemesh.ops.grouped_mm import grouped_mm
+from moemesh.ops.linear import linear
+from moemesh.ops.low_rank import low_rank_factors
 from moemesh.train.optim import build_optimizer
 from numerics import rel_err
 from test_activation_checkpointing import DEEPSEEK_V3, QWEN3
@@ -152,6 +160,124 @@ def test_expert_adapters_in_the_grouped_gemms(sizes):
                 assert torch.equal(grad[e], torch.zeros_like(grad[e])), (name, e)
             else:
                 assert rel_err(grad[e], factor.grad[e]) <= RTOL, (name, e)
+
+
+@pytest.mark.parametrize("dropout", [False, True], ids=["same-input", "dropout-input"])
+@pytest.mark.parametrize("op", ["linear", "grouped_mm"])
+def test_base_and_update_in_one_node_against_float64(op, dropout):
+    """`ops/linear.py` and `ops/grouped_mm.py` with LoRA's factors (cast by `low_rank_factors`, B
+    scaled): the output x·Wᵀ + s·x_r·Aᵀ·Bᵀ and the gradients of x, of the update's own input x_r
+    (LoRA's dropout) and of the fp32 factors, against float64 autograd of that formula."""
+    scale = 2.5
+    if op == "linear":
+        x = torch.randn(2, 7, 12, requires_grad=True)  # [B, T, in]
+        weight, a, b = torch.randn(10, 12), torch.randn(3, 12), torch.randn(10, 3)
+        sizes = None
+    else:
+        sizes = torch.tensor([4, 0, 9, 1])  # an empty expert too
+        x = torch.randn(14, 12, requires_grad=True)
+        weight, a, b = torch.randn(4, 10, 12), torch.randn(4, 3, 12), torch.randn(4, 10, 3)
+    a, b = a.requires_grad_(), b.requires_grad_()
+    x_r = torch.randn(x.shape, requires_grad=True) if dropout else None
+    factors = low_rank_factors(a, b, x.dtype, scale)
+    if op == "linear":
+        out = linear(x, weight, None, factors, x_r)
+    else:
+        out = grouped_mm(x, weight, sizes, low_rank=factors, x_low_rank=x_r)
+    grad_out = torch.randn(out.shape)
+    out.backward(grad_out)
+
+    inputs = [t.detach().double().requires_grad_() for t in (x, a, b, x if x_r is None else x_r)]
+    x64, a64, b64, xr64 = inputs
+    if x_r is None:
+        xr64 = x64
+    if op == "linear":
+        expected = x64 @ weight.double().T + scale * (xr64 @ a64.T) @ b64.T
+    else:
+        pieces = zip(x64.split(sizes.tolist()), xr64.split(sizes.tolist()), weight.double(), a64, b64)
+        expected = torch.cat([p @ w.T + scale * (r @ ae.T) @ be.T for p, r, w, ae, be in pieces])
+    expected.backward(grad_out.double())
+    assert rel_err(out, expected) <= RTOL
+    assert rel_err(x.grad, x64.grad) <= RTOL
+    assert rel_err(a.grad, a64.grad) <= RTOL and rel_err(b.grad, b64.grad) <= RTOL
+    if dropout:
+        assert rel_err(x_r.grad, inputs[3].grad) <= RTOL
+
+
+def test_projections_of_one_input_against_float64():
+    """q, k and v adapted (ranks and scales apart, biases): one node with their A stacked gives
+    each output and the gradients of x and of every factor of the separate float64 formulas."""
+    projections = [torch.nn.Linear(12, out) for out in (10, 6, 6)]
+    for p, (rank, alpha) in zip(projections, [(3, 6.0), (2, 2.0), (4, 2.0)]):
+        p.weight.requires_grad_(False)
+        add_linear_adapter(p, rank, alpha, 0.0, None)  # B at zero until filled below
+        with torch.no_grad():
+            p.lora_A.normal_(), p.lora_B.normal_(), p.bias.normal_()
+    x = torch.randn(2, 7, 12, requires_grad=True)
+    outs = adapted_projections(x, *projections)
+    grads_out = [torch.randn(out.shape) for out in outs]
+    torch.autograd.backward(outs, grads_out)
+
+    x64 = x.detach().double().requires_grad_()
+    for out, grad_out, p in zip(outs, grads_out, projections):
+        a, b = (t.detach().double().requires_grad_() for t in (p.lora_A, p.lora_B))
+        expected = x64 @ p.weight.double().T + p.bias.double() + p.lora_scaling * (x64 @ a.T) @ b.T
+        expected.backward(grad_out.double())
+        assert rel_err(out, expected) <= RTOL
+        assert rel_err(p.lora_A.grad, a.grad) <= RTOL and rel_err(p.lora_B.grad, b.grad) <= RTOL
+    assert rel_err(x.grad, x64.grad) <= RTOL
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_recomputation_with_adapters_changes_nothing(dropout, autocast):
+    """Activation checkpointing on a LoRA model (attention, a dense layer and every expert
+    adapted): full and selective give the loss and every adapter gradient of none bit for bit,
+    dropout's masks included. Under bf16 autocast each fp32 factor is read once a forward (its
+    cast) and never in backward: the recomputation and the backward use the forward's copy."""
+    input_ids = torch.randint(0, QWEN3.vocab_size, (2, 13))
+    results = {}
+    for mode in ("none", "full", "selective"):
+        torch.manual_seed(7)  # dropout's masks
+        model = lora_model(QWEN3, LoraConfig(rank=4, alpha=12.0, targets=QWEN3_TARGETS, dropout=dropout))
+        model.train()
+        model.activation_checkpointing = mode
+        factors = [p for name, p in model.named_parameters() if is_adapter(name)]
+        reads = FactorReads(factors)
+        with reads:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = model(input_ids, labels=input_ids, return_logits=False).loss
+            reads.phase = "backward"
+            loss.backward()
+        if autocast:  # in fp32 the cast is the factor itself, used as it is
+            assert reads.counts == {"forward": [1] * len(factors), "backward": [0] * len(factors)}, mode
+        results[mode] = loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    plain_loss, plain_grads = results["none"]
+    for mode in ("full", "selective"):
+        loss, grads = results[mode]
+        assert torch.equal(loss, plain_loss), mode
+        assert grads.keys() == plain_grads.keys()
+        assert all(torch.equal(grads[n], plain_grads[n]) for n in grads), mode
+
+
+class FactorReads(TorchDispatchMode):
+    """How many ops read each of `tensors` (views and allocations like it read nothing), in
+    forward and in backward."""
+
+    def __init__(self, tensors):
+        super().__init__()
+        self.storages = [t.untyped_storage().data_ptr() for t in tensors]
+        self.phase, self.reads = "forward", {"forward": Counter(), "backward": Counter()}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not (func.is_view or func.overloadpacket in (torch.ops.aten.empty_like, torch.ops.aten.new_empty)):
+            read = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            self.reads[self.phase].update(read.intersection(self.storages))
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def counts(self) -> dict[str, list[int]]:
+        return {phase: [reads[s] for s in self.storages] for phase, reads in self.reads.items()}
 
 
 def test_merge_gives_the_adapted_logits():

@@ -93,6 +93,15 @@ def test_saves_only_input_and_rsqrt(triton_kernels, dtype):
     assert x.grad.shape == x.shape and weight.grad.shape == weight.shape
 
 
+def test_frozen_weight_takes_no_gradient(triton_kernels):
+    """A frozen norm (LoRA's base) gets the same input gradient, and no weight gradient is reduced."""
+    x, weight = torch.randn(5, 3, 130, requires_grad=True), torch.randn(130)
+    grad_out = torch.randn(5, 3, 130)
+    (frozen,) = torch.autograd.grad(rms_norm(x, weight, EPS), x, grad_out)
+    (trained, _) = torch.autograd.grad(rms_norm(x, weight.requires_grad_(), EPS), (x, weight), grad_out)
+    assert torch.equal(frozen, trained)
+
+
 def test_weight_shape_is_a_clear_error():
     with pytest.raises(ValueError, match="last dimension"):
         rms_norm(torch.zeros(2, 5), torch.ones(4), EPS)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moemesh.models.adapted import projections
 from moemesh.models.config import ModelConfig
 from moemesh.models.kv_cache import PagedKVCache
 from moemesh.ops import decode_attention, gemv
@@ -91,9 +92,8 @@ class Attention(nn.Module):
             and getattr(self.q_proj, "lora_A", None) is None  # the kernels read the base weights (merge adapters first)
         ):
             return self.fused(x, rope, cache)
-        q = self.q_proj(x).view(batch, seq, -1, self.head_dim)
-        k = self.k_proj(x).view(batch, seq, -1, self.head_dim)
-        v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        q, k, v = (p.view(batch, seq, -1, self.head_dim) for p in projections(x, self.q_proj, self.k_proj, self.v_proj))
+        v = v.transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
@@ -240,4 +240,5 @@ class DenseMLP(nn.Module):
         self.act = ACTIVATIONS[hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = projections(x, self.gate_proj, self.up_proj)
+        return self.down_proj(self.act(gate) * up)

@@ -17,6 +17,15 @@ What takes adapters (`apply_lora`, from the run's `[lora]` section):
 Everything else is frozen: no gradient, no optimizer state. The adapters keep the dtype they are
 made in (train.param_dtype); the base may be bf16.
 
+How it computes (a LoRA step is bound by the host's kernel launches, bench/lora.py --count-ops):
+each forward casts A and s·B to the compute dtype once (`ops/low_rank.py`: the scale rides B's
+cast, and a checkpointed layer's recomputation reuses the copies), and the update runs in the
+base's own autograd node (`models/adapted.py`, `ops/linear.py`, `ops/grouped_mm.py`): its rank-r
+GEMM adds into the base product, and in backward its share of the input gradient into the base's.
+So an adapter adds to a forward two GEMMs (x·Aᵀ, then the one that adds its product with s·Bᵀ)
+and one cast per factor, and no elementwise kernel; projections of one input (q, k, v) share the
+first GEMM.
+
 Patterns: `*` stands for any characters; a pattern matches a module's full name, or its end after
 a dot ("q_proj" matches every layer's attention q_proj). A pattern that matches nothing LoRA can
 adapt is an error.
@@ -39,12 +48,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moemesh.errors import ConfigError
+from moemesh.models.adapted import LoraLinear, has_adapter
 from moemesh.models.moe import EXPERT_BANKS, Experts, MoEBlock
-from moemesh.ops.linear import Linear, linear
+from moemesh.ops.linear import Linear
 
 DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
@@ -75,29 +84,6 @@ class LoraConfig:
             raise ConfigError(f"lora.dropout must be in [0, 1), got {self.dropout}")
         if self.rank > 0 and not self.targets and not self.experts:
             raise ConfigError("lora.targets is empty and lora.experts is false: nothing to adapt")
-
-
-class LoraLinear(Linear):
-    """A projection with adapters (`add_linear_adapter` turns a Linear into one in place, so its
-    weight and bias keep their names and identity)."""
-
-    lora_A: nn.Parameter
-    lora_B: nn.Parameter
-    lora_scaling: float
-    lora_dropout: float
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias) + lora_delta(self, x)
-
-
-def lora_delta(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """s · dropout(x)·Aᵀ·Bᵀ of a module holding lora_A, lora_B, lora_scaling and lora_dropout."""
-    x = F.dropout(x, module.lora_dropout, module.training) if module.lora_dropout else x
-    return linear(linear(x, module.lora_A), module.lora_B) * module.lora_scaling
-
-
-def has_adapter(module: nn.Module) -> bool:
-    return getattr(module, "lora_A", None) is not None
 
 
 def add_linear_adapter(module: Linear, rank: int, alpha: float, dropout: float, dtype: torch.dtype | None) -> None:

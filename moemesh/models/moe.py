@@ -30,10 +30,11 @@ from torch import nn
 from moemesh.models.config import ModelConfig
 from moemesh.models.layers import ACTIVATIONS, DenseMLP
 from moemesh.ops import combine, permute, recompute, swiglu
-from moemesh.ops.backend import use_triton
+from moemesh.ops.backend import autocast_inputs, use_triton
 from moemesh.ops.expert_gemv import expert_gemv, expert_gemv_combine, expert_swiglu_gemv
-from moemesh.ops.grouped_mm import grouped_mm
+from moemesh.ops.grouped_mm import group_offsets, grouped_mm
 from moemesh.ops.linear import linear
+from moemesh.ops.low_rank import low_rank_factors
 from moemesh.ops.swiglu import clamped_swiglu
 from moemesh.ops.topk_softmax import topk_softmax
 
@@ -225,15 +226,15 @@ class Experts(nn.Module):
     def has_adapters(self) -> bool:
         return bool(self.lora_scaling)
 
-    def _adapted(self, bank: str, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor | None:
-        """s · dropout(x)·A_eᵀ·B_eᵀ for the rows of each expert e: two grouped GEMMs of rank r, or
-        None when the bank has no adapters."""
+    def _low_rank(self, bank: str, x: torch.Tensor) -> dict:
+        """grouped_mm's LoRA arguments for `bank` (the factors in x's dtype, B scaled), or none
+        when the bank has no adapters."""
         if bank not in self.lora_scaling:
-            return None
-        if self.lora_dropout and self.training:
-            x = F.dropout(x, self.lora_dropout)
-        low_rank = grouped_mm(x, getattr(self, f"{bank}_lora_A"), group_sizes)
-        return grouped_mm(low_rank, getattr(self, f"{bank}_lora_B"), group_sizes) * self.lora_scaling[bank]
+            return {}
+        a, b = getattr(self, f"{bank}_lora_A"), getattr(self, f"{bank}_lora_B")
+        factors = low_rank_factors(a, b, x.dtype, self.lora_scaling[bank])
+        dropped = F.dropout(x, self.lora_dropout) if self.lora_dropout and self.training else None
+        return {"low_rank": factors, "x_low_rank": dropped}
 
     def forward(
         self,
@@ -248,15 +249,15 @@ class Experts(nn.Module):
         that what wraps the module runs (FSDP gathering the shards of the bank)."""
         if expert_ids is not None:
             return self.selected(grouped, expert_ids, weights)
-        gate_up = grouped_mm(grouped, self.gate_up_proj, group_sizes)
-        if (delta := self._adapted("gate_up_proj", grouped, group_sizes)) is not None:
-            gate_up = gate_up + delta
+        (grouped,) = autocast_inputs(grouped)
+        offsets = group_offsets(grouped, group_sizes)  # once for the layer's grouped GEMMs
+        gate_up = grouped_mm(
+            grouped, self.gate_up_proj, group_sizes, offsets, **self._low_rank("gate_up_proj", grouped)
+        )
         if self.gate_up_proj_bias is not None:
             gate_up = gate_up + _per_row(self.gate_up_proj_bias, group_sizes, gate_up)
         gated = self.activation(gate_up)
-        out = grouped_mm(gated, self.down_proj, group_sizes)
-        if (delta := self._adapted("down_proj", gated, group_sizes)) is not None:
-            out = out + delta
+        out = grouped_mm(gated, self.down_proj, group_sizes, offsets, **self._low_rank("down_proj", gated))
         if self.down_proj_bias is not None:
             out = out + _per_row(self.down_proj_bias * self.down_bias_share, group_sizes, out)
         return out

@@ -3,6 +3,14 @@ its own expert's weight.
 
 On CUDA in bf16 this is one `grouped_mm` launch (no host synchronisation); elsewhere (CPU, fp32)
 it is a loop over experts, which is exact and needs the group sizes on the host.
+
+LoRA on an expert bank (`models/lora.py`) rides the same autograd node: each group's rows times
+its expert's A_e, then B_e, two grouped GEMMs of rank r over all experts at once, the update added
+in place to the base product; in backward the update's share of the input gradient is added to the
+base's the same way. A LoRA step is bound by the host's kernel launches (bench/lora.py
+--count-ops), so a layer computes the kernel's group offsets once for all its grouped GEMMs
+(`group_offsets`) and backward reuses them, and the factors come cast (and B scaled) once a
+forward by the caller, not at each use.
 """
 
 from __future__ import annotations
@@ -12,33 +20,39 @@ import torch.nn.functional as F
 
 from moemesh.ops import recompute, weight_grad
 from moemesh.ops.backend import autocast_inputs
+from moemesh.ops.linear import send_gradients
 
 # torch >= 2.10 exposes the public name; 2.9 only the private one.
 _grouped_mm_kernel = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
-def _use_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _use_kernel(x: torch.Tensor) -> bool:
+    """Whether the grouped GEMMs of `x` (their weights cast to its dtype) run as one kernel launch."""
     return (
         _grouped_mm_kernel is not None
         and x.is_cuda
-        and x.dtype == weight.dtype == torch.bfloat16
+        and x.dtype == torch.bfloat16
         and torch.cuda.get_device_capability(x.device) >= (8, 0)
     )
 
 
-def _forward(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+def group_offsets(x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor | None:
+    """The groups' end rows (int32 cumulative sizes) that the kernel takes, or None where the CPU
+    loop runs instead. One computation can serve every grouped GEMM of a layer."""
+    return torch.cumsum(group_sizes, dim=0, dtype=torch.int32) if _use_kernel(x) else None
+
+
+def _forward(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor, offsets) -> torch.Tensor:
     """out[rows of group e] = x[rows of group e] @ weight[e].T, for weight [E, O, K]."""
-    if _use_kernel(x, weight):
-        offsets = torch.cumsum(group_sizes, dim=0, dtype=torch.int32)
+    if offsets is not None:
         return _grouped_mm_kernel(x, weight.transpose(-2, -1), offs=offsets)
     pieces = torch.split(x, group_sizes.tolist())
     return torch.cat([piece @ w.transpose(0, 1) for piece, w in zip(pieces, weight.unbind(0))])
 
 
-def _weight_gradient(grad: torch.Tensor, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+def _weight_gradient(grad: torch.Tensor, x: torch.Tensor, group_sizes: torch.Tensor, offsets) -> torch.Tensor:
     """[E, O, K]: grad[rows of e].T @ x[rows of e] for every group e."""
-    if _use_kernel(x, grad):
-        offsets = torch.cumsum(group_sizes, dim=0, dtype=torch.int32)
+    if offsets is not None:
         return _grouped_mm_kernel(grad.transpose(0, 1), x, offs=offsets)
     sizes = group_sizes.tolist()
     pieces = zip(torch.split(grad, sizes), torch.split(x, sizes))
@@ -48,39 +62,72 @@ def _weight_gradient(grad: torch.Tensor, x: torch.Tensor, group_sizes: torch.Ten
 class _GroupedMM(torch.autograd.Function):
     """Keeps the weight as given (the fp32 parameter under autocast) and casts it again in
     backward: a saved bf16 copy would stay alive per micro-batch in flight, and a pipeline stage
-    holds several. The weight is held on ctx, not saved: activation checkpointing detaches the
-    tensors it recomputes, and a deferred weight gradient must reach the weight's own graph. The
-    output is `recompute.kept`: selective activation checkpointing does not compute it twice."""
+    holds several (the low-rank factors are small and come already cast). The weights are held on
+    ctx, not saved: activation checkpointing detaches the tensors it recomputes, and a deferred
+    weight gradient must reach the weight's own graph. The output, and the rank-r product that
+    backward needs, are `recompute.kept`: selective activation checkpointing does not compute
+    them twice."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, group_sizes)
-        ctx.weight = weight
-        return recompute.kept(lambda: _forward(x, weight.to(x.dtype), group_sizes))
+    def forward(ctx, x, weight, a, b, x_low_rank, group_sizes, offsets):
+        ctx.weight, ctx.a, ctx.b = weight, a, b
+        groups = (group_sizes, offsets)
+        if a is None:
+            ctx.save_for_backward(x, group_sizes, offsets)
+            return recompute.kept(lambda: _forward(x, weight.to(x.dtype), *groups))
+        low_rank = recompute.kept(lambda: _forward(x if x_low_rank is None else x_low_rank, a, *groups))
+        ctx.save_for_backward(x, group_sizes, offsets, low_rank, x_low_rank)
+        return recompute.kept(lambda: _forward(x, weight.to(x.dtype), *groups).add_(_forward(low_rank, b, *groups)))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (x, group_sizes), weight = ctx.saved_tensors, ctx.weight
+        x, group_sizes, offsets, *rest = ctx.saved_tensors
+        weight, a, b, groups = ctx.weight, ctx.a, ctx.b, (group_sizes, offsets)
+        needs_x, needs_weight, needs_a, needs_b, needs_x_r = ctx.needs_input_grad[:5]
         grad = grad.contiguous()
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad_x = _forward(grad, weight.to(x.dtype).transpose(-2, -1), group_sizes)
-        if not ctx.needs_input_grad[1]:
-            return grad_x, None, None
+        grad_x = _forward(grad, weight.to(x.dtype).transpose(-2, -1), *groups) if needs_x else None
+        grad_x_r = grad_low_rank = None
+        if a is not None:
+            low_rank, x_low_rank = rest
+            x_r = x if x_low_rank is None else x_low_rank
+            if needs_x or needs_x_r or needs_a:
+                grad_low_rank = _forward(grad, b.transpose(-2, -1), *groups)
+            if needs_x_r:  # LoRA's dropout: the update's input is not x
+                grad_x_r = _forward(grad_low_rank, a.transpose(-2, -1), *groups)
+            elif needs_x and x_low_rank is None:
+                grad_x.add_(_forward(grad_low_rank, a.transpose(-2, -1), *groups))
+        nothing = (None, None)
+        if not (needs_weight or needs_a or needs_b):
+            return grad_x, None, None, None, grad_x_r, *nothing
 
-        def weight_gradient() -> torch.Tensor:
-            return _weight_gradient(grad, x, group_sizes).to(weight.dtype)
+        def weight_gradients() -> list[torch.Tensor | None]:
+            return [
+                _weight_gradient(grad, x, *groups).to(weight.dtype) if needs_weight else None,
+                _weight_gradient(grad_low_rank, x_r, *groups) if needs_a else None,
+                _weight_gradient(grad, low_rank, *groups) if needs_b else None,
+            ]
 
         # Deferred (a zero-bubble pipeline's backward, `weight_grad.py`): the queued job sends the
-        # gradient into `weight`'s graph, as returning it here would have.
-        if weight_grad.put(lambda: torch.autograd.backward(weight, weight_gradient())):
-            return grad_x, None, None
-        return grad_x, weight_gradient(), None
+        # gradients into the weights' graphs, as returning them here would have.
+        if weight_grad.put(lambda: send_gradients(weight_gradients(), (weight, a, b))):
+            return grad_x, None, None, None, grad_x_r, *nothing
+        return grad_x, *weight_gradients(), grad_x_r, *nothing
 
 
-def grouped_mm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+def grouped_mm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    group_sizes: torch.Tensor,
+    offsets: torch.Tensor | None = None,
+    low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
+    x_low_rank: torch.Tensor | None = None,
+) -> torch.Tensor:
     """x: [N, K], rows sorted by group; weight: [E, O, K]; group_sizes: [E] integers summing to N.
     Returns [N, O] with out[rows of group e] = x[rows of group e] @ weight[e].T. The weight
-    gradient may be deferred (`weight_grad.py`)."""
+    gradient may be deferred (`weight_grad.py`). `offsets`: `group_offsets(x, group_sizes)`, when
+    the caller has it. `low_rank` (A [E, r, K], B [E, O, r], in the compute dtype) adds each
+    group's (x_low_rank or x)·A_eᵀ·B_eᵀ, in the same autograd node."""
     (x,) = autocast_inputs(x)
-    return _GroupedMM.apply(x, weight, group_sizes)
+    if offsets is None:
+        offsets = group_offsets(x, group_sizes)
+    return _GroupedMM.apply(x, weight, *(low_rank or (None, None)), x_low_rank, group_sizes, offsets)

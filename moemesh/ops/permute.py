@@ -73,17 +73,20 @@ def routing_layout(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, al
     # starts[e] = number of entries whose expert id is below e (e = 0 .. E); no sync, unlike bincount
     starts = torch.searchsorted(sorted_expert, torch.arange(num_experts + 1, device=expert.device))
     counts = starts.diff()
-    padded = (counts + align - 1) // align * align
-    offsets = F.pad(padded.cumsum(0), (1, 0))
+    rows = torch.arange(expert.numel(), device=expert.device)
+    position = torch.empty_like(expert)
+    if align == 1:  # no padding: groups start where their entries do, and an entry's row is its sorted place
+        offsets = starts
+        position[order] = rows
+    else:
+        offsets = F.pad(((counts + align - 1) // align * align).cumsum(0), (1, 0))
+        position[order] = offsets[sorted_expert] + rows - starts[sorted_expert]  # padded start + rank in expert
     host_offsets = None
     if align > 1 or not x.is_cuda:
         host = torch.cat([starts[[0, -1]], offsets]).tolist()  # the one host sync
         if host[0] != 0 or host[1] != expert.numel():
             raise ValueError(f"topk_ids holds expert ids outside [0, num_experts={num_experts})")
         host_offsets = tuple(host[2:])
-    rank = torch.arange(expert.numel(), device=expert.device) - starts[sorted_expert]  # within its expert
-    position = torch.empty_like(expert)
-    position[order] = offsets[sorted_expert] + rank
     return position.view(topk_ids.shape), counts, offsets, host_offsets
 
 

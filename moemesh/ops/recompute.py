@@ -2,8 +2,9 @@
 forward again there (`train.activation_checkpointing`).
 
     none       every tensor the backward needs is kept from the forward
-    full       only the layer's inputs are kept; the whole layer runs again in backward
-               (`torch.utils.checkpoint`, non-reentrant), its collectives included
+    full       only the layer's inputs are kept (and LoRA's cast factors, `reused`); the whole
+               layer runs again in backward (`torch.utils.checkpoint`, non-reentrant), its
+               collectives included
     selective  as Megatron's selective recomputation: the outputs of the matmuls (projections,
                the experts' grouped GEMMs) and of the collectives (all-to-alls, all-reduces) are
                kept; the cheap rest — norms, rotary, attention's core (softmax), activations,
@@ -15,6 +16,14 @@ computes and records it, in the recomputation it gives the recorded tensor back 
 computing (`ops/linear.py`, `ops/grouped_mm.py`, `parallel/comm.py` call it). Only an autograd
 Function may call it, in its forward: the Function still saves its inputs for backward in the same
 order, so torch's checkpoint finds them. Outside a selective region `kept` just computes.
+
+`reused(compute)` does the same in every checkpointed region, full ones too, for results whose
+computation saves no tensor for backward, so that skipping it changes nothing torch's checkpoint
+matches: LoRA's factors cast to the compute dtype (`models/lora.py`), made once a forward and not
+again when the layer recomputes. The recomputation gets the forward's tensor, autograd history
+included; its graph is dropped (torch's non-reentrant checkpoint runs the backward through the
+forward's graph, the recomputation only refills saved tensors), so gradients still reach the
+parameters once, through the forward's cast.
 
 A recomputation gives bit for bit what the forward gave: the same ops on the same inputs, the
 random state restored (LoRA dropout), kept tensors unchanged (checked). So gradients do not change.
@@ -38,9 +47,11 @@ _local = threading.local()
 
 
 class _Tape:
-    """The results `kept` recorded in one region's forward, given back in order when it recomputes."""
+    """The results `kept` (in a selective region) and `reused` recorded in one region's forward,
+    given back in order when it recomputes."""
 
-    def __init__(self):
+    def __init__(self, selective: bool):
+        self.selective = selective
         self.entries: list[tuple[torch.Tensor, int] | None] = []
         self.replaying = False
         self.position = 0
@@ -63,6 +74,16 @@ class _Tape:
 def kept(compute: Callable[[], torch.Tensor]) -> torch.Tensor:
     """compute() — recorded in a selective region's forward, and given back instead of computed
     again when the region recomputes."""
+    tape = getattr(_local, "tape", None)
+    if tape is None or not tape.selective:
+        return compute()
+    return tape.replay() if tape.replaying else tape.record(compute())
+
+
+def reused(compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """compute() — recorded in a checkpointed region's forward (full or selective), and given back
+    instead of computed again when the region recomputes. `compute` must save no tensor for
+    backward (a cast does not)."""
     tape = getattr(_local, "tape", None)
     if tape is None:
         return compute()
@@ -92,7 +113,7 @@ def checkpointed(function: Callable[..., Any], mode: str, *args: Any) -> Any:
         raise ValueError(f"activation checkpointing mode must be 'full' or 'selective', got {mode!r}")
 
     def contexts():
-        tape = _Tape() if mode == "selective" else None
+        tape = _Tape(selective=mode == "selective")
         return _set(tape, False), _set(tape, True)
 
     return checkpoint(function, *args, use_reentrant=False, context_fn=contexts)

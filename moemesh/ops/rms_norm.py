@@ -48,7 +48,9 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         rows, weight, rstd = ctx.saved_tensors
-        grad_x, grad_weight = rms_norm_backward_triton(grad_out.reshape(rows.shape), rows, weight, rstd)
+        grad_x, grad_weight = rms_norm_backward_triton(
+            grad_out.reshape(rows.shape), rows, weight, rstd, weight_grad=ctx.needs_input_grad[1]
+        )
         return grad_x.view(grad_out.shape), grad_weight, None
 
 
@@ -72,12 +74,13 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[
     return out, rstd
 
 
-def rms_norm_backward_triton(grad_out, x, weight, rstd):
-    """Gradients of x (in x's dtype) and of weight (in its dtype) for `grad_out [n, w]`."""
+def rms_norm_backward_triton(grad_out, x, weight, rstd, weight_grad: bool = True):
+    """Gradients of x (in x's dtype) and of weight (in its dtype; None without `weight_grad`: a
+    frozen norm, as under LoRA, skips the partial sums' reduction) for `grad_out [n, w]`."""
     n, width = x.shape
     grad_x = torch.empty_like(x)
     if n == 0:
-        return grad_x, torch.zeros_like(weight)
+        return grad_x, torch.zeros_like(weight) if weight_grad else None
     block_rows, block_w, warps = _blocks(width)
     rows_per_program = triton.cdiv(triton.cdiv(n, block_rows), PARTIAL_SUMS) * block_rows
     programs = triton.cdiv(n, rows_per_program)
@@ -86,7 +89,7 @@ def rms_norm_backward_triton(grad_out, x, weight, rstd):
         grad_out.contiguous(), x, weight.contiguous(), rstd, grad_x, partials, n, width, rows_per_program,
         BLOCK_ROWS=block_rows, BLOCK_W=block_w, num_warps=warps,
     )  # fmt: skip
-    return grad_x, partials.sum(0).to(weight.dtype)
+    return grad_x, partials.sum(0).to(weight.dtype) if weight_grad else None
 
 
 @triton.jit

@@ -43,9 +43,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from moemesh.errors import ConfigError
+from moemesh.models.adapted import adapted_linear, has_adapter
 from moemesh.models.attention_mla import MLAttention
 from moemesh.models.layers import Attention, DenseMLP
-from moemesh.models.lora import has_adapter, is_adapter, lora_delta
+from moemesh.models.lora import is_adapter
 from moemesh.models.moe import MoEBlock
 from moemesh.models.registry import family
 from moemesh.models.transformer import MoECausalLM, shift_labels
@@ -368,9 +369,7 @@ class RowwiseLinear(nn.Module):
         self.weight, self.bias, self.group = weight, bias, group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = linear(x, self.weight)
-        if has_adapter(self):
-            out = out + lora_delta(self, x)
+        out = adapted_linear(self, x) if has_adapter(self) else linear(x, self.weight)
         out = comm.from_partial(out, self.group)
         return out if self.bias is None else out + self.bias
 

@@ -43,7 +43,8 @@ hidden 2048). A measured profile leaves working memory out.
 Off the kernel path (PyTorch reference ops, the default on CPU) the saved tensors differ: the
 reference cross-entropy keeps full logits, for one. Under autocast the projections and expert
 GEMMs save their weights as they are and cast them again in backward (`ops/linear.py`,
-`ops/grouped_mm.py`), so no bf16 weight copy is held per micro-batch but the router's small one.
+`ops/grouped_mm.py`), so no bf16 weight copy is held per micro-batch but the router's small one,
+and LoRA's factors (cast once a forward, `ops/low_rank.py`: 2 bytes a trained parameter, left out).
 
 Time is forward + backward FLOPs: 6 per multiplying parameter per token, plus attention.
 """
