@@ -185,14 +185,14 @@ class DecodeEngine:
 
     @torch.no_grad()
     def warm_up(self) -> float:
-        """One greedy decode step at every batch size, one eager packed step and one greedy
-        packed step at every bucket size, while no sequence runs (padding into the null block
+        """One greedy decode step at every batch size, one packed step of the largest size and
+        one at every bucket size, while no sequence runs (padding into the null block
         only), so that the kernels are compiled, their tiles tuned and the graphs captured
         (seconds on a GPU) before the first requests rather than inside them. Returns the
         seconds it took."""
         start = time.perf_counter()
-        # The eager packed step first: the cache's pools are allocated at the first write, which
-        # should not be a graph's warm-up on its side stream.
+        # The largest packed step first (eager when it is larger than every bucket); the cache's
+        # pools are allocated at its first write.
         tokens = min(self.max_num_batched_tokens, self.max_len)
         self._packed_step([Chunk(self.cache.scratch_row, [0] * tokens, 0, True)])
         for bucket in self.packed_buckets:  # runs of at most max_len tokens of the scratch row, sampling nothing
