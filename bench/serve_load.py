@@ -64,7 +64,30 @@ def summary(side: str, clients: int, results: list[tuple[float, int]], wall: flo
 
 
 # ---- the server's side (the child process) ---------------------------------------------------------
-def engine_alone(scheduler, tokenizer, clients: int, args) -> dict:
+class StepClock:
+    """A scheduler's rounds, counted and timed (it wraps `scheduler.step`)."""
+
+    def __init__(self, scheduler):
+        self.count, self.seconds, step = 0, 0.0, scheduler.step
+
+        def timed_step():
+            start = time.perf_counter()
+            try:
+                return step()
+            finally:
+                self.count += 1
+                self.seconds += time.perf_counter() - start
+
+        scheduler.step = timed_step
+
+    def take(self) -> dict:
+        """The rounds since the last call: how many, and their mean time in ms."""
+        taken = {"steps": self.count, "ms a step": self.seconds * 1e3 / max(1, self.count)}
+        self.count, self.seconds = 0, 0.0
+        return taken
+
+
+def engine_alone(scheduler, clock: StepClock, tokenizer, clients: int, args) -> dict:
     """The workload of `clients` clients through the scheduler alone: each client's next request
     is submitted when its previous one finishes."""
     from moemesh.inference.request import SamplingParams
@@ -72,15 +95,16 @@ def engine_alone(scheduler, tokenizer, clients: int, args) -> dict:
     params = SamplingParams(max_tokens=args.max_tokens)
     queues = {c: [tokenizer.encode(text) for text in prompt_texts(c, args)] for c in range(clients)}
     first: dict = {}
-    results = []
+    results, waited = [], []
 
     def on_update(sequence, text):
-        first.setdefault(sequence, time.perf_counter())
+        first.setdefault(sequence, (time.perf_counter(), clock.count))
 
     def submit(client: int):
-        sent = time.perf_counter()
+        sent = time.perf_counter(), clock.count
         return scheduler.submit(queues[client].pop(0), params, on_update), sent, client
 
+    clock.take()
     start = time.perf_counter()
     running = [submit(c) for c in range(clients)]
     while running:
@@ -88,10 +112,12 @@ def engine_alone(scheduler, tokenizer, clients: int, args) -> dict:
         for entry in [e for e in running if e[0].finish_reason is not None]:
             sequence, sent, client = entry
             running.remove(entry)
-            results.append((first[sequence] - sent, len(sequence.token_ids)))
+            results.append((first[sequence][0] - sent[0], len(sequence.token_ids)))
+            waited.append(first[sequence][1] - sent[1])
             if queues[client]:
                 running.append(submit(client))
-    return summary("engine alone", clients, results, time.perf_counter() - start)
+    row = summary("engine alone", clients, results, time.perf_counter() - start)
+    return {**row, "steps to first token p50": statistics.median(waited), **clock.take()}
 
 
 def serve_child(args) -> None:
@@ -121,6 +147,7 @@ def serve_child(args) -> None:
     tokenizer.eos_id = None  # every request makes --max-tokens tokens
     warm_up = engine.warm_up()
     scheduler = Scheduler(engine, tokenizer, max_waiting=1 << 20)
+    clock = StepClock(scheduler)
     report = {
         "capacity": f"{engine.capacity:,} tokens in {engine.cache.num_blocks - 1:,} blocks of {engine.block_size}, "
         f"{engine.max_batch} rows, context {engine.max_len:,}, {engine.max_num_batched_tokens} tokens a step; "
@@ -138,9 +165,9 @@ def serve_child(args) -> None:
         )
     for clients in args.client_counts:
         args.salt = f"engine warm-up {clients}"
-        engine_alone(scheduler, tokenizer, clients, args)  # warm-up: graphs of these batches and lengths
+        engine_alone(scheduler, clock, tokenizer, clients, args)  # warm-up: graphs of these batches and lengths
         args.salt = f"engine {clients}"
-        report["engine"].append(engine_alone(scheduler, tokenizer, clients, args))
+        report["engine"].append(engine_alone(scheduler, clock, tokenizer, clients, args))
     print("REPORT " + json.dumps(report), flush=True)
     if args.switch_interval:  # the server's GIL turn for the scheduler's thread, for comparison
         import moemesh.inference.server
@@ -154,12 +181,14 @@ def serve_child(args) -> None:
 def timed_inside(service) -> None:
     """Where a served request's time to first token goes, seen from the server: from the HTTP
     request's arrival (an ASGI wrapper) to its submission to the scheduler, and from there to its
-    first update (the scheduler's thread). `GET /bench/inside` returns the pairs since the last
-    call, in ms."""
+    first update (the scheduler's thread), with the rounds between the two. `GET /bench/inside`
+    returns, since the last call, each request's (ms, ms, rounds) and the rounds' count and mean
+    time."""
     import contextvars
 
     arrived = contextvars.ContextVar("arrived", default=None)
-    pairs: list[tuple[float, float]] = []
+    pairs: list[tuple[float, float, int]] = []
+    clock = StepClock(service.scheduler)
     submit, app = service.scheduler.submit, service.app
 
     async def timed_app(scope, receive, send):
@@ -168,12 +197,13 @@ def timed_inside(service) -> None:
 
     def timed_submit(prompt_ids, params, on_update=None):
         start, first = arrived.get(), []
-        submitted = time.perf_counter()
+        submitted, rounds = time.perf_counter(), clock.count
 
         def relay(sequence, text):
             if not first:
                 first.append(time.perf_counter())
-                pairs.append(((submitted - (start or submitted)) * 1e3, (first[0] - submitted) * 1e3))
+                waits = ((submitted - (start or submitted)) * 1e3, (first[0] - submitted) * 1e3)
+                pairs.append((*waits, clock.count - rounds))
             if on_update is not None:
                 on_update(sequence, text)
 
@@ -181,7 +211,7 @@ def timed_inside(service) -> None:
 
     @app.get("/bench/inside")
     async def inside():
-        taken = list(pairs)
+        taken = {"requests": list(pairs), **clock.take()}
         pairs.clear()
         return taken
 
@@ -304,18 +334,21 @@ def main():
                 httpx.get(url + "/bench/inside")  # forget the warm-up's
             row = load(url, model, clients, args)
             if child is not None:  # the server's own view of the first token
-                pairs = httpx.get(url + "/bench/inside").json()
-                row["arrival → submit p50 ms"] = statistics.median(a for a, _ in pairs)
-                row["submit → first token p50 ms"] = statistics.median(b for _, b in pairs)
+                inside = httpx.get(url + "/bench/inside").json()
+                pairs = inside.pop("requests")
+                row["arrival → submit p50 ms"] = statistics.median(a for a, _, _ in pairs)
+                row["submit → first token p50 ms"] = statistics.median(b for _, b, _ in pairs)
+                row["steps to first token p50"] = statistics.median(n for _, _, n in pairs)
+                row.update(inside)
             alone = engine_rows.get(clients)
             if alone:
                 rows.append({k: v for k, v in alone.items()})
                 row["of the engine"] = f"{row['tokens/s'] / alone['tokens/s']:.0%}"
             rows.append(row)
         for row in rows:
-            for key in [k for k in row if k.endswith(("tokens/s", " ms"))]:
-                if isinstance(row[key], float):
-                    row[key] = f"{row[key]:,.0f}"
+            for key, value in row.items():
+                if isinstance(value, float):
+                    row[key] = f"{value:g}" if key.startswith("steps") else f"{value:,.0f}"
         title = (
             f"moemesh serve under load ({model} at {url}): prompt {args.prompt_len} tokens, {args.max_tokens} "
             f"new tokens a request, {args.requests} requests a client, greedy, streamed, openai client"
