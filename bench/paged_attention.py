@@ -23,7 +23,7 @@ from bench.common import median_ms, print_table
 from moemesh.ops import decode_attention
 
 
-def layout(kind: str, block_size: int, max_len: int, generator: torch.Generator):
+def layout(kind: str, generator: torch.Generator):
     """(token rows, positions, runs) of the step: runs as (first token, tokens)."""
     if kind == "follower":
         runs = [(0, 1024, 64)]  # (row, first position, tokens)
@@ -74,7 +74,7 @@ def main() -> None:
     per_tile = decode_attention.tile_tokens(heads // kv_heads)
     rows_out = []
     for kind in ("follower", "mixed"):
-        token_rows, positions, spans = layout(kind, block_size, args.max_len, generator)
+        token_rows, positions, spans = layout(kind, generator)
         tokens = len(positions)
         per_row = -(-args.max_len // block_size)
         sequences = int(token_rows.max()) + 1

@@ -132,6 +132,12 @@ class DecodeEngine:
         self.packed_ints = torch.zeros(largest, 3, dtype=torch.long, device=self.device)
         self.packed_samples = torch.zeros(min(largest, max_batch), 3, dtype=torch.long, device=self.device)
         self.packed_floats = torch.zeros(min(largest, max_batch), 2, dtype=torch.float32, device=self.device)
+        # What a padding token and a padding sampling row hold: token 0 at position 0 of the
+        # cache's scratch row (its row max_batch), greedy.
+        self._padding = (
+            torch.tensor([0, 0, max_batch], device=self.device),
+            torch.tensor([0.0, 1.0], device=self.device),
+        )
         # A decode step's inputs, where a captured graph reads them: per token (token, position,
         # table row, seed, step) and (temperature, top_p).
         self.ints = torch.zeros(max_batch, 5, dtype=torch.long, device=self.device)
@@ -336,11 +342,11 @@ class DecodeEngine:
         bucket's sampling rows."""
         rows, count = min(bucket, self.max_batch), len(samples)
         self.packed_ints[: len(ints)] = ints[:, :3]
-        self.packed_ints[len(ints) : bucket] = self.packed_ints.new_tensor([0, 0, self.cache.scratch_row])
+        self.packed_ints[len(ints) : bucket] = self._padding[0]
         self.packed_samples[:count] = samples
         self.packed_samples[count:rows] = 0
         self.packed_floats[:count] = floats
-        self.packed_floats[count:rows] = self.packed_floats.new_tensor([0.0, 1.0])
+        self.packed_floats[count:rows] = self._padding[1]
         return rows
 
     def _bucket_step(self, bucket: int, rows: int, mode: str) -> tuple[torch.Tensor, torch.Tensor]:

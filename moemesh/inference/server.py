@@ -100,9 +100,8 @@ class Service:
         seconds = self.engine.warm_up()
         if announce:
             print(
-                f"moemesh serve: decode steps of batch 1 to {self.engine.max_batch} and packed steps of up to "
-                f"{self.engine.max_num_batched_tokens} tokens ready "
-                f"in {seconds:.1f} s",
+                f"moemesh serve: decode steps of batch 1 to {self.engine.max_batch} and packed steps of up "
+                f"to {self.engine.max_num_batched_tokens} tokens ready in {seconds:.1f} s",
                 flush=True,
             )
         rounds = functools.partial(self.scheduler.serve_forever, after_step=self.deliver)

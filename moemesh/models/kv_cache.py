@@ -61,7 +61,7 @@ class PagedKVCache:
         self.packed = False
         self._segments: list[Segment] | None = None
         self.kv_len = 0
-        self._tiles: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._tiles: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     @property
     def scratch_row(self) -> int:
