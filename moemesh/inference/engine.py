@@ -46,6 +46,7 @@ samples the same tokens from the same gathered logits.
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from dataclasses import dataclass
@@ -401,6 +402,7 @@ class DecodeEngine:
             return 1 + self.max_batch * per_row
         self.cache = PagedKVCache(2, self.block_size, self.max_batch, self.max_len, self.device)
         torch.cuda.synchronize(self.device)
+        gc.collect()  # a dropped engine's cycles (its graphs, a wrapped method) would still hold its pool
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
