@@ -5,6 +5,8 @@ server's process, N requests in flight, no HTTP): the share of the engine the se
 
     # one GPU: a random-weight Qwen3-30B-A3B shape with `serve`'s default settings, then the load
     PYTHONPATH=. python3 bench/serve_load.py --layers 48 --clients 1,16,64,256
+    # the served side once per reply window (serve --reply-window-ms), one server
+    PYTHONPATH=. python3 bench/serve_load.py --layers 48 --clients 16,64 --reply-windows 0,10
     # CPU smoke check
     PYTHONPATH=. python3 bench/serve_load.py --config configs/tiny.toml --clients 1,4 --requests 2 \\
         --prompt-len 16 --max-tokens 16
@@ -173,7 +175,13 @@ def serve_child(args) -> None:
         import moemesh.inference.server
 
         moemesh.inference.server.SWITCH_INTERVAL_S = args.switch_interval
-    service = Service(engine, tokenizer, model_name="random", max_waiting=max(args.client_counts) + 1)
+    service = Service(
+        engine,
+        tokenizer,
+        model_name="random",
+        max_waiting=max(args.client_counts) + 1,
+        reply_window_ms=serve_args.reply_window_ms,
+    )
     timed_inside(service)
     service.serve("127.0.0.1", args.port, announce=True)
 
@@ -183,7 +191,7 @@ def timed_inside(service) -> None:
     request's arrival (an ASGI wrapper) to its submission to the scheduler, and from there to its
     first update (the scheduler's thread), with the rounds between the two. `GET /bench/inside`
     returns, since the last call, each request's (ms, ms, rounds) and the rounds' count and mean
-    time."""
+    time; with `reply_window_ms`, it sets the scheduler's reply window for what follows."""
     import contextvars
 
     arrived = contextvars.ContextVar("arrived", default=None)
@@ -210,8 +218,10 @@ def timed_inside(service) -> None:
         return submit(prompt_ids, params, relay)
 
     @app.get("/bench/inside")
-    async def inside():
-        taken = {"requests": list(pairs), **clock.take()}
+    async def inside(reply_window_ms: float | None = None):
+        if reply_window_ms is not None:  # the next load's
+            service.scheduler.reply_window_s = reply_window_ms / 1e3
+        taken = {"requests": list(pairs), **clock.take(), "reply window ms": service.scheduler.reply_window_s * 1e3}
         pairs.clear()
         return taken
 
@@ -308,11 +318,15 @@ def main():
     parser.add_argument("--serve-args", default="", help="moemesh serve options for the child, e.g. '--max-batch 64'")
     parser.add_argument("--long-prompt", type=int, default=32000, help="the capacity check's prompt (0: none)")
     parser.add_argument("--client-procs", type=int, default=8)
+    parser.add_argument(
+        "--reply-windows", help="comma-separated --reply-window-ms values, each a served run (default: serve's)"
+    )
     parser.add_argument("--switch-interval", type=float, help="the server's sys.setswitchinterval (default its own)")
     parser.add_argument("--port", type=int, default=8013)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child
     args = parser.parse_args()
     args.client_counts = [int(c) for c in args.clients.split(",")]
+    args.reply_windows = [float(w) for w in args.reply_windows.split(",")] if args.reply_windows else []
     if args.serve:
         return serve_child(args)
     child, report = None, None
@@ -329,22 +343,25 @@ def main():
         for clients in args.client_counts:
             args.salt = f"serve warm-up {clients}"
             load(url, model, clients, args)  # warm-up, as the engine's side had
-            args.salt = f"serve {clients}"
-            if child is not None:
-                httpx.get(url + "/bench/inside")  # forget the warm-up's
-            row = load(url, model, clients, args)
-            if child is not None:  # the server's own view of the first token
-                inside = httpx.get(url + "/bench/inside").json()
-                pairs = inside.pop("requests")
-                row["arrival → submit p50 ms"] = statistics.median(a for a, _, _ in pairs)
-                row["submit → first token p50 ms"] = statistics.median(b for _, b, _ in pairs)
-                row["steps to first token p50"] = statistics.median(n for _, _, n in pairs)
-                row.update(inside)
             alone = engine_rows.get(clients)
             if alone:
                 rows.append({k: v for k, v in alone.items()})
-                row["of the engine"] = f"{row['tokens/s'] / alone['tokens/s']:.0%}"
-            rows.append(row)
+            for window in args.reply_windows or [None]:
+                args.salt = f"serve {clients} {window}"
+                if child is not None:
+                    httpx.get(url + "/bench/inside", params={} if window is None else {"reply_window_ms": window})
+                row = load(url, model, clients, args)
+                if child is not None:  # the server's own view of the first token
+                    inside = httpx.get(url + "/bench/inside").json()
+                    pairs = inside.pop("requests")
+                    row["reply window ms"] = inside.pop("reply window ms")
+                    row["arrival → submit p50 ms"] = statistics.median(a for a, _, _ in pairs)
+                    row["submit → first token p50 ms"] = statistics.median(b for _, b, _ in pairs)
+                    row["steps to first token p50"] = statistics.median(n for _, _, n in pairs)
+                    row.update(inside)
+                if alone:
+                    row["of the engine"] = f"{row['tokens/s'] / alone['tokens/s']:.0%}"
+                rows.append(row)
         for row in rows:
             for key, value in row.items():
                 if isinstance(value, float):

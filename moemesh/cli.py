@@ -87,6 +87,13 @@ def _parser() -> argparse.ArgumentParser:
         "--max-waiting", type=int, default=64, help="requests that may wait for a free row; beyond, 503 (default 64)"
     )
     serve.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger bodies get 413 (default 1 MiB)")
+    serve.add_argument(
+        "--reply-window-ms",
+        type=float,
+        default=10.0,
+        help="after a step that finished requests, wait up to this long for as many new ones before the next, "
+        "so that clients answering at once join it (default 10; 0: never wait)",
+    )
 
     estimate = commands.add_parser("estimate", help="per-layer memory and time, pipeline stages, per-rank memory")
     estimate.add_argument("--config", help="TOML config file (default: configs/tiny.toml)")
@@ -300,6 +307,8 @@ def _serve(args: argparse.Namespace) -> None:
     for name in ("port", "max_waiting", "max_request_bytes"):
         if getattr(args, name) < (0 if name == "port" else 1):
             raise MoemeshError(f"--{name.replace('_', '-')} must be {'>= 0' if name == 'port' else '>= 1'}")
+    if not 0 <= args.reply_window_ms <= 1000:
+        raise MoemeshError(f"--reply-window-ms must be between 0 and 1000, got {args.reply_window_ms}")
     # The port is taken before the weights are read: a busy one fails now, not a minute later.
     sock = _listening_socket(args.host, args.port) if _is_rank_zero() else None
     with _loaded(args) as (model, tokenizer, group):
@@ -318,6 +327,7 @@ def _serve(args: argparse.Namespace) -> None:
             model_name=args.model_name or Path(args.checkpoint).resolve().name,
             max_waiting=args.max_waiting,
             max_request_bytes=args.max_request_bytes,
+            reply_window_ms=args.reply_window_ms,
         )
 
 

@@ -243,6 +243,8 @@ def test_serve_on_a_busy_port_is_one_line_before_loading(capsys, trained, monkey
         err = _fails(capsys, ["serve", "--checkpoint", str(trained), "--port", str(port)])
     reason = "cannot listen there (in use by another process)"
     assert err == f"moemesh serve: error: --host 127.0.0.1 --port {port}: {reason}\n"
+    err = _fails(capsys, ["serve", "--checkpoint", str(trained), "--reply-window-ms", "-1"])
+    assert err == "moemesh serve: error: --reply-window-ms must be between 0 and 1000, got -1.0\n"
     assert loads == []
 
 

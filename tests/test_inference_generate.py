@@ -7,6 +7,9 @@ seeded sampling does not depend on the batch; the streamed pieces add up to the 
 Exact token equality is safe here: random weights with a wide initialisation keep the top two
 logits far apart compared with the ~1e-6 by which cached and recomputed logits differ."""
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -165,3 +168,46 @@ def test_prompts_files(tmp_path):
         (tmp_path / "bad.jsonl").write_text(line + "\n")
         with pytest.raises(DataError, match=message):
             read_prompts(tmp_path / "bad.jsonl", defaults)
+
+
+@pytest.mark.parametrize("window_s, reply_after_s", [(1.0, 0.03), (0.0, 0.03), (0.3, None)])
+def test_the_reply_window_holds_the_next_round_for_the_clients_that_finished(model, window_s, reply_after_s):
+    """Short requests finish beside a long one; the client of the first sends its next request
+    `reply_after_s` later (None: never). With a window, the next round waits for it (and no
+    longer), so the reply is in the round right after the finish; without one, rounds go on
+    meanwhile. With nobody replying, the next round starts when the window has passed, and the
+    next finishing round does not wait again (a missed window skips the next one)."""
+    engine = DecodeEngine(model, max_batch=3, max_len=64)
+    scheduler = Scheduler(engine, TOKENIZER, reply_window_s=window_s)
+    rounds, step = [], scheduler.step
+    scheduler.step = lambda: rounds.append(time.monotonic()) or step()
+    finishes, replies = [], []
+
+    def finished(sequence, text):
+        if sequence.finish_reason is not None:
+            finishes.append(len(rounds))  # the next round's index
+            if reply_after_s is not None and len(finishes) == 1:
+                reply = ([0, 9], SamplingParams(max_tokens=1), lambda s, t: replies.append(len(rounds)))
+                threading.Timer(reply_after_s, scheduler.submit, reply).start()
+
+    long = scheduler.submit([0, 1], SamplingParams(max_tokens=60))
+    scheduler.submit([0, 2], SamplingParams(max_tokens=2), finished)
+    scheduler.submit([0, 3], SamplingParams(max_tokens=6), finished)
+    worker = threading.Thread(target=scheduler.serve_forever)
+    worker.start()
+    deadline = time.monotonic() + 30
+    while long.finish_reason is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    scheduler.close()
+    worker.join()
+    assert long.finish_reason == "length" and len(finishes) == 2
+
+    def waited(finish: int) -> float:  # from the finishing round's start to the next one's
+        return rounds[finish] - rounds[finish - 1]
+
+    if reply_after_s is None:
+        assert waited(finishes[0]) >= window_s and waited(finishes[1]) < window_s
+    elif window_s:
+        assert replies[0] == finishes[0] + 1 and reply_after_s <= waited(finishes[0]) < window_s
+    else:
+        assert replies[0] > finishes[0] + 1

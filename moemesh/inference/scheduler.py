@@ -22,6 +22,19 @@ not fit waits. None is lost: a sequence leaves only finished, cancelled or faile
 `serve_forever` for the server, on its own thread, sleeping while there is nothing to do.
 `submit` may be called from any thread; a full queue raises QueueFull (the server's 503).
 
+The reply window (`reply_window_s`, for `serve_forever`). A round runs tens of milliseconds when it
+prefills, and a request that arrives while one runs waits for it to end. The requests most
+likely to arrive are the next ones of the clients whose requests just finished: agents, pipelines
+and load generators answer within a few milliseconds. So after a round that finished requests,
+the next one waits until as many new requests came, or the window passed. Those then join the
+round they would have joined had their clients answered at once, not the one after it: under a
+closed-loop load of 64 clients this halves the first token's wait (docs/benchmarks.md). Its cost
+is the GPU idle for at most the window after such a round. Where clients do not answer at once
+(people typing), the windows that get no reply at all may take at most MISSED_WINDOWS_SHARE of
+the time (5%, over about the last second); beyond it, finishing rounds go on without one. Hits
+(a reply came) are not limited: a closed loop keeps its windows. (Skipping windows after
+misses instead lost the whole gain on the 48-layer shape: docs/benchmarks.md.)
+
 A request's failure is that request's alone: what is done for one row after the engine's step
 (processing.py: penalties, biases, grammars, log-probabilities; its text and stops) runs under
 its own guard, and a row that raises finishes with "error" while the others go on. Only a
@@ -33,6 +46,7 @@ from __future__ import annotations
 import heapq
 import math
 import threading
+import time
 import traceback
 from collections import Counter, deque
 from collections.abc import Callable
@@ -49,6 +63,8 @@ from moemesh.inference.processing import FLOOR, RowSampler
 from moemesh.inference.request import Logprob, SamplingParams, Sequence, check_request
 from moemesh.inference.sampling import token_logprobs
 
+MISSED_WINDOWS_SHARE = 0.05  # of the time, at most, in reply windows that got no reply
+
 
 class QueueFull(MoemeshError):
     """Every row is busy and the waiting queue is at its limit."""
@@ -64,8 +80,9 @@ class Held:
 
 
 class Scheduler:
-    def __init__(self, engine: DecodeEngine, tokenizer: Tokenizer, max_waiting: int = 64):
+    def __init__(self, engine: DecodeEngine, tokenizer: Tokenizer, max_waiting: int = 64, reply_window_s: float = 0.0):
         self.engine, self.tokenizer, self.max_waiting = engine, tokenizer, max_waiting
+        self.reply_window_s = reply_window_s
         self.pool = engine.blocks
         self.free_rows = list(range(engine.max_batch))  # a heap: the lowest row first
         self.waiting: deque[Sequence] = deque()
@@ -74,6 +91,10 @@ class Scheduler:
         self.decode_batches: Counter[int] = Counter()  # sequences in a step -> how many steps had that many
         self.preemptions = 0
         self.prompt_tokens = self.cached_tokens = 0  # admitted; of them found in the prefix cache
+        self.submitted = 0  # requests queued so far
+        self.finished = 0  # requests that ended (not cancelled) so far
+        self._missed_s = 0.0  # time in reply windows that got no reply, decayed with a 1-s time constant
+        self._missed_at = 0.0  # when _missed_s was last decayed
         self.closed = False
         self._wake = threading.Condition()
         self.grammars = Grammars(tokenizer, engine.vocab)
@@ -94,6 +115,7 @@ class Scheduler:
             if len(self.waiting) >= self.max_waiting:
                 raise QueueFull(f"{len(self.waiting)} requests are waiting already (the limit)")
             self.waiting.append(sequence)
+            self.submitted += 1
             self._wake.notify()
         return sequence
 
@@ -143,7 +165,9 @@ class Scheduler:
     def serve_forever(self, keep_alive_s: float = 30.0, after_step: Callable[[], None] | None = None) -> None:
         """Run rounds until `close`; a failing round fails the requests in it, and serving goes on.
         Idle, it tells the engine every keep_alive_s that it is alive (tensor-parallel followers).
-        `after_step` runs after every round (the server hands that round's updates over at once)."""
+        `after_step` runs after every round (the server hands that round's updates over at once).
+        After a round that finished requests, the next waits up to `reply_window_s` for as many
+        new ones (the module's docstring says why)."""
         while True:
             with self._wake:
                 while not (self.closed or self.waiting or self.running):
@@ -151,6 +175,7 @@ class Scheduler:
                         self.engine.keep_alive()
                 if self.closed:
                     break
+            finished = self.finished
             try:
                 self.step()
             except Exception:  # a bug or a device error: report it to the requests, keep serving
@@ -159,13 +184,32 @@ class Scheduler:
                 for sequence in self.running:
                     sequence.finish("error", error.strip().splitlines()[-1])
                 self._retire()
+            submitted = self.submitted  # before its updates are out: no reply can have come yet
             if after_step is not None:
                 after_step()
+            if self.reply_window_s > 0 and self.finished > finished:
+                self._reply_window(submitted, self.finished - finished)
         for sequence in [*self.waiting, *self.running]:
             sequence.finish("cancelled")
         self._retire()
         if after_step is not None:
             after_step()
+
+    def _reply_window(self, submitted: int, expected: int) -> None:
+        """Wait until `expected` requests came after the first `submitted`, or the window passed,
+        or `close`; not at all while missed windows are over their share of the time."""
+        start = time.monotonic()
+        self._missed_s *= math.exp(self._missed_at - start)  # a 1-s memory: the sum is the last second's
+        self._missed_at = start
+        if self._missed_s > MISSED_WINDOWS_SHARE:
+            return
+        deadline, wanted = start + self.reply_window_s, submitted + expected
+        with self._wake:
+            while not self.closed and self.submitted < wanted and (left := deadline - time.monotonic()) > 0:
+                self._wake.wait(timeout=left)
+            missed = self.submitted == submitted  # not one reply
+        if missed:
+            self._missed_s += time.monotonic() - start
 
     def close(self) -> None:
         with self._wake:
@@ -307,6 +351,7 @@ class Scheduler:
         """Give the rows and blocks of finished and cancelled requests back."""
         for sequence in [s for s in self.running if s.cancelled or s.finish_reason is not None]:
             sequence.finish("cancelled")
+            self.finished += sequence.finish_reason != "cancelled"
             self._release(sequence)
 
 

@@ -64,10 +64,11 @@ class Service:
         api_key: str | None = None,
         max_waiting: int = 64,
         max_request_bytes: int = 1 << 20,
+        reply_window_ms: float = 10.0,  # serve's --reply-window-ms (inference/scheduler.py says why)
     ):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.api_key, self.max_request_bytes = api_key, max_request_bytes
-        self.scheduler = Scheduler(engine, tokenizer, max_waiting)
+        self.scheduler = Scheduler(engine, tokenizer, max_waiting, reply_window_ms / 1e3)
         self.chat_template: ChatTemplate | None = load_chat_template(tokenizer)
         self.chat_stop_ids: tuple[int, ...] = ()
         if self.chat_template is not None and self.chat_template.eos_token:
