@@ -17,6 +17,7 @@ from moemesh.ops import decode_attention, gemv
 from moemesh.ops.backend import use_triton
 from moemesh.ops.linear import Linear
 from moemesh.ops.rms_norm import rms_norm
+from moemesh.ops.rotary import rotary
 
 
 class RMSNorm(nn.Module):
@@ -30,16 +31,10 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, heads, T, D]; cos/sin: [T, D] (the same positions in every row) or [B, T, D]."""
-    if cos.dim() == 3:
-        cos, sin = cos[:, None], sin[:, None]
-    return x * cos + rotate_half(x) * sin
+    """x: [B, heads, T, D]; cos/sin: [T, D] (the same positions in every row) or [B, T, D]
+    (ops/rotary.py: one kernel each way on a GPU)."""
+    return rotary(x, cos, sin)
 
 
 def attention_mask(q_positions: torch.Tensor, kv_len: int, sliding_window: int | None) -> torch.Tensor:
