@@ -27,7 +27,7 @@ def test_triton_matches_the_float64_reference(triton_kernels, shape, per_row):
     x, cos, sin = _case(*shape, per_row)
     got = rotary(x, cos, sin)
     want = rotary_reference(x.double(), cos.double(), sin.double())
-    assert got.shape == x.shape and got.is_contiguous() and rel_err(got, want) <= 1e-6
+    assert got.shape == x.shape and got.stride() == x.stride() and rel_err(got, want) <= 1e-6  # x's layout
     grad_out = torch.randn_like(want)
     (got_grad,) = torch.autograd.grad(got, x, grad_out.float())
     (want_grad,) = torch.autograd.grad(want, x, grad_out)

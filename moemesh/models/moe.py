@@ -36,7 +36,7 @@ from moemesh.ops.grouped_mm import group_offsets, grouped_mm
 from moemesh.ops.linear import linear
 from moemesh.ops.low_rank import low_rank_factors
 from moemesh.ops.swiglu import clamped_swiglu
-from moemesh.ops.topk_softmax import topk_softmax
+from moemesh.ops.topk_softmax import routed, topk_softmax
 
 # (token, expert) pairs up to which a block without gradients reads only the chosen experts'
 # weights, each once (`MoEBlock.selected_experts`); beyond, the grouped GEMM (prefill, training).
@@ -107,11 +107,8 @@ class Router(nn.Module):
             logits = linear(x, self.weight, self.bias)
             return Routing(*topk_softmax(logits, self.top_k, self.norm_topk_prob), stats=None)
         logits = F.linear(x, self.weight, self.bias)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        stats = router_stats(probs, expert_ids)
+        probs, weights, expert_ids, counts = routed(logits, self.top_k, self.norm_topk_prob)  # one kernel each way
+        stats = RouterStats(counts, probs.sum(dim=0), probs.shape[0])
         count_load(self, stats)
         return Routing(weights, expert_ids, stats)
 

@@ -5,8 +5,10 @@ Written out in PyTorch this is six kernels forward (two slices, a negation, a co
 products and a sum) and about as many backward, for q and again for k, in every layer, and a
 third time when activation checkpointing recomputes the forward. Here it is one kernel each way.
 The kernel reads x through its strides, so the [B, T, heads, D] projection seen as [B, heads, T,
-D] is not copied first, and writes the output contiguous in [B, heads, T, D] (what attention
-takes). It computes in fp32 and rounds once (the PyTorch form rounds after every operation in
+D] is not copied first, and writes the output in x's layout, as PyTorch's elementwise ops do:
+attention's output follows its query's layout, and in [B, T, heads, D] order o_proj reads it
+without a copy (a contiguous [B, heads, T, D] query would cost that copy and its saved bytes).
+It computes in fp32 and rounds once (the PyTorch form rounds after every operation in
 bf16); the output's dtype is promote(x, cos). The backward is the transposed rotation,
 gx₁ = g₁·cos₁ + g₂·sin₂ and gx₂ = g₂·cos₂ - g₁·sin₁, from the same tables; cos and sin get no
 gradient (they are functions of the positions: the reference runs when they require one).
@@ -55,7 +57,7 @@ class _Rotary(torch.autograd.Function):
 
 def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
     batch, heads, seq, dim = x.shape
-    out = torch.empty((batch, heads, seq, dim), dtype=torch.promote_types(x.dtype, cos.dtype), device=x.device)
+    out = torch.empty_like(x, dtype=torch.promote_types(x.dtype, cos.dtype))  # x's layout when x is dense
     cos, sin = cos.contiguous(), sin.contiguous()
     rows = batch * heads * seq
     if rows:
@@ -68,6 +70,7 @@ def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: boo
             heads,
             seq,
             *x.stride(),
+            *out.stride(),
             cos.stride(0) if cos.dim() == 3 else 0,
             HALF=dim // 2,
             BLOCK=block_size(dim // 2, smallest=1),
@@ -90,13 +93,17 @@ def _rotary_kernel(
     stride_h,
     stride_t,
     stride_d,
+    out_stride_b,
+    out_stride_h,
+    out_stride_t,
+    out_stride_d,
     table_stride_b,
     HALF: tl.constexpr,
     BLOCK: tl.constexpr,
     ROWS: tl.constexpr,
     BACKWARD: tl.constexpr,
 ):
-    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # over (b, h, t), t fastest: the output's order
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # over (b, h, t), t fastest
     t = row % seq
     b = row // (seq * heads)
     h = (row // seq) % heads
@@ -116,6 +123,6 @@ def _rotary_kernel(
     else:
         y1 = x1 * cos1 - x2 * sin1
         y2 = x2 * cos2 + x1 * sin2
-    out_at = out_ptr + row[:, None] * (2 * HALF) + col[None, :]
+    out_at = out_ptr + (b * out_stride_b + h * out_stride_h + t * out_stride_t)[:, None] + col[None, :] * out_stride_d
     tl.store(out_at, y1.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(out_at + HALF, y2.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_at + HALF * out_stride_d, y2.to(out_ptr.dtype.element_ty), mask=mask)

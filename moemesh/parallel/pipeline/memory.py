@@ -24,7 +24,7 @@ I the expert (or dense MLP) width, V the vocabulary:
                 T*(2Q + 2K)*b and log-sum-exp 4*T*heads (RoPE's products save only cos and sin;
                 o_proj's input is a view of SDPA's output)
     MoE         norm(T, H) + its output T*H*b + router probabilities 4*T*E + top-k ids 8*T*k and
-                values 4*T*k (+ with norm_topk_prob their sum 4*T and the normalised values 4*T*k)
+                weights 4*T*k (`ops/topk_softmax.routed`: renormalised or not, the same)
                 + permute positions 8*T*k + expert input, gate|up output, SwiGLU output and
                 expert output T*k*(2H + 3I)*b + group sizes 8*E (+ when r != b the router
                 weight's cast copy E*H*b)
@@ -255,8 +255,6 @@ def estimate_layers(
             mlp_flops = 6 * T * (k * 3 * H * inter + E * H)
             mlp_acts = norm(T, H) + T * H * b + 4 * T * E + 12 * T * k + 8 * T * k + T * k * (2 * H + 3 * inter) * b
             mlp_acts += 8 * E + (E * H * b if r != b else 0)  # group sizes; the router weight's cast copy
-            if config.norm_topk_prob:
-                mlp_acts += 4 * T + 4 * T * k
         else:
             inter = config.intermediate_size
             mlp_params = 3 * H * inter
