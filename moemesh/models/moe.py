@@ -36,7 +36,7 @@ from moemesh.ops.grouped_mm import group_offsets, grouped_mm
 from moemesh.ops.linear import linear
 from moemesh.ops.low_rank import low_rank_factors
 from moemesh.ops.swiglu import clamped_swiglu
-from moemesh.ops.topk_softmax import routed, topk_softmax
+from moemesh.ops.topk_softmax import choice_counts, routed, topk_softmax
 
 # (token, expert) pairs up to which a block without gradients reads only the chosen experts'
 # weights, each once (`MoEBlock.selected_experts`); beyond, the grouped GEMM (prefill, training).
@@ -66,13 +66,9 @@ class RouterStats:
 
 
 def router_stats(probs: torch.Tensor, expert_ids: torch.Tensor) -> RouterStats:
-    """What the load-balancing loss needs of one router: the (token, slot) choices per expert
-    (index_add, which unlike bincount needs no device sync) and the summed probabilities [T, E]."""
-    with torch.no_grad():
-        counts = torch.zeros(probs.shape[-1], device=probs.device, dtype=torch.float32)
-        ones = torch.ones(expert_ids.numel(), device=probs.device, dtype=torch.float32)  # whatever the default dtype
-        counts.index_add_(0, expert_ids.flatten(), ones)
-    return RouterStats(counts, probs.sum(dim=0), probs.shape[0])
+    """What the load-balancing loss needs of one router: the (token, slot) choices per expert and
+    the summed probabilities [T, E]."""
+    return RouterStats(choice_counts(expert_ids, probs.shape[-1]), probs.sum(dim=0), probs.shape[0])
 
 
 def count_load(router: nn.Module, stats: RouterStats) -> None:

@@ -55,35 +55,23 @@ def routed_reference(
     weights, ids = torch.topk(probs, k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    return probs, weights, ids, choice_counts(ids, probs.shape[-1])
+
+
+def choice_counts(ids: torch.Tensor, experts: int) -> torch.Tensor:
+    """The (token, slot) choices of each expert, fp32 [E] (index_add, which unlike bincount needs no
+    device sync)."""
     with torch.no_grad():
-        counts = torch.zeros(probs.shape[-1], device=probs.device, dtype=torch.float32)
-        counts.index_add_(0, ids.flatten(), torch.ones(ids.numel(), device=probs.device, dtype=torch.float32))
-    return probs, weights, ids, counts
+        counts = torch.zeros(experts, device=ids.device, dtype=torch.float32)
+        return counts.index_add_(0, ids.flatten(), torch.ones(ids.numel(), device=ids.device, dtype=torch.float32))
 
 
 class _Routed(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, k, renormalize):
-        logits = logits.contiguous()
-        tokens, experts = logits.shape
-        probs = logits.new_empty(tokens, experts, dtype=torch.float32)
-        weights = logits.new_empty(tokens, k, dtype=torch.float32)
-        ids = logits.new_empty(tokens, k, dtype=torch.long)
-        counts = logits.new_zeros(experts, dtype=torch.float32)
-        if tokens:
-            _topk_softmax_kernel[(tokens,)](
-                logits,
-                weights,
-                ids,
-                experts,
-                K=k,
-                BLOCK_E=block_size(experts),
-                BLOCK_K=block_size(k, smallest=2),
-                RENORMALIZE=renormalize,
-                probs_ptr=probs,
-                counts_ptr=counts,
-                TRAINING=True,
-            )
+        probs = logits.new_empty(logits.shape, dtype=torch.float32)
+        counts = logits.new_zeros(logits.shape[1], dtype=torch.float32)
+        weights, ids = topk_softmax_triton(logits, k, renormalize, probs, counts)
         ctx.mark_non_differentiable(ids, counts)
         ctx.save_for_backward(probs, weights, ids)
         ctx.renormalize, ctx.logits_dtype = renormalize, logits.dtype
@@ -127,7 +115,15 @@ def topk_softmax_reference(logits: torch.Tensor, k: int, renormalize: bool) -> t
     return weights, ids
 
 
-def topk_softmax_triton(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_softmax_triton(
+    logits: torch.Tensor,
+    k: int,
+    renormalize: bool,
+    probs: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """With `probs` [T, E] and `counts` [E] (zeros) given, also writes the probabilities and adds
+    the choices per expert (training)."""
     logits = logits.contiguous()
     tokens, experts = logits.shape
     weights = logits.new_empty(tokens, k, dtype=torch.float32)
@@ -142,9 +138,9 @@ def topk_softmax_triton(logits: torch.Tensor, k: int, renormalize: bool) -> tupl
             BLOCK_E=block_size(experts),
             BLOCK_K=block_size(k, smallest=2),
             RENORMALIZE=renormalize,
-            probs_ptr=weights,  # not written
-            counts_ptr=weights,
-            TRAINING=False,
+            probs_ptr=weights if probs is None else probs,  # not written without
+            counts_ptr=weights if counts is None else counts,
+            TRAINING=probs is not None,
         )
     return weights, ids
 
