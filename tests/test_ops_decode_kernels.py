@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from moemesh.models import build
-from moemesh.models.layers import apply_rotary, attention_mask, grouped_attention, rms_norm
+from moemesh.models.layers import attention_mask, grouped_attention, rms_norm
 from moemesh.ops import decode_attention, gemv
+from moemesh.ops.rotary import rotary
 from moemesh.ops.topk_softmax import topk_softmax, topk_softmax_reference
 from numerics import rel_err
 from test_models_decoding import FAMILIES, decode_stepwise
@@ -139,8 +140,8 @@ def test_paged_attention_equals_the_contiguous_reference(triton_kernels, dtype, 
         return t if not norm else rms_norm(t, q_norm if n == heads else k_norm, 1e-6)
 
     rope = cos[:, None], sin[:, None]
-    want_q = apply_rotary(heads_of(q, heads), *rope)[:, :, 0]
-    want_k = apply_rotary(heads_of(k, kv_heads), *rope)[:, :, 0]
+    want_q = rotary(heads_of(q, heads), *rope)[:, :, 0]
+    want_k = rotary(heads_of(k, kv_heads), *rope)[:, :, 0]
     expected_pools[0][slots], expected_pools[1][slots] = want_k, v.view(tokens, kv_heads, dim)
     want, first = [], 0
     for b, n in enumerate(counts):

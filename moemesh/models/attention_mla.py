@@ -24,9 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from moemesh.models.config import ModelConfig
-from moemesh.models.layers import PagedKVCache, RMSNorm, apply_rotary, paged_attention
+from moemesh.models.layers import PagedKVCache, RMSNorm, paged_attention
 from moemesh.models.rope import softmax_scale
 from moemesh.ops.linear import Linear
+from moemesh.ops.rotary import rotary
 
 
 class MLAttention(nn.Module):
@@ -54,7 +55,7 @@ class MLAttention(nn.Module):
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.interleave:
             x = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
-        return apply_rotary(x, cos, sin)
+        return rotary(x, cos, sin)
 
     def forward(
         self,

@@ -41,7 +41,6 @@ from moemesh.models.layers import (
     DenseMLP,
     PagedKVCache,
     RMSNorm,
-    apply_rotary,
     attention_mask,
     paged_attention,
 )
@@ -49,6 +48,7 @@ from moemesh.models.moe import MoEBlock, Routing, count_load, router_stats
 from moemesh.models.rope import RotaryEmbedding
 from moemesh.models.transformer import DecoderLayer
 from moemesh.ops.linear import Linear
+from moemesh.ops.rotary import rotary
 
 _DEFAULT_ROPE = {
     "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
@@ -124,8 +124,8 @@ class Gemma4Attention(Attention):
         q = self.q_norm(self.q_proj(x).view(batch, seq, -1, self.head_dim))
         k = self.k_proj(x).view(batch, seq, -1, self.head_dim)
         v = k if self.v_proj is None else self.v_proj(x).view(batch, seq, -1, self.head_dim)
-        q = apply_rotary(q.transpose(1, 2), cos, sin)
-        k = apply_rotary(self.k_norm(k).transpose(1, 2), cos, sin)
+        q = rotary(q.transpose(1, 2), cos, sin)
+        k = rotary(self.k_norm(k).transpose(1, 2), cos, sin)
         v = _rms(v, self.eps).transpose(1, 2)
         # scale 1: the query norm takes the place of 1/sqrt(head_dim)
         if cache is not None:

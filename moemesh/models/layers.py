@@ -31,12 +31,6 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, heads, T, D]; cos/sin: [T, D] (the same positions in every row) or [B, T, D]
-    (ops/rotary.py: one kernel each way on a GPU)."""
-    return rotary(x, cos, sin)
-
-
 def attention_mask(q_positions: torch.Tensor, kv_len: int, sliding_window: int | None) -> torch.Tensor:
     """Boolean [..., Tq, Tk] mask for query positions [..., Tq] against keys at 0..kv_len-1, True
     where the query may attend the key (causal, optionally banded)."""
@@ -92,8 +86,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
-        q = apply_rotary(q.transpose(1, 2), cos, sin)
-        k = apply_rotary(k.transpose(1, 2), cos, sin)
+        q = rotary(q.transpose(1, 2), cos, sin)
+        k = rotary(k.transpose(1, 2), cos, sin)
         if cache is not None:
             out = paged_attention(q, k, v, cache, self.layer_idx, self.head_dim**-0.5, self.sliding_window, self.sinks)
         elif self.sinks is not None:  # scaled_dot_product_attention takes no sinks
