@@ -153,8 +153,10 @@ def prefill_rows(model, args, config) -> list[dict]:
 
 
 def profile_rows(model, args, config) -> list[dict]:
-    """One packed step of --profile-step new tokens after a cached 1,024-token prefix (a prefix
-    reuse follower's step), profiled: wall, GPU busy, kernels, synchronisations, top kernels."""
+    """One packed step profiled: wall, GPU busy, kernels, synchronisations, top kernels. Of
+    --profile-step new tokens after a cached 1,024-token prefix (a prefix reuse follower's step),
+    or, with --profile-prompts K, of K new prompts sharing those tokens beside
+    --profile-decodes decoding sequences 640 tokens in (a loaded server's prefill round)."""
     import gzip
     import json
     import tempfile
@@ -162,13 +164,32 @@ def profile_rows(model, args, config) -> list[dict]:
 
     from bench.common import interval_length, merged, profiled_kernels
 
-    prefix, new = 1024, args.profile_step
-    engine = make_engine(model, args, prefix + new + 1, tokens=4 * (prefix + new))
-    blocks = engine.blocks.allocate(math.ceil((prefix + new) / engine.block_size))
-    engine.set_blocks(0, blocks)
+    new, prompts, decodes = args.profile_step, args.profile_prompts, args.profile_decodes
+    prefix = 640 if prompts else 1024
+    engine = make_engine(model, args, prefix + new + 1, tokens=2 * (prefix + new) + decodes * (prefix + 1))
     ids = torch.randint(1, config.vocab_size, (prefix + new,)).tolist()
-    engine.step([Chunk(0, ids[:prefix], 0, False)])
-    chunk = [Chunk(0, ids[prefix:], prefix, True)]
+    blocks = []
+
+    def hold(row: int, entries: int) -> None:
+        blocks.extend(held := engine.blocks.allocate(math.ceil(entries / engine.block_size)))
+        engine.set_blocks(row, held)
+
+    if not prompts:
+        hold(0, prefix + new)
+        engine.step([Chunk(0, ids[:prefix], 0, False)])
+        chunk = [Chunk(0, ids[prefix:], prefix, True)]
+        what = f"step of {new} tokens after {prefix} cached"
+    else:
+        length = new // prompts
+        chunk = []
+        for row in range(prompts):
+            hold(row, length)
+            chunk.append(Chunk(row, ids[row : row + length], 0, True))
+        for row in range(prompts, prompts + decodes):  # the decoding sequences, their caches filled
+            hold(row, prefix + 1)
+            engine.step([Chunk(row, ids[:prefix], 0, False)])
+            chunk.append(Chunk(row, [ids[row]], prefix, True))
+        what = f"step of {prompts} prompts of {length} tokens and {decodes} decode tokens"
     for _ in range(3):
         engine.step(chunk)  # warm-up
     wall = statistics.median(timed(lambda: engine.step(chunk))[0] for _ in range(5))
@@ -196,7 +217,7 @@ def profile_rows(model, args, config) -> list[dict]:
     engine.blocks.release(blocks)
     rows = [
         {
-            "what": f"step of {new} tokens after {prefix} cached",
+            "what": what,
             "wall ms": f"{wall * 1e3:.1f}",
             "GPU busy ms": f"{busy / 1e3:.1f}",
             "kernels": len(kernels),
@@ -205,7 +226,7 @@ def profile_rows(model, args, config) -> list[dict]:
     ]
     rows += [
         {"what": name, "GPU busy ms": f"{t / 1e3:.2f}", "kernels": c}
-        for name, (t, c) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:12]
+        for name, (t, c) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:24]
     ]
     return rows
 
@@ -296,6 +317,10 @@ def main():
     parser.add_argument("--short-len", type=int, default=256, help="length of the prefill table's short prompts")
     parser.add_argument("--prefix-len", type=int, default=1024, help="shared prefix of the prefix table (0: no table)")
     parser.add_argument("--profile-step", type=int, default=0, help="profile a step of N tokens after a cached prefix")
+    parser.add_argument(
+        "--profile-prompts", type=int, default=0, help="with --profile-step: new prompts in the step (0: a follower)"
+    )
+    parser.add_argument("--profile-decodes", type=int, default=0, help="with --profile-prompts: decode tokens beside")
     parser.add_argument("--host-profile", type=int, default=0, help="with --profile-step: N costliest functions")
     parser.add_argument("--offline", action=argparse.BooleanOptionalAction, default=True, help="the offline table")
     parser.add_argument("--repeat", type=int, default=3, help="timed repetitions of the prefill and prefix tables")

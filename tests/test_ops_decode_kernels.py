@@ -68,6 +68,33 @@ def test_gemv_of_up_to_three_weights(triton_kernels, dtype, rows):
                 assert rel_err(out, x.double() @ w.double().T) <= tol(dtype)
 
 
+@pytest.mark.parametrize("norm", [True, False])
+def test_rope_to_cache_in_blocks_of_tokens_equals_a_program_a_token(triton_kernels, norm):
+    """Steps of more than ROPE_SMALL_STEP tokens run rope_to_cache's programs on blocks of
+    tokens (a partial last block here); the same tokens in two halves of a program a token each
+    give the same q and cache, bit for bit (the same fp32 operations on each element). The
+    per-token path is the one the paged attention test above checks against the reference."""
+    tokens, heads, kv_heads, dim = decode_attention.ROPE_SMALL_STEP + 37, 4, 2, 16
+    assert tokens % decode_attention.ROPE_TOKENS and tokens // 2 <= decode_attention.ROPE_SMALL_STEP
+    q, k, v = (torch.randn(tokens, n * dim) for n in (heads, kv_heads, kv_heads))
+    angles = torch.arange(tokens)[:, None].float() * torch.rand(dim // 2)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    norms = (torch.rand(dim) + 0.5, torch.rand(dim) + 0.5) if norm else (None, None)
+    slots = torch.randperm(tokens + 9)[:tokens]
+    pools = [[torch.zeros(tokens + 9, kv_heads, dim) for _ in range(2)] for _ in range(2)]
+    whole = decode_attention.rope_to_cache(q, k, v, cos, sin, *norms, 1e-6, *pools[0], slots)
+    half = tokens // 2
+    halves = [
+        decode_attention.rope_to_cache(
+            q[part], k[part], v[part], cos[part], sin[part], *norms, 1e-6, *pools[1], slots[part]
+        )
+        for part in (slice(0, half), slice(half, tokens))
+    ]
+    assert torch.equal(whole, torch.cat(halves))
+    assert all(torch.equal(a, b) for a, b in zip(*pools))
+    assert torch.count_nonzero(pools[0][1][slots]) == tokens * kv_heads * dim  # every value written
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window, norm", [(None, True), (5, False), (150, False)])
 @pytest.mark.parametrize("max_len", [40, 700])

@@ -58,6 +58,11 @@ def permute_reference(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
     return Permuted(grouped, position, counts, offsets, host_offsets)
 
 
+def _narrowest(num_experts: int) -> torch.dtype:
+    """The narrowest integer type that holds the expert ids 0 .. num_experts - 1 (argsort keys)."""
+    return torch.uint8 if num_experts <= 256 else torch.int16 if num_experts <= 1 << 15 else torch.int64
+
+
 def routing_layout(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, align: int):
     """(position [T, k], counts [E], offsets [E + 1], host_offsets) for `topk_ids [T, k]`.
     host_offsets is None on a GPU without padding: nothing needs it there, and copying it would
@@ -68,7 +73,11 @@ def routing_layout(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, al
     if num_experts < 1 or align < 1:
         raise ValueError(f"num_experts ({num_experts}) and align ({align}) must be >= 1")
     expert = topk_ids.reshape(-1).long()  # (token, slot) order
-    order = torch.argsort(expert, stable=True)  # stable: (token, slot) order within an expert
+    # stable: (token, slot) order within an expert. On a GPU the key is the narrowest type that
+    # holds the ids (they come from top-k there): its radix sort makes a pass per byte of the key,
+    # eight for int64. On the CPU the ids are checked below, so they stay as they are.
+    key = expert.to(_narrowest(num_experts)) if expert.is_cuda else expert
+    order = torch.argsort(key, stable=True)
     sorted_expert = expert[order]
     # starts[e] = number of entries whose expert id is below e (e = 0 .. E); no sync, unlike bincount
     starts = torch.searchsorted(sorted_expert, torch.arange(num_experts + 1, device=expert.device))
