@@ -22,9 +22,10 @@ train.param_dtype), AdamW (fused on a GPU) on the adapters, clipping to norm 1:
                        checkpointing --recompute (full and/or selective), fused linear
                        cross-entropy, bf16 autocast
 Each variant is freed before the next, so that each peak is its own (max allocated after the first
-step: the AdamW state is in it). MFU = tokens/s × FLOPs per token / peak bf16 FLOP/s, FLOPs per
-token from moemesh.train.flops: 4 per frozen active parameter (forward, input gradient), 6 per
-trained one, attention's scores and values; recomputation is not counted (the usual convention).
+step: the AdamW state is in it; with --cuda-graph, max reserved: the graph's pool is held
+whole). MFU = tokens/s × FLOPs per token / peak bf16 FLOP/s, FLOPs per token from
+moemesh.train.flops: 4 per frozen active parameter (forward, input gradient), 6 per trained one,
+attention's scores and values; recomputation is not counted (the usual convention).
 
 --count-ops (CPU, no GPU needed): the kernels that one decoder layer of moemesh's LoRA step
 launches, forward and backward (the recomputation inside), per recompute mode: a proxy for the
@@ -56,6 +57,7 @@ from moemesh.models import ModelConfig
 from moemesh.models.build import init_weights, meta_model
 from moemesh.models.lora import LoraConfig, apply_lora, is_adapter
 from moemesh.ops.backend import HAVE_TRITON, INTERPRETED
+from moemesh.train.cuda_graph import CapturedStep
 from moemesh.train.flops import flops_per_token, peak_flops
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -148,7 +150,9 @@ def moemesh_model(config: ModelConfig, args, experts: bool, recompute: str, devi
 # ---- one variant ---------------------------------------------------------------------------------
 
 
-def run_variant(name: str, targets: str, model, forward, args, config: ModelConfig, device) -> dict:
+def run_variant(
+    name: str, targets: str, model, forward, args, config: ModelConfig, device, graphed: bool = False
+) -> dict:
     trained = [p for p in model.parameters() if p.requires_grad]
     fused = device.type == "cuda"
     optimizer = torch.optim.AdamW(trained, lr=1e-4, fused=fused, foreach=None if fused else True)
@@ -156,13 +160,20 @@ def run_variant(name: str, targets: str, model, forward, args, config: ModelConf
     ids = torch.randint(config.vocab_size, (args.batch, args.seq), generator=generator).to(device)
     losses = []
 
-    def step():
+    def forward_backward(ids):
         loss = forward(ids)
         loss.backward()
+        return (loss.detach(),)
+
+    if graphed:  # forward and backward one CUDA graph; clipping and AdamW eager, as the trainer runs them
+        forward_backward = CapturedStep(forward_backward, [ids], trained)
+
+    def step():
+        (loss,) = forward_backward(ids)
         torch.nn.utils.clip_grad_norm_(trained, 1.0)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
+        optimizer.zero_grad(set_to_none=not graphed)
+        losses.append(loss.clone())
 
     step()  # allocates the AdamW state: in the peak
     if device.type == "cuda":
@@ -183,12 +194,19 @@ def run_variant(name: str, targets: str, model, forward, args, config: ModelConf
         "step ms": f"{ms:.0f}",
         "tokens/s": f"{tokens_per_s:,.0f}",
         "MFU": f"{tokens_per_s * flops / peak:.1%}" if peak else "n/a",
-        "peak GiB": f"{torch.cuda.max_memory_allocated(device) / 2**30:.1f}" if device.type == "cuda" else "n/a",
+        "peak GiB": f"{peak_gib(device, graphed):.1f}" if device.type == "cuda" else "n/a",
         "trainable": f"{sum(p.numel() for p in trained) / 1e6:.1f}M",
         "loss": f"{losses[-1].float().item():.4f}",
         "_tps": tokens_per_s,
     }
     return row
+
+
+def peak_gib(device, graphed: bool) -> float:
+    """Eager: the most allocated. A CUDA graph's pool is held whole between replays, its
+    temporaries included, so a graphed step counts the most reserved."""
+    peak = torch.cuda.max_memory_reserved(device) if graphed else torch.cuda.max_memory_allocated(device)
+    return peak / 2**30
 
 
 def print_profile(name: str, targets: str, step, top: int) -> None:
@@ -328,7 +346,13 @@ def main():
     parser.add_argument(
         "--recompute",
         default="full,selective",
-        help="moemesh's activation checkpointing modes to run (comma-separated)",
+        help="moemesh's activation checkpointing modes to run (comma-separated; '': no moemesh rows)",
+    )
+    parser.add_argument(
+        "--cuda-graph",
+        choices=["off", "on", "both"],
+        default="off",
+        help="moemesh's forward and backward as one CUDA graph (train.cuda_graphs)",
     )
     parser.add_argument("--skip-peft", action="store_true", help="moemesh alone (no transformers + PEFT rows)")
     parser.add_argument("--warmup", type=int, default=2)
@@ -365,11 +389,13 @@ def main():
             rows.append(run_variant(version, targets, model, forward, args, config, device))
             del model, forward
             free()
-        for recompute in args.recompute.split(","):
-            model, forward = moemesh_model(config, args, experts, recompute, device, dtype)
-            rows.append(run_variant(f"moemesh ({recompute} recompute)", targets, model, forward, args, config, device))
-            del model, forward
-            free()
+        for recompute in [mode for mode in args.recompute.split(",") if mode]:
+            for graphed in {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graph]:
+                model, forward = moemesh_model(config, args, experts, recompute, device, dtype)
+                name = f"moemesh ({recompute} recompute{', CUDA graph' if graphed else ''})"
+                rows.append(run_variant(name, targets, model, forward, args, config, device, graphed))
+                del model, forward
+                free()
     if not args.skip_peft:
         for row in rows:
             peer = next(

@@ -53,6 +53,9 @@ class TrainConfig:
     # again in backward), "selective" (matmul and collective outputs; norms, activations and
     # attention's softmax run again). The gradients are the same bit for bit.
     activation_checkpointing: str = "none"
+    # A micro-batch's forward and backward as one CUDA graph, captured at the first step
+    # (train/cuda_graph.py): the host's kernel launches go. One GPU, bf16, no LoRA dropout.
+    cuda_graphs: bool = False
     device: str = "auto"  # auto: cuda when available, else cpu
     resume: bool = False
     overwrite: bool = False  # start afresh in a run_dir that holds checkpoints, deleting them
@@ -335,6 +338,9 @@ def _check_type(key: str, value: Any, expected: Any) -> Any:
     return value
 
 
+PARALLEL_AXES = ("dp_replicate", "dp_shard", "ep", "tp", "pp")
+
+
 def _validate(config: RunConfig) -> None:
     train, data, model = config.train, config.data, config.model
 
@@ -384,7 +390,7 @@ def _validate(config: RunConfig) -> None:
         train.seq_len <= model.max_position_embeddings,
         f"train.seq_len ({train.seq_len}) exceeds model.max_position_embeddings ({model.max_position_embeddings})",
     )
-    for name in ["dp_replicate", "dp_shard", "ep", "tp", "pp"]:
+    for name in PARALLEL_AXES:
         need(getattr(config.parallel, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(config.parallel, name)}")
     need(config.parallel.timeout_s > 0, f"parallel.timeout_s must be > 0, got {config.parallel.timeout_s}")
     # The micro-batches of a step, and each rank's slice of them, must not depend on the layout.
@@ -403,6 +409,20 @@ def _validate(config: RunConfig) -> None:
         f"parallel.ep ({config.parallel.ep}) must divide model.num_experts ({model.num_experts})",
     )
     config.lora.check()
+    if train.cuda_graphs:
+        split = [f"parallel.{name} = {getattr(config.parallel, name)}" for name in PARALLEL_AXES]
+        split = [axis for axis in split if not axis.endswith(" = 1")]
+        need(not split, f"train.cuda_graphs captures the step of one process; not with {', '.join(split)}")
+        need(
+            not (config.lora.enabled and config.lora.dropout > 0),
+            f"train.cuda_graphs replays the same random numbers every step: set lora.dropout = 0 "
+            f"(got {config.lora.dropout}) or train.cuda_graphs = false",
+        )
+        need(
+            not (config.lora.experts and config.lora.rank % 8),
+            f"train.cuda_graphs with adapters on the experts needs lora.rank a multiple of 8 (got "
+            f"{config.lora.rank}): the grouped GEMM kernel wants 16-byte rows, and its fallback waits for the host",
+        )
     _check_tp_sizes(model, config.parallel.tp)
     _check_pipeline(config)
 

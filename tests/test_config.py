@@ -113,6 +113,18 @@ def test_a_key_outside_any_section_finds_its_section(tmp_path):
         ("parallel.pp_overlap=yes", "parallel.pp_overlap must be of type bool, got 'yes'"),
         ("data.val_fraction=1.5", "data.val_fraction must be in (0, 1)"),
         (
+            "train.cuda_graphs=true parallel.ep=2 parallel.tp=2",
+            "train.cuda_graphs captures the step of one process; not with parallel.ep = 2, parallel.tp = 2",
+        ),
+        (
+            "train.cuda_graphs=true lora.rank=4",
+            "train.cuda_graphs with adapters on the experts needs lora.rank a multiple of 8 (got 4)",
+        ),
+        (
+            "train.cuda_graphs=true lora.rank=8 lora.dropout=0.1",
+            "train.cuda_graphs replays the same random numbers every step: set lora.dropout = 0 (got 0.1)",
+        ),
+        (
             'train.report_to=["tensorbord"]',
             "train.report_to: unknown 'tensorbord' (did you mean 'tensorboard'?); choose from tensorboard, wandb",
         ),

@@ -162,6 +162,39 @@ def test_expert_adapters_in_the_grouped_gemms(sizes):
                 assert rel_err(grad[e], factor.grad[e]) <= RTOL, (name, e)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the grouped GEMM kernel needs a CUDA GPU")
+@pytest.mark.parametrize("rank", [4, 8])
+def test_expert_adapters_on_the_gpu_whether_the_kernel_takes_the_rank_or_not(rank):
+    """A bf16 bank with fp32 adapters under autocast, as training runs it on a GPU: the grouped GEMM
+    kernel wants rows of 16 bytes, so rank 8 takes it and rank 4 the loop; both against the
+    float64 merged weights. Tolerance 2e-2: bf16 keeps 8 bits, rounded at each GEMM's input."""
+    sizes = [5, 0, 17, 10]
+    config = QWEN3.replace(
+        num_experts=len(sizes), moe_intermediate_size=16, hidden_size=32, num_hidden_layers=1, mlp_only_layers=[]
+    )
+    model = lora_model(config, LoraConfig(rank=rank, alpha=5.0, targets=[])).cuda()
+    experts = model.model.layers[0].mlp.experts
+    for bank in EXPERT_BANKS:
+        getattr(experts, bank).data = getattr(experts, bank).data.bfloat16()
+    group_sizes = torch.tensor(sizes, device="cuda")
+    x = torch.randn(sum(sizes), config.hidden_size, device="cuda").bfloat16().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = experts(x, group_sizes)
+    out.float().sum().backward()
+    weights = {
+        bank: getattr(experts, bank).double()
+        + torch.bmm(getattr(experts, f"{bank}_lora_B").double(), getattr(experts, f"{bank}_lora_A").double())
+        * experts.lora_scaling[bank]
+        for bank in EXPERT_BANKS
+    }
+    rows = []
+    for e, piece in enumerate(x.detach().double().split(sizes)):
+        gate, up = (piece @ weights["gate_up_proj"][e].T).chunk(2, dim=-1)
+        rows.append((torch.nn.functional.silu(gate) * up) @ weights["down_proj"][e].T)
+    assert rel_err(out, torch.cat(rows)) <= 2e-2
+    assert all(getattr(experts, f"{bank}_lora_{f}").grad is not None for bank in EXPERT_BANKS for f in "AB")
+
+
 @pytest.mark.parametrize("dropout", [False, True], ids=["same-input", "dropout-input"])
 @pytest.mark.parametrize("op", ["linear", "grouped_mm"])
 def test_base_and_update_in_one_node_against_float64(op, dropout):

@@ -75,10 +75,13 @@ def count_load(router: nn.Module, stats: RouterStats) -> None:
     """Add a training forward's (token, slot) choices per expert to `router.expert_load` (int64,
     so that they add up exactly); evaluation and generation forwards do not count, nor the forward
     that activation checkpointing runs again in backward. Read by the
-    trainer after each step (the per-expert load metrics, DeepSeek-V3's bias rule), then cleared."""
+    trainer after each step (the per-expert load metrics, DeepSeek-V3's bias rule), then zeroed.
+    Added in place, into the same tensor step after step: a step captured as a CUDA graph
+    (train/cuda_graph.py) adds into the tensor it was captured with."""
     if router.training and torch.is_grad_enabled() and not recompute.recomputing():  # once, not again in backward
-        load = stats.counts.long()  # whole numbers, exact in fp32 below 2**24 choices per forward
-        router.expert_load = load if router.expert_load is None else router.expert_load + load
+        if router.expert_load is None:
+            router.expert_load = torch.zeros(stats.counts.shape, dtype=torch.long, device=stats.counts.device)
+        router.expert_load.add_(stats.counts.long())  # whole numbers, exact in fp32 below 2**24 choices a forward
 
 
 class Router(nn.Module):

@@ -1,8 +1,9 @@
 """Grouped matrix multiply: rows of `x` are grouped by expert, and each group is multiplied by
 its own expert's weight.
 
-On CUDA in bf16 this is one `grouped_mm` launch (no host synchronisation); elsewhere (CPU, fp32)
-it is a loop over experts, which is exact and needs the group sizes on the host.
+On CUDA in bf16 this is one `grouped_mm` launch (no host synchronisation); elsewhere (CPU, fp32,
+or rows narrower than the kernel's 16-byte alignment: a LoRA rank that is not a multiple of 8) it
+is a loop over experts, which is exact and needs the group sizes on the host.
 
 LoRA on an expert bank (`models/lora.py`) rides the same autograd node: each group's rows times
 its expert's A_e, then B_e, two grouped GEMMs of rank r over all experts at once, the update added
@@ -42,9 +43,15 @@ def group_offsets(x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor | 
     return torch.cumsum(group_sizes, dim=0, dtype=torch.int32) if _use_kernel(x) else None
 
 
+def _fits(*widths: int) -> bool:
+    """Whether the kernel takes matrices of these row widths: its rows start on 16 bytes (8 bf16
+    numbers). A narrower LoRA rank (4, say) takes the loop instead."""
+    return all(width % 8 == 0 for width in widths)
+
+
 def _forward(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor, offsets) -> torch.Tensor:
     """out[rows of group e] = x[rows of group e] @ weight[e].T, for weight [E, O, K]."""
-    if offsets is not None:
+    if offsets is not None and _fits(*weight.shape[1:]):
         return _grouped_mm_kernel(x, weight.transpose(-2, -1), offs=offsets)
     pieces = torch.split(x, group_sizes.tolist())
     return torch.cat([piece @ w.transpose(0, 1) for piece, w in zip(pieces, weight.unbind(0))])
@@ -52,7 +59,7 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor, o
 
 def _weight_gradient(grad: torch.Tensor, x: torch.Tensor, group_sizes: torch.Tensor, offsets) -> torch.Tensor:
     """[E, O, K]: grad[rows of e].T @ x[rows of e] for every group e."""
-    if offsets is not None:
+    if offsets is not None and _fits(grad.shape[-1], x.shape[-1]):
         return _grouped_mm_kernel(grad.transpose(0, 1), x, offs=offsets)
     sizes = group_sizes.tolist()
     pieces = zip(torch.split(grad, sizes), torch.split(x, sizes))

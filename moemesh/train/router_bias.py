@@ -23,20 +23,23 @@ from moemesh.parallel import comm
 def update_router_bias(model: nn.Module, rate: float, group) -> None:
     """Apply the rule to every router with a correction bias (none: nothing happens), with the
     loads counted since the last call, and start counting afresh (every router, with a bias or
-    not). rate 0 only clears the counts."""
+    not: its counts zeroed in place, `models.moe.count_load`). rate 0 only clears the counts."""
     routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
-    loads = [
-        torch.zeros(r.e_score_correction_bias.shape, dtype=torch.long, device=r.e_score_correction_bias.device)
-        if r.expert_load is None
-        else r.expert_load
-        for r in routers
-    ]
+    loads = None
+    if routers and rate != 0:
+        loads = torch.stack(  # [layers, E], a copy: the counts are zeroed below
+            [
+                torch.zeros(r.e_score_correction_bias.shape, dtype=torch.long, device=r.e_score_correction_bias.device)
+                if r.expert_load is None
+                else r.expert_load
+                for r in routers
+            ]
+        )
     for router in model.modules():  # every router counts its choices (`models.moe.count_load`)
-        if hasattr(router, "expert_load"):
-            router.expert_load = None
-    if not routers or rate == 0:
+        if getattr(router, "expert_load", None) is not None:
+            router.expert_load.zero_()
+    if loads is None:
         return
-    loads = torch.stack(loads)  # [layers, E]
     comm.all_reduce_sum_([loads], group, kind="router_load")
     # sign(total / E − load), in integers: exact however large the batch
     direction = torch.sign(loads.sum(dim=1, keepdim=True) - loads.shape[1] * loads)

@@ -58,6 +58,7 @@ from moemesh.parallel.mesh import ParallelDims, init_mesh
 from moemesh.parallel.parallelize import DTYPES, materialize, parallelize
 from moemesh.parallel.pieces import local_view
 from moemesh.parallel.pipeline.runtime import MicroBatch, PipelineRunner
+from moemesh.train.cuda_graph import CapturedStep
 from moemesh.train.expert_load import expert_load_metrics
 from moemesh.train.flops import flops_per_token, peak_flops
 from moemesh.train.metrics import METRICS_FILE, MetricsLog, read_metrics
@@ -165,6 +166,12 @@ class Trainer:
         val = self.dataset.val_sequences(train.eval_sequences)
         self.val_batches = val[: len(val) // self.ranks * self.ranks].split(train.micro_batch)
         self.peak_flops = peak_flops(self.device)
+        self.captured: CapturedStep | None = None  # train.cuda_graphs: made at the first step
+        if train.cuda_graphs and (self.device.type != "cuda" or self.autocast_dtype != torch.bfloat16):
+            raise ConfigError(
+                f"train.cuda_graphs needs a GPU and train.dtype bfloat16 (the experts' grouped GEMMs "
+                f"wait for the host otherwise); this run has {self.device} and {train.dtype}"
+            )
 
     # ---- one step ---------------------------------------------------------------------------
     def _autocast(self):
@@ -187,6 +194,8 @@ class Trainer:
             ce_sum, aux_sum = self.pipeline.train([self._micro_batch(micro_batch) for micro_batch in micro_batches])
             if not self.config.model.output_router_logits:
                 aux_sum = None
+        elif train.cuda_graphs:
+            ce_sum, aux_sum = self._replayed_forward_backward(micro_batches)
         else:
             ce_sum, aux_sum = self._forward_backward(micro_batches)
         reduce_gradients(self.model, self.mesh)
@@ -212,7 +221,7 @@ class Trainer:
         else:
             update_router_bias(self.model, 0.0, None)  # forgets this step's expert loads, moves nothing
             record["skipped"] = True
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not train.cuda_graphs)  # a graph adds into the same tensors
         self.step += 1
         return record
 
@@ -237,6 +246,32 @@ class Trainer:
             if out.aux_loss is not None:  # the same on every rank: computed from summed statistics
                 aux = out.aux_loss.detach().float() / len(micro_batches)
                 aux_sum = aux if aux_sum is None else aux_sum + aux
+        return ce_sum, aux_sum
+
+    def _replayed_forward_backward(self, micro_batches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`_forward_backward` as the replays of one CUDA graph, captured at the first call
+        (train/cuda_graph.py). One process: its share of a micro-batch's loss is the whole."""
+        coef, count = self.config.model.router_aux_loss_coef, len(micro_batches)
+
+        def forward_backward(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+            with self._autocast():
+                out = self.model(tokens, labels=tokens, return_logits=False)
+            (rank_loss(out.ce_loss, out.aux_loss, 1, 1, coef, 1) / count).backward()
+            aux = None if out.aux_loss is None else out.aux_loss.detach().float()
+            return out.ce_loss.detach().float(), aux
+
+        ce_sum = torch.zeros((), device=self.device)
+        aux_sum = None
+        for micro_batch in micro_batches:
+            tokens = micro_batch.to(self.device, non_blocking=True)
+            if self.captured is None:
+                trained = [p for p in self.model.parameters() if p.requires_grad]
+                self.captured = CapturedStep(forward_backward, [tokens], trained)
+                update_router_bias(self.model, 0.0, None)  # forget the warm-up's expert loads
+            ce, aux = self.captured(tokens)
+            ce_sum += ce / count
+            if aux is not None:
+                aux_sum = aux / count if aux_sum is None else aux_sum + aux / count
         return ce_sum, aux_sum
 
     @torch.no_grad()
