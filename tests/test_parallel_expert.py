@@ -174,3 +174,22 @@ def check_collective_counts(rank):
 
 def test_collective_counts_per_moe_layer(pool):
     assert all(pool.run(check_collective_counts))
+
+
+def mesh_device_with_a_gpu_in_sight(rank) -> str:
+    """init_mesh in a gloo group, on a machine that seems to have a GPU (fewer than the ranks)."""
+    from unittest import mock
+
+    with (
+        mock.patch.object(torch.cuda, "is_available", return_value=True),
+        mock.patch.object(torch.cuda, "device_count", return_value=1),
+    ):
+        mesh = init_mesh(ParallelDims(ep=WORLD))
+    return mesh.device_mesh.device_type
+
+
+def test_a_cpu_group_builds_a_cpu_mesh_on_a_machine_with_a_gpu(pool):
+    """The ranks of a gloo group (the tests' pool, or `train.device = cpu` under torchrun) build a
+    CPU mesh even where a GPU is present: each asking for a GPU of its own failed on a one-GPU
+    machine ("invalid device ordinal")."""
+    assert pool.run(mesh_device_with_a_gpu_in_sight) == ["cpu"] * WORLD

@@ -90,14 +90,20 @@ class Mesh:
         return self.device_mesh.get_local_rank(axis)
 
 
-def init_mesh(dims: ParallelDims, timeout_s: float = 300.0) -> Mesh:
+def init_mesh(dims: ParallelDims, timeout_s: float = 300.0, device_type: str | None = None) -> Mesh:
     """Join the process group torchrun describes (if any) and build the mesh. gloo on CPU, NCCL on
-    GPU. Collectives that wait longer than `timeout_s` for a peer fail instead of hanging."""
+    GPU. Collectives that wait longer than `timeout_s` for a peer fail instead of hanging.
+    `device_type` ("cpu" or "cuda"): the run's device (the trainer's train.device); by default that
+    of a process group already joined (gloo: cpu), else a GPU when there is one. A CPU run on a
+    machine with fewer GPUs than ranks must not ask each rank for a GPU of its own."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     dims.check_world(world_size)
     if world_size == 1 and not dist.is_initialized():
         return Mesh(dims, None)
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_type is None and dist.is_initialized():
+        device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+    elif device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if not dist.is_initialized():
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -106,6 +106,7 @@ class Trainer:
                 tp=parallel.tp,
             ),
             timeout_s=parallel.timeout_s,
+            device_type=torch.device(train.device).type,
         )
         self.rank, self.ranks = self.mesh.rank("batch"), self.mesh.dims.batch_size
         self.is_main = int(os.environ.get("RANK", "0")) == 0  # the rank that prints and writes files
