@@ -4,7 +4,9 @@ One optimizer step consumes `train.global_batch` sequences in micro-batches of `
 whatever the layout; each data-parallel rank runs its contiguous slice of every micro-batch and
 accumulates gradients. A rank's loss is its share of the micro-batch loss (`rank_loss`) divided by
 the number of micro-batches, so the gradients, summed over micro-batches here and over ranks by
-`reduce_gradients`, are those of the global batch's mean loss in one process.
+`reduce_gradients`, are those of the global batch's mean loss in one process. With
+`train.cuda_graphs` (one process) each micro-batch's forward and backward replay one CUDA graph,
+captured at the first step (`cuda_graph.py`).
 
 A step whose loss or gradient norm is not finite changes nothing but the data position: no update
 of the weights, of AdamW's moments and step count, or of the learning-rate schedule, which counts
