@@ -22,7 +22,8 @@ added in place for this, `models.moe.count_load`, and the trainer zeroes them in
 Limits (the trainer's config checks say so): one process, a GPU and bf16 (the experts' grouped
 GEMMs wait for the host in fp32 and on the CPU), no LoRA dropout (each replay would draw the
 capture's random numbers). The shapes are the capture's: train.micro_batch × train.seq_len.
-Nothing in `fn` may wait for the host; a path that does fails the capture with CUDA's error.
+Nothing in `fn` may wait for the host; a path that does fails the capture (a ConfigError that
+says so, with CUDA's error).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+
+from moemesh.errors import ConfigError
 
 
 class CapturedStep:
@@ -54,8 +57,15 @@ class CapturedStep:
                 fn(*self.inputs)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.outputs = fn(*self.inputs)
+        try:
+            with torch.cuda.graph(self.graph):
+                self.outputs = fn(*self.inputs)
+        except RuntimeError as error:  # CUDA's "operation not permitted when stream is capturing", ...
+            raise ConfigError(
+                "train.cuda_graphs: the step could not be captured as a CUDA graph, as something in it "
+                "waits for the host (adapters read from lora.init_from of a rank that is not a multiple "
+                f"of 8 on the experts, for one); set train.cuda_graphs = false. CUDA said: {error}"
+            ) from error
         self.zero_grad()  # the warm-up's gradients
         torch.cuda.empty_cache()  # the warm-up's cached blocks: the graph's own pool holds what it needs
 
