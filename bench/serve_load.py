@@ -10,6 +10,9 @@ server's process, N requests in flight, no HTTP): the share of the engine the se
     # CPU smoke check
     PYTHONPATH=. python3 bench/serve_load.py --config configs/tiny.toml --clients 1,4 --requests 2 \\
         --prompt-len 16 --max-tokens 16
+    # the server's own cost on a CPU: the forward replaced by waits of the 48-layer shape's times
+    PYTHONPATH=. python3 bench/serve_load.py --config configs/tiny.toml --serve-args '--max-batch 64' \\
+        --clients 16,64 --long-prompt 0 --client-procs 1 --fake-step-ms 18
     # against a server that runs already (no engine-alone column)
     PYTHONPATH=. python3 bench/serve_load.py --url http://127.0.0.1:8000 --clients 1,16
 
@@ -26,7 +29,15 @@ Prompts are random lowercase letters (the byte tokenizer: a prompt of L letters 
 greedy, no end-of-sequence stop (the child's tokenizer has none): every request makes exactly
 --max-tokens tokens. Time to first token: from sending the request to the first streamed chunk;
 beside it the server's own view (p50): from the request's arrival to its submission to the
-scheduler, and from there to its first token.
+scheduler, and from there to its first token; the mean time of a round, the CPU time a round
+of the scheduler's thread and of the server's other threads (the event loop, mostly).
+
+--fake-step-ms measures the server's own cost where there is no GPU: the model's forward becomes
+a wait (GIL released, as while a GPU step is waited for) of that many ms a round, plus
+--fake-prefill-ms and --fake-token-us a token for a round that prefills (the defaults, with 18
+ms, follow the 48-layer shape on one H200: a decode round of 64 ~20 ms, a round of 4 prompts of
+~500 tokens ~44 ms), and logits of zeros. The scheduler, the engine's host side, the HTTP server
+and the clients are real; what the GPU's own host calls (launches, copies) cost is not in it.
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ import argparse
 import json
 import multiprocessing
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -67,26 +79,54 @@ def summary(side: str, clients: int, results: list[tuple[float, int]], wall: flo
 
 # ---- the server's side (the child process) ---------------------------------------------------------
 class StepClock:
-    """A scheduler's rounds, counted and timed (it wraps `scheduler.step`)."""
+    """A scheduler's rounds, counted and timed: wall time and the CPU time of the thread that runs
+    them (it wraps `scheduler.step`)."""
 
     def __init__(self, scheduler):
-        self.count, self.seconds, step = 0, 0.0, scheduler.step
+        self.count, self.seconds, self.cpu_seconds, step = 0, 0.0, 0.0, scheduler.step
 
-        def timed_step():
-            start = time.perf_counter()
+        def timed_step(*args, **kwargs):
+            start, cpu = time.perf_counter(), time.thread_time()
             try:
-                return step()
+                return step(*args, **kwargs)
             finally:
                 self.count += 1
                 self.seconds += time.perf_counter() - start
+                self.cpu_seconds += time.thread_time() - cpu
 
         scheduler.step = timed_step
 
     def take(self) -> dict:
-        """The rounds since the last call: how many, and their mean time in ms."""
-        taken = {"steps": self.count, "ms a step": self.seconds * 1e3 / max(1, self.count)}
-        self.count, self.seconds = 0, 0.0
+        """The rounds since the last call: how many, their mean time and the scheduler's CPU time
+        a round, in ms."""
+        rounds = max(1, self.count)
+        taken = {
+            "steps": self.count,
+            "ms a step": self.seconds * 1e3 / rounds,
+            "scheduler CPU ms a step": self.cpu_seconds * 1e3 / rounds,
+        }
+        self.count, self.seconds, self.cpu_seconds = 0, 0.0, 0.0
         return taken
+
+
+def process_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def fake_forward(model, args) -> None:
+    """The model's forward replaced by a wait of about a GPU step's time, the GIL released (as
+    while a GPU step is waited for), and logits of zeros (greedy picks token 0): the scheduler, the
+    engine's host side and the server run for real, the device's work is only time."""
+    import torch
+
+    def forward(ids, cache, positions, at=None):
+        packed = ids.shape[0] == 1 and ids.shape[1] > 1  # a prefill round (decode rounds are [B, 1])
+        prefill_ms = args.fake_prefill_ms + ids.numel() * args.fake_token_us / 1e3 if packed else 0.0
+        time.sleep((args.fake_step_ms + prefill_ms) / 1e3)
+        return torch.zeros(ids.shape[0] if at is None else len(at), model.config.vocab_size)
+
+    model.next_token_logits = forward
 
 
 def engine_alone(scheduler, clock: StepClock, tokenizer, clients: int, args) -> dict:
@@ -140,6 +180,8 @@ def serve_child(args) -> None:
         config = config.replace(max_position_embeddings=40960)
     config = config.replace(output_router_logits=False)
     model = moemesh_model(config, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if args.fake_step_ms is not None:
+        fake_forward(model, args)
     serve_args = _parser().parse_args(["serve", "--checkpoint", "random", *args.serve_args.split()])
     limit = config.max_position_embeddings
     engine = _engine(
@@ -191,12 +233,14 @@ def timed_inside(service) -> None:
     request's arrival (an ASGI wrapper) to its submission to the scheduler, and from there to its
     first update (the scheduler's thread), with the rounds between the two. `GET /bench/inside`
     returns, since the last call, each request's (ms, ms, rounds) and the rounds' count and mean
-    time; with `reply_window_ms`, it sets the scheduler's reply window for what follows."""
+    time, and the process's CPU time a round besides the scheduler's (the event loop's, mostly);
+    with `reply_window_ms`, it sets the scheduler's reply window for what follows."""
     import contextvars
 
     arrived = contextvars.ContextVar("arrived", default=None)
     pairs: list[tuple[float, float, int]] = []
     clock = StepClock(service.scheduler)
+    cpu = [process_cpu_seconds()]
     submit, app = service.scheduler.submit, service.app
 
     async def timed_app(scope, receive, send):
@@ -221,7 +265,15 @@ def timed_inside(service) -> None:
     async def inside(reply_window_ms: float | None = None):
         if reply_window_ms is not None:  # the next load's
             service.scheduler.reply_window_s = reply_window_ms / 1e3
-        taken = {"requests": list(pairs), **clock.take(), "reply window ms": service.scheduler.reply_window_s * 1e3}
+        rounds, now = max(1, clock.count), process_cpu_seconds()
+        others_ms = ((now - cpu[0]) - clock.cpu_seconds) * 1e3 / rounds
+        cpu[0] = now
+        taken = {
+            "requests": list(pairs),
+            **clock.take(),
+            "other threads' CPU ms a step": others_ms,
+            "reply window ms": service.scheduler.reply_window_s * 1e3,
+        }
         pairs.clear()
         return taken
 
@@ -286,6 +338,7 @@ def start_server(args) -> tuple[subprocess.Popen, str, dict]:
     port = args.port
     command = [sys.executable, __file__, "--serve", "--port", str(port), "--clients", args.clients]
     names = ("layers", "config", "requests", "prompt_len", "max_tokens", "long_prompt", "serve_args", "switch_interval")
+    names += ("fake_step_ms", "fake_prefill_ms", "fake_token_us")
     for name in names:
         value = getattr(args, name)
         if value is not None:
@@ -322,6 +375,15 @@ def main():
         "--reply-windows", help="comma-separated --reply-window-ms values, each a served run (default: serve's)"
     )
     parser.add_argument("--switch-interval", type=float, help="the server's sys.setswitchinterval (default its own)")
+    parser.add_argument(
+        "--fake-step-ms",
+        type=float,
+        help="the server's own cost on a CPU: the forward replaced by a wait of this many ms a round (module doc)",
+    )
+    parser.add_argument(
+        "--fake-prefill-ms", type=float, default=6.0, help="with --fake-step-ms: more for a prefill round"
+    )
+    parser.add_argument("--fake-token-us", type=float, default=10.0, help="with --fake-step-ms: more a prefill token")
     parser.add_argument("--port", type=int, default=8013)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child
     args = parser.parse_args()
@@ -365,7 +427,8 @@ def main():
         for row in rows:
             for key, value in row.items():
                 if isinstance(value, float):
-                    row[key] = f"{value:g}" if key.startswith("steps") else f"{value:,.0f}"
+                    digits = 1 if "CPU" in key else 0
+                    row[key] = f"{value:g}" if key.startswith("steps") else f"{value:,.{digits}f}"
         title = (
             f"moemesh serve under load ({model} at {url}): prompt {args.prompt_len} tokens, {args.max_tokens} "
             f"new tokens a request, {args.requests} requests a client, greedy, streamed, openai client"
