@@ -124,7 +124,7 @@ def fake_forward(model, args) -> None:
         packed = ids.shape[0] == 1 and ids.shape[1] > 1  # a prefill round (decode rounds are [B, 1])
         prefill_ms = args.fake_prefill_ms + ids.numel() * args.fake_token_us / 1e3 if packed else 0.0
         time.sleep((args.fake_step_ms + prefill_ms) / 1e3)
-        return torch.zeros(ids.shape[0] if at is None else len(at), model.config.vocab_size)
+        return torch.zeros(ids.shape[0] if at is None else len(at), model.config.vocab_size, device=ids.device)
 
     model.next_token_logits = forward
 
@@ -389,6 +389,8 @@ def main():
     args = parser.parse_args()
     args.client_counts = [int(c) for c in args.clients.split(",")]
     args.reply_windows = [float(w) for w in args.reply_windows.split(",")] if args.reply_windows else []
+    if args.fake_step_ms is not None and not args.config:
+        parser.error("--fake-step-ms wants --config of a small model (configs/tiny.toml): its weights go unused")
     if args.serve:
         return serve_child(args)
     child, report = None, None
