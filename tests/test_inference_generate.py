@@ -170,6 +170,17 @@ def test_prompts_files(tmp_path):
             read_prompts(tmp_path / "bad.jsonl", defaults)
 
 
+def serve_until_finished(scheduler: Scheduler, sequence, timeout_s: float = 30.0) -> None:
+    """`serve_forever` on its own thread until `sequence` has finished (or timeout_s), then closed."""
+    worker = threading.Thread(target=scheduler.serve_forever)
+    worker.start()
+    deadline = time.monotonic() + timeout_s
+    while sequence.finish_reason is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    scheduler.close()
+    worker.join()
+
+
 @pytest.mark.parametrize("window_s, reply_after_s", [(1.0, 0.03), (0.0, 0.03), (0.3, None)])
 def test_the_reply_window_holds_the_next_round_for_the_clients_that_finished(model, window_s, reply_after_s):
     """Short requests finish beside a long one; the client of the first sends its next request
@@ -193,13 +204,7 @@ def test_the_reply_window_holds_the_next_round_for_the_clients_that_finished(mod
     long = scheduler.submit([0, 1], SamplingParams(max_tokens=60))
     scheduler.submit([0, 2], SamplingParams(max_tokens=2), finished)
     scheduler.submit([0, 3], SamplingParams(max_tokens=6), finished)
-    worker = threading.Thread(target=scheduler.serve_forever)
-    worker.start()
-    deadline = time.monotonic() + 30
-    while long.finish_reason is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    scheduler.close()
-    worker.join()
+    serve_until_finished(scheduler, long)
     assert long.finish_reason == "length" and len(finishes) == 2
 
     def waited(finish: int) -> float:  # from the finishing round's start to the next one's
@@ -211,3 +216,25 @@ def test_the_reply_window_holds_the_next_round_for_the_clients_that_finished(mod
         assert replies[0] == finishes[0] + 1 and reply_after_s <= waited(finishes[0]) < window_s
     else:
         assert replies[0] > finishes[0] + 1
+
+
+def test_a_round_that_fails_while_admitting_fails_that_request_and_serving_goes_on(model):
+    """A round that raises before any request runs (here: admitting the first request, every
+    time) fails the request it was admitting, with the error, rather than failing again forever
+    with the queue held behind it; the next request is served as usual."""
+    engine = DecodeEngine(model, max_batch=2, max_len=64)
+    scheduler = Scheduler(engine, TOKENIZER)
+    first = scheduler.submit([0, 1], SamplingParams(max_tokens=3))
+    second = scheduler.submit([0, 2], SamplingParams(max_tokens=3))
+    admit = scheduler._admit
+
+    def admit_but_the_first(budget):
+        if scheduler.waiting and scheduler.waiting[0] is first:
+            raise RuntimeError("no room for this one")
+        return admit(budget)
+
+    scheduler._admit = admit_but_the_first
+    serve_until_finished(scheduler, second)
+    assert first.finish_reason == "error" and "no room for this one" in first.error
+    assert second.finish_reason == "length" and len(second.token_ids) == 3
+    assert scheduler.pool.num_free == scheduler.pool.num_blocks - 1  # every block back (the null one aside)

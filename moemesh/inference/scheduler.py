@@ -38,7 +38,8 @@ misses instead lost the whole gain on the 48-layer shape: docs/benchmarks.md.)
 A request's failure is that request's alone: what is done for one row after the engine's step
 (processing.py: penalties, biases, grammars, log-probabilities; its text and stops) runs under
 its own guard, and a row that raises finishes with "error" while the others go on. Only a
-failing engine step (the model or the device) fails every request in it.
+failing engine step (the model or the device) fails every request in it; a round that fails
+before any request runs fails the oldest waiting one, the one it was admitting.
 """
 
 from __future__ import annotations
@@ -181,9 +182,7 @@ class Scheduler:
             except Exception:  # a bug or a device error: report it to the requests, keep serving
                 error = traceback.format_exc()
                 print(error, flush=True)
-                for sequence in self.running:
-                    sequence.finish("error", error.strip().splitlines()[-1])
-                self._retire()
+                self._fail_round(error.strip().splitlines()[-1])
             submitted = self.submitted  # before its updates are out: no reply can have come yet
             if after_step is not None:
                 after_step()
@@ -210,6 +209,18 @@ class Scheduler:
             missed = self.submitted == submitted  # not one reply
         if missed:
             self._missed_s += time.monotonic() - start
+
+    def _fail_round(self, error: str) -> None:
+        """A round raised: its requests fail. When none was running yet, the oldest waiting one
+        (the round was admitting it), so that a failure that repeats every round ends instead of
+        holding the queue."""
+        failed = list(self.running)
+        with self._wake:
+            if not failed and self.waiting:
+                failed.append(self.waiting.popleft())
+        for sequence in failed:
+            sequence.finish("error", error)
+        self._retire()
 
     def close(self) -> None:
         with self._wake:
