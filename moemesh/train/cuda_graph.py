@@ -60,6 +60,8 @@ class CapturedStep:
         try:
             with torch.cuda.graph(self.graph):
                 self.outputs = fn(*self.inputs)
+        except torch.OutOfMemoryError:
+            raise  # not a path that waits for the host: the step does not fit
         except RuntimeError as error:  # CUDA's "operation not permitted when stream is capturing", ...
             raise ConfigError(
                 "train.cuda_graphs: the step could not be captured as a CUDA graph, as something in it "
