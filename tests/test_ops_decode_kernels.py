@@ -102,13 +102,14 @@ def test_rope_to_cache_in_blocks_of_tokens_equals_a_program_a_token(triton_kerne
 def test_paged_attention_equals_the_contiguous_reference(triton_kernels, dtype, window, norm, max_len, step):
     """Three sequences in shuffled blocks of 16 (random block tables, partial last blocks), their
     earlier keys and values in the cache; the step's tokens — one a sequence (decode), or 1, 5
-    and 37 consecutive tokens (packed: a chunk of a prompt in two tiles) — normed, rotated and
+    and a tile's tokens + 5 consecutive tokens (packed: a chunk of a prompt in two tiles) — normed, rotated and
     written at their slots, then attending over their own sequence up to their own position,
     against each sequence's keys held contiguously and attended explicitly (700 entries: in 4
     splits, each every 4th block of 64 keys, some empty, a window across blocks)."""
     heads, kv_heads, dim, block_size = 8, 2, 32, 16
     ends = [1, 18 if max_len < 200 else 301, max_len]  # each sequence's last position + 1
-    counts = [1, 1, 1] if step == "decode" else [1, 5, 37]
+    per_tile = decode_attention.tile_tokens(heads // kv_heads)
+    counts = [1, 1, 1] if step == "decode" else [1, 5, per_tile + 5]
     rows = [1, 2, 0]  # sequence b's block-table row
     per_row = -(-max_len // block_size)
     num_blocks = 1 + 3 * per_row + 5
@@ -134,7 +135,6 @@ def test_paged_attention_equals_the_contiguous_reference(triton_kernels, dtype, 
     angles = positions[:, None].float() * torch.rand(dim // 2)
     cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
     q_norm, k_norm = (torch.rand(dim).to(dtype) + 0.5 if norm else None for _ in range(2))
-    per_tile = decode_attention.tile_tokens(heads // kv_heads)
     starts, lengths, first = [], [], 0
     for n in counts:  # runs of at most per_tile tokens of one sequence
         for at in range(first, first + n, per_tile):

@@ -39,7 +39,11 @@ from moemesh.ops.backend import tl, triton
 
 BLOCK_KEYS = 64
 SPLIT_KEYS, MAX_SPLITS = 128, 16  # see split_count
-TILE_ROWS = 128  # a tile's query rows: its tokens × the query heads of one key/value head
+# A tile's query rows: its tokens × the query heads of one key/value head. The pipeline depth of
+# the key loop: packed steps and decode steps (Triton's default). 64 rows and 2 stages took a loaded
+# server's prefill round (60 decode tokens beside 4 prompts of 497) from 182 to 138 µs a layer on an
+# H100, and one prompt of 512 from 40 to 34 µs; `bench/paged_attention.py --sweep` measured them.
+TILE_ROWS, PACKED_STAGES, DECODE_STAGES = 64, 2, 3
 # rope_to_cache's tokens a program (one head of each) in steps of more than ROPE_SMALL_STEP tokens:
 # a program a (token, head) made a 2,048-token prefill launch 82k programs of a few hundred bytes
 # each, 67 µs a layer on an H200 (13 µs in blocks of 16). Decode steps keep a program a token, as
@@ -161,6 +165,7 @@ def paged_attention(
             SPLITS=splits,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=4 if rows <= 64 else 8,
+            num_stages=DECODE_STAGES if tokens_per_tile == 1 else PACKED_STAGES,
         )
         if splits > 1:
             _merge_splits_kernel[(tokens * heads,)](partial, out, SPLITS=splits, D=head_dim)
