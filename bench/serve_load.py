@@ -28,9 +28,9 @@ in --client-procs processes (threads within each), so that their own Python boun
 Prompts are random lowercase letters (the byte tokenizer: a prompt of L letters is L tokens),
 greedy, no end-of-sequence stop (the child's tokenizer has none): every request makes exactly
 --max-tokens tokens. Time to first token: from sending the request to the first streamed chunk;
-beside it the server's own view (p50): from the request's arrival to its submission to the
-scheduler, and from there to its first token; the mean time of a round, the CPU time a round
-of the scheduler's thread and of the server's other threads (the event loop, mostly).
+beside it the engine process's own view (p50): from the request's submission to the scheduler to
+its first token; the mean time of a round, the CPU time a round of the scheduler's thread, of the
+engine process's other threads and of the HTTP server's process (inference/link.py).
 
 --fake-step-ms measures the server's own cost where there is no GPU: the model's forward becomes
 a wait (GIL released, as while a GPU step is waited for) of that many ms a round, plus
@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import random
 import resource
 import statistics
@@ -213,10 +214,6 @@ def serve_child(args) -> None:
         args.salt = f"engine {clients}"
         report["engine"].append(engine_alone(scheduler, clock, tokenizer, clients, args))
     print("REPORT " + json.dumps(report), flush=True)
-    if args.switch_interval:  # the server's GIL turn for the scheduler's thread, for comparison
-        import moemesh.inference.server
-
-        moemesh.inference.server.SWITCH_INTERVAL_S = args.switch_interval
     service = Service(
         engine,
         tokenizer,
@@ -224,60 +221,74 @@ def serve_child(args) -> None:
         max_waiting=max(args.client_counts) + 1,
         reply_window_ms=serve_args.reply_window_ms,
     )
-    timed_inside(service)
+    timed_inside(service, args.port + 1)
     service.serve("127.0.0.1", args.port, announce=True)
 
 
-def timed_inside(service) -> None:
-    """Where a served request's time to first token goes, seen from the server: from the HTTP
-    request's arrival (an ASGI wrapper) to its submission to the scheduler, and from there to its
-    first update (the scheduler's thread), with the rounds between the two. `GET /bench/inside`
-    returns, since the last call, each request's (ms, ms, rounds) and the rounds' count and mean
-    time, and the process's CPU time a round besides the scheduler's (the event loop's, mostly);
-    with `reply_window_ms`, it sets the scheduler's reply window for what follows."""
-    import contextvars
+def process_cpu_seconds_of(pid: int) -> float:
+    """Another process's CPU time (Linux: /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    arrived = contextvars.ContextVar("arrived", default=None)
-    pairs: list[tuple[float, float, int]] = []
+
+def timed_inside(service, port: int) -> None:
+    """Where a served request's time to first token goes, seen from the engine's process: from its
+    submission to the scheduler to its first update, with the rounds between the two; and the CPU
+    time a round of the scheduler's thread, of this process's other threads and of the HTTP
+    process. `GET http://127.0.0.1:<port>/inside` (a small server of its own) returns them since
+    the last call; with `?reply_window_ms=W` it sets the scheduler's reply window for what follows."""
+    import http.server
+    import urllib.parse
+
+    waits: list[tuple[float, int]] = []
     clock = StepClock(service.scheduler)
-    cpu = [process_cpu_seconds()]
-    submit, app = service.scheduler.submit, service.app
-
-    async def timed_app(scope, receive, send):
-        arrived.set(time.perf_counter())
-        await app(scope, receive, send)
+    cpu = {"self": process_cpu_seconds(), "http": 0.0}
+    submit = service.scheduler.submit
 
     def timed_submit(prompt_ids, params, on_update=None):
-        start, first = arrived.get(), []
-        submitted, rounds = time.perf_counter(), clock.count
+        submitted, rounds, first = time.perf_counter(), clock.count, []
 
         def relay(sequence, text):
             if not first:
-                first.append(time.perf_counter())
-                waits = ((submitted - (start or submitted)) * 1e3, (first[0] - submitted) * 1e3)
-                pairs.append((*waits, clock.count - rounds))
+                first.append(True)
+                waits.append(((time.perf_counter() - submitted) * 1e3, clock.count - rounds))
             if on_update is not None:
                 on_update(sequence, text)
 
         return submit(prompt_ids, params, relay)
 
-    @app.get("/bench/inside")
-    async def inside(reply_window_ms: float | None = None):
-        if reply_window_ms is not None:  # the next load's
-            service.scheduler.reply_window_s = reply_window_ms / 1e3
+    def inside(query: dict) -> dict:
+        if "reply_window_ms" in query:  # the next load's
+            service.scheduler.reply_window_s = float(query["reply_window_ms"][0]) / 1e3
         rounds, now = max(1, clock.count), process_cpu_seconds()
-        others_ms = ((now - cpu[0]) - clock.cpu_seconds) * 1e3 / rounds
-        cpu[0] = now
+        http_now = process_cpu_seconds_of(service.http.pid)
         taken = {
-            "requests": list(pairs),
+            "requests": list(waits),
+            "other threads' CPU ms a step": ((now - cpu["self"]) - clock.cpu_seconds) * 1e3 / rounds,
+            "HTTP process CPU ms a step": (http_now - cpu["http"]) * 1e3 / rounds,
             **clock.take(),
-            "other threads' CPU ms a step": others_ms,
             "reply window ms": service.scheduler.reply_window_s * 1e3,
         }
-        pairs.clear()
+        cpu["self"], cpu["http"] = now, http_now
+        waits.clear()
         return taken
 
-    service.scheduler.submit, service.app = timed_submit, timed_app
+    class Control(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            body = json.dumps(inside(urllib.parse.parse_qs(urllib.parse.urlparse(self.path).query))).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    control = http.server.ThreadingHTTPServer(("127.0.0.1", port), Control)
+    threading.Thread(target=control.serve_forever, daemon=True).start()
+    service.scheduler.submit = timed_submit
 
 
 # ---- the clients -------------------------------------------------------------------------------------
@@ -337,7 +348,7 @@ def start_server(args) -> tuple[subprocess.Popen, str, dict]:
     """The child server; returns once it listens, with its URL and its report."""
     port = args.port
     command = [sys.executable, __file__, "--serve", "--port", str(port), "--clients", args.clients]
-    names = ("layers", "config", "requests", "prompt_len", "max_tokens", "long_prompt", "serve_args", "switch_interval")
+    names = ("layers", "config", "requests", "prompt_len", "max_tokens", "long_prompt", "serve_args")
     names += ("fake_step_ms", "fake_prefill_ms", "fake_token_us")
     for name in names:
         value = getattr(args, name)
@@ -374,7 +385,6 @@ def main():
     parser.add_argument(
         "--reply-windows", help="comma-separated --reply-window-ms values, each a served run (default: serve's)"
     )
-    parser.add_argument("--switch-interval", type=float, help="the server's sys.setswitchinterval (default its own)")
     parser.add_argument(
         "--fake-step-ms",
         type=float,
@@ -384,7 +394,7 @@ def main():
         "--fake-prefill-ms", type=float, default=6.0, help="with --fake-step-ms: more for a prefill round"
     )
     parser.add_argument("--fake-token-us", type=float, default=10.0, help="with --fake-step-ms: more a prefill token")
-    parser.add_argument("--port", type=int, default=8013)
+    parser.add_argument("--port", type=int, default=8013, help="the server's (and the next one, its bench control's)")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child
     args = parser.parse_args()
     args.client_counts = [int(c) for c in args.clients.split(",")]
@@ -412,16 +422,16 @@ def main():
                 rows.append({k: v for k, v in alone.items()})
             for window in args.reply_windows or [None]:
                 args.salt = f"serve {clients} {window}"
+                control = f"http://127.0.0.1:{args.port + 1}/inside"
                 if child is not None:
-                    httpx.get(url + "/bench/inside", params={} if window is None else {"reply_window_ms": window})
+                    httpx.get(control, params={} if window is None else {"reply_window_ms": window})
                 row = load(url, model, clients, args)
                 if child is not None:  # the server's own view of the first token
-                    inside = httpx.get(url + "/bench/inside").json()
-                    pairs = inside.pop("requests")
+                    inside = httpx.get(control).json()
+                    waits = inside.pop("requests")
                     row["reply window ms"] = inside.pop("reply window ms")
-                    row["arrival → submit p50 ms"] = statistics.median(a for a, _, _ in pairs)
-                    row["submit → first token p50 ms"] = statistics.median(b for _, b, _ in pairs)
-                    row["steps to first token p50"] = statistics.median(n for _, _, n in pairs)
+                    row["submit → first token p50 ms"] = statistics.median(ms for ms, _ in waits)
+                    row["steps to first token p50"] = statistics.median(n for _, n in waits)
                     row.update(inside)
                 if alone:
                     row["of the engine"] = f"{row['tokens/s'] / alone['tokens/s']:.0%}"

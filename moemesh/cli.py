@@ -90,9 +90,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--reply-window-ms",
         type=float,
-        default=10.0,
+        default=25.0,
         help="after a step that finished requests, wait up to this long for as many new ones before the next, "
-        "so that clients answering at once join it (default 10; 0: never wait)",
+        "so that clients answering at once join it (default 25; 0: never wait)",
     )
 
     estimate = commands.add_parser("estimate", help="per-layer memory and time, pipeline stages, per-rank memory")

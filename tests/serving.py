@@ -1,7 +1,8 @@
 """A small checkpoint for the server tests: a tiny Qwen3-MoE with random weights, a byte-level BPE
 tokenizer.json trained on a few lines (its special tokens never predicted: texts end by length or
 stop strings), and a ChatML chat template in tokenizer_config.json; and a
-`moemesh serve` running in this process (uvicorn on its own thread, a real socket on 127.0.0.1)."""
+`moemesh serve` whose engine runs in this process, on a thread (its HTTP server in the child
+process it starts, on a real socket on 127.0.0.1)."""
 
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ class ServerThread:
         self.thread = threading.Thread(target=service.serve, kwargs={"sock": self.sock}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
-        while not (service.server is not None and service.server.started):
+        while not service.ready.is_set():
             if time.monotonic() > deadline or not self.thread.is_alive():
                 raise RuntimeError("the server did not start")
             time.sleep(0.05)

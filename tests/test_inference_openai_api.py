@@ -542,23 +542,26 @@ def test_non_json_bodies_are_refused(server):
         assert reply.status_code == 415 and "must be JSON" in reply.json()["error"]["message"]
 
 
-def test_a_chat_template_that_raises_is_a_400(server, client, monkeypatch):
+def test_a_chat_template_that_raises_is_a_400(server):
+    """A template's own error (raise_exception, as Hugging Face templates refuse a role) and one
+    that breaks while rendering are both the request's 400, naming messages (the HTTP process's
+    protocol object, as it answers with it; ApiError's way to a 400 is the other tests')."""
     from moemesh.inference.chat import ChatTemplate
+    from moemesh.inference.protocol import ApiError, chat_plan
+    from moemesh.inference.server import Front
 
+    served = Front(server.service.settings, link=None).served
     template = ChatTemplate(
         "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
         "{% endif %}{{ m['content'] }}{% endfor %}"
     )
-    monkeypatch.setattr(server.service, "served", replace(server.service.served, chat_template=template))
-    with pytest.raises(openai.BadRequestError, match="System role not supported") as error:
-        client.chat.completions.create(model="tiny", messages=[{"role": "system", "content": "a"}])
-    assert error.value.body["param"] == "messages"
-    monkeypatch.setattr(
-        server.service,
-        "served",
-        replace(server.service.served, chat_template=ChatTemplate("{{ messages[0]['content'] + 5 }}")),
-    )
-    assert post(server, {"messages": [{"role": "user", "content": "a"}]}, "/v1/chat/completions").status_code == 400
+    with pytest.raises(ApiError, match="System role not supported") as error:
+        chat_plan({"messages": [{"role": "system", "content": "a"}]}, replace(served, chat_template=template))
+    assert error.value.status == 400 and error.value.body()["error"]["param"] == "messages"
+    broken = replace(served, chat_template=ChatTemplate("{{ messages[0]['content'] + 5 }}"))
+    with pytest.raises(ApiError) as error:
+        chat_plan({"messages": [{"role": "user", "content": "a"}]}, broken)
+    assert error.value.status == 400
 
 
 def test_lone_surrogates_with_the_byte_tokenizer():

@@ -3,13 +3,16 @@
 OpenAI's error object, the server serving on), a client that disconnects mid-stream freeing its
 row, concurrent clients sharing decode steps, 401 / 413 / 503, and a bounded soak test.
 
-One server for the module (in this process, so that a test can look at its scheduler), with an
-API key and a 64 KiB body limit, over a tiny random-weight model (tests/serving.py)."""
+One server for the module (its engine in this process, so that a test can look at its scheduler;
+its HTTP side in a child process, as `moemesh serve` runs), with an API key and a 64 KiB body
+limit, over a tiny random-weight model (tests/serving.py)."""
 
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 import threading
 import time
 
@@ -191,6 +194,24 @@ def test_chat_without_a_template_is_a_400(tmp_path):
     try:
         reply = httpx.post(running.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}]})
         assert reply.status_code == 400 and "has no chat template" in reply.json()["error"]["message"]
+    finally:
+        running.stop()
+
+
+def test_the_http_side_is_a_process_of_its_own_and_its_end_ends_serve(checkpoint):
+    """The HTTP server answers from a process apart from the engine's; when that process dies
+    (killed, as by the out-of-memory killer), `serve` returns and the scheduler is closed rather
+    than serving nobody for ever."""
+    model, tokenizer = load_for_generation(checkpoint)
+    service = Service(DecodeEngine(model, max_batch=1, max_len=64), tokenizer, model_name="t")
+    running = ServerThread(service)
+    try:
+        assert service.http.pid != os.getpid() and service.http.is_alive()
+        reply = httpx.post(running.url + "/v1/completions", json={"prompt": "a", "max_tokens": 3})
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
+        os.kill(service.http.pid, signal.SIGKILL)
+        running.thread.join(timeout=30)
+        assert not running.thread.is_alive() and service.scheduler.closed
     finally:
         running.stop()
 

@@ -186,6 +186,11 @@ class Logprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
+def mean_logprob(logprobs: list[Logprob]) -> float:
+    """The mean log-probability of a sequence's tokens (best_of ranks by it, as OpenAI does)."""
+    return sum(p.logprob for p in logprobs) / max(len(logprobs), 1)
+
+
 class Sequence:
     """A request in the scheduler. `on_update(sequence, new_text)` runs on the scheduler's
     thread for every token sampled (new_text: what became final, maybe "") and once more when
@@ -222,11 +227,6 @@ class Sequence:
     def position(self) -> int:
         """Where the last sampled token goes when it is fed back."""
         return len(self.prompt_ids) + len(self.token_ids) - 1
-
-    @property
-    def mean_logprob(self) -> float:
-        """The mean log-probability of the tokens (best_of ranks by it, as OpenAI does)."""
-        return sum(p.logprob for p in self.logprobs) / max(len(self.logprobs), 1)
 
     def add(self, token: int, context: int, logprob: Logprob | None = None) -> None:
         """Take the next sampled token; `context`: the cache entries a row has."""

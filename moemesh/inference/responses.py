@@ -18,7 +18,7 @@ from typing import Any
 
 from moemesh.data.tokenizer import Tokenizer
 from moemesh.inference.protocol import Plan
-from moemesh.inference.request import IncrementalText, Logprob, Sequence
+from moemesh.inference.request import IncrementalText, Logprob, Sequence, mean_logprob
 
 
 class Reply:
@@ -49,7 +49,7 @@ class Reply:
         out = []
         for p in range(len(self.plan.prompts)):
             group = self.sequences[p * best_of : (p + 1) * best_of]
-            out += sorted(group, key=lambda s: -s.mean_logprob)[:n] if best_of > n else group
+            out += sorted(group, key=lambda s: -mean_logprob(s.logprobs))[:n] if best_of > n else group
         return out
 
     def whole(self) -> dict:

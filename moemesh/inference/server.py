@@ -2,6 +2,10 @@
 scheduler, so that the official `openai` client works unchanged. HTTP only: requests are read and
 checked by protocol.py, answered in responses.py's objects, and run by the scheduler's thread.
 
+Two processes (link.py says why and what crosses between them): this one holds the engine and
+the scheduler's thread; the HTTP server runs in a child process started with `spawn`, on the
+listening socket this one bound, so that its Python never holds the engine's GIL.
+
     GET  /health                   200 while serving (no key needed)
     GET  /v1/models                the one model
     GET  /v1/models/{id}           it, or a 404 for another id
@@ -18,8 +22,9 @@ waiting queue is full.
 
 A client that leaves frees its rows at the next step: a stream's end cancels its sequences, and
 while a non-streaming request runs, a watcher waits for the connection's http.disconnect message.
-Each request is logged on the `moemesh.serve` logger in one line: method, path, status, prompt
-and completion tokens, seconds.
+Each request is logged on the `moemesh.serve` logger (of the engine's process) in one line:
+method, path, status, prompt and completion tokens, seconds. If either process ends, so does the
+other.
 
 This module needs fastapi and uvicorn (`pip install moemesh[serve]`); nothing else imports it.
 """
@@ -28,13 +33,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import hmac
 import json
 import logging
+import multiprocessing
+import socket
 import sys
 import threading
 import time
+import traceback
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -44,17 +52,32 @@ from moemesh.data.tokenizer import Tokenizer
 from moemesh.errors import RequestError
 from moemesh.inference.chat import ChatTemplate, load_chat_template
 from moemesh.inference.engine import DecodeEngine
+from moemesh.inference.grammar import Grammars
+from moemesh.inference.link import EngineLink, HttpLink, Submitted
 from moemesh.inference.protocol import ApiError, Plan, Served, bad, chat_plan, completion_plan
-from moemesh.inference.request import Sequence, short
+from moemesh.inference.request import short
 from moemesh.inference.responses import Reply
 from moemesh.inference.scheduler import QueueFull, Scheduler
 
 log = logging.getLogger("moemesh.serve")
-SWITCH_INTERVAL_S = 2e-4
+STOP_WAIT_S = 10  # for the other process to end, once one has
+
+
+@dataclass(frozen=True)
+class HttpSettings:
+    """What the HTTP process needs (pickled to it)."""
+
+    tokenizer: Tokenizer
+    model_name: str
+    api_key: str | None
+    max_request_bytes: int
+    max_len: int
+    vocab: int
+    max_waiting: int
 
 
 class Service:
-    """The scheduler on its own thread and the HTTP app that feeds it."""
+    """The scheduler on its own thread, and the HTTP process that feeds it."""
 
     def __init__(
         self,
@@ -64,39 +87,21 @@ class Service:
         api_key: str | None = None,
         max_waiting: int = 64,
         max_request_bytes: int = 1 << 20,
-        reply_window_ms: float = 10.0,  # serve's --reply-window-ms (inference/scheduler.py says why)
+        reply_window_ms: float = 25.0,  # serve's --reply-window-ms (inference/scheduler.py says why)
     ):
-        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
-        self.api_key, self.max_request_bytes = api_key, max_request_bytes
+        self.engine = engine
         self.scheduler = Scheduler(engine, tokenizer, max_waiting, reply_window_ms / 1e3)
-        self.chat_template: ChatTemplate | None = load_chat_template(tokenizer)
-        self.chat_stop_ids: tuple[int, ...] = ()
-        if self.chat_template is not None and self.chat_template.eos_token:
-            ids = tokenizer.encode(self.chat_template.eos_token)
-            self.chat_stop_ids = tuple(ids) if len(ids) == 1 else ()
-        self.served = Served(
-            tokenizer,
-            engine.max_len,
-            engine.vocab,
-            self.chat_template,
-            self.chat_stop_ids,
-            self.scheduler.grammars,
-            max_waiting,  # a request that fits an empty queue (more could be refused with 503 forever)
+        self.settings = HttpSettings(
+            tokenizer, model_name, api_key, max_request_bytes, engine.max_len, engine.vocab, max_waiting
         )
-        self.created = int(time.time())
-        # Updates of this scheduler round, handed to the event loop together after it (`deliver`):
-        # one wake-up of the loop a round, not one a token a client.
-        self.outbox: list[tuple[asyncio.Queue, tuple]] = []
-        self.loop: asyncio.AbstractEventLoop | None = None  # uvicorn's, known from the first request
-        self.app = _create_app(self)
-        self.server = None  # the uvicorn server while it runs
+        self.link: EngineLink | None = None
+        self.http: multiprocessing.Process | None = None  # the HTTP server's process while it runs
+        self.ready = threading.Event()  # set once the HTTP process serves
 
     def serve(self, host: str = "127.0.0.1", port: int = 8000, sock=None, announce: bool | None = None) -> None:
-        """Run until interrupted (or `shutdown`): the engine's warm-up, the scheduler's thread,
-        then uvicorn here, on `sock` when given (bound already). `announce` (default: without
-        `sock`) prints the warm-up's time and the URL."""
-        import uvicorn
-
+        """Run until interrupted (or `shutdown`, or the HTTP process's end): the engine's warm-up,
+        the scheduler's thread, the HTTP process, on `sock` when given (bound already). `announce`
+        (default: without `sock`) prints the warm-up's time and the URL."""
         announce = sock is None if announce is None else announce
         seconds = self.engine.warm_up()
         if announce:
@@ -105,37 +110,45 @@ class Service:
                 f"to {self.engine.max_num_batched_tokens} tokens ready in {seconds:.1f} s",
                 flush=True,
             )
-        rounds = functools.partial(self.scheduler.serve_forever, after_step=self.deliver)
-        worker = threading.Thread(target=rounds, name="moemesh-scheduler", daemon=True)
-        # The scheduler's thread is the GPU's critical path: when a step's tokens are back it must
-        # get the GIL from the event loop at once, not after Python's default 5 ms turn.
-        switch_interval = sys.getswitchinterval()
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
-        worker.start()
-        self.server = uvicorn.Server(
-            uvicorn.Config(self.app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+        if sock is None:
+            sock = socket.create_server((host, port))
+        spawn = multiprocessing.get_context("spawn")  # never fork a process that holds a GPU
+        ours, theirs = spawn.Pipe()
+        self.link = link = EngineLink(ours, self.scheduler)
+        self.http = spawn.Process(target=_http_main, args=(self.settings, theirs, sock), name="moemesh-http")
+        self.http.start()
+        theirs.close()
+        listener = threading.Thread(target=link.listen, name="moemesh-link", daemon=True)
+        worker = threading.Thread(
+            target=self.scheduler.serve_forever, kwargs={"after_step": link.deliver}, name="moemesh-scheduler"
         )
+        listener.start()
+        worker.start()
         try:
+            while not link.ready.wait(0.1):
+                if not self.http.is_alive():
+                    code = self.http.exitcode
+                    raise RuntimeError(f"the HTTP server's process ended while starting (exit code {code})")
+            self.ready.set()
             if announce:
-                port = port if sock is None else sock.getsockname()[1]  # --port 0: the one the system chose
-                print(f"moemesh serve: {self.model_name} on http://{host}:{port}", flush=True)
-            self.server.run(sockets=None if sock is None else [sock])
+                port = sock.getsockname()[1]  # --port 0: the one the system chose
+                print(f"moemesh serve: {self.settings.model_name} on http://{host}:{port}", flush=True)
+            self.http.join()
         finally:
+            self.shutdown()
+            self.http.join(STOP_WAIT_S)
+            if self.http.is_alive():
+                self.http.terminate()
+                self.http.join()
             self.scheduler.close()
             worker.join()
-            sys.setswitchinterval(switch_interval)
-
-    def deliver(self) -> None:
-        """On the scheduler's thread after a round: its updates to their requests' queues."""
-        if not self.outbox:
-            return
-        updates, self.outbox = self.outbox, []
-        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is waiting
-            self.loop.call_soon_threadsafe(_put_all, updates)
+            ours.close()
 
     def shutdown(self) -> None:
-        if self.server is not None:
-            self.server.should_exit = True
+        """Ask the HTTP process to stop (it finishes the responses under way, for a few seconds)."""
+        if self.link is not None:
+            with contextlib.suppress(OSError):
+                self.link.send(("shutdown",))
 
 
 def serve(
@@ -154,6 +167,48 @@ def serve(
         engine.close()
 
 
+# ---- the HTTP process ------------------------------------------------------------------------------
+
+
+class Front:
+    """What the app answers with: the settings, the protocol's view of the model, the link."""
+
+    def __init__(self, settings: HttpSettings, link: HttpLink):
+        self.link, self.tokenizer, self.model_name = link, settings.tokenizer, settings.model_name
+        self.api_key, self.max_request_bytes = settings.api_key, settings.max_request_bytes
+        self.chat_template: ChatTemplate | None = load_chat_template(settings.tokenizer)
+        chat_stop_ids: tuple[int, ...] = ()
+        if self.chat_template is not None and self.chat_template.eos_token:
+            ids = settings.tokenizer.encode(self.chat_template.eos_token)
+            chat_stop_ids = tuple(ids) if len(ids) == 1 else ()
+        self.served = Served(
+            settings.tokenizer,
+            settings.max_len,
+            settings.vocab,
+            self.chat_template,
+            chat_stop_ids,
+            Grammars(settings.tokenizer, settings.vocab),
+            settings.max_waiting,  # a request that fits an empty queue (more could be refused with 503 forever)
+        )
+        self.created = int(time.time())
+
+
+def _http_main(settings: HttpSettings, conn, sock) -> None:
+    """The HTTP process: uvicorn on `sock` until the engine's process says stop, or ends."""
+    import uvicorn
+
+    link = HttpLink(conn)
+    server = uvicorn.Server(
+        uvicorn.Config(_create_app(Front(settings, link)), log_level="warning", timeout_graceful_shutdown=5)
+    )
+
+    def stop():
+        server.should_exit = True
+
+    link.on_shutdown = stop
+    server.run(sockets=[sock])
+
+
 # ---- the app ---------------------------------------------------------------------------------------
 
 
@@ -169,11 +224,12 @@ def _error(error: ApiError) -> ErrorResponse:
 
 
 class AccessLog:
-    """ASGI middleware: one line a request on the `moemesh.serve` logger, once its response is
-    complete (a stream's too): method, path, status, tokens (when it ran), seconds."""
+    """ASGI middleware: one line a request for the `moemesh.serve` logger (`emit(level, line)`),
+    once its response is complete (a stream's too): method, path, status, tokens (when it ran),
+    seconds."""
 
-    def __init__(self, app):
-        self.app = app
+    def __init__(self, app, emit):
+        self.app, self.emit = app, emit
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -194,17 +250,21 @@ class AccessLog:
             if reply is not None:
                 usage = reply.usage()
                 tokens = f" prompt_tokens={usage['prompt_tokens']} completion_tokens={usage['completion_tokens']}"
-            log.info(
-                "%s %s %d%s %.3f s", scope["method"], scope["path"], status[0], tokens, time.perf_counter() - start
-            )
+            seconds = time.perf_counter() - start
+            self.emit(logging.INFO, f"{scope['method']} {scope['path']} {status[0]}{tokens} {seconds:.3f} s")
 
 
 JSON_TYPES = ("application/json",)
 
 
-def _create_app(service: Service) -> FastAPI:
-    app = FastAPI(title="moemesh", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(AccessLog)
+def _create_app(service: Front) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        service.link.start()  # the engine's messages in, and the engine's process told we serve
+        yield
+
+    app = FastAPI(title="moemesh", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.add_middleware(AccessLog, emit=service.link.log)
 
     @app.exception_handler(ApiError)
     async def api_error(request, error: ApiError):
@@ -220,7 +280,9 @@ def _create_app(service: Service) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def server_error(request, error: Exception):  # a bug: still OpenAI's shape (and logged)
-        log.exception("moemesh serve: an error while answering %s %s", request.method, request.url.path)
+        trace = "".join(traceback.format_exception(error))
+        what = f"moemesh serve: an error while answering {request.method} {request.url.path}"
+        service.link.log(logging.ERROR, f"{what}\n{trace.rstrip()}")
         return _error(ApiError(500, f"internal error ({type(error).__name__})", kind="server_error"))
 
     def authorize(request: Request) -> None:
@@ -297,40 +359,23 @@ def _create_app(service: Service) -> FastAPI:
         return await respond(request, chat_plan(await read_json(request), service.served))
 
     async def respond(request: Request, plan: Plan):
-        service.loop = asyncio.get_running_loop()
-        updates: asyncio.Queue = asyncio.Queue()
-        sequences: list[Sequence] = []
-
-        def relay(index: int):
-            reported = [0]
-
-            def on_update(sequence: Sequence, text: str) -> None:  # on the scheduler's thread
-                start, end = reported[0], len(sequence.token_ids)
-                reported[0] = end
-                service.outbox.append((updates, (index, text, sequence.finish_reason, (start, end))))
-
-            return on_update
-
+        asks = [(ids, params) for ids, choices in zip(plan.prompts, plan.params) for params in choices]
         try:
-            for ids, choices in zip(plan.prompts, plan.params):
-                for params in choices:
-                    sequences.append(service.scheduler.submit(ids, params, relay(len(sequences))))
+            submitted = await service.link.submit(asks)
         except QueueFull as e:
-            cancel(sequences)
             raise ApiError(503, f"the server is busy: {e}", code="server_busy", kind="server_error") from None
         except RequestError as e:
-            cancel(sequences)
             raise bad(e) from None
-        reply = Reply(service.model_name, plan, sequences, service.tokenizer)
+        reply = Reply(service.model_name, plan, submitted.views, service.tokenizer)
         request.state.reply = reply
         if plan.stream:
-            return StreamingResponse(stream(updates, reply, plan.include_usage), media_type="text/event-stream")
+            return StreamingResponse(stream(submitted, reply, plan.include_usage), media_type="text/event-stream")
         finished = 0
 
         async def all_finished():
             nonlocal finished
-            while finished < len(sequences):
-                _, _, reason, _ = await updates.get()
+            while finished < len(submitted.views):
+                _, _, reason, _ = await submitted.updates.get()
                 finished += reason is not None
 
         work = asyncio.ensure_future(all_finished())
@@ -340,15 +385,16 @@ def _create_app(service: Service) -> FastAPI:
         finally:
             work.cancel()
             watcher.cancel()
-            cancel(sequences)  # a no-op for finished ones; frees the rows of a client that left
+            service.link.cancel(submitted)  # a no-op for finished ones; frees the rows of a client that left
         if not work.done() or work.cancelled():
             return None  # the client left: nobody to answer
-        failed = next((s for s in sequences if s.finish_reason == "error"), None)
+        failed = next((s for s in submitted.views if s.finish_reason == "error"), None)
         if failed is not None:
             raise ApiError(500, f"generation failed: {failed.error}", kind="server_error")
         return reply.whole()
 
-    async def stream(updates: asyncio.Queue, reply: Reply, include_usage: bool):
+    async def stream(submitted: Submitted, reply: Reply, include_usage: bool):
+        updates = submitted.updates
         try:
             for event in reply.first_events():
                 yield event
@@ -368,7 +414,7 @@ def _create_app(service: Service) -> FastAPI:
                 yield reply.usage_event()
             yield "data: [DONE]\n\n"
         finally:  # also when the client went away: Starlette cancels this generator
-            cancel(reply.sequences)
+            service.link.cancel(submitted)
 
     return app
 
@@ -382,18 +428,8 @@ async def disconnected(request: Request) -> None:
             return
 
 
-def _put_all(items: list[tuple[asyncio.Queue, tuple]]) -> None:
-    for queue, update in items:
-        queue.put_nowait(update)
-
-
 def _drain(queue: asyncio.Queue) -> list:
     items = []
     while not queue.empty():
         items.append(queue.get_nowait())
     return items
-
-
-def cancel(sequences: list[Sequence]) -> None:
-    for sequence in sequences:
-        sequence.cancelled = True
