@@ -13,8 +13,11 @@ import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -206,7 +209,7 @@ def test_the_http_side_is_a_process_of_its_own_and_its_end_ends_serve(checkpoint
     service = Service(DecodeEngine(model, max_batch=1, max_len=64), tokenizer, model_name="t")
     running = ServerThread(service)
     try:
-        assert service.http.pid != os.getpid() and service.http.is_alive()
+        assert service.http.pid != os.getpid() and service.http.poll() is None
         reply = httpx.post(running.url + "/v1/completions", json={"prompt": "a", "max_tokens": 3})
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
         os.kill(service.http.pid, signal.SIGKILL)
@@ -214,6 +217,30 @@ def test_the_http_side_is_a_process_of_its_own_and_its_end_ends_serve(checkpoint
         assert not running.thread.is_alive() and service.scheduler.closed
     finally:
         running.stop()
+
+
+def test_a_script_without_a_main_guard_serves(checkpoint, tmp_path):
+    """The HTTP process is a fresh interpreter: a user's script that serves at its top level (no
+    `if __name__ == "__main__"`) is not imported again in it, as multiprocessing's spawn would."""
+    script = tmp_path / "serve_at_top_level.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "import httpx\n"
+        "from moemesh.inference.engine import DecodeEngine\n"
+        "from moemesh.inference.generate import load_for_generation\n"
+        "from moemesh.inference.server import Service\n"
+        "from serving import ServerThread\n"
+        "print('loading', flush=True)\n"
+        f"model, tokenizer = load_for_generation({str(checkpoint)!r})\n"
+        "running = ServerThread(Service(DecodeEngine(model, max_batch=1, max_len=64), tokenizer))\n"
+        "reply = httpx.post(running.url + '/v1/completions', json={'prompt': 'a', 'max_tokens': 2}, timeout=60)\n"
+        "running.stop()\n"
+        "print('answered', reply.status_code, flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["loading", "answered", "200"]
 
 
 def test_key_size_limit_and_full_queue(server, client, monkeypatch):

@@ -6,7 +6,8 @@ streaming clients the loop took ~4 ms of CPU a round, and the scheduler's host w
 GPU rounds waited for it: served rounds took 26 ms where the engine alone took 21 on an H200
 (docs/benchmarks.md). vLLM's API server runs apart from its engine for the same reason.
 
-What crosses, pickled over one `multiprocessing` pipe:
+What crosses, pickled over one socket pair (`multiprocessing.connection.Connection`); the
+settings (server.HttpSettings) go first:
 
     HTTP -> engine   ("submit", key, [(prompt ids, SamplingParams), ...])   a request's sequences
                      ("cancel", key)        the client left or the request ended: free its rows

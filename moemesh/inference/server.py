@@ -3,8 +3,12 @@ scheduler, so that the official `openai` client works unchanged. HTTP only: requ
 checked by protocol.py, answered in responses.py's objects, and run by the scheduler's thread.
 
 Two processes (link.py says why and what crosses between them): this one holds the engine and
-the scheduler's thread; the HTTP server runs in a child process started with `spawn`, on the
-listening socket this one bound, so that its Python never holds the engine's GIL.
+the scheduler's thread; the HTTP server runs in a child process, `python -m
+moemesh.inference.server` on the listening socket this one bound, so that its Python never holds
+the engine's GIL. A fresh interpreter, not multiprocessing's `spawn`: that would import the
+caller's main script again in the child (a script that serves without an `if __name__ ==
+"__main__"` guard would load its model a second time), and forking a process that holds a GPU is
+unsafe.
 
     GET  /health                   200 while serving (no key needed)
     GET  /v1/models                the one model
@@ -36,8 +40,10 @@ import contextlib
 import hmac
 import json
 import logging
-import multiprocessing
+import multiprocessing.connection
+import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -95,7 +101,7 @@ class Service:
             tokenizer, model_name, api_key, max_request_bytes, engine.max_len, engine.vocab, max_waiting
         )
         self.link: EngineLink | None = None
-        self.http: multiprocessing.Process | None = None  # the HTTP server's process while it runs
+        self.http: subprocess.Popen | None = None  # the HTTP server's process while it runs
         self.ready = threading.Event()  # set once the HTTP process serves
 
     def serve(self, host: str = "127.0.0.1", port: int = 8000, sock=None, announce: bool | None = None) -> None:
@@ -112,12 +118,18 @@ class Service:
             )
         if sock is None:
             sock = socket.create_server((host, port))
-        spawn = multiprocessing.get_context("spawn")  # never fork a process that holds a GPU
-        ours, theirs = spawn.Pipe()
-        self.link = link = EngineLink(ours, self.scheduler)
-        self.http = spawn.Process(target=_http_main, args=(self.settings, theirs, sock), name="moemesh-http")
-        self.http.start()
+        ours, theirs = socket.socketpair()
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+        self.http = subprocess.Popen(
+            [sys.executable, "-m", "moemesh.inference.server", str(theirs.fileno()), str(sock.fileno())],
+            pass_fds=(theirs.fileno(), sock.fileno()),
+            env={**os.environ, "PYTHONPATH": path},
+        )
         theirs.close()
+        conn = multiprocessing.connection.Connection(ours.detach())
+        conn.send(self.settings)
+        self.link = link = EngineLink(conn, self.scheduler)
         listener = threading.Thread(target=link.listen, name="moemesh-link", daemon=True)
         worker = threading.Thread(
             target=self.scheduler.serve_forever, kwargs={"after_step": link.deliver}, name="moemesh-scheduler"
@@ -126,23 +138,23 @@ class Service:
         worker.start()
         try:
             while not link.ready.wait(0.1):
-                if not self.http.is_alive():
-                    code = self.http.exitcode
+                if (code := self.http.poll()) is not None:
                     raise RuntimeError(f"the HTTP server's process ended while starting (exit code {code})")
             self.ready.set()
             if announce:
                 port = sock.getsockname()[1]  # --port 0: the one the system chose
                 print(f"moemesh serve: {self.settings.model_name} on http://{host}:{port}", flush=True)
-            self.http.join()
+            self.http.wait()
         finally:
             self.shutdown()
-            self.http.join(STOP_WAIT_S)
-            if self.http.is_alive():
+            try:
+                self.http.wait(STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
                 self.http.terminate()
-                self.http.join()
+                self.http.wait()
             self.scheduler.close()
             worker.join()
-            ours.close()
+            conn.close()
 
     def shutdown(self) -> None:
         """Ask the HTTP process to stop (it finishes the responses under way, for a few seconds)."""
@@ -193,10 +205,14 @@ class Front:
         self.created = int(time.time())
 
 
-def _http_main(settings: HttpSettings, conn, sock) -> None:
-    """The HTTP process: uvicorn on `sock` until the engine's process says stop, or ends."""
+def _http_main(link_fd: int, sock_fd: int) -> None:
+    """The HTTP process: uvicorn on the listening socket `sock_fd` until the engine's process, at
+    the other end of `link_fd`, says stop or ends. The link's first message is the settings."""
     import uvicorn
 
+    conn = multiprocessing.connection.Connection(link_fd)
+    settings: HttpSettings = conn.recv()
+    sock = socket.socket(fileno=sock_fd)
     link = HttpLink(conn)
     server = uvicorn.Server(
         uvicorn.Config(_create_app(Front(settings, link)), log_level="warning", timeout_graceful_shutdown=5)
@@ -433,3 +449,7 @@ def _drain(queue: asyncio.Queue) -> list:
     while not queue.empty():
         items.append(queue.get_nowait())
     return items
+
+
+if __name__ == "__main__":  # the HTTP process (Service.serve starts it)
+    _http_main(int(sys.argv[1]), int(sys.argv[2]))
