@@ -47,7 +47,6 @@ import json
 import multiprocessing
 import os
 import random
-import resource
 import statistics
 import subprocess
 import sys
@@ -108,11 +107,6 @@ class StepClock:
         }
         self.count, self.seconds, self.cpu_seconds = 0, 0.0, 0.0
         return taken
-
-
-def process_cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def fake_forward(model, args) -> None:
@@ -225,8 +219,8 @@ def serve_child(args) -> None:
     service.serve("127.0.0.1", args.port, announce=True)
 
 
-def process_cpu_seconds_of(pid: int) -> float:
-    """Another process's CPU time (Linux: /proc)."""
+def process_cpu_seconds(pid: int) -> float:
+    """A process's CPU time, all its threads' (Linux: /proc)."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -243,7 +237,7 @@ def timed_inside(service, port: int) -> None:
 
     waits: list[tuple[float, int]] = []
     clock = StepClock(service.scheduler)
-    cpu = {"self": process_cpu_seconds(), "http": 0.0}
+    cpu = {"self": process_cpu_seconds(os.getpid()), "http": 0.0}
     submit = service.scheduler.submit
 
     def timed_submit(prompt_ids, params, on_update=None):
@@ -261,8 +255,8 @@ def timed_inside(service, port: int) -> None:
     def inside(query: dict) -> dict:
         if "reply_window_ms" in query:  # the next load's
             service.scheduler.reply_window_s = float(query["reply_window_ms"][0]) / 1e3
-        rounds, now = max(1, clock.count), process_cpu_seconds()
-        http_now = process_cpu_seconds_of(service.http.pid)
+        rounds, now = max(1, clock.count), process_cpu_seconds(os.getpid())
+        http_now = process_cpu_seconds(service.http.pid)
         taken = {
             "requests": list(waits),
             "other threads' CPU ms a step": ((now - cpu["self"]) - clock.cpu_seconds) * 1e3 / rounds,

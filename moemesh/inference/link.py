@@ -85,14 +85,12 @@ class EngineLink:
         self.send(("accepted", key))
 
     def _relay(self, key: int, index: int) -> Callable[[Sequence, str], None]:
-        sent = [0, False]  # tokens sent; the prompt's log-probabilities sent
+        sent = [0, 0]  # tokens, and the prompt's log-probabilities, sent so far
 
         def on_update(sequence: Sequence, text: str) -> None:  # on the scheduler's thread
             start, end = sent[0], len(sequence.token_ids)
-            sent[0] = end
-            prompt = None
-            if sequence.prompt_logprobs and not sent[1]:
-                prompt, sent[1] = sequence.prompt_logprobs, True
+            prompt = sequence.prompt_logprobs[sent[1] :]
+            sent[0], sent[1] = end, len(sequence.prompt_logprobs)
             self.outbox.append(
                 (
                     key,
@@ -204,9 +202,8 @@ class HttpLink:
                 view.logprobs += logprobs
                 view.offsets += offsets
                 view.text += text
+                view.prompt_logprobs += prompt
                 view.finish_reason, view.error = reason, error
-                if prompt is not None:
-                    view.prompt_logprobs = prompt
                 request.updates.put_nowait((index, text, reason, (start, len(view.token_ids))))
         elif kind in ("accepted", "refused"):
             future = self.pending.pop(message[1])

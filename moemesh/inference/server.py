@@ -3,12 +3,11 @@ scheduler, so that the official `openai` client works unchanged. HTTP only: requ
 checked by protocol.py, answered in responses.py's objects, and run by the scheduler's thread.
 
 Two processes (link.py says why and what crosses between them): this one holds the engine and
-the scheduler's thread; the HTTP server runs in a child process, `python -m
-moemesh.inference.server` on the listening socket this one bound, so that its Python never holds
-the engine's GIL. A fresh interpreter, not multiprocessing's `spawn`: that would import the
-caller's main script again in the child (a script that serves without an `if __name__ ==
-"__main__"` guard would load its model a second time), and forking a process that holds a GPU is
-unsafe.
+the scheduler's thread; the HTTP server runs in a child process, a fresh interpreter on the
+listening socket this one bound, so that its Python never holds the engine's GIL. Not
+multiprocessing's `spawn`: that would import the caller's main script again in the child (a
+script that serves without an `if __name__ == "__main__"` guard would load its model a second
+time); and forking a process that holds a GPU is unsafe.
 
     GET  /health                   200 while serving (no key needed)
     GET  /v1/models                the one model
@@ -119,13 +118,13 @@ class Service:
         if sock is None:
             sock = socket.create_server((host, port))
         ours, theirs = socket.socketpair()
+        # moemesh found where this process found it, after the child's own paths (never before them)
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
-        self.http = subprocess.Popen(
-            [sys.executable, "-m", "moemesh.inference.server", str(theirs.fileno()), str(sock.fileno())],
-            pass_fds=(theirs.fileno(), sock.fileno()),
-            env={**os.environ, "PYTHONPATH": path},
+        start = (
+            f"import sys; sys.path.append({package_root!r}); from moemesh.inference.server import _http_main; "
+            f"_http_main({theirs.fileno()}, {sock.fileno()})"
         )
+        self.http = subprocess.Popen([sys.executable, "-c", start], pass_fds=(theirs.fileno(), sock.fileno()))
         theirs.close()
         conn = multiprocessing.connection.Connection(ours.detach())
         conn.send(self.settings)
@@ -449,7 +448,3 @@ def _drain(queue: asyncio.Queue) -> list:
     while not queue.empty():
         items.append(queue.get_nowait())
     return items
-
-
-if __name__ == "__main__":  # the HTTP process (Service.serve starts it)
-    _http_main(int(sys.argv[1]), int(sys.argv[2]))
