@@ -24,6 +24,40 @@ def qwen3_30b_a3b(layers: int) -> ModelConfig:
     return ModelConfig(**tomllib.loads(path.read_text())["model"]).replace(num_hidden_layers=layers)
 
 
+def spread_routing(model: torch.nn.Module) -> int:
+    """Make every router of `model` choose experts spread over all of them, as a trained router's
+    choices are, in place of the random weights' (returns how many routers it changed).
+
+    A random-weight model routes the tokens of one sequence to a few experts: in the 48-layer
+    Qwen3-30B-A3B shape one prompt of 512 tokens touches 25 of 128 experts a layer, one expert
+    taking nearly every token (bench/routing_coverage.py), where a trained model's balanced router
+    spreads them over most experts. A prompt's grouped GEMMs read the weights of the experts it
+    touches, so the random weights make one prompt's prefill several times cheaper than a
+    served model's. Here each token's k experts are the top k of sin(10³ · x·P), P a fixed random
+    [hidden, experts] fp32 matrix: a hash of the router's input, so the same token in the same context
+    routes alike (the prefix cache and greedy outputs stay consistent), inside CUDA graphs too.
+    The routing weights stay the router's own. Its cost: one fp32 [tokens, hidden] × [hidden,
+    experts] product a layer more."""
+    import dataclasses
+
+    generator = torch.Generator().manual_seed(0)
+    changed = 0
+    for name, module in model.named_modules():
+        if not name.endswith("mlp.gate"):
+            continue
+        experts, hidden = module.weight.shape
+        projection = torch.randn(hidden, experts, generator=generator).to(module.weight.device)
+
+        def choose(router, args, routing, projection=projection):
+            scores = torch.sin((args[0].float() @ projection) * 1e3)  # fp32: bf16 would merge near tokens
+            ids = scores.topk(routing.expert_ids.shape[-1], dim=-1).indices.to(routing.expert_ids.dtype)
+            return dataclasses.replace(routing, expert_ids=ids)
+
+        module.register_forward_hook(choose)
+        changed += 1
+    return changed
+
+
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()

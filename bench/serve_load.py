@@ -27,10 +27,15 @@ in --client-procs processes (threads within each), so that their own Python boun
 
 Prompts are random lowercase letters (the byte tokenizer: a prompt of L letters is L tokens),
 greedy, no end-of-sequence stop (the child's tokenizer has none): every request makes exactly
---max-tokens tokens. Time to first token: from sending the request to the first streamed chunk;
-beside it the engine process's own view (p50): from the request's submission to the scheduler to
-its first token; the mean time of a round, the CPU time a round of the scheduler's thread, of the
-engine process's other threads and of the HTTP server's process (inference/link.py).
+--max-tokens tokens. With --spread-routing the routers choose as a trained model's do, spread over
+the experts (bench/common.py's `spread_routing`): the random weights route one prompt's tokens to
+a few experts, which makes one prompt's prefill, the yardstick of the first token's time under
+load, several times cheaper than a served model's (bench/routing_coverage.py).
+
+Time to first token: from sending the request to the first streamed chunk; beside it the engine
+process's own view (p50): from the request's submission to the scheduler to its first token; the
+mean time of a round, the CPU time a round of the scheduler's thread, of the engine process's
+other threads and of the HTTP server's process (inference/link.py).
 
 --fake-step-ms measures the server's own cost where there is no GPU: the model's forward becomes
 a wait (GIL released, as while a GPU step is waited for) of that many ms a round, plus
@@ -160,7 +165,7 @@ def engine_alone(scheduler, clock: StepClock, tokenizer, clients: int, args) -> 
 def serve_child(args) -> None:
     import torch
 
-    from bench.common import qwen3_30b_a3b
+    from bench.common import qwen3_30b_a3b, spread_routing
     from bench.serve_offline import moemesh_model
     from moemesh.cli import _engine, _parser
     from moemesh.config import load_config
@@ -175,6 +180,8 @@ def serve_child(args) -> None:
         config = config.replace(max_position_embeddings=40960)
     config = config.replace(output_router_logits=False)
     model = moemesh_model(config, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if args.spread_routing:
+        spread_routing(model)
     if args.fake_step_ms is not None:
         fake_forward(model, args)
     serve_args = _parser().parse_args(["serve", "--checkpoint", "random", *args.serve_args.split()])
@@ -343,10 +350,12 @@ def start_server(args) -> tuple[subprocess.Popen, str, dict]:
     port = args.port
     command = [sys.executable, __file__, "--serve", "--port", str(port), "--clients", args.clients]
     names = ("layers", "config", "requests", "prompt_len", "max_tokens", "long_prompt", "serve_args")
-    names += ("fake_step_ms", "fake_prefill_ms", "fake_token_us")
+    names += ("fake_step_ms", "fake_prefill_ms", "fake_token_us", "spread_routing")
     for name in names:
         value = getattr(args, name)
-        if value is not None:
+        if value is True:
+            command.append(f"--{name.replace('_', '-')}")
+        elif value not in (None, False):
             command += [f"--{name.replace('_', '-')}", str(value)]
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     report = None
@@ -373,6 +382,11 @@ def main():
         "--layers", type=int, default=6, help="the served model: Qwen3-30B-A3B's shape, this many layers"
     )
     parser.add_argument("--config", help="the served model: this run config's instead (configs/tiny.toml: CPU)")
+    parser.add_argument(
+        "--spread-routing",
+        action="store_true",
+        help="the routers' choices spread over the experts as a trained model's are (bench/common.py)",
+    )
     parser.add_argument("--serve-args", default="", help="moemesh serve options for the child, e.g. '--max-batch 64'")
     parser.add_argument("--long-prompt", type=int, default=32000, help="the capacity check's prompt (0: none)")
     parser.add_argument("--client-procs", type=int, default=8)
