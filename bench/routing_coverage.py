@@ -19,14 +19,13 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import tomllib
 
 import torch
 
 from bench.common import print_table, qwen3_30b_a3b, spread_routing, timed
 from bench.serve_offline import moemesh_model
+from moemesh.config import load_config
 from moemesh.inference.engine import Chunk, DecodeEngine
-from moemesh.models import ModelConfig
 
 LETTERS = list(range(97, 123))  # the byte tokenizer's ids of a-z
 
@@ -115,11 +114,7 @@ def main():
     parser.add_argument("--repeat", type=int, default=7)
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if args.config:
-        with open(args.config, "rb") as f:
-            config = ModelConfig(**tomllib.load(f)["model"])
-    else:
-        config = qwen3_30b_a3b(args.layers)
+    config = load_config(args.config).model if args.config else qwen3_30b_a3b(args.layers)
     model = moemesh_model(config, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     rows = []
     for routing in ("random weights'", "spread (bench/common.py)"):
