@@ -228,8 +228,8 @@ def _train(args: argparse.Namespace) -> None:
 
 def _generate(args: argparse.Namespace) -> None:
     from moemesh.errors import RequestError
-    from moemesh.inference.generate import generate, prompt_ids, read_prompts
-    from moemesh.inference.request import SamplingParams, check_request
+    from moemesh.inference.generate import generate, read_prompts
+    from moemesh.inference.request import SamplingParams, check_request, prompt_ids
 
     defaults = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.seed, tuple(args.stop))
     _checked(defaults)

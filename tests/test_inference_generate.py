@@ -16,8 +16,8 @@ import torch
 from moemesh.data.tokenizer import ByteTokenizer
 from moemesh.errors import DataError, RequestError
 from moemesh.inference.engine import DecodeEngine
-from moemesh.inference.generate import generate, prompt_ids, read_prompts
-from moemesh.inference.request import SamplingParams
+from moemesh.inference.generate import generate, read_prompts
+from moemesh.inference.request import SamplingParams, prompt_ids
 from moemesh.inference.scheduler import QueueFull, Scheduler
 from moemesh.models import build
 from test_models_decoding import FAMILIES

@@ -547,8 +547,8 @@ def test_a_chat_template_that_raises_is_a_400(server):
     that breaks while rendering are both the request's 400, naming messages (the HTTP process's
     protocol object, as it answers with it; ApiError's way to a 400 is the other tests')."""
     from moemesh.inference.chat import ChatTemplate
+    from moemesh.inference.front import Front
     from moemesh.inference.protocol import ApiError, chat_plan
-    from moemesh.inference.server import Front
 
     served = Front(server.service.settings, link=None).served
     template = ChatTemplate(

@@ -201,17 +201,23 @@ def test_chat_without_a_template_is_a_400(tmp_path):
         running.stop()
 
 
-def test_the_http_side_is_a_process_of_its_own_and_its_end_ends_serve(checkpoint):
-    """The HTTP server answers from a process apart from the engine's; when that process dies
-    (killed, as by the out-of-memory killer), `serve` returns and the scheduler is closed rather
-    than serving nobody for ever."""
+def test_the_http_side_is_a_process_of_its_own_without_torch_and_its_end_ends_serve(checkpoint):
+    """The HTTP server answers from a process apart from the engine's, which has not loaded torch
+    (front.py: it starts fast and holds none of it), also once a request's tokens and
+    log-probabilities have crossed; when that process dies (killed, as by the out-of-memory
+    killer), `serve` returns and the scheduler is closed rather than serving nobody for ever."""
     model, tokenizer = load_for_generation(checkpoint)
     service = Service(DecodeEngine(model, max_batch=1, max_len=64), tokenizer, model_name="t")
     running = ServerThread(service)
     try:
         assert service.http.pid != os.getpid() and service.http.poll() is None
-        reply = httpx.post(running.url + "/v1/completions", json={"prompt": "a", "max_tokens": 3})
+        body = {"prompt": "a", "max_tokens": 3, "logprobs": 2, "echo": True}
+        reply = httpx.post(running.url + "/v1/completions", json=body)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
+        maps = Path(f"/proc/{service.http.pid}/maps")  # Linux's list of a process's mapped files
+        if maps.exists():
+            assert "libtorch" in Path(f"/proc/{os.getpid()}/maps").read_text()  # the check can fail
+            assert "libtorch" not in maps.read_text()
         os.kill(service.http.pid, signal.SIGKILL)
         running.thread.join(timeout=30)
         assert not running.thread.is_alive() and service.scheduler.closed

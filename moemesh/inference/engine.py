@@ -55,19 +55,13 @@ import torch
 import torch.distributed as dist
 
 from moemesh.inference.blocks import BlockPool
+from moemesh.inference.request import Sampling
 from moemesh.inference.sampling import MODES, mode_for, sample
 from moemesh.models import MoECausalLM, PagedKVCache
 from moemesh.models.kv_cache import HostLayoutMissing
 from moemesh.parallel import comm
 
 _FORWARD, _DECODE, _STOP, _KEEP_ALIVE, _TABLES = 1, 2, 3, 4, 5
-
-
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from moemesh.data.sources import jsonl_values
 from moemesh.data.tokenizer import Tokenizer, load_tokenizer
 from moemesh.errors import DataError, RequestError
 from moemesh.inference.engine import DecodeEngine
-from moemesh.inference.request import SamplingParams, Sequence, check_text
+from moemesh.inference.request import SamplingParams, Sequence, prompt_ids
 from moemesh.inference.scheduler import Scheduler
 from moemesh.models import MoECausalLM
 from moemesh.models.build import meta_model
@@ -66,15 +66,6 @@ def load_for_generation(
     if tokenizer is None:
         tokenizer = str(source / TOKENIZER_FILE) if (Path(source) / TOKENIZER_FILE).is_file() else "bytes"
     return model, load_tokenizer(tokenizer)
-
-
-def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
-    """The token ids of a prompt, after the end-of-document token."""
-    check_text(prompt, "prompt", escaped_bytes=True)  # a command line's undecodable bytes arrive as lone surrogates
-    ids = ([] if tokenizer.eos_id is None else [tokenizer.eos_id]) + tokenizer.encode(prompt)
-    if not ids:
-        raise RequestError("the prompt is empty and the tokenizer has no end-of-document token to start from", "prompt")
-    return ids
 
 
 def generate(

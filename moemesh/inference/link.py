@@ -7,7 +7,7 @@ GPU rounds waited for it: served rounds took 26 ms where the engine alone took 2
 (docs/benchmarks.md). vLLM's API server runs apart from its engine for the same reason.
 
 What crosses, pickled over one socket pair (`multiprocessing.connection.Connection`); the
-settings (server.HttpSettings) go first:
+settings (front.HttpSettings) go first:
 
     HTTP -> engine   ("submit", key, [(prompt ids, SamplingParams), ...])   a request's sequences
                      ("cancel", key)        the client left or the request ended: free its rows
@@ -31,10 +31,13 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from moemesh.errors import RequestError
-from moemesh.inference.request import Logprob, SamplingParams, Sequence
-from moemesh.inference.scheduler import QueueFull, Scheduler
+from moemesh.inference.request import Logprob, QueueFull, SamplingParams, Sequence
+
+if TYPE_CHECKING:  # the HTTP process imports this module, and no torch
+    from moemesh.inference.scheduler import Scheduler
 
 log = logging.getLogger("moemesh.serve")
 

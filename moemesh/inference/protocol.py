@@ -1,6 +1,6 @@
 """OpenAI's completions and chat-completions requests, read and checked before anything runs:
 every field either works as OpenAI documents it or is refused with a 400 that names it — none is
-silently ignored (docs/openai_api.md has the table). The HTTP side is server.py; the response
+silently ignored (docs/openai_api.md has the table). The HTTP side is front.py; the response
 objects are responses.py; the scheduler never sees a JSON body.
 
 A request becomes a `Plan`: its prompts (token ids, with the text to echo), and for each prompt
@@ -19,9 +19,16 @@ from dataclasses import dataclass, replace
 from moemesh.data.tokenizer import Tokenizer
 from moemesh.errors import RequestError
 from moemesh.inference.chat import ChatTemplate
-from moemesh.inference.generate import prompt_ids
 from moemesh.inference.grammar import Grammars
-from moemesh.inference.request import MAX_LOGPROBS, SEED_MODULUS, SamplingParams, check_request, check_text, short
+from moemesh.inference.request import (
+    MAX_LOGPROBS,
+    SEED_MODULUS,
+    SamplingParams,
+    check_request,
+    check_text,
+    prompt_ids,
+    short,
+)
 
 
 class ApiError(Exception):

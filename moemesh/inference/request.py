@@ -9,6 +9,10 @@ are decoded again with the few before them until they read as whole characters (
 incremental detokenisation; each token costs two decodes of a short window). While a request
 has stop strings, the last len(longest stop) − 1 characters are held back from the stream, since
 they may be the start of one.
+
+Both of `serve`'s processes read this module, and the HTTP one imports no torch (front.py), so
+what both need lives here and not in the engine's modules: the engine's per-row `Sampling`,
+`QueueFull` (the scheduler raises it, the HTTP side answers 503), `prompt_ids`.
 """
 
 from __future__ import annotations
@@ -19,11 +23,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from moemesh.data.tokenizer import Tokenizer
-from moemesh.errors import RequestError
-from moemesh.inference.engine import Sampling
+from moemesh.errors import MoemeshError, RequestError
 
 SEED_MODULUS = 2**63  # a seed is taken modulo this: any integer fits the engine's int64 seeds
 MAX_LOGPROBS = 20  # alternatives per token, at most (OpenAI's limit for chat)
+
+
+class QueueFull(MoemeshError):
+    """Every row is busy and the waiting queue is at its limit (the server's 503)."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """A row's sampling in the engine's step (`SamplingParams.sampling`)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -117,6 +133,15 @@ def short(value, limit: int = 60) -> str:
     """repr(value), cut to `limit` characters and ASCII-only (an error message quotes user input)."""
     text = ascii(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
+    """The token ids of a prompt, after the end-of-document token."""
+    check_text(prompt, "prompt", escaped_bytes=True)  # a command line's undecodable bytes arrive as lone surrogates
+    ids = ([] if tokenizer.eos_id is None else [tokenizer.eos_id]) + tokenizer.encode(prompt)
+    if not ids:
+        raise RequestError("the prompt is empty and the tokenizer has no end-of-document token to start from", "prompt")
+    return ids
 
 
 def check_text(text: str, param: str, escaped_bytes: bool = False) -> None:

@@ -57,19 +57,14 @@ from dataclasses import dataclass, field
 import torch
 
 from moemesh.data.tokenizer import Tokenizer
-from moemesh.errors import MoemeshError
 from moemesh.inference.blocks import block_key
 from moemesh.inference.engine import Chunk, DecodeEngine
 from moemesh.inference.grammar import Grammars
 from moemesh.inference.processing import FLOOR, RowSampler
-from moemesh.inference.request import Logprob, SamplingParams, Sequence, check_request
+from moemesh.inference.request import Logprob, QueueFull, SamplingParams, Sequence, check_request
 from moemesh.inference.sampling import token_logprobs
 
 MISSED_WINDOWS_SHARE = 0.05  # of the time, at most, in reply windows that got no reply
-
-
-class QueueFull(MoemeshError):
-    """Every row is busy and the waiting queue is at its limit."""
 
 
 @dataclass
