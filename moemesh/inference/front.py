@@ -51,9 +51,6 @@ class HttpSettings:
     max_waiting: int
 
 
-# ---- the HTTP process ------------------------------------------------------------------------------
-
-
 class Front:
     """What the app answers with: the settings, the protocol's view of the model, the link."""
 
