@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import os
@@ -24,9 +25,14 @@ def qwen3_30b_a3b(layers: int) -> ModelConfig:
     return ModelConfig(**tomllib.loads(path.read_text())["model"]).replace(num_hidden_layers=layers)
 
 
-def spread_routing(model: torch.nn.Module) -> int:
+def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The MoE layers' routers (`mlp.gate` in every family), in layer order."""
+    return [module for name, module in model.named_modules() if name.endswith("mlp.gate")]
+
+
+def spread_routing(model: torch.nn.Module) -> None:
     """Make every router of `model` choose experts spread over all of them, as a trained router's
-    choices are, in place of the random weights' (returns how many routers it changed).
+    choices are, in place of the random weights'.
 
     A random-weight model routes the tokens of one sequence to a few experts: in the 48-layer
     Qwen3-30B-A3B shape one prompt of 512 tokens touches 25 of 128 experts a layer, one expert
@@ -38,13 +44,8 @@ def spread_routing(model: torch.nn.Module) -> int:
     routes alike (the prefix cache and greedy outputs stay consistent), inside CUDA graphs too.
     The routing weights stay the router's own. Its cost: one fp32 [tokens, hidden] × [hidden,
     experts] product a layer more."""
-    import dataclasses
-
     generator = torch.Generator().manual_seed(0)
-    changed = 0
-    for name, module in model.named_modules():
-        if not name.endswith("mlp.gate"):
-            continue
+    for module in routers(model):
         experts, hidden = module.weight.shape
         projection = torch.randn(hidden, experts, generator=generator).to(module.weight.device)
 
@@ -54,8 +55,6 @@ def spread_routing(model: torch.nn.Module) -> int:
             return dataclasses.replace(routing, expert_ids=ids)
 
         module.register_forward_hook(choose)
-        changed += 1
-    return changed
 
 
 def sync() -> None:

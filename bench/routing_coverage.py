@@ -22,12 +22,13 @@ import statistics
 
 import torch
 
-from bench.common import print_table, qwen3_30b_a3b, spread_routing, timed
+from bench.common import print_table, qwen3_30b_a3b, routers, spread_routing, timed
 from bench.serve_offline import moemesh_model
 from moemesh.config import load_config
 from moemesh.inference.engine import Chunk, DecodeEngine
 
 LETTERS = list(range(97, 123))  # the byte tokenizer's ids of a-z
+BLOCK_SIZE = 16
 
 
 def prompts(kind: str, count: int, length: int, vocab: int, generator) -> torch.Tensor:
@@ -41,9 +42,7 @@ def routed(model, ids: torch.Tensor, device) -> list[torch.Tensor]:
     """Each MoE layer's expert ids [B, T, k] for the batch `ids` (one eager forward, no cache)."""
     seen: list[torch.Tensor] = []
     hooks = [
-        module.register_forward_hook(lambda m, args, out: seen.append(out.expert_ids))
-        for name, module in model.named_modules()
-        if name.endswith("mlp.gate")
+        router.register_forward_hook(lambda m, args, out: seen.append(out.expert_ids)) for router in routers(model)
     ]
     try:
         with torch.no_grad():
@@ -73,11 +72,11 @@ def prefill_ms(model, ids: torch.Tensor, repeat: int) -> float:
         max_batch=max(4, count),
         max_len=length + 1,
         max_num_batched_tokens=count * length,
-        num_blocks=2 + count * math.ceil(length / 16) + 4,
-        block_size=16,
+        num_blocks=2 + count * math.ceil(length / BLOCK_SIZE) + 4,
+        block_size=BLOCK_SIZE,
     )
     for row in range(count):
-        engine.set_blocks(row, engine.blocks.allocate(math.ceil(length / engine.block_size)))
+        engine.set_blocks(row, engine.blocks.allocate(math.ceil(length / BLOCK_SIZE)))
     chunks = [Chunk(row, ids[row].tolist(), 0) for row in range(count)]
     engine.step(chunks)  # compiles and captures
     ms = statistics.median(timed(lambda: engine.step(chunks))[0] for _ in range(repeat)) * 1e3
