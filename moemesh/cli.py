@@ -94,6 +94,14 @@ def _parser() -> argparse.ArgumentParser:
         help="after a step that finished requests, wait up to this long for as many new ones before the next, "
         "so that clients answering at once join it (default 25; 0: never wait)",
     )
+    serve.add_argument(
+        "--schedule",
+        choices=("mixed", "prefill-first"),
+        default="mixed",
+        help="mixed: new prompts' chunks share each step with the decode tokens (default); prefill-first: "
+        "waiting prompts get a step of their own between decode steps, a shorter time to the first token "
+        "for some tokens/s",
+    )
 
     estimate = commands.add_parser("estimate", help="per-layer memory and time, pipeline stages, per-rank memory")
     estimate.add_argument("--config", help="TOML config file (default: configs/tiny.toml)")
@@ -328,6 +336,7 @@ def _serve(args: argparse.Namespace) -> None:
             max_waiting=args.max_waiting,
             max_request_bytes=args.max_request_bytes,
             reply_window_ms=args.reply_window_ms,
+            prefill_first=args.schedule == "prefill-first",
         )
 
 

@@ -248,6 +248,18 @@ def test_serve_on_a_busy_port_is_one_line_before_loading(capsys, trained, monkey
     assert loads == []
 
 
+def test_serve_hands_its_schedule_and_reply_window_to_the_scheduler(trained, monkeypatch):
+    pytest.importorskip("fastapi", reason="moemesh serve needs fastapi and uvicorn (pip install moemesh[serve])")
+    schedulers = []
+    monkeypatch.setattr(
+        "moemesh.inference.server.Service.serve", lambda self, *a, **k: schedulers.append(self.scheduler)
+    )
+    argv = ["serve", "--checkpoint", str(trained), "--port", "0"]
+    assert main(argv) == 0
+    assert main([*argv, "--schedule", "prefill-first", "--reply-window-ms", "5"]) == 0
+    assert [(s.prefill_first, s.reply_window_s) for s in schedulers] == [(False, 0.025), (True, 0.005)]
+
+
 def test_bad_estimate_and_convert_arguments(tmp_path, capsys, trained):
     assert _fails(capsys, ["estimate", "--pp", "0"]) == "moemesh estimate: error: --pp must be >= 1, got 0\n"
     assert (

@@ -86,6 +86,34 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(model):
     assert second.token_ids == alone(model, long, SamplingParams(max_tokens=5))
 
 
+def test_prefill_first_alternates_prompts_rounds_with_decode_rounds(model):
+    """With prefill_first, a round that decoded while prompts wait is followed by a round of the
+    prompts alone and that by one of the decode tokens alone: no round mixes the two, and no two
+    prompts' rounds follow each other while a sequence decodes. The tokens are each prompt's
+    alone."""
+    engine = DecodeEngine(model, max_batch=4, max_len=64, max_num_batched_tokens=8, block_size=4)
+    steps = Recorder(engine).steps
+    batch = prompts([3, 20, 6], seed=6)
+    params = [SamplingParams(max_tokens=n) for n in (20, 5, 4)]
+    scheduler = Scheduler(engine, TOKENIZER, prefill_first=True)
+    sequences = [scheduler.submit(batch[0], params[0])]
+    scheduler.step()  # the short prompt alone: row 0 decodes from now on
+    sequences += [scheduler.submit(p, q) for p, q in zip(batch[1:], params[1:])]
+    scheduler.run_until_idle()
+    prompt_lengths = [len(p) for p in batch]  # rows 0, 1, 2 were taken in order
+    kinds = []
+    for chunks in steps[1:]:
+        decodes = {c.start >= prompt_lengths[c.row] for c in chunks}
+        assert len(decodes) == 1, "a round mixed prompt chunks with decode tokens"
+        kinds.append("decode" if decodes.pop() else "prompts")
+    # 20 + 6 prompt tokens at 8 a round: 8 | 8 | 4 and 4 | 2 (the last prompt samples), a decode
+    # round between each two
+    assert kinds[:8] == ["prompts", "decode"] * 4 and set(kinds[8:]) == {"decode"}
+    for prompt, p, sequence in zip(batch, params, sequences):
+        assert sequence.token_ids == alone(model, prompt, p)
+    assert engine.blocks.num_free == engine.cache.num_blocks - 1
+
+
 def test_followers_of_a_cached_prefix_prefill_only_the_rest_and_match_no_sharing(model):
     prefix = prompts([24], seed=2)[0]  # 6 full blocks of 4
     suffixes = prompts([5, 9, 1], seed=3)
@@ -145,11 +173,13 @@ def test_prompt_logprobs_of_a_prompt_prefilled_in_chunks_equal_the_full_forward(
     assert engine.blocks.num_free == engine.cache.num_blocks - 1
 
 
-def test_preempted_requests_finish_with_their_own_tokens(model):
+@pytest.mark.parametrize("prefill_first", [False, True])
+def test_preempted_requests_finish_with_their_own_tokens(model, prefill_first):
     """12 blocks of 4 for 4 requests that grow to 24 tokens each: the youngest are preempted
     (their blocks taken back, recomputed later), a request that does not fit waits; every request
     still gets the tokens it gets alone, seeded sampling included (the noise counts its own
-    tokens), and the blocks all come back."""
+    tokens), and the blocks all come back. With prefill_first too: a preempted sequence's
+    recomputation is a prompts' round's work."""
     engine = DecodeEngine(model, max_batch=4, max_len=32, block_size=4, num_blocks=13)
     batch = prompts([9, 8, 10, 7], seed=4)
     params = [
@@ -158,7 +188,7 @@ def test_preempted_requests_finish_with_their_own_tokens(model):
         SamplingParams(max_tokens=13),
         SamplingParams(max_tokens=16, temperature=0.7, seed=4),
     ]
-    scheduler = Scheduler(engine, TOKENIZER)
+    scheduler = Scheduler(engine, TOKENIZER, prefill_first=prefill_first)
     sequences = [scheduler.submit(p, q) for p, q in zip(batch, params)]
     scheduler.run_until_idle()
     assert scheduler.preemptions > 0

@@ -5,6 +5,15 @@ requests admitted while a table row, blocks and budget remain — so that decodi
 behind a long prompt, and several prompts are prefilled in one forward. A finished or cancelled
 request gives its row and blocks back at once.
 
+Prefill first (`prefill_first`, serve's `--schedule prefill-first`). A mixed round costs its
+decode tokens' time too, so a prompt admitted beside 60 decoding sequences reaches its first
+token after a round about twice as long as its prefill alone. With `prefill_first`, a round
+that decoded while prompts wait is followed by a round of the prompts alone (their chunks, then
+new requests, within the budget), and that by a round of the decode tokens alone: the first
+token waits for no one's decoding, and decoding waits for at most one prompts' round at a time
+(what SGLang does by default; vLLM mixes). The price is the decode tokens' weight reads, done in
+a round of their own rather than shared with the prompts' (docs/benchmarks.md measures both).
+
 A sequence's tokens are its prompt and what it has sampled; `computed` counts those whose keys
 and values are in the cache. A step computes the next ones; when that reaches the last token,
 its logits sample the next. Prefill, decode and recomputation are the same operation.
@@ -77,9 +86,17 @@ class Held:
 
 
 class Scheduler:
-    def __init__(self, engine: DecodeEngine, tokenizer: Tokenizer, max_waiting: int = 64, reply_window_s: float = 0.0):
+    def __init__(
+        self,
+        engine: DecodeEngine,
+        tokenizer: Tokenizer,
+        max_waiting: int = 64,
+        reply_window_s: float = 0.0,
+        prefill_first: bool = False,
+    ):
         self.engine, self.tokenizer, self.max_waiting = engine, tokenizer, max_waiting
-        self.reply_window_s = reply_window_s
+        self.reply_window_s, self.prefill_first = reply_window_s, prefill_first
+        self._prompts_round = False  # the last round computed prompts alone (prefill_first)
         self.pool = engine.blocks
         self.free_rows = list(range(engine.max_batch))  # a heap: the lowest row first
         self.waiting: deque[Sequence] = deque()
@@ -225,12 +242,29 @@ class Scheduler:
 
     # ---- inside ----------------------------------------------------------------------------------
     def _schedule(self) -> list[tuple[Sequence, int]]:
-        """This step's (sequence, tokens to compute), within the token budget."""
+        """This step's (sequence, tokens to compute), within the token budget: a mixed round, or
+        with `prefill_first` a prompts' round after every round that decoded while prompts wait
+        (the module's docstring says why)."""
+        prefilling = [s for s in self.running if _length(s) - self.held[s].computed > 1]
+        decoding = [s for s in self.running if _length(s) - self.held[s].computed <= 1]
+        with self._wake:
+            prompts_wait = bool(prefilling or self.waiting)
+        if self.prefill_first and decoding and prompts_wait and not self._prompts_round:
+            work = self._fill(prefilling, admit=True)
+            if work:
+                self._prompts_round = True
+                return work
+        self._prompts_round = False
+        if self.prefill_first and decoding:
+            return self._fill(decoding, admit=False)
+        return self._fill(decoding + prefilling, admit=True)
+
+    def _fill(self, sequences: list[Sequence], admit: bool) -> list[tuple[Sequence, int]]:
+        """The sequences' next tokens in order, then (`admit`) new requests, within the budget."""
         budget = self.engine.max_num_batched_tokens
         work: list[tuple[Sequence, int]] = []
         scheduled: set[Sequence] = set()
-        decoding_first = sorted(self.running, key=lambda s: _length(s) - self.held[s].computed > 1)  # stable
-        for sequence in decoding_first:
+        for sequence in sequences:
             if budget == 0:
                 break
             if sequence not in self.held:  # preempted for an older one this round
@@ -240,7 +274,7 @@ class Scheduler:
                 work.append((sequence, count))
                 scheduled.add(sequence)
                 budget -= count
-        while budget > 0 and self.free_rows:
+        while admit and budget > 0 and self.free_rows:
             admitted = self._admit(budget)
             if admitted is None:
                 break
