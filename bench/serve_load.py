@@ -13,6 +13,9 @@ server's process, N requests in flight, no HTTP): the share of the engine the se
     # the server's own cost on a CPU: the forward replaced by waits of the 48-layer shape's times
     PYTHONPATH=. python3 bench/serve_load.py --config configs/tiny.toml --serve-args '--max-batch 64' \\
         --clients 16,64 --long-prompt 0 --client-procs 1 --fake-step-ms 18
+    # serve's two schedules (--schedule) on one server, with clients whose lengths drift apart
+    PYTHONPATH=. python3 bench/serve_load.py --layers 48 --clients 1,64 --schedules mixed,prefill-first \\
+        --max-tokens-spread 0.5 --requests 6
     # against a server that runs already (no engine-alone column)
     PYTHONPATH=. python3 bench/serve_load.py --url http://127.0.0.1:8000 --clients 1,16
 
@@ -31,6 +34,12 @@ greedy, no end-of-sequence stop (the child's tokenizer has none): every request 
 the experts (bench/common.py's `spread_routing`): the random weights route one prompt's tokens to
 a few experts, which makes one prompt's prefill, the yardstick of the first token's time under
 load, several times cheaper than a served model's (bench/routing_coverage.py).
+
+Clients that start together and make equally long requests stay in step: every 128 rounds the
+64 of them finish within a few rounds of each other, and their next prompts come as a burst, ~4 to
+each round that prefills. With --max-tokens-spread S each request's length is drawn evenly from
+max_tokens·(1 ± S) (the same draws on both sides), and the clients drift apart as real ones do:
+then a round admits about one prompt at a time.
 
 Time to first token: from sending the request to the first streamed chunk; beside it the engine
 process's own view (p50): from the request's submission to the scheduler to its first token; the
@@ -61,11 +70,20 @@ import time
 from bench.common import print_table
 
 
-def prompt_texts(client: int, args) -> list[str]:
-    """Client `client`'s prompts in pass `args.salt` (other passes' prompts differ: the prefix cache
-    finds nothing of them)."""
-    rng = random.Random(f"{args.salt} {client}")
-    return ["".join(chr(rng.randint(97, 122)) for _ in range(args.prompt_len)) for _ in range(args.requests)]
+def client_requests(client: int, args) -> list[tuple[str, int]]:
+    """Client `client`'s requests in pass `args.salt`: (prompt, max_tokens). Other passes' prompts
+    differ (the prefix cache finds nothing of them); the lengths are the same in every pass, the
+    engine alone's and the server's: --max-tokens, or with --max-tokens-spread S drawn evenly from
+    max_tokens·(1 ± S)."""
+    rng, lengths = random.Random(f"{args.salt} {client}"), random.Random(f"lengths {client}")
+    low, high = (
+        round(args.max_tokens * (1 - args.max_tokens_spread)),
+        round(args.max_tokens * (1 + args.max_tokens_spread)),
+    )
+    return [
+        ("".join(chr(rng.randint(97, 122)) for _ in range(args.prompt_len)), lengths.randint(low, high))
+        for _ in range(args.requests)
+    ]
 
 
 def summary(side: str, clients: int, results: list[tuple[float, int]], wall: float) -> dict:
@@ -134,8 +152,7 @@ def engine_alone(scheduler, clock: StepClock, tokenizer, clients: int, args) -> 
     is submitted when its previous one finishes."""
     from moemesh.inference.request import SamplingParams
 
-    params = SamplingParams(max_tokens=args.max_tokens)
-    queues = {c: [tokenizer.encode(text) for text in prompt_texts(c, args)] for c in range(clients)}
+    queues = {c: [(tokenizer.encode(text), n) for text, n in client_requests(c, args)] for c in range(clients)}
     first: dict = {}
     results, waited = [], []
 
@@ -143,8 +160,8 @@ def engine_alone(scheduler, clock: StepClock, tokenizer, clients: int, args) -> 
         first.setdefault(sequence, (time.perf_counter(), clock.count))
 
     def submit(client: int):
-        sent = time.perf_counter(), clock.count
-        return scheduler.submit(queues[client].pop(0), params, on_update), sent, client
+        sent, (ids, max_tokens) = (time.perf_counter(), clock.count), queues[client].pop(0)
+        return scheduler.submit(ids, SamplingParams(max_tokens=max_tokens), on_update), sent, client
 
     clock.take()
     start = time.perf_counter()
@@ -210,10 +227,12 @@ def serve_child(args) -> None:
             f"one prompt of {args.long_prompt:,} tokens + 16 new: {seconds:.2f} s ({sequence.finish_reason})"
         )
     for clients in args.client_counts:
-        args.salt = f"engine warm-up {clients}"
-        engine_alone(scheduler, clock, tokenizer, clients, args)  # warm-up: graphs of these batches and lengths
-        args.salt = f"engine {clients}"
-        report["engine"].append(engine_alone(scheduler, clock, tokenizer, clients, args))
+        for schedule in args.schedule_names or [serve_args.schedule]:
+            scheduler.prefill_first = schedule == "prefill-first"
+            args.salt = f"engine warm-up {clients} {schedule}"
+            engine_alone(scheduler, clock, tokenizer, clients, args)  # warm-up: graphs of these batches and lengths
+            args.salt = f"engine {clients} {schedule}"
+            report["engine"].append({"schedule": schedule, **engine_alone(scheduler, clock, tokenizer, clients, args)})
     print("REPORT " + json.dumps(report), flush=True)
     service = Service(
         engine,
@@ -221,6 +240,7 @@ def serve_child(args) -> None:
         model_name="random",
         max_waiting=max(args.client_counts) + 1,
         reply_window_ms=serve_args.reply_window_ms,
+        prefill_first=serve_args.schedule == "prefill-first",
     )
     timed_inside(service, args.port + 1)
     service.serve("127.0.0.1", args.port, announce=True)
@@ -262,6 +282,8 @@ def timed_inside(service, port: int) -> None:
     def inside(query: dict) -> dict:
         if "reply_window_ms" in query:  # the next load's
             service.scheduler.reply_window_s = float(query["reply_window_ms"][0]) / 1e3
+        if "schedule" in query:
+            service.scheduler.prefill_first = query["schedule"][0] == "prefill-first"
         rounds, now = max(1, clock.count), process_cpu_seconds(os.getpid())
         http_now = process_cpu_seconds(service.http.pid)
         taken = {
@@ -270,6 +292,7 @@ def timed_inside(service, port: int) -> None:
             "HTTP process CPU ms a step": (http_now - cpu["http"]) * 1e3 / rounds,
             **clock.take(),
             "reply window ms": service.scheduler.reply_window_s * 1e3,
+            "schedule": "prefill-first" if service.scheduler.prefill_first else "mixed",
         }
         cpu["self"], cpu["http"] = now, http_now
         waits.clear()
@@ -300,12 +323,12 @@ def client_process(url: str, model: str, clients: list[int], args, barrier, out)
     results: list = []
 
     def one_client(client: int):
-        for prompt in prompt_texts(client, args):
+        for prompt, max_tokens in client_requests(client, args):
             sent, first, tokens = time.perf_counter(), None, 0
             stream = openai.completions.create(
                 model=model,
                 prompt=prompt,
-                max_tokens=args.max_tokens,
+                max_tokens=max_tokens,
                 temperature=0,
                 stream=True,
                 stream_options={"include_usage": True},
@@ -349,19 +372,25 @@ def start_server(args) -> tuple[subprocess.Popen, str, dict]:
     """The child server; returns once it listens, with its URL and its report."""
     port = args.port
     command = [sys.executable, __file__, "--serve", "--port", str(port), "--clients", args.clients]
-    names = ("layers", "config", "requests", "prompt_len", "max_tokens", "long_prompt", "serve_args")
+    names = ("layers", "config", "requests", "prompt_len", "max_tokens", "max_tokens_spread", "long_prompt")
+    names += ("serve_args", "schedules")
     names += ("fake_step_ms", "fake_prefill_ms", "fake_token_us", "spread_routing")
     for name in names:
         value = getattr(args, name)
         if value is True:
             command.append(f"--{name.replace('_', '-')}")
-        elif value not in (None, False):
+        elif value is not None and value is not False:  # 0 too: --long-prompt 0
             command += [f"--{name.replace('_', '-')}", str(value)]
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     report = None
     for line in child.stdout:
         if line.startswith("REPORT "):
             report = json.loads(line[7:])
+            for row in report["engine"]:  # now, in case the served side does not finish
+                print(
+                    "  server: engine alone: "
+                    + ", ".join(f"{k} {v:,.0f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
+                )
         elif " on http://" in line:
             threading.Thread(target=lambda: [None for _ in child.stdout], daemon=True).start()  # drain
             return child, line.split(" on ")[-1].strip(), report
@@ -379,6 +408,13 @@ def main():
     parser.add_argument("--prompt-len", type=int, default=512, help="prompt tokens (letters)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument(
+        "--max-tokens-spread",
+        type=float,
+        default=0.0,
+        help="each request's max_tokens drawn evenly from max_tokens·(1 ± this): clients that started together "
+        "drift apart, as real ones do (0: every request makes max_tokens, and the clients stay in step)",
+    )
+    parser.add_argument(
         "--layers", type=int, default=6, help="the served model: Qwen3-30B-A3B's shape, this many layers"
     )
     parser.add_argument("--config", help="the served model: this run config's instead (configs/tiny.toml: CPU)")
@@ -390,6 +426,11 @@ def main():
     parser.add_argument("--serve-args", default="", help="moemesh serve options for the child, e.g. '--max-batch 64'")
     parser.add_argument("--long-prompt", type=int, default=32000, help="the capacity check's prompt (0: none)")
     parser.add_argument("--client-procs", type=int, default=8)
+    parser.add_argument(
+        "--schedules",
+        help="comma-separated serve --schedule values (mixed, prefill-first), each an engine-alone and a served run "
+        "(default: serve's)",
+    )
     parser.add_argument(
         "--reply-windows", help="comma-separated --reply-window-ms values, each a served run (default: serve's)"
     )
@@ -406,6 +447,7 @@ def main():
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child
     args = parser.parse_args()
     args.client_counts = [int(c) for c in args.clients.split(",")]
+    args.schedule_names = args.schedules.split(",") if args.schedules else []
     args.reply_windows = [float(w) for w in args.reply_windows.split(",")] if args.reply_windows else []
     if args.fake_step_ms is not None and not args.config:
         parser.error("--fake-step-ms wants --config of a small model (configs/tiny.toml): its weights go unused")
@@ -421,29 +463,32 @@ def main():
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         model = httpx.get(url + "/v1/models", headers=headers).json()["data"][0]["id"]
         rows = []
-        engine_rows = {r["clients"]: r for r in (report or {}).get("engine", [])}
+        engine_rows = {(r["clients"], r["schedule"]): r for r in (report or {}).get("engine", [])}
+        control = f"http://127.0.0.1:{args.port + 1}/inside"
         for clients in args.client_counts:
             args.salt = f"serve warm-up {clients}"
             load(url, model, clients, args)  # warm-up, as the engine's side had
-            alone = engine_rows.get(clients)
-            if alone:
-                rows.append({k: v for k, v in alone.items()})
-            for window in args.reply_windows or [None]:
-                args.salt = f"serve {clients} {window}"
-                control = f"http://127.0.0.1:{args.port + 1}/inside"
-                if child is not None:
-                    httpx.get(control, params={} if window is None else {"reply_window_ms": window})
-                row = load(url, model, clients, args)
-                if child is not None:  # the server's own view of the first token
-                    inside = httpx.get(control).json()
-                    waits = inside.pop("requests")
-                    row["reply window ms"] = inside.pop("reply window ms")
-                    row["submit → first token p50 ms"] = statistics.median(ms for ms, _ in waits)
-                    row["steps to first token p50"] = statistics.median(n for _, n in waits)
-                    row.update(inside)
+            for schedule in args.schedule_names or [None]:
+                alone = next((r for (c, s), r in engine_rows.items() if c == clients and schedule in (None, s)), None)
                 if alone:
-                    row["of the engine"] = f"{row['tokens/s'] / alone['tokens/s']:.0%}"
-                rows.append(row)
+                    rows.append(dict(alone))
+                for window in args.reply_windows or [None]:
+                    args.salt = f"serve {clients} {schedule} {window}"
+                    settings = {"reply_window_ms": window, "schedule": schedule}
+                    if child is not None:
+                        httpx.get(control, params={k: v for k, v in settings.items() if v is not None})
+                    row = load(url, model, clients, args)
+                    if child is not None:  # the server's own view of the first token
+                        inside = httpx.get(control).json()
+                        waits = inside.pop("requests")
+                        row["schedule"] = inside.pop("schedule")
+                        row["reply window ms"] = inside.pop("reply window ms")
+                        row["submit → first token p50 ms"] = statistics.median(ms for ms, _ in waits)
+                        row["steps to first token p50"] = statistics.median(n for _, n in waits)
+                        row.update(inside)
+                    if alone:
+                        row["of the engine"] = f"{row['tokens/s'] / alone['tokens/s']:.0%}"
+                    rows.append(row)
         for row in rows:
             for key, value in row.items():
                 if isinstance(value, float):
@@ -451,7 +496,8 @@ def main():
                     row[key] = f"{value:g}" if key.startswith("steps") else f"{value:,.{digits}f}"
         title = (
             f"moemesh serve under load ({model} at {url}): prompt {args.prompt_len} tokens, {args.max_tokens} "
-            f"new tokens a request, {args.requests} requests a client, greedy, streamed, openai client"
+            + (f"± {args.max_tokens_spread:.0%} " if args.max_tokens_spread else "")
+            + f"new tokens a request, {args.requests} requests a client, greedy, streamed, openai client"
         )
         if report:
             title += f"; {report['capacity']}" + (f"; {report['long']}" if "long" in report else "")
