@@ -36,7 +36,7 @@ a few experts, which makes one prompt's prefill, the yardstick of the first toke
 load, several times cheaper than a served model's (bench/routing_coverage.py).
 
 Clients that start together and make equally long requests stay in step: every 128 rounds the
-64 of them finish within a few rounds of each other, and their next prompts come as a burst, ~4 to
+64 of them finish within ~16 rounds of each other, and their next prompts come as a burst, ~4 to
 each round that prefills. With --max-tokens-spread S each request's length is drawn evenly from
 max_tokens·(1 ± S) (the same draws on both sides), and the clients drift apart as real ones do:
 then a round admits about one prompt at a time.
@@ -448,6 +448,8 @@ def main():
     args = parser.parse_args()
     args.client_counts = [int(c) for c in args.clients.split(",")]
     args.schedule_names = args.schedules.split(",") if args.schedules else []
+    if set(args.schedule_names) - {"mixed", "prefill-first"}:
+        parser.error(f"--schedules takes mixed and prefill-first, got {args.schedules}")
     args.reply_windows = [float(w) for w in args.reply_windows.split(",")] if args.reply_windows else []
     if args.fake_step_ms is not None and not args.config:
         parser.error("--fake-step-ms wants --config of a small model (configs/tiny.toml): its weights go unused")
