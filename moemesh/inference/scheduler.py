@@ -245,19 +245,16 @@ class Scheduler:
         """This step's (sequence, tokens to compute), within the token budget: a mixed round, or
         with `prefill_first` a prompts' round after every round that decoded while prompts wait
         (the module's docstring says why)."""
-        prefilling = [s for s in self.running if _length(s) - self.held[s].computed > 1]
-        decoding = [s for s in self.running if _length(s) - self.held[s].computed <= 1]
-        with self._wake:
-            prompts_wait = bool(prefilling or self.waiting)
-        if self.prefill_first and decoding and prompts_wait and not self._prompts_round:
-            work = self._fill(prefilling, admit=True)
-            if work:
-                self._prompts_round = True
-                return work
-        self._prompts_round = False
-        if self.prefill_first and decoding:
-            return self._fill(decoding, admit=False)
-        return self._fill(decoding + prefilling, admit=True)
+        decoding, prefilling = [], []
+        for sequence in self.running:  # in order of admission
+            (prefilling if _length(sequence) - self.held[sequence].computed > 1 else decoding).append(sequence)
+        last_was_prompts, self._prompts_round = self._prompts_round, False
+        if not (self.prefill_first and decoding):
+            return self._fill(decoding + prefilling, admit=True)
+        if not last_was_prompts and (work := self._fill(prefilling, admit=True)):  # empty: no prompt can run
+            self._prompts_round = True
+            return work
+        return self._fill(decoding, admit=False)
 
     def _fill(self, sequences: list[Sequence], admit: bool) -> list[tuple[Sequence, int]]:
         """The sequences' next tokens in order, then (`admit`) new requests, within the budget."""
