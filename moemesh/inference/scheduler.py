@@ -11,8 +11,11 @@ token after a round about twice as long as its prefill alone. With `prefill_firs
 that decoded while prompts wait is followed by a round of the prompts alone (their chunks, then
 new requests, within the budget), and that by a round of the decode tokens alone: the first
 token waits for no one's decoding, and decoding waits for at most one prompts' round at a time
-(what SGLang does by default; vLLM mixes). The price is the decode tokens' weight reads, done in
-a round of their own rather than shared with the prompts' (docs/benchmarks.md measures both).
+(what SGLang does by default; vLLM mixes). The price is the experts' weights read twice, by a
+round of their own for the decode tokens rather than once shared with the prompts'. On the
+48-layer shape with drifting clients (H100, docs/benchmarks.md) that halved TTFT p50 for 5% of the
+tokens/s under the random weights' routing, but cost 16% where routing is spread as a trained
+model's and mixed already gave 1.7× one prompt's prefill: so mixed stays the default.
 
 A sequence's tokens are its prompt and what it has sampled; `computed` counts those whose keys
 and values are in the cache. A step computes the next ones; when that reaches the last token,
