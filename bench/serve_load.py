@@ -66,6 +66,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 
 from bench.common import print_table
 
@@ -265,6 +266,7 @@ def timed_inside(service, port: int) -> None:
     waits: list[tuple[float, int]] = []
     clock = StepClock(service.scheduler)
     cpu = {"self": process_cpu_seconds(os.getpid()), "http": 0.0}
+    windows = Counter(service.scheduler.reply_windows)  # up to the last call
     submit = service.scheduler.submit
 
     def timed_submit(prompt_ids, params, on_update=None):
@@ -292,9 +294,15 @@ def timed_inside(service, port: int) -> None:
             "HTTP process CPU ms a step": (http_now - cpu["http"]) * 1e3 / rounds,
             **clock.take(),
             "reply window ms": service.scheduler.reply_window_s * 1e3,
+            "reply windows caught/partly/missed/skipped": "/".join(
+                str(service.scheduler.reply_windows[end] - windows[end])
+                for end in ("caught", "partly", "missed", "skipped")
+            ),
             "schedule": "prefill-first" if service.scheduler.prefill_first else "mixed",
         }
         cpu["self"], cpu["http"] = now, http_now
+        windows.clear()
+        windows.update(service.scheduler.reply_windows)
         waits.clear()
         return taken
 

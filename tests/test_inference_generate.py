@@ -212,10 +212,12 @@ def test_the_reply_window_holds_the_next_round_for_the_clients_that_finished(mod
 
     if reply_after_s is None:
         assert waited(finishes[0]) >= window_s and waited(finishes[1]) < window_s
+        assert scheduler.reply_windows["missed"] == 1 and scheduler.reply_windows["skipped"] >= 1
     elif window_s:
         assert replies[0] == finishes[0] + 1 and reply_after_s <= waited(finishes[0]) < window_s
+        assert scheduler.reply_windows["caught"] == 1
     else:
-        assert replies[0] > finishes[0] + 1
+        assert replies[0] > finishes[0] + 1 and not scheduler.reply_windows
 
 
 def test_a_round_that_fails_while_admitting_fails_that_request_and_serving_goes_on(model):

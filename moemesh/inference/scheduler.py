@@ -110,6 +110,7 @@ class Scheduler:
         self.prompt_tokens = self.cached_tokens = 0  # admitted; of them found in the prefix cache
         self.submitted = 0  # requests queued so far
         self.finished = 0  # requests that ended (not cancelled) so far
+        self.reply_windows: Counter[str] = Counter()  # how each ended: caught, partly, missed or skipped
         self._missed_s = 0.0  # time in reply windows that got no reply, decayed with a 1-s time constant
         self._missed_at = 0.0  # when _missed_s was last decayed
         self.closed = False
@@ -212,18 +213,21 @@ class Scheduler:
 
     def _reply_window(self, submitted: int, expected: int) -> None:
         """Wait until `expected` requests came after the first `submitted`, or the window passed,
-        or `close`; not at all while missed windows are over their share of the time."""
+        or `close`; not at all while missed windows are over their share of the time. Counts in
+        `reply_windows` how it ended: all `expected` caught, partly, missed (not one) or skipped."""
         start = time.monotonic()
         self._missed_s *= math.exp(self._missed_at - start)  # a 1-s memory: the sum is the last second's
         self._missed_at = start
         if self._missed_s > MISSED_WINDOWS_SHARE:
+            self.reply_windows["skipped"] += 1
             return
         deadline, wanted = start + self.reply_window_s, submitted + expected
         with self._wake:
             while not self.closed and self.submitted < wanted and (left := deadline - time.monotonic()) > 0:
                 self._wake.wait(timeout=left)
-            missed = self.submitted == submitted  # not one reply
-        if missed:
+            came = self.submitted - submitted
+        self.reply_windows["caught" if came >= expected else "partly" if came else "missed"] += 1
+        if not came:
             self._missed_s += time.monotonic() - start
 
     def _fail_round(self, error: str) -> None:
