@@ -230,10 +230,10 @@ def test_a_round_that_fails_while_admitting_fails_that_request_and_serving_goes_
     second = scheduler.submit([0, 2], SamplingParams(max_tokens=3))
     admit = scheduler._admit
 
-    def admit_but_the_first(budget):
+    def admit_but_the_first(budget, whole):
         if scheduler.waiting and scheduler.waiting[0] is first:
             raise RuntimeError("no room for this one")
-        return admit(budget)
+        return admit(budget, whole)
 
     scheduler._admit = admit_but_the_first
     serve_until_finished(scheduler, second)

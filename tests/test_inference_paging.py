@@ -52,7 +52,7 @@ def model():
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3", "gemma4_k_eq_v"])
 def test_chunked_prefill_beside_decoding_equals_each_prompt_alone(family):
     model = build(FAMILIES[family].replace(vocab_size=256, max_position_embeddings=64), seed=5).eval()
-    engine = DecodeEngine(model, max_batch=4, max_len=64, max_num_batched_tokens=16, block_size=4)
+    engine = DecodeEngine(model, max_batch=4, max_len=64, max_num_batched_tokens=24, block_size=4)
     steps = Recorder(engine).steps
     params = [SamplingParams(max_tokens=n) for n in (9, 4, 12, 7, 3, 10, 6)]
     batch = prompts(LENGTHS)
@@ -60,10 +60,12 @@ def test_chunked_prefill_beside_decoding_equals_each_prompt_alone(family):
     for prompt, p, result in zip(batch, params, results):
         expected = reference(model, prompt, p.max_tokens)
         assert result.token_ids == alone(model, prompt, p) == expected
-    assert all(sum(len(c.tokens) for c in chunks) <= 16 for chunks in steps)  # the budget holds
-    # some step packed chunks of two prompts, and some step prefilled beside decode tokens
+    assert all(sum(len(c.tokens) for c in chunks) <= 24 for chunks in steps)  # the budget holds
+    # some step packed chunks of two prompts, some step prefilled beside decode tokens, and the
+    # prompt of 30 was split
     assert any(sum(len(c.tokens) > 1 for c in chunks) >= 2 for chunks in steps)
     assert any(any(len(c.tokens) > 1 for c in chunks) and any(len(c.tokens) == 1 for c in chunks) for chunks in steps)
+    assert any(c.start == 0 and c.tokens == batch[4][: len(c.tokens)] != batch[4] for chunks in steps for c in chunks)
     assert engine.blocks.num_free == engine.cache.num_blocks - 1
 
 
@@ -86,6 +88,23 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(model):
     assert second.token_ids == alone(model, long, SamplingParams(max_tokens=5))
 
 
+def test_a_prompt_that_fits_a_round_waits_rather_than_split_beside_another(model):
+    """At 16 tokens a step, prompts of 10, 8 and 20 come together. The 8 would fit beside the 10
+    only split (6 tokens left): it waits and is prefilled whole in the next round. The 20, longer
+    than what that round leaves, waits too, then starts in a round of decode tokens alone and
+    ends in the one after. The tokens are each prompt's alone."""
+    engine = DecodeEngine(model, max_batch=4, max_len=64, max_num_batched_tokens=16, block_size=4)
+    steps = Recorder(engine).steps
+    batch, params = prompts([10, 8, 20], seed=3), SamplingParams(max_tokens=4)
+    scheduler = Scheduler(engine, TOKENIZER)
+    sequences = [scheduler.submit(p, params) for p in batch]
+    scheduler.run_until_idle()
+    prompt_chunks = [[len(c.tokens) for c in chunks if len(c.tokens) > 1] for chunks in steps]
+    assert prompt_chunks[:4] == [[10], [8], [14], [6]] and not any(prompt_chunks[4:])
+    for prompt, sequence in zip(batch, sequences):
+        assert sequence.token_ids == alone(model, prompt, params)
+
+
 def test_prefill_first_alternates_prompts_rounds_with_decode_rounds(model):
     """With prefill_first, a round that decoded while prompts wait is followed by a round of the
     prompts alone and that by one of the decode tokens alone: no round mixes the two, and no two
@@ -106,8 +125,8 @@ def test_prefill_first_alternates_prompts_rounds_with_decode_rounds(model):
         decodes = {c.start >= prompt_lengths[c.row] for c in chunks}
         assert len(decodes) == 1, "a round mixed prompt chunks with decode tokens"
         kinds.append("decode" if decodes.pop() else "prompts")
-    # 20 + 6 prompt tokens at 8 a round: 8 | 8 | 4 and 4 | 2 (the last prompt samples), a decode
-    # round between each two
+    # 20 + 6 prompt tokens at 8 a round: 8 | 8 | 4 | 6 (the 6 wait for a round they fit whole), a
+    # decode round between each two
     assert kinds[:8] == ["prompts", "decode"] * 4 and set(kinds[8:]) == {"decode"}
     for prompt, p, sequence in zip(batch, params, sequences):
         assert sequence.token_ids == alone(model, prompt, p)
