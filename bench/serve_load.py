@@ -16,6 +16,8 @@ server's process, N requests in flight, no HTTP): the share of the engine the se
     # serve's two schedules (--schedule) on one server, with clients whose lengths drift apart
     PYTHONPATH=. python3 bench/serve_load.py --layers 48 --clients 1,64 --schedules mixed,prefill-first \\
         --max-tokens-spread 0.5 --requests 6
+    # serve's tokens a step (--max-num-batched-tokens) on one server: each value's engine alone and served
+    PYTHONPATH=. python3 bench/serve_load.py --layers 48 --clients 1,64 --step-tokens 2048,1024
     # against a server that runs already (no engine-alone column)
     PYTHONPATH=. python3 bench/serve_load.py --url http://127.0.0.1:8000 --clients 1,16
 
@@ -227,13 +229,20 @@ def serve_child(args) -> None:
         report["long"] = (
             f"one prompt of {args.long_prompt:,} tokens + 16 new: {seconds:.2f} s ({sequence.finish_reason})"
         )
+    budget = engine.max_num_batched_tokens
+    if max(args.step_token_values, default=0) > budget:  # the cache and the CUDA graphs are sized for serve's
+        raise SystemExit(f"--step-tokens {args.step_tokens}: at most serve's --max-num-batched-tokens ({budget})")
     for clients in args.client_counts:
         for schedule in args.schedule_names or [serve_args.schedule]:
-            scheduler.prefill_first = schedule == "prefill-first"
-            args.salt = f"engine warm-up {clients} {schedule}"
-            engine_alone(scheduler, clock, tokenizer, clients, args)  # warm-up: graphs of these batches and lengths
-            args.salt = f"engine {clients} {schedule}"
-            report["engine"].append({"schedule": schedule, **engine_alone(scheduler, clock, tokenizer, clients, args)})
+            for step_tokens in args.step_token_values or [None]:
+                scheduler.prefill_first = schedule == "prefill-first"
+                engine.max_num_batched_tokens = step_tokens or budget
+                args.salt = f"engine warm-up {clients} {schedule} {step_tokens}"
+                engine_alone(scheduler, clock, tokenizer, clients, args)  # warm-up: graphs of these batches and lengths
+                args.salt = f"engine {clients} {schedule} {step_tokens}"
+                row = engine_alone(scheduler, clock, tokenizer, clients, args)
+                report["engine"].append({"schedule": schedule, "step tokens": step_tokens or budget, **row})
+    engine.max_num_batched_tokens = budget
     print("REPORT " + json.dumps(report), flush=True)
     service = Service(
         engine,
@@ -286,6 +295,8 @@ def timed_inside(service, port: int) -> None:
             service.scheduler.reply_window_s = float(query["reply_window_ms"][0]) / 1e3
         if "schedule" in query:
             service.scheduler.prefill_first = query["schedule"][0] == "prefill-first"
+        if "step_tokens" in query:
+            service.engine.max_num_batched_tokens = int(query["step_tokens"][0])
         rounds, now = max(1, clock.count), process_cpu_seconds(os.getpid())
         http_now = process_cpu_seconds(service.http.pid)
         taken = {
@@ -299,6 +310,7 @@ def timed_inside(service, port: int) -> None:
                 for end in ("caught", "partly", "missed", "skipped")
             ),
             "schedule": "prefill-first" if service.scheduler.prefill_first else "mixed",
+            "step tokens": service.engine.max_num_batched_tokens,
         }
         cpu["self"], cpu["http"] = now, http_now
         windows.clear()
@@ -381,7 +393,7 @@ def start_server(args) -> tuple[subprocess.Popen, str, dict]:
     port = args.port
     command = [sys.executable, __file__, "--serve", "--port", str(port), "--clients", args.clients]
     names = ("layers", "config", "requests", "prompt_len", "max_tokens", "max_tokens_spread", "long_prompt")
-    names += ("serve_args", "schedules")
+    names += ("serve_args", "schedules", "step_tokens")
     names += ("fake_step_ms", "fake_prefill_ms", "fake_token_us", "spread_routing")
     for name in names:
         value = getattr(args, name)
@@ -443,6 +455,11 @@ def main():
         "--reply-windows", help="comma-separated --reply-window-ms values, each a served run (default: serve's)"
     )
     parser.add_argument(
+        "--step-tokens",
+        help="comma-separated serve --max-num-batched-tokens values, at most serve's, each an engine-alone and a "
+        "served run (default: serve's)",
+    )
+    parser.add_argument(
         "--fake-step-ms",
         type=float,
         help="the server's own cost on a CPU: the forward replaced by a wait of this many ms a round (module doc)",
@@ -459,6 +476,7 @@ def main():
     if set(args.schedule_names) - {"mixed", "prefill-first"}:
         parser.error(f"--schedules takes mixed and prefill-first, got {args.schedules}")
     args.reply_windows = [float(w) for w in args.reply_windows.split(",")] if args.reply_windows else []
+    args.step_token_values = [int(t) for t in args.step_tokens.split(",")] if args.step_tokens else []
     if args.fake_step_ms is not None and not args.config:
         parser.error("--fake-step-ms wants --config of a small model (configs/tiny.toml): its weights go unused")
     if args.serve:
@@ -473,18 +491,27 @@ def main():
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         model = httpx.get(url + "/v1/models", headers=headers).json()["data"][0]["id"]
         rows = []
-        engine_rows = {(r["clients"], r["schedule"]): r for r in (report or {}).get("engine", [])}
+        engine_rows = {(r["clients"], r["schedule"], r["step tokens"]): r for r in (report or {}).get("engine", [])}
         control = f"http://127.0.0.1:{args.port + 1}/inside"
         for clients in args.client_counts:
             args.salt = f"serve warm-up {clients}"
             load(url, model, clients, args)  # warm-up, as the engine's side had
-            for schedule in args.schedule_names or [None]:
-                alone = next((r for (c, s), r in engine_rows.items() if c == clients and schedule in (None, s)), None)
+            for schedule, step_tokens in [
+                (s, t) for s in args.schedule_names or [None] for t in args.step_token_values or [None]
+            ]:
+                alone = next(
+                    (
+                        r
+                        for (c, s, t), r in engine_rows.items()
+                        if c == clients and schedule in (None, s) and step_tokens in (None, t)
+                    ),
+                    None,
+                )
                 if alone:
                     rows.append(dict(alone))
                 for window in args.reply_windows or [None]:
-                    args.salt = f"serve {clients} {schedule} {window}"
-                    settings = {"reply_window_ms": window, "schedule": schedule}
+                    args.salt = f"serve {clients} {schedule} {step_tokens} {window}"
+                    settings = {"reply_window_ms": window, "schedule": schedule, "step_tokens": step_tokens}
                     if child is not None:
                         httpx.get(control, params={k: v for k, v in settings.items() if v is not None})
                     row = load(url, model, clients, args)
@@ -492,6 +519,7 @@ def main():
                         inside = httpx.get(control).json()
                         waits = inside.pop("requests")
                         row["schedule"] = inside.pop("schedule")
+                        row["step tokens"] = inside.pop("step tokens")
                         row["reply window ms"] = inside.pop("reply window ms")
                         row["submit → first token p50 ms"] = statistics.median(ms for ms, _ in waits)
                         row["steps to first token p50"] = statistics.median(n for _, n in waits)

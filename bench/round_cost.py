@@ -1,0 +1,98 @@
+"""What one round of the server costs on the random-weight Qwen3-30B-A3B shape: decode tokens alone,
+prompts alone, and the two mixed (60 decode tokens beside 1-4 prompts), each one engine step as
+the scheduler makes it (CUDA graphs), median of --repeat; with the random weights' routing and
+spread (bench/common.py). With --profile, the GPU kernels of a decode round and of a mixed round
+of one prompt, by total time.
+
+    PYTHONPATH=. python3 bench/round_cost.py --layers 48 --profile
+    PYTHONPATH=. python3 bench/round_cost.py --config configs/tiny.toml --prompt-len 32 --decode 4  # CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+
+import torch
+
+from bench.common import print_table, qwen3_30b_a3b, spread_routing, timed
+from bench.serve_offline import moemesh_model
+from moemesh.config import load_config
+from moemesh.inference.engine import Chunk, DecodeEngine
+
+BLOCK_SIZE = 16
+
+
+def rounds(args) -> dict[str, tuple[int, int]]:
+    """name -> (decode tokens, prompts)"""
+    named = {f"{args.decode} decode tokens": (args.decode, 0), "1 prompt": (0, 1), "4 prompts": (0, 4)}
+    for prompts in range(1, 5):
+        named[f"{args.decode} decode + {prompts} prompt{'s' * (prompts > 1)}"] = (args.decode, prompts)
+    return named
+
+
+def measure(model, args) -> list[dict]:
+    length, context, rows = args.prompt_len, args.context, args.decode + 4
+    engine = DecodeEngine(
+        model,
+        max_batch=max(rows, 8),
+        max_len=max(length, context) + 1,
+        max_num_batched_tokens=args.decode + 4 * length,
+        packed_graph_tokens=args.decode + 4 * length,
+        num_blocks=2 + rows * math.ceil((max(length, context) + 1) / BLOCK_SIZE),
+        block_size=BLOCK_SIZE,
+    )
+    for row in range(rows):
+        engine.set_blocks(row, engine.blocks.allocate(math.ceil((max(length, context) + 1) / BLOCK_SIZE)))
+    letters = torch.randint(97, 123, (4, length)).tolist()
+    table = []
+    for name, (decode, prompts) in rounds(args).items():
+        chunks = [Chunk(row, [97 + row % 26], context) for row in range(decode)]
+        chunks += [Chunk(args.decode + p, letters[p], 0) for p in range(prompts)]
+        engine.step(chunks)  # compiles and captures
+        ms = statistics.median(timed(lambda: engine.step(chunks))[0] for _ in range(args.repeat)) * 1e3
+        table.append({"round": name, "tokens": decode + prompts * length, "ms": f"{ms:.1f}"})
+        if args.profile and name in (f"{args.decode} decode tokens", f"{args.decode} decode + 1 prompt"):
+            profile(engine, chunks, name)
+    engine.close()
+    return table
+
+
+def profile(engine, chunks, name: str) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    with profiler(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            engine.step(chunks)
+        torch.cuda.synchronize()
+    print(f"\n### kernels of 5 rounds of {name}")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--config", help="this run config's model instead (configs/tiny.toml: CPU)")
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--decode", type=int, default=60, help="decoding sequences in a round")
+    parser.add_argument("--context", type=int, default=576, help="the decoding sequences' cached tokens")
+    parser.add_argument("--repeat", type=int, default=9)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    config = load_config(args.config).model if args.config else qwen3_30b_a3b(args.layers)
+    model = moemesh_model(config, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    rows = []
+    for routing in ("random weights'", "spread"):
+        if routing == "spread":
+            spread_routing(model)
+            args.profile = False
+        for row in measure(model, args):
+            rows.append({"routing": routing, **row})
+    print_table(rows, f"one engine step, {config.num_hidden_layers} layers, prompts of {args.prompt_len} tokens")
+
+
+if __name__ == "__main__":
+    main()
