@@ -20,6 +20,7 @@ from bench.common import print_table, qwen3_30b_a3b, spread_routing, timed
 from bench.serve_offline import moemesh_model
 from moemesh.config import load_config
 from moemesh.inference.engine import Chunk, DecodeEngine
+from moemesh.models import moe
 
 BLOCK_SIZE = 16
 
@@ -80,6 +81,11 @@ def main():
     parser.add_argument("--context", type=int, default=576, help="the decoding sequences' cached tokens")
     parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--selected-expert-rows",
+        help="comma-separated (token, expert) pairs up to which MoE blocks read the chosen experts' weights once "
+        "(models/moe.py's SELECTED_EXPERT_ROWS; beyond, the grouped GEMM), each a table",
+    )
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config = load_config(args.config).model if args.config else qwen3_30b_a3b(args.layers)
@@ -89,8 +95,11 @@ def main():
         if routing == "spread":
             spread_routing(model)
             args.profile = False
-        for row in measure(model, args):
-            rows.append({"routing": routing, **row})
+        for limit in [int(n) for n in args.selected_expert_rows.split(",")] if args.selected_expert_rows else [None]:
+            if limit is not None:
+                moe.SELECTED_EXPERT_ROWS = limit
+            for row in measure(model, args):
+                rows.append({"routing": routing, "selected expert rows": moe.SELECTED_EXPERT_ROWS, **row})
     print_table(rows, f"one engine step, {config.num_hidden_layers} layers, prompts of {args.prompt_len} tokens")
 
 
