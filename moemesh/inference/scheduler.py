@@ -9,11 +9,12 @@ Whole prompts. A new prompt joins a round that computes other prompts' tokens on
 fits; else it waits for the next round, where it comes first. Split, its first token would wait
 for that next round all the same, and this round would be longer for everyone in it. A prompt
 longer than what a round of decode tokens leaves still starts in such a round and goes on in
-chunks. On the 48-layer shape (one H200, docs/benchmarks.md) this took serve's first token p50
-from 50 to 43 ms with drifting clients, for 1.6% of the tokens/s. Its effect is larger with a
-smaller budget: there a split prompt is a large share of its rounds. At 1,024 tokens a step with
-clients in step, splitting made the first token slower than at 2,048 (88 against 66 ms), and whole
-prompts made it faster (41 ms).
+chunks. On the 48-layer shape with the random weights' routing (one H200, docs/benchmarks.md)
+this took serve's first token p50 from 50 to 43 ms with drifting clients, for 1.6% of the
+tokens/s. Its effect is larger with a smaller budget: there a split prompt is a large share of its
+rounds. At 1,024 tokens a step with clients in step, splitting made the first token slower than at
+2,048 (88 against 66 ms), and whole prompts made it faster (41 ms). The price is a burst's last
+first tokens: 64 prompts arriving together were admitted 3 a round rather than 4.
 
 Prefill first (`prefill_first`, serve's `--schedule prefill-first`). A mixed round costs its
 decode tokens' time too, so a prompt admitted beside 60 decoding sequences reaches its first
