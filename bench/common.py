@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from moemesh.config import load_config
 from moemesh.models import ModelConfig
 
 
@@ -23,6 +24,11 @@ def qwen3_30b_a3b(layers: int) -> ModelConfig:
     """Qwen3-30B-A3B's shape (configs/qwen3_30b_a3b_6l.toml) cut to `layers` decoder layers."""
     path = Path(__file__).resolve().parent.parent / "configs" / "qwen3_30b_a3b_6l.toml"
     return ModelConfig(**tomllib.loads(path.read_text())["model"]).replace(num_hidden_layers=layers)
+
+
+def bench_model_config(args) -> ModelConfig:
+    """The model of a bench's `--config` (a run config), else Qwen3-30B-A3B's shape of `--layers`."""
+    return load_config(args.config).model if args.config else qwen3_30b_a3b(args.layers)
 
 
 def routers(model: torch.nn.Module) -> list[torch.nn.Module]:

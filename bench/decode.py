@@ -32,9 +32,8 @@ import time
 
 import torch
 
-from bench.common import print_table, qwen3_30b_a3b, sync, timed
+from bench.common import bench_model_config, print_table, sync, timed
 from bench.e2e import free, transformers_model
-from moemesh.config import load_config
 from moemesh.data.tokenizer import ByteTokenizer
 from moemesh.inference.engine import Chunk, DecodeEngine, Sampling
 from moemesh.inference.generate import generate
@@ -252,7 +251,7 @@ def main():
     args.batches = [int(b) for b in args.batches.split(",")]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    config = load_config(args.config).model if args.config else qwen3_30b_a3b(args.layers)
+    config = bench_model_config(args)
     config = config.replace(
         max_position_embeddings=max(config.max_position_embeddings, args.prompt_len + args.new_tokens + 1),
         output_router_logits=False,

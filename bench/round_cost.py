@@ -1,10 +1,11 @@
 """What one round of the server costs on the random-weight Qwen3-30B-A3B shape: decode tokens alone,
 prompts alone, and the two mixed (60 decode tokens beside 1-4 prompts), each one engine step as
 the scheduler makes it (CUDA graphs), median of --repeat; with the random weights' routing and
-spread (bench/common.py). With --profile, the GPU kernels of a decode round and of a mixed round
-of one prompt, by total time.
+spread (bench/common.py). The kernels of one such step: `bench/serve_offline.py --no-offline
+--profile-step 512 --profile-prompts 1 --profile-decodes 60`.
 
-    PYTHONPATH=. python3 bench/round_cost.py --layers 48 --profile
+    PYTHONPATH=. python3 bench/round_cost.py --layers 48
+    PYTHONPATH=. python3 bench/round_cost.py --layers 48 --selected-expert-rows 1024,20000
     PYTHONPATH=. python3 bench/round_cost.py --config configs/tiny.toml --prompt-len 32 --decode 4  # CPU
 """
 
@@ -16,9 +17,8 @@ import statistics
 
 import torch
 
-from bench.common import print_table, qwen3_30b_a3b, spread_routing, timed
+from bench.common import bench_model_config, print_table, spread_routing, timed
 from bench.serve_offline import moemesh_model
-from moemesh.config import load_config
 from moemesh.inference.engine import Chunk, DecodeEngine
 from moemesh.models import moe
 
@@ -35,17 +35,19 @@ def rounds(args) -> dict[str, tuple[int, int]]:
 
 def measure(model, args) -> list[dict]:
     length, context, rows = args.prompt_len, args.context, args.decode + 4
+    entries, tokens = max(length, context) + 1, args.decode + 4 * length  # a row's; the largest step's
+    blocks = math.ceil(entries / BLOCK_SIZE)
     engine = DecodeEngine(
         model,
         max_batch=max(rows, 8),
-        max_len=max(length, context) + 1,
-        max_num_batched_tokens=args.decode + 4 * length,
-        packed_graph_tokens=args.decode + 4 * length,
-        num_blocks=2 + rows * math.ceil((max(length, context) + 1) / BLOCK_SIZE),
+        max_len=entries,
+        max_num_batched_tokens=tokens,
+        packed_graph_tokens=tokens,
+        num_blocks=2 + rows * blocks,
         block_size=BLOCK_SIZE,
     )
     for row in range(rows):
-        engine.set_blocks(row, engine.blocks.allocate(math.ceil((max(length, context) + 1) / BLOCK_SIZE)))
+        engine.set_blocks(row, engine.blocks.allocate(blocks))
     letters = torch.randint(97, 123, (4, length)).tolist()
     table = []
     for name, (decode, prompts) in rounds(args).items():
@@ -54,22 +56,8 @@ def measure(model, args) -> list[dict]:
         engine.step(chunks)  # compiles and captures
         ms = statistics.median(timed(lambda: engine.step(chunks))[0] for _ in range(args.repeat)) * 1e3
         table.append({"round": name, "tokens": decode + prompts * length, "ms": f"{ms:.1f}"})
-        if args.profile and name in (f"{args.decode} decode tokens", f"{args.decode} decode + 1 prompt"):
-            profile(engine, chunks, name)
     engine.close()
     return table
-
-
-def profile(engine, chunks, name: str) -> None:
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as profiler
-
-    with profiler(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            engine.step(chunks)
-        torch.cuda.synchronize()
-    print(f"\n### kernels of 5 rounds of {name}")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
 
 
 def main():
@@ -80,7 +68,6 @@ def main():
     parser.add_argument("--decode", type=int, default=60, help="decoding sequences in a round")
     parser.add_argument("--context", type=int, default=576, help="the decoding sequences' cached tokens")
     parser.add_argument("--repeat", type=int, default=9)
-    parser.add_argument("--profile", action="store_true")
     parser.add_argument(
         "--selected-expert-rows",
         help="comma-separated (token, expert) pairs up to which MoE blocks read the chosen experts' weights once "
@@ -88,18 +75,20 @@ def main():
     )
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    config = load_config(args.config).model if args.config else qwen3_30b_a3b(args.layers)
+    config = bench_model_config(args)
     model = moemesh_model(config, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    limits = (
+        [int(n) for n in args.selected_expert_rows.split(",")]
+        if args.selected_expert_rows
+        else [moe.SELECTED_EXPERT_ROWS]
+    )
     rows = []
     for routing in ("random weights'", "spread"):
         if routing == "spread":
             spread_routing(model)
-            args.profile = False
-        for limit in [int(n) for n in args.selected_expert_rows.split(",")] if args.selected_expert_rows else [None]:
-            if limit is not None:
-                moe.SELECTED_EXPERT_ROWS = limit
-            for row in measure(model, args):
-                rows.append({"routing": routing, "selected expert rows": moe.SELECTED_EXPERT_ROWS, **row})
+        for limit in limits:
+            moe.SELECTED_EXPERT_ROWS = limit  # read when a step is captured: each engine anew
+            rows += [{"routing": routing, "selected expert rows": limit, **row} for row in measure(model, args)]
     print_table(rows, f"one engine step, {config.num_hidden_layers} layers, prompts of {args.prompt_len} tokens")
 
 

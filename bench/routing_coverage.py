@@ -22,9 +22,8 @@ import statistics
 
 import torch
 
-from bench.common import print_table, qwen3_30b_a3b, routers, spread_routing, timed
+from bench.common import bench_model_config, print_table, routers, spread_routing, timed
 from bench.serve_offline import moemesh_model
-from moemesh.config import load_config
 from moemesh.inference.engine import Chunk, DecodeEngine
 
 LETTERS = list(range(97, 123))  # the byte tokenizer's ids of a-z
@@ -113,7 +112,7 @@ def main():
     parser.add_argument("--repeat", type=int, default=7)
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    config = load_config(args.config).model if args.config else qwen3_30b_a3b(args.layers)
+    config = bench_model_config(args)
     model = moemesh_model(config, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     rows = []
     for routing in ("random weights'", "spread (bench/common.py)"):

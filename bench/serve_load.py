@@ -69,6 +69,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from itertools import product
 
 from bench.common import print_table
 
@@ -185,17 +186,16 @@ def engine_alone(scheduler, clock: StepClock, tokenizer, clients: int, args) -> 
 def serve_child(args) -> None:
     import torch
 
-    from bench.common import qwen3_30b_a3b, spread_routing
+    from bench.common import bench_model_config, spread_routing
     from bench.serve_offline import moemesh_model
     from moemesh.cli import _engine, _parser
-    from moemesh.config import load_config
     from moemesh.data.tokenizer import ByteTokenizer
     from moemesh.inference.request import SamplingParams
     from moemesh.inference.scheduler import Scheduler
     from moemesh.inference.server import Service
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    config = load_config(args.config).model if args.config else qwen3_30b_a3b(args.layers)
+    config = bench_model_config(args)
     if not args.config:  # the real model's context: 40,960 positions
         config = config.replace(max_position_embeddings=40960)
     config = config.replace(output_router_logits=False)
@@ -496,16 +496,10 @@ def main():
         for clients in args.client_counts:
             args.salt = f"serve warm-up {clients}"
             load(url, model, clients, args)  # warm-up, as the engine's side had
-            for schedule, step_tokens in [
-                (s, t) for s in args.schedule_names or [None] for t in args.step_token_values or [None]
-            ]:
+            for schedule, step_tokens in product(args.schedule_names or [None], args.step_token_values or [None]):
+                wanted = (clients, schedule, step_tokens)  # None: serve's own, the one the engine ran
                 alone = next(
-                    (
-                        r
-                        for (c, s, t), r in engine_rows.items()
-                        if c == clients and schedule in (None, s) and step_tokens in (None, t)
-                    ),
-                    None,
+                    (r for key, r in engine_rows.items() if all(w in (None, k) for w, k in zip(wanted, key))), None
                 )
                 if alone:
                     rows.append(dict(alone))

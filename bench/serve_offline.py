@@ -35,9 +35,8 @@ import time
 
 import torch
 
-from bench.common import print_table, qwen3_30b_a3b, sync, timed
+from bench.common import bench_model_config, print_table, sync, timed
 from bench.e2e import free, transformers_model
-from moemesh.config import load_config
 from moemesh.data.tokenizer import ByteTokenizer
 from moemesh.inference.engine import Chunk, DecodeEngine
 from moemesh.inference.generate import generate
@@ -337,7 +336,7 @@ def main():
     args.prompt_lens = [int(n) for n in args.prompt_lens.split(",")]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16 if device.type == "cuda" else torch.float32
-    config = load_config(args.config).model if args.config else qwen3_30b_a3b(args.layers)
+    config = bench_model_config(args)
     longest = max(
         args.prompt_lens[1] + args.new_tokens + 1, args.prefill_len + 1, args.prefix_len + 66, 1026 + args.profile_step
     )
