@@ -107,11 +107,11 @@ def tile_table(x: dict, per_tile: int, entries: int | None) -> tuple:
     return tiles_of(x["spans"], per_tile, real if entries is None else entries, x["q"].device)
 
 
-def attend(x: dict, table: tuple, per_tile: int, kv_len: int, lone: tuple | None = None) -> torch.Tensor:
+def attend(x: dict, table: tuple, per_tile: int, kv_len: int) -> torch.Tensor:
     starts, lengths, count, _ = table
     return decode_attention.paged_attention(
         x["q"], x["keys"], x["values"], x["tables"], BLOCK_SIZE, x["token_rows"], x["positions"], starts, lengths,
-        count, per_tile, kv_len, DIM**-0.5, None, lone,
+        count, per_tile, kv_len, DIM**-0.5, None,
     )  # fmt: skip
 
 
@@ -204,25 +204,6 @@ def main() -> None:
                 )
     device_name = torch.cuda.get_device_name()
     print_table(rows_out, f"paged attention, one layer, bf16, {device_name}, torch {torch.__version__}")
-    rows_out = []
-    for kind in ("round", "mixed"):  # as a captured step has them: an entry per token, kv_len the row length
-        x = step_inputs(kind, args.max_len, torch.Generator().manual_seed(0), device, dtype)
-        table = tile_table(x, per_tile, len(x["positions"]))
-        # as the cache finds them once a step (kv_cache.lone_tiles), not a layer: outside the timing
-        lone = decode_attention.lone_tiles(*table[:3], x["positions"], x["tables"].shape[0])
-        apart = attend(x, table, per_tile, args.max_len, lone)
-        error = (apart.float() - attend(x, table, per_tile, args.max_len).float()).abs().max().item()
-        for lone_table in (None, lone):
-            rows_out.append(
-                {
-                    "layout": f"{kind}: {len(x['positions'])} tokens, {table[3]} tiles",
-                    "one-token tiles": "in the tiles' programs" if lone_table is None else "lone, split",
-                    "µs a call": f"{kernel_us(lambda: attend(x, table, per_tile, args.max_len, lone_table)):.1f}",  # noqa: B023
-                    "flash floor µs": f"{flash_floor_us(x):.1f}",
-                    "max |diff|": "" if lone_table is None else f"{error:.1e}",
-                }
-            )
-    print_table(rows_out, f"lone tiles (ops/decode_attention.py), one layer, bf16, {device_name}")
 
 
 if __name__ == "__main__":

@@ -98,23 +98,18 @@ def test_rope_to_cache_in_blocks_of_tokens_equals_a_program_a_token(triton_kerne
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window, norm", [(None, True), (5, False), (150, False)])
 @pytest.mark.parametrize("max_len", [40, 700])
-@pytest.mark.parametrize("step", ["decode", "packed", "packed, lone tiles"])
-def test_paged_attention_equals_the_contiguous_reference(
-    triton_kernels, monkeypatch, dtype, window, norm, max_len, step
-):
+@pytest.mark.parametrize("step", ["decode", "packed"])
+def test_paged_attention_equals_the_contiguous_reference(triton_kernels, dtype, window, norm, max_len, step):
     """Three sequences in shuffled blocks of 16 (random block tables, partial last blocks), their
     earlier keys and values in the cache; the step's tokens — one a sequence (decode), or 1, 5
-    and a tile's tokens + 5 consecutive tokens (packed: a chunk of a prompt in two tiles), or 1,
-    1 and a tile's tokens + 1 (packed with its one-token tiles of >= LONE_FROM keys run apart and
-    split: at 700 entries the second sequence's token and the third's last tile, not the first's
-    token at position 0) — normed, rotated and
+    and a tile's tokens + 5 consecutive tokens (packed: a chunk of a prompt in two tiles) — normed, rotated and
     written at their slots, then attending over their own sequence up to their own position,
     against each sequence's keys held contiguously and attended explicitly (700 entries: in 4
     splits, each every 4th block of 64 keys, some empty, a window across blocks)."""
     heads, kv_heads, dim, block_size = 8, 2, 32, 16
     ends = [1, 18 if max_len < 200 else 301, max_len]  # each sequence's last position + 1
     per_tile = decode_attention.tile_tokens(heads // kv_heads)
-    counts = {"decode": [1, 1, 1], "packed": [1, 5, per_tile + 5], "packed, lone tiles": [1, 1, per_tile + 1]}[step]
+    counts = [1, 1, 1] if step == "decode" else [1, 5, per_tile + 5]
     rows = [1, 2, 0]  # sequence b's block-table row
     per_row = -(-max_len // block_size)
     num_blocks = 1 + 3 * per_row + 5
@@ -147,16 +142,8 @@ def test_paged_attention_equals_the_contiguous_reference(
             lengths.append(min(per_tile, first + n - at))
         first += n
     assert len(starts) == (3 if step == "decode" else 4)
-    if step != "decode":  # a packed step's table has an entry per token: empty tiles after its own (not read)
+    if step == "packed":  # a packed step's table has an entry per token: empty tiles after its own (not read)
         starts, lengths = starts + [0] * (tokens - 4), lengths + [0] * (tokens - 4)
-    table = [torch.tensor(t, dtype=torch.int32) for t in (starts, lengths, [3 if step == "decode" else 4])]
-    lone = None
-    if step == "packed, lone tiles":
-        monkeypatch.setattr(decode_attention, "FEW_TILE_PROGRAMS", 0)  # not split for having few tiles
-        lone = decode_attention.lone_tiles(*table, positions, bound=3)
-        lone_tokens = [1, tokens - 1] if max_len > 200 else []  # (positions 300 and 699)
-        assert lone[2].tolist() == [len(lone_tokens)] and lone[1][: len(lone_tokens)].tolist() == lone_tokens
-        assert lone[0].tolist() == [0 if start in lone_tokens else n for start, n in zip(starts, lengths)]
 
     got_q = decode_attention.rope_to_cache(q, k, v, cos, sin, q_norm, k_norm, 1e-6, *pools, slots)
     got = decode_attention.paged_attention(
@@ -166,12 +153,13 @@ def test_paged_attention_equals_the_contiguous_reference(
         block_size,
         token_rows,
         positions,
-        *table,
+        torch.tensor(starts, dtype=torch.int32),
+        torch.tensor(lengths, dtype=torch.int32),
+        torch.tensor([3 if step == "decode" else 4], dtype=torch.int32),
         1 if step == "decode" else per_tile,
         max_len,
         dim**-0.5,
         window,
-        lone,
     )
 
     def heads_of(t, n):  # [N, n·D] -> [N, n, 1, D], normed and rotated as the eager path does

@@ -36,8 +36,6 @@ import math
 
 import torch
 
-from moemesh.ops import decode_attention
-
 Segment = tuple[int, int, int, int]  # (table row, first token, tokens, keys to read: last position + 1)
 
 
@@ -63,7 +61,7 @@ class PagedKVCache:
         self.packed = False
         self._segments: list[Segment] | None = None
         self.kv_len = 0
-        self._tiles: dict[int | tuple[str, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._tiles: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     @property
     def scratch_row(self) -> int:
@@ -123,18 +121,6 @@ class PagedKVCache:
                 count = tile[-1:] + 1
             self._tiles[tokens_per_tile] = (starts.int(), lengths.int(), count.int())
         return (*self._tiles[tokens_per_tile], tokens_per_tile)
-
-    def lone_tiles(self, tokens_per_tile: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """A packed step's one-token tiles that the attention kernel runs apart, split
-        (`decode_attention.lone_tiles`: a sequence has one at most, the scratch row's padding
-        none); None for a decode step."""
-        if not self.packed:
-            return None
-        if ("lone", tokens_per_tile) not in self._tiles:
-            starts, lengths, count, _ = self.tiles(tokens_per_tile)
-            lone = decode_attention.lone_tiles(starts, lengths, count, self.positions, self.rows + 1)
-            self._tiles["lone", tokens_per_tile] = lone
-        return self._tiles["lone", tokens_per_tile]
 
     # ---- storage --------------------------------------------------------------------------------
     def pools(

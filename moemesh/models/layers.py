@@ -133,7 +133,6 @@ class Attention(nn.Module):
             cache.kv_len,
             self.head_dim**-0.5,
             self.sliding_window,
-            cache.lone_tiles(per_tile),
         )
         return self.o_proj(out.view(batch, seq, -1))
 

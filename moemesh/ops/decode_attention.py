@@ -26,15 +26,6 @@ an H200, 27 µs in 8 splits). Steps with tiles enough (about 64 tiles × key/val
 unsplit. A packed step's tile table has an entry per token (its tiles are found on the device,
 their number unknown to the host); the programs past the step's tiles do nothing.
 
-Lone tiles. In a packed step the decode tokens beside the prompts are tiles of one token each
-(a token's query heads: 8 of the tile's 64 rows), and unsplit each walks its whole context, one
-key block after another: in a loaded server's round (60 decode tokens at ~640 cached beside 3
-prompts of 512) they took the attention from ~77 to 173 µs a layer on an H200. So a packed step
-may name its lone tiles — one token, at least LONE_FROM keys, at most one a sequence
-(`lone_tiles`, found on the device) — which the main launch skips and a second launch runs as a
-decode step's: 16-row tiles, the keys split, the splits' sums kept by lone tile (not by token: a
-buffer the size of the step's sequences, not of its tokens) and merged into their tokens' rows.
-
 The reference is `models/layers.paged_attention` (the eager path: gathers through the block
 table, explicit masked softmax; tests compare the two). Limits: a power-of-two head size
 (16 to 256) covered whole by the rotary tables, no attention sinks, values of the keys' size.
@@ -48,10 +39,6 @@ from moemesh.ops.backend import tl, triton
 
 BLOCK_KEYS = 64
 SPLIT_KEYS, MAX_SPLITS = 128, 16  # see split_count
-# Tiles × key/value heads below which a packed step splits every tile's keys (few programs).
-FEW_TILE_PROGRAMS = 64
-# A packed step's one-token tiles with at least this many keys run split, as lone tiles.
-LONE_FROM = 2 * BLOCK_KEYS
 # A tile's query rows: its tokens × the query heads of one key/value head. The pipeline depth of
 # the key loop: packed steps and decode steps (Triton's default). 64 rows and 2 stages took a loaded
 # server's prefill round (60 decode tokens beside 4 prompts of 497) from 182 to 138 µs a layer on an
@@ -138,87 +125,51 @@ def paged_attention(
     kv_len: int,
     scale: float,
     window: int | None,
-    lone: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """q [N, h, D] of tokens at `positions` [N] of the sequences in table rows `token_rows` [N]
     against the pools [slots, h_kv, D] through `block_tables` [rows, W]; the tiles (first token,
     tokens) each a run of one sequence's tokens, the first `tile_count` [1] of the table's;
-    kv_len bounds the keys read (the splits); `lone`: a packed step's `lone_tiles` -> [N, h·D]."""
+    kv_len bounds the keys read (the splits) -> [N, h·D]."""
     tokens, heads, head_dim = q.shape
-    out = q.new_empty(tokens, heads * head_dim)
-    if not tile_starts.shape[0]:
-        return out
     kv_heads = keys.shape[1]
     group = heads // kv_heads
-    few_tiles = triton.cdiv(tokens, tokens_per_tile) * kv_heads < FEW_TILE_PROGRAMS  # (as if one chunk)
-    splits = split_count(kv_len) if tokens_per_tile == 1 or few_tiles else 1
-    lone_splits = split_count(kv_len) if lone is not None and splits == 1 else 1
-    lone_tokens, lone_count = tile_count, tile_count  # (not read without lone tiles)
-    partial = out  # the splits' fp32 sums [rows, h, splits, D + 2] where keys are split (else not read)
-    if splits > 1:
-        partial = q.new_empty(tokens, heads, splits, head_dim + 2, dtype=torch.float32)
-    elif lone_splits > 1:  # the main programs skip the lone tiles (their lengths 0)
-        tile_lengths, lone_tokens, lone_count = lone
-        partial = q.new_empty(len(lone_tokens), heads, lone_splits, head_dim + 2, dtype=torch.float32)
-    lone_programs = len(lone_tokens) * lone_splits if lone_splits > 1 else 0
+    out = q.new_empty(tokens, heads * head_dim)
     tiles = tile_starts.shape[0]  # a packed step's table has an entry per token, the tiles first
+    few_tiles = triton.cdiv(tokens, tokens_per_tile) * kv_heads < 64  # (a packed step's, as if one chunk)
+    splits = split_count(kv_len) if tokens_per_tile == 1 or few_tiles else 1
+    partial = out if splits == 1 else q.new_empty(tokens, heads, splits, head_dim + 2, dtype=torch.float32)
     rows = max(16, triton.next_power_of_2(tokens_per_tile * group))
-    _paged_attention_kernel[(tiles + lone_programs, kv_heads, splits)](
-        q.contiguous(),
-        keys,
-        values,
-        out,
-        partial,
-        keys.stride(0),
-        keys.stride(1),
-        block_tables,
-        block_tables.stride(0),
-        block_size,
-        token_rows,
-        positions,
-        tiles,
-        tile_starts,
-        tile_lengths,
-        tile_count,
-        lone_tokens,
-        lone_count,
-        scale,
-        window or 0,
-        GROUP=group,
-        HEADS=heads,
-        ROWS=rows,
-        D=head_dim,
-        BLOCK_N=BLOCK_KEYS,
-        SPLITS=splits,
-        LONE_SPLITS=lone_splits if lone_programs else 0,
-        LONE_ROWS=max(16, triton.next_power_of_2(group)),
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4 if rows <= 64 else 8,
-        num_stages=DECODE_STAGES if tokens_per_tile == 1 else PACKED_STAGES,
-    )
-    if splits > 1 or lone_programs:  # each token's splits, or each lone tile's into its token's row
-        merged, targets, count = (
-            (tokens, tile_starts, tile_count) if splits > 1 else (len(lone_tokens), lone_tokens, lone_count)
+    if tiles:
+        _paged_attention_kernel[(tiles, kv_heads, splits)](
+            q.contiguous(),
+            keys,
+            values,
+            partial,
+            keys.stride(0),
+            keys.stride(1),
+            block_tables,
+            block_tables.stride(0),
+            block_size,
+            token_rows,
+            positions,
+            tile_starts,
+            tile_lengths,
+            tile_count,
+            scale,
+            window or 0,
+            GROUP=group,
+            HEADS=heads,
+            ROWS=rows,
+            D=head_dim,
+            BLOCK_N=BLOCK_KEYS,
+            SPLITS=splits,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=4 if rows <= 64 else 8,
+            num_stages=DECODE_STAGES if tokens_per_tile == 1 else PACKED_STAGES,
         )
-        _merge_splits_kernel[(merged * heads,)](
-            partial, out, targets, count, HEADS=heads, SPLITS=max(splits, lone_splits), D=head_dim, BY_TILE=splits == 1
-        )
+        if splits > 1:
+            _merge_splits_kernel[(tokens * heads,)](partial, out, SPLITS=splits, D=head_dim)
     return out
-
-
-def lone_tiles(
-    tile_starts: torch.Tensor, tile_lengths: torch.Tensor, tile_count: torch.Tensor, positions: torch.Tensor, bound: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A packed step's lone tiles (see the module doc), on the device without a host sync: the
-    tiles' lengths with the lone ones 0 (the main launch skips them), the lone tiles' tokens
-    [bound] and their number [1]. A tile is lone when it is one token with >= LONE_FROM keys and
-    among the first `bound` such (a sequence has one at most: bound = the table's rows)."""
-    real = torch.arange(tile_starts.shape[0], device=tile_starts.device) < tile_count
-    lone = real & (tile_lengths == 1) & (positions[tile_starts.long()] + 1 >= LONE_FROM)
-    lone &= lone.cumsum(0) <= bound
-    at = torch.where(lone, lone.cumsum(0) - 1, bound)  # the rest into a spare entry, cut off
-    tokens = tile_starts.new_zeros(bound + 1).scatter_(0, at, tile_starts)[:bound]
-    return torch.where(lone, 0, tile_lengths), tokens, lone.sum(dtype=tile_count.dtype).view(1)
 
 
 def split_count(kv_len: int) -> int:
@@ -309,7 +260,6 @@ def _paged_attention_kernel(
     keys_ptr,
     values_ptr,
     out_ptr,
-    partial_ptr,
     slot_stride,
     head_stride,
     tables_ptr,
@@ -317,12 +267,9 @@ def _paged_attention_kernel(
     block_size,
     rows_ptr,
     positions_ptr,
-    tiles,
     tile_starts_ptr,
     tile_lengths_ptr,
     tile_count_ptr,
-    lone_tokens_ptr,
-    lone_count_ptr,
     scale,
     window,
     GROUP: tl.constexpr,
@@ -331,162 +278,68 @@ def _paged_attention_kernel(
     D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr,
-    LONE_SPLITS: tl.constexpr,
-    LONE_ROWS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """Programs [0, tiles) of axis 0 take the tile table's entries, split SPLITS ways on axis 2;
-    with LONE_SPLITS, the programs after them take the lone tiles, LONE_SPLITS programs each."""
-    tile = tl.program_id(0)
     kv_head = tl.program_id(1).to(tl.int64)
-    table = (tables_ptr, table_stride, block_size, rows_ptr, positions_ptr, scale, window)
-    pools = (keys_ptr, values_ptr, slot_stride, head_stride)
-    main = True
-    if LONE_SPLITS > 0:
-        main = tile < tiles
-        if tile >= tiles:
-            slot = ((tile - tiles) // LONE_SPLITS).to(tl.int64)
-            if slot < tl.load(lone_count_ptr):
-                first = tl.load(lone_tokens_ptr + slot).to(tl.int64)
-                split = ((tile - tiles) % LONE_SPLITS).to(tl.int64)
-                _attend_tile(
-                    q_ptr,
-                    partial_ptr,
-                    pools,
-                    table,
-                    first,
-                    1,
-                    slot,
-                    kv_head,
-                    split,
-                    GROUP,
-                    HEADS,
-                    LONE_ROWS,
-                    D,
-                    BLOCK_N,
-                    LONE_SPLITS,
-                    PRECISION,
-                )
-    if main:
-        if tile < tl.load(tile_count_ptr):  # a table entry past the step's tiles: nothing to do
-            first = tl.load(tile_starts_ptr + tile).to(tl.int64)
-            count = tl.load(tile_lengths_ptr + tile)
-            split = tl.program_id(2).to(tl.int64)
-            _attend_tile(
-                q_ptr,
-                out_ptr if SPLITS == 1 else partial_ptr,
-                pools,
-                table,
-                first,
-                count,
-                first,
-                kv_head,
-                split,
-                GROUP,
-                HEADS,
-                ROWS,
-                D,
-                BLOCK_N,
-                SPLITS,
-                PRECISION,
-            )
-
-
-@triton.jit
-def _attend_tile(
-    q_ptr,
-    out_ptr,
-    pools,
-    table,
-    first,
-    count,
-    partial_first,
-    kv_head,
-    split,
-    GROUP: tl.constexpr,
-    HEADS: tl.constexpr,
-    ROWS: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SPLITS: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """One tile's `count` tokens from token `first` against one key/value head's keys, this
-    program's every SPLITS-th block of them: the output rows (SPLITS 1) or the split's partial
-    sums at rows partial_first + the token's index in the tile."""
-    keys_ptr, values_ptr, slot_stride, head_stride = pools
-    tables_ptr, table_stride, block_size, rows_ptr, positions_ptr, scale, window = table
-    r = tl.arange(0, ROWS)  # query row r: token r // GROUP of the tile, head r % GROUP of the group
-    valid = r // GROUP < count
-    token = first + r // GROUP
-    head = kv_head * GROUP + r % GROUP
-    position = tl.load(positions_ptr + token, mask=valid, other=0).to(tl.int64)
-    table = tables_ptr + tl.load(rows_ptr + first).to(tl.int64) * table_stride
-    last = tl.max(tl.where(valid, position, -1), axis=0)
-    lowest = tl.where(window > 0, position - window + 1, 0)  # each query's first visible key
-    first_key = tl.maximum(tl.min(tl.where(valid, lowest, last), axis=0), 0)
-    lo, hi = first_key, last + 1  # the tile's keys [lo, hi): this program takes every SPLITS-th block
-    d = tl.arange(0, D)
-    at = (token * HEADS + head) * D  # q's and the output's [N, h, D]
-    q = tl.load(q_ptr + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-    running_max = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-    total = tl.zeros([ROWS], dtype=tl.float32)
-    acc = tl.zeros([ROWS, D], dtype=tl.float32)
-    begin = lo // BLOCK_N * BLOCK_N + split * BLOCK_N
-    for start in range(begin, hi, SPLITS * BLOCK_N):  # no block when no key is here
-        keys_at = start + tl.arange(0, BLOCK_N)
-        present = (keys_at >= lo) & (keys_at < hi)
-        block = tl.load(table + keys_at // block_size, mask=present, other=0).to(tl.int64)
-        slot = (block * block_size + keys_at % block_size) * slot_stride + kv_head * head_stride
-        k = tl.load(keys_ptr + slot[:, None] + d[None, :], mask=present[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        visible = present[None, :] & (keys_at[None, :] <= position[:, None]) & (keys_at[None, :] >= lowest[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row that sees no key yet
-        alpha = tl.exp(running_max - shift)
-        p = tl.exp(scores - shift[:, None])
-        total = total * alpha + tl.sum(p, axis=1)
-        v = tl.load(values_ptr + slot[:, None] + d[None, :], mask=present[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        running_max = new_max
-    if SPLITS == 1:
-        out = acc / tl.where(total > 0, total, 1.0)[:, None]  # a padding row has no key
-        tl.store(out_ptr + at[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
-    else:  # [rows, h, SPLITS, D + 2]: the unnormalised sum, its running maximum and total
-        at = (((partial_first + r // GROUP) * HEADS + head) * SPLITS + split) * (D + 2)
-        tl.store(out_ptr + at[:, None] + d[None, :], acc, mask=valid[:, None])
-        tl.store(out_ptr + at + D, running_max, mask=valid)
-        tl.store(out_ptr + at + D + 1, total, mask=valid)
-
-
-@triton.jit
-def _merge_splits_kernel(
-    partial_ptr,
-    out_ptr,
-    targets_ptr,
-    count_ptr,
-    HEADS: tl.constexpr,
-    SPLITS: tl.constexpr,
-    D: tl.constexpr,
-    BY_TILE: tl.constexpr,
-):
-    """One (token, head), or (`BY_TILE`) one (tile, head) into its token's row, for the first
-    `count` tiles: the splits' sums rescaled to their common maximum (a split without keys has
-    maximum -inf and weighs nothing)."""
-    entry = tl.program_id(0).to(tl.int64)
-    row = entry // HEADS
-    if BY_TILE:
-        go = row < tl.load(count_ptr)
-        target = tl.load(targets_ptr + row, mask=go, other=0).to(tl.int64) * HEADS + entry % HEADS
-    else:
-        go, target = True, entry
-    if go:
-        splits = tl.arange(0, SPLITS)
+    split = tl.program_id(2).to(tl.int64)
+    tile = tl.program_id(0)
+    if tile < tl.load(tile_count_ptr):  # a table entry past the step's tiles: nothing to do
+        first = tl.load(tile_starts_ptr + tile).to(tl.int64)
+        count = tl.load(tile_lengths_ptr + tile)
+        r = tl.arange(0, ROWS)  # query row r: token r // GROUP of the tile, head r % GROUP of the group
+        valid = r // GROUP < count
+        token = first + r // GROUP
+        head = kv_head * GROUP + r % GROUP
+        position = tl.load(positions_ptr + token, mask=valid, other=0).to(tl.int64)
+        table = tables_ptr + tl.load(rows_ptr + first).to(tl.int64) * table_stride
+        last = tl.max(tl.where(valid, position, -1), axis=0)
+        lowest = tl.where(window > 0, position - window + 1, 0)  # each query's first visible key
+        first_key = tl.maximum(tl.min(tl.where(valid, lowest, last), axis=0), 0)
+        lo, hi = first_key, last + 1  # the tile's keys [lo, hi): this program takes every SPLITS-th block
         d = tl.arange(0, D)
-        at = (entry * SPLITS + splits) * (D + 2)
-        maxima = tl.load(partial_ptr + at + D)
-        scale = tl.exp(maxima - tl.max(maxima, axis=0))
-        total = tl.sum(tl.load(partial_ptr + at + D + 1) * scale, axis=0)
-        acc = tl.sum(tl.load(partial_ptr + at[:, None] + d[None, :]) * scale[:, None], axis=0)
-        tl.store(out_ptr + target * D + d, (acc / total).to(out_ptr.dtype.element_ty))
+        at = (token * HEADS + head) * D  # q's and the output's [N, h, D]
+        q = tl.load(q_ptr + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        running_max = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+        total = tl.zeros([ROWS], dtype=tl.float32)
+        acc = tl.zeros([ROWS, D], dtype=tl.float32)
+        begin = lo // BLOCK_N * BLOCK_N + split * BLOCK_N
+        for start in range(begin, hi, SPLITS * BLOCK_N):  # no block when no key is here
+            keys_at = start + tl.arange(0, BLOCK_N)
+            present = (keys_at >= lo) & (keys_at < hi)
+            block = tl.load(table + keys_at // block_size, mask=present, other=0).to(tl.int64)
+            slot = (block * block_size + keys_at % block_size) * slot_stride + kv_head * head_stride
+            k = tl.load(keys_ptr + slot[:, None] + d[None, :], mask=present[:, None], other=0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            visible = present[None, :] & (keys_at[None, :] <= position[:, None]) & (keys_at[None, :] >= lowest[:, None])
+            scores = tl.where(visible, scores, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row that sees no key yet
+            alpha = tl.exp(running_max - shift)
+            p = tl.exp(scores - shift[:, None])
+            total = total * alpha + tl.sum(p, axis=1)
+            v = tl.load(values_ptr + slot[:, None] + d[None, :], mask=present[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            running_max = new_max
+        if SPLITS == 1:
+            out = acc / tl.where(total > 0, total, 1.0)[:, None]  # a padding row has no key
+            tl.store(out_ptr + at[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
+        else:  # [N, h, SPLITS, D + 2]: the unnormalised sum, its running maximum and total
+            at = ((token * HEADS + head) * SPLITS + split) * (D + 2)
+            tl.store(out_ptr + at[:, None] + d[None, :], acc, mask=valid[:, None])
+            tl.store(out_ptr + at + D, running_max, mask=valid)
+            tl.store(out_ptr + at + D + 1, total, mask=valid)
+
+
+@triton.jit
+def _merge_splits_kernel(partial_ptr, out_ptr, SPLITS: tl.constexpr, D: tl.constexpr):
+    """One (token, head): the splits' sums rescaled to their common maximum (a split without keys
+    has maximum -inf and weighs nothing)."""
+    token_head = tl.program_id(0).to(tl.int64)
+    splits = tl.arange(0, SPLITS)
+    d = tl.arange(0, D)
+    at = (token_head * SPLITS + splits) * (D + 2)
+    maxima = tl.load(partial_ptr + at + D)
+    scale = tl.exp(maxima - tl.max(maxima, axis=0))
+    total = tl.sum(tl.load(partial_ptr + at + D + 1) * scale, axis=0)
+    acc = tl.sum(tl.load(partial_ptr + at[:, None] + d[None, :]) * scale[:, None], axis=0)
+    tl.store(out_ptr + token_head * D + d, (acc / total).to(out_ptr.dtype.element_ty))
