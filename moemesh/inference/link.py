@@ -21,8 +21,7 @@ settings (front.HttpSettings) go first:
 The scheduler's Sequence stays in the engine's process (sampling, detokenising, stop strings);
 the HTTP side keeps a SequenceView of each, extended by the updates, which responses.py reads as
 it would the Sequence. A round's updates go in one message, sent after the round (one pickle and
-one wake-up of the HTTP side a round, not one a token a client). Those that start or end a
-sequence go first: the HTTP side resumes its streams in the message's order.
+one wake-up of the HTTP side a round, not one a token a client).
 """
 
 from __future__ import annotations
@@ -50,7 +49,6 @@ class EngineLink:
         self.conn, self.scheduler = conn, scheduler
         self.requests: dict[int, list[Sequence]] = {}
         self.outbox: list[tuple] = []  # this round's updates (the scheduler's thread)
-        self.first_and_last: list[tuple] = []  # those of them that start or end a sequence
         self.ready = threading.Event()  # set when the HTTP process serves
         self._send_lock = threading.Lock()  # the scheduler's thread and the listener both send
 
@@ -96,8 +94,7 @@ class EngineLink:
             start, end = sent[0], len(sequence.token_ids)
             prompt = sequence.prompt_logprobs[sent[1] :]
             sent[0], sent[1] = end, len(sequence.prompt_logprobs)
-            first_or_last = start == 0 or sequence.finish_reason is not None
-            (self.first_and_last if first_or_last else self.outbox).append(
+            self.outbox.append(
                 (
                     key,
                     index,
@@ -114,10 +111,9 @@ class EngineLink:
         return on_update
 
     def deliver(self) -> None:
-        """On the scheduler's thread after a round: its updates, in one message, those that start
-        or end a sequence first."""
-        if self.first_and_last or self.outbox:
-            updates, self.first_and_last, self.outbox = self.first_and_last + self.outbox, [], []
+        """On the scheduler's thread after a round: its updates, in one message."""
+        if self.outbox:
+            updates, self.outbox = self.outbox, []
             try:
                 self.send(("updates", updates))
             except OSError:  # the HTTP process has gone: nobody is waiting
