@@ -14,7 +14,7 @@ import torch
 
 from moemesh.data.tokenizer import ByteTokenizer
 from moemesh.inference.blocks import BlockPool, block_key
-from moemesh.inference.engine import DecodeEngine
+from moemesh.inference.engine import PACKED_BUCKET_STEP, DecodeEngine
 from moemesh.inference.generate import generate
 from moemesh.inference.request import SamplingParams
 from moemesh.inference.scheduler import Scheduler
@@ -302,6 +302,20 @@ def test_packed_steps_padded_to_buckets_equal_each_prompt_alone(monkeypatch, fam
     else:
         # tried once (on a GPU already when the pool was sized from memory), then eager
         assert sum(buckets) <= 1 and engine.packed_buckets == []
+
+
+def test_packed_step_buckets_pad_less_than_a_third_and_above_256_less_than_a_bucket_step():
+    """Padding tokens cost the MoE as much as a prompt's (engine.py): a step of up to 256 tokens
+    pads to the next of 16, 24, 32, 48, ... (less than a third of the bucket is padding), a larger
+    one to the next multiple of PACKED_BUCKET_STEP (128), up to the graphs' largest step."""
+    config = FAMILIES["qwen3_moe"].replace(head_dim=16, vocab_size=256, max_position_embeddings=64)
+    model = build(config, seed=5).eval()
+    engine = DecodeEngine(model, max_batch=4, max_len=64, max_num_batched_tokens=2048, packed_graph_tokens=2000)
+    assert engine.packed_buckets[:9] == [16, 24, 32, 48, 64, 96, 128, 192, 256]
+    assert engine.packed_buckets[9:] == list(range(384, 2000, 128)) + [2000]
+    for tokens in range(1, 2001):
+        bucket = next(b for b in engine.packed_buckets if b >= tokens)
+        assert bucket == 16 if tokens <= 16 else bucket - tokens < (tokens / 2 if tokens <= 256 else PACKED_BUCKET_STEP)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the compiled kernels and CUDA graphs")

@@ -17,13 +17,17 @@ token. Two shapes of step:
     each chunk attending causally to its own sequence's cache, its own new keys included (chunked
     prefill beside decodes: the scheduler's token budget bounds N; the MoE block takes the
     grouped GEMM path of training). Up to `packed_graph_tokens` tokens the step is padded to the
-    next of a few bucket sizes (16, 24, 32, 48, ... : at most a third is padding), its tokens,
+    next bucket size (16, 24, 32, 48, ... 192, 256, then every PACKED_BUCKET_STEP tokens), its tokens,
     positions, rows and samples copied into fixed buffers, and each (bucket, sampling mode) is a
     CUDA graph as the decode steps are — the attention's tiles are found on the device, so one
     graph serves every mix of chunks. Eagerly a 48-layer packed step launches ~900 kernels from
     Python (~50 ms of host time for ~10 ms of GPU work at 64 tokens), which bounded the
     time-to-first-token of every request the server admitted while others decode. Padding
-    tokens sit at position 0 of the scratch row, each its own run; a bucket samples
+    tokens sit at position 0 of the scratch row, each its own run; they are not free: all alike,
+    they all choose the same experts and cost the MoE as much as a prompt's tokens, so above 256
+    the buckets are PACKED_BUCKET_STEP apart, not half their size (on an H200 a loaded server's
+    step of 60 decode tokens and 3 prompts of 512 took 46.7 ms padded to 1,664 tokens against
+    52.1 padded to 2,048; docs/benchmarks.md). A bucket samples
     min(bucket, max_batch) rows, those past the step's at its first token. Larger steps, steps
     that keep all the logits of a chunk, and models whose attention needs the runs on the host
     (the eager reference: latent attention, sinks) run eagerly.
@@ -62,6 +66,8 @@ from moemesh.models.kv_cache import HostLayoutMissing
 from moemesh.parallel import comm
 
 _FORWARD, _DECODE, _STOP, _KEEP_ALIVE, _TABLES = 1, 2, 3, 4, 5
+# Packed-step buckets above 256 tokens are this far apart (the module doc says why).
+PACKED_BUCKET_STEP = 128
 
 
 @dataclass(frozen=True)
@@ -116,10 +122,11 @@ class DecodeEngine:
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._pool = None
-        # Packed steps padded to a bucket (captured when cuda_graphs): 16, 24, 32, 48, 64, ...
+        # Packed steps padded to a bucket (captured when cuda_graphs): 16, 24, ... 256, 384, 512, ...
         if packed_graph_tokens is None:
             packed_graph_tokens = min(2048, max_num_batched_tokens) if self.cuda_graphs else 0
-        sizes = sorted({size for i in range(4, 20) for size in (1 << i, 3 << (i - 1))} | {packed_graph_tokens})
+        sizes = {size for i in range(4, 9) for size in (1 << i, 3 << (i - 1))} | {packed_graph_tokens}
+        sizes = sorted(sizes | set(range(256, packed_graph_tokens, PACKED_BUCKET_STEP)))
         self.packed_buckets = [size for size in sizes if 16 <= size <= min(packed_graph_tokens, max_num_batched_tokens)]
         largest = self.packed_buckets[-1] if self.packed_buckets else 0
         # A bucket's inputs: per token (token, position, table row); per sampling row (token
