@@ -26,6 +26,12 @@ def qwen3_30b_a3b(layers: int) -> ModelConfig:
     return ModelConfig(**tomllib.loads(path.read_text())["model"]).replace(num_hidden_layers=layers)
 
 
+def add_model_arguments(parser, layers: int) -> None:
+    """The two options `bench_model_config` reads: --layers of Qwen3-30B-A3B's shape, or --config."""
+    parser.add_argument("--layers", type=int, default=layers, help="decoder layers of the Qwen3-30B-A3B shape")
+    parser.add_argument("--config", help="this run config's model instead (configs/tiny.toml: CPU)")
+
+
 def bench_model_config(args) -> ModelConfig:
     """The model of a bench's `--config` (a run config), else Qwen3-30B-A3B's shape of `--layers`."""
     return load_config(args.config).model if args.config else qwen3_30b_a3b(args.layers)

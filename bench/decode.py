@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from bench.common import bench_model_config, print_table, sync, timed
+from bench.common import add_model_arguments, bench_model_config, print_table, sync, timed
 from bench.e2e import free, transformers_model
 from moemesh.data.tokenizer import ByteTokenizer
 from moemesh.inference.engine import Chunk, DecodeEngine, Sampling
@@ -227,8 +227,7 @@ def transformers_rows(config, args, device, prompts) -> list[dict]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=6, help="decoder layers of the Qwen3-30B-A3B shape")
-    parser.add_argument("--config", help="take the model from this run config instead (configs/tiny.toml: CPU)")
+    add_model_arguments(parser, layers=6)
     parser.add_argument("--batches", default="1,4,16,64", help="comma-separated batch sizes")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=64)

@@ -17,7 +17,7 @@ import statistics
 
 import torch
 
-from bench.common import bench_model_config, print_table, spread_routing, timed
+from bench.common import add_model_arguments, bench_model_config, print_table, spread_routing, timed
 from bench.serve_offline import moemesh_model
 from moemesh.inference.engine import Chunk, DecodeEngine
 from moemesh.models import moe
@@ -62,8 +62,7 @@ def measure(model, args) -> list[dict]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=48)
-    parser.add_argument("--config", help="this run config's model instead (configs/tiny.toml: CPU)")
+    add_model_arguments(parser, layers=48)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--decode", type=int, default=60, help="decoding sequences in a round")
     parser.add_argument("--context", type=int, default=576, help="the decoding sequences' cached tokens")

@@ -22,7 +22,7 @@ import statistics
 
 import torch
 
-from bench.common import bench_model_config, print_table, routers, spread_routing, timed
+from bench.common import add_model_arguments, bench_model_config, print_table, routers, spread_routing, timed
 from bench.serve_offline import moemesh_model
 from moemesh.inference.engine import Chunk, DecodeEngine
 
@@ -106,8 +106,7 @@ def coverage_rows(model, config, kind: str, args) -> list[dict]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=48)
-    parser.add_argument("--config", help="this run config's model instead (configs/tiny.toml: CPU)")
+    add_model_arguments(parser, layers=48)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--repeat", type=int, default=7)
     args = parser.parse_args()

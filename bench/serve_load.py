@@ -71,7 +71,7 @@ import time
 from collections import Counter
 from itertools import product
 
-from bench.common import print_table
+from bench.common import add_model_arguments, print_table
 
 
 def client_requests(client: int, args) -> list[tuple[str, int]]:
@@ -434,10 +434,7 @@ def main():
         help="each request's max_tokens drawn evenly from max_tokens·(1 ± this): clients that started together "
         "drift apart, as real ones do (0: every request makes max_tokens, and the clients stay in step)",
     )
-    parser.add_argument(
-        "--layers", type=int, default=6, help="the served model: Qwen3-30B-A3B's shape, this many layers"
-    )
-    parser.add_argument("--config", help="the served model: this run config's instead (configs/tiny.toml: CPU)")
+    add_model_arguments(parser, layers=6)  # the served model
     parser.add_argument(
         "--spread-routing",
         action="store_true",

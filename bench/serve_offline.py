@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from bench.common import bench_model_config, print_table, sync, timed
+from bench.common import add_model_arguments, bench_model_config, print_table, sync, timed
 from bench.e2e import free, transformers_model
 from moemesh.data.tokenizer import ByteTokenizer
 from moemesh.inference.engine import Chunk, DecodeEngine
@@ -299,8 +299,7 @@ def transformers_rows(config, args, device, prompts) -> list[dict]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=6, help="decoder layers of the Qwen3-30B-A3B shape")
-    parser.add_argument("--config", help="take the model from this run config instead (configs/tiny.toml: CPU)")
+    add_model_arguments(parser, layers=6)
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--prompt-lens", default="128,1024", help="lowest,highest prompt length")
     parser.add_argument("--new-tokens", type=int, default=128)

@@ -125,9 +125,9 @@ class DecodeEngine:
         # Packed steps padded to a bucket (captured when cuda_graphs): 16, 24, ... 256, 384, 512, ...
         if packed_graph_tokens is None:
             packed_graph_tokens = min(2048, max_num_batched_tokens) if self.cuda_graphs else 0
-        sizes = {size for i in range(4, 9) for size in (1 << i, 3 << (i - 1))} | {packed_graph_tokens}
-        sizes = sorted(sizes | set(range(256, packed_graph_tokens, PACKED_BUCKET_STEP)))
-        self.packed_buckets = [size for size in sizes if 16 <= size <= min(packed_graph_tokens, max_num_batched_tokens)]
+        sizes = {size for i in range(4, 8) for size in (1 << i, 3 << (i - 1))}  # 16, 24, ... 128, 192
+        sizes |= set(range(256, packed_graph_tokens, PACKED_BUCKET_STEP)) | {packed_graph_tokens}
+        self.packed_buckets = sorted(s for s in sizes if 16 <= s <= min(packed_graph_tokens, max_num_batched_tokens))
         largest = self.packed_buckets[-1] if self.packed_buckets else 0
         # A bucket's inputs: per token (token, position, table row); per sampling row (token
         # index, seed, step) and (temperature, top_p).
