@@ -337,29 +337,13 @@ def timed_inside(service, port: int) -> None:
 
 # ---- the clients -------------------------------------------------------------------------------------
 def client_process(url: str, model: str, clients: list[int], args, barrier, out) -> None:
-    from openai import DefaultHttpxClient, OpenAI
+    from openai import OpenAI
 
-    from moemesh.inference import probe as _probe
-
-    def _hook(request):
-        pid = request.headers.get("x-probe")
-        if pid:
-            _probe.rec("client_req", pid, _probe.now())
-
-    openai = OpenAI(
-        base_url=url + "/v1",
-        api_key=args.api_key or "none",
-        max_retries=0,
-        timeout=3600,
-        http_client=DefaultHttpxClient(event_hooks={"request": [_hook]}),
-    )
+    openai = OpenAI(base_url=url + "/v1", api_key=args.api_key or "none", max_retries=0, timeout=3600)
     results: list = []
 
     def one_client(client: int):
-        from moemesh.inference import probe
-
-        for number, (prompt, max_tokens) in enumerate(client_requests(client, args)):
-            pid = f"{args.salt}/{client}/{number}".replace(" ", "_")
+        for prompt, max_tokens in client_requests(client, args):
             sent, first, tokens = time.perf_counter(), None, 0
             stream = openai.completions.create(
                 model=model,
@@ -368,14 +352,12 @@ def client_process(url: str, model: str, clients: list[int], args, barrier, out)
                 temperature=0,
                 stream=True,
                 stream_options={"include_usage": True},
-                extra_headers={"x-probe": pid},
             )
             for chunk in stream:
                 if first is None and chunk.choices:
                     first = time.perf_counter() - sent
                 if chunk.usage is not None:
                     tokens = chunk.usage.completion_tokens
-            probe.rec("client", pid, sent, sent + first)
             results.append((first, tokens))
 
     threads = [threading.Thread(target=one_client, args=(c,)) for c in clients]

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 from moemesh.data.tokenizer import Tokenizer
 from moemesh.errors import MoemeshError, RequestError
-from moemesh.inference import probe
 from moemesh.inference.chat import ChatTemplate, load_chat_template
 from moemesh.inference.grammar import Grammars
 from moemesh.inference.link import HttpLink, Submitted
@@ -96,34 +95,6 @@ def main(link_fd: int, sock_fd: int) -> None:
 # ---- the app ---------------------------------------------------------------------------------------
 
 
-class Probe:
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        t = probe.now()
-        pid = dict(scope["headers"]).get(b"x-probe", b"").decode()
-        scope.setdefault("state", {})["probe"] = pid
-        if pid:
-            probe.rec("asgi", pid, t)
-        done = [False]
-
-        async def probe_send(message):
-            await send(message)
-            if (
-                pid
-                and not done[0]
-                and message["type"] == "http.response.body"
-                and b'"text"' in message.get("body", b"")
-            ):
-                done[0] = True
-                probe.rec("sent", pid, probe.now())
-
-        await self.app(scope, receive, probe_send)
-
-
 class ErrorResponse(JSONResponse):
     """An error object, ASCII-escaped: it may quote what the client sent (lone surrogates included)."""
 
@@ -177,7 +148,6 @@ def _create_app(service: Front) -> FastAPI:
 
     app = FastAPI(title="moemesh", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.add_middleware(AccessLog, emit=service.link.log)
-    app.add_middleware(Probe)
 
     @app.exception_handler(ApiError)
     async def api_error(request, error: ApiError):
@@ -272,9 +242,6 @@ def _create_app(service: Front) -> FastAPI:
         return await respond(request, chat_plan(await read_json(request), service.served))
 
     async def respond(request: Request, plan: Plan):
-        pid = request.scope.get("state", {}).get("probe", "")
-        if pid:
-            probe.rec("route", pid, probe.now())
         asks = [(ids, params) for ids, choices in zip(plan.prompts, plan.params) for params in choices]
         try:
             submitted = await service.link.submit(asks)
@@ -282,8 +249,6 @@ def _create_app(service: Front) -> FastAPI:
             raise ApiError(503, f"the server is busy: {e}", code="server_busy", kind="server_error") from None
         except RequestError as e:
             raise bad(e) from None
-        if pid:
-            probe.rec("accepted", pid, submitted.key, probe.now())
         reply = Reply(service.model_name, plan, submitted.views, service.tokenizer)
         request.state.reply = reply
         if plan.stream:
@@ -325,8 +290,6 @@ def _create_app(service: Front) -> FastAPI:
                         error = ApiError(500, f"generation failed: {reply.sequences[index].error}", kind="server_error")
                         events.append("data: " + json.dumps(error.body()) + "\n\n")
                     else:
-                        if index not in started:
-                            probe.rec("yield", submitted.key, probe.now())
                         events.append(reply.event(index, text, reason, tokens, first=index not in started))
                         started.add(index)
                 yield "".join(events)

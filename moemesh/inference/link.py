@@ -34,7 +34,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from moemesh.errors import RequestError
-from moemesh.inference import probe
 from moemesh.inference.request import Logprob, QueueFull, SamplingParams, Sequence
 
 if TYPE_CHECKING:  # the HTTP process imports this module, and no torch
@@ -50,7 +49,6 @@ class EngineLink:
         self.conn, self.scheduler = conn, scheduler
         self.requests: dict[int, list[Sequence]] = {}
         self.outbox: list[tuple] = []  # this round's updates (the scheduler's thread)
-        self.probe_firsts: list = []
         self.ready = threading.Event()  # set when the HTTP process serves
         self._send_lock = threading.Lock()  # the scheduler's thread and the listener both send
 
@@ -67,7 +65,6 @@ class EngineLink:
                 return
             kind = message[0]
             if kind == "submit":
-                probe.rec("submit", message[1], probe.now())
                 self._submit(*message[1:])
             elif kind == "cancel":
                 for sequence in self.requests.pop(message[1], ()):
@@ -95,9 +92,6 @@ class EngineLink:
 
         def on_update(sequence: Sequence, text: str) -> None:  # on the scheduler's thread
             start, end = sent[0], len(sequence.token_ids)
-            if start == 0 and end > 0:
-                probe.rec("first", key, probe.now())
-                self.probe_firsts.append(key)
             prompt = sequence.prompt_logprobs[sent[1] :]
             sent[0], sent[1] = end, len(sequence.prompt_logprobs)
             self.outbox.append(
@@ -122,10 +116,6 @@ class EngineLink:
             updates, self.outbox = self.outbox, []
             try:
                 self.send(("updates", updates))
-                t = probe.now()
-                for key in self.probe_firsts:
-                    probe.rec("delivered", key, t)
-                self.probe_firsts = []
             except OSError:  # the HTTP process has gone: nobody is waiting
                 pass
 
@@ -218,8 +208,6 @@ class HttpLink:
                 view.prompt_logprobs += prompt
                 view.finish_reason, view.error = reason, error
                 request.updates.put_nowait((index, text, reason, (start, len(view.token_ids))))
-                if start == 0 and tokens:
-                    probe.rec("dispatch", key, probe.now())
         elif kind in ("accepted", "refused"):
             future = self.pending.pop(message[1])
             if not future.done():
