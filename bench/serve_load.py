@@ -251,7 +251,6 @@ def serve_child(args) -> None:
         max_waiting=max(args.client_counts) + 1,
         reply_window_ms=serve_args.reply_window_ms,
         prefill_first=serve_args.schedule == "prefill-first",
-        http_processes=serve_args.http_processes,
     )
     timed_inside(service, args.port + 1)
     service.serve("127.0.0.1", args.port, announce=True)
@@ -299,11 +298,11 @@ def timed_inside(service, port: int) -> None:
         if "step_tokens" in query:
             service.engine.max_num_batched_tokens = int(query["step_tokens"][0])
         rounds, now = max(1, clock.count), process_cpu_seconds(os.getpid())
-        http_now = sum(process_cpu_seconds(process.pid) for process in service.http)
+        http_now = process_cpu_seconds(service.http.pid)
         taken = {
             "requests": list(waits),
             "other threads' CPU ms a step": ((now - cpu["self"]) - clock.cpu_seconds) * 1e3 / rounds,
-            "HTTP processes' CPU ms a step": (http_now - cpu["http"]) * 1e3 / rounds,
+            "HTTP process CPU ms a step": (http_now - cpu["http"]) * 1e3 / rounds,
             **clock.take(),
             "reply window ms": service.scheduler.reply_window_s * 1e3,
             "reply windows caught/partly/missed/skipped": "/".join(

@@ -102,12 +102,6 @@ def _parser() -> argparse.ArgumentParser:
         "waiting prompts get a step of their own between decode steps, a shorter time to the first token "
         "for some tokens/s",
     )
-    serve.add_argument(
-        "--http-processes",
-        type=int,
-        default=1,
-        help="HTTP server processes on the port, each with its share of the connections (default 1)",
-    )
 
     estimate = commands.add_parser("estimate", help="per-layer memory and time, pipeline stages, per-rank memory")
     estimate.add_argument("--config", help="TOML config file (default: configs/tiny.toml)")
@@ -318,7 +312,7 @@ def _serve(args: argparse.Namespace) -> None:
     from moemesh.inference.server import serve
 
     api_key = args.api_key or os.environ.get("MOEMESH_API_KEY") or None
-    for name in ("port", "max_waiting", "max_request_bytes", "http_processes"):
+    for name in ("port", "max_waiting", "max_request_bytes"):
         if getattr(args, name) < (0 if name == "port" else 1):
             raise MoemeshError(f"--{name.replace('_', '-')} must be {'>= 0' if name == 'port' else '>= 1'}")
     if not 0 <= args.reply_window_ms <= 1000:
@@ -343,7 +337,6 @@ def _serve(args: argparse.Namespace) -> None:
             max_request_bytes=args.max_request_bytes,
             reply_window_ms=args.reply_window_ms,
             prefill_first=args.schedule == "prefill-first",
-            http_processes=args.http_processes,
         )
 
 

@@ -210,15 +210,15 @@ def test_the_http_side_is_a_process_of_its_own_without_torch_and_its_end_ends_se
     service = Service(DecodeEngine(model, max_batch=1, max_len=64), tokenizer, model_name="t")
     running = ServerThread(service)
     try:
-        assert service.http[0].pid != os.getpid() and service.http[0].poll() is None
+        assert service.http.pid != os.getpid() and service.http.poll() is None
         body = {"prompt": "a", "max_tokens": 3, "logprobs": 2, "echo": True}
         reply = httpx.post(running.url + "/v1/completions", json=body)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
-        maps = Path(f"/proc/{service.http[0].pid}/maps")  # Linux's list of a process's mapped files
+        maps = Path(f"/proc/{service.http.pid}/maps")  # Linux's list of a process's mapped files
         if maps.exists():
             assert "libtorch" in Path(f"/proc/{os.getpid()}/maps").read_text()  # the check can fail
             assert "libtorch" not in maps.read_text()
-        os.kill(service.http[0].pid, signal.SIGKILL)
+        os.kill(service.http.pid, signal.SIGKILL)
         running.thread.join(timeout=30)
         assert not running.thread.is_alive() and service.scheduler.closed
     finally:

@@ -69,17 +69,14 @@ class Service:
         max_request_bytes: int = 1 << 20,
         reply_window_ms: float = 25.0,  # serve's --reply-window-ms (inference/scheduler.py says why)
         prefill_first: bool = False,  # serve's --schedule prefill-first (inference/scheduler.py)
-        http_processes: int = 1,  # serve's --http-processes
     ):
-        if http_processes < 1:
-            raise ValueError(f"http_processes must be >= 1, got {http_processes}")
-        self.engine, self.http_processes = engine, http_processes
+        self.engine = engine
         self.scheduler = Scheduler(engine, tokenizer, max_waiting, reply_window_ms / 1e3, prefill_first)
         self.settings = HttpSettings(
             tokenizer, model_name, api_key, max_request_bytes, engine.max_len, engine.vocab, max_waiting
         )
-        self.links: list[EngineLink] = []
-        self.http: list[subprocess.Popen] = []  # the HTTP server's processes while they run
+        self.link: EngineLink | None = None
+        self.http: subprocess.Popen | None = None  # the HTTP server's process while it runs
         self.ready = threading.Event()  # set once the HTTP process serves
 
     def serve(self, host: str = "127.0.0.1", port: int = 8000, sock=None, announce: bool | None = None) -> None:
@@ -96,45 +93,6 @@ class Service:
             )
         if sock is None:
             sock = socket.create_server((host, port))
-        ended = threading.Event()  # an HTTP process's pipe closed: it has ended
-
-        def listen(link: EngineLink) -> None:
-            link.listen()
-            ended.set()
-
-        self.links, self.http = [], []
-        for _ in range(self.http_processes):
-            threading.Thread(target=listen, args=(self._start_http(sock),), name="moemesh-link", daemon=True).start()
-        worker = threading.Thread(
-            target=self.scheduler.serve_forever, kwargs={"after_step": self._deliver}, name="moemesh-scheduler"
-        )
-        worker.start()
-        try:
-            for link, process in zip(self.links, self.http):
-                while not link.ready.wait(0.1):
-                    if (code := process.poll()) is not None:
-                        raise RuntimeError(f"an HTTP server's process ended while starting (exit code {code})")
-            self.ready.set()
-            if announce:
-                port = sock.getsockname()[1]  # --port 0: the one the system chose
-                print(f"moemesh serve: {self.settings.model_name} on http://{host}:{port}", flush=True)
-            while not ended.wait(1.0):  # until one ends (a timeout: the main thread stays interruptible)
-                pass
-        finally:
-            self.shutdown()
-            for process in self.http:
-                try:
-                    process.wait(STOP_WAIT_S)
-                except subprocess.TimeoutExpired:
-                    process.terminate()
-                    process.wait()
-            self.scheduler.close()
-            worker.join()
-            for link in self.links:
-                link.conn.close()
-
-    def _start_http(self, sock) -> EngineLink:
-        """One HTTP process on the listening socket, and the engine's end of its pipe."""
         ours, theirs = socket.socketpair()
         # moemesh found where this process found it, after the child's own paths (never before them)
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -142,23 +100,42 @@ class Service:
             f"import sys; sys.path.append({package_root!r}); from moemesh.inference.front import main; "
             f"main({theirs.fileno()}, {sock.fileno()})"
         )
-        self.http.append(subprocess.Popen([sys.executable, "-c", start], pass_fds=(theirs.fileno(), sock.fileno())))
+        self.http = subprocess.Popen([sys.executable, "-c", start], pass_fds=(theirs.fileno(), sock.fileno()))
         theirs.close()
         conn = multiprocessing.connection.Connection(ours.detach())
         conn.send(self.settings)
-        self.links.append(EngineLink(conn, self.scheduler))
-        return self.links[-1]
-
-    def _deliver(self) -> None:
-        """After each round: its updates, to every HTTP process."""
-        for link in self.links:
-            link.deliver()
+        self.link = link = EngineLink(conn, self.scheduler)
+        listener = threading.Thread(target=link.listen, name="moemesh-link", daemon=True)
+        worker = threading.Thread(
+            target=self.scheduler.serve_forever, kwargs={"after_step": link.deliver}, name="moemesh-scheduler"
+        )
+        listener.start()
+        worker.start()
+        try:
+            while not link.ready.wait(0.1):
+                if (code := self.http.poll()) is not None:
+                    raise RuntimeError(f"the HTTP server's process ended while starting (exit code {code})")
+            self.ready.set()
+            if announce:
+                port = sock.getsockname()[1]  # --port 0: the one the system chose
+                print(f"moemesh serve: {self.settings.model_name} on http://{host}:{port}", flush=True)
+            self.http.wait()
+        finally:
+            self.shutdown()
+            try:
+                self.http.wait(STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                self.http.terminate()
+                self.http.wait()
+            self.scheduler.close()
+            worker.join()
+            conn.close()
 
     def shutdown(self) -> None:
-        """Ask the HTTP processes to stop (they finish the responses under way, for a few seconds)."""
-        for link in self.links:
+        """Ask the HTTP process to stop (it finishes the responses under way, for a few seconds)."""
+        if self.link is not None:
             with contextlib.suppress(OSError):
-                link.send(("shutdown",))
+                self.link.send(("shutdown",))
 
 
 def serve(
