@@ -40,7 +40,6 @@ if TYPE_CHECKING:  # the HTTP process imports this module, and no torch
     from moemesh.inference.scheduler import Scheduler
 
 log = logging.getLogger("moemesh.serve")
-HOLD_S = 0.004  # how long a round's other chunks wait behind its first and last ones (HttpLink says why)
 
 
 class EngineLink:
@@ -155,8 +154,6 @@ class HttpLink:
         self.pending: dict[int, asyncio.Future] = {}
         self.on_shutdown: Callable[[], None] = lambda: None
         self._keys = itertools.count()
-        self._held: list[tuple[Submitted, tuple]] = []  # a round's updates that neither start nor end a stream
-        self._release_timer: asyncio.TimerHandle | None = None
 
     def start(self) -> None:
         """On the event loop, once it runs: start reading, tell the engine's process."""
@@ -195,18 +192,8 @@ class HttpLink:
             if message[0] == "gone":
                 return
 
-    def _release(self) -> None:
-        """The held updates into their streams' queues (before any later update: order is kept)."""
-        if self._release_timer is not None:
-            self._release_timer.cancel()
-            self._release_timer = None
-        for request, update in self._held:
-            request.updates.put_nowait(update)
-        self._held.clear()
-
     def _dispatch(self, message: tuple) -> None:  # on the event loop
         kind = message[0]
-        self._release()
         if kind == "updates":
             for key, index, tokens, logprobs, offsets, text, reason, error, prompt in message[1]:
                 request = self.requests.get(key)
@@ -220,13 +207,7 @@ class HttpLink:
                 view.text += text
                 view.prompt_logprobs += prompt
                 view.finish_reason, view.error = reason, error
-                update = (index, text, reason, (start, len(view.token_ids)))
-                if start == 0 or reason is not None:
-                    request.updates.put_nowait(update)
-                else:
-                    self._held.append((request, update))
-            if self._held:
-                self._release_timer = self.loop.call_later(HOLD_S, self._release)
+                request.updates.put_nowait((index, text, reason, (start, len(view.token_ids))))
         elif kind in ("accepted", "refused"):
             future = self.pending.pop(message[1])
             if not future.done():
