@@ -314,8 +314,9 @@ def test_packed_step_buckets_pad_less_than_a_third_and_above_256_less_than_a_buc
     assert engine.packed_buckets[:9] == [16, 24, 32, 48, 64, 96, 128, 192, 256]
     assert engine.packed_buckets[9:] == list(range(384, 2000, 128)) + [2000]
     for tokens in range(1, 2001):
-        bucket = next(b for b in engine.packed_buckets if b >= tokens)
+        bucket = engine.packed_bucket(tokens)
         assert bucket == 16 if tokens <= 16 else bucket - tokens < (tokens / 2 if tokens <= 256 else PACKED_BUCKET_STEP)
+    assert engine.packed_bucket(2001) is None  # larger than the graphs' largest step: eager
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the compiled kernels and CUDA graphs")

@@ -309,6 +309,11 @@ class DecodeEngine:
                 self.last_all_logits[i], rest = rest[: len(c.tokens)], rest[len(c.tokens) :]
         return tokens.tolist()
 
+    def packed_bucket(self, tokens: int) -> int | None:
+        """The bucket a packed step of `tokens` tokens is padded to: the smallest that holds it
+        (None: larger than every bucket, or none captured; the step runs eagerly)."""
+        return next((b for b in self.packed_buckets if b >= tokens), None)
+
     def _forward(
         self, ints, samples, floats, segments, mode: str, flagged: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -317,7 +322,7 @@ class DecodeEngine:
         whether any token wants all its logits. Returns the S sampled tokens, their logits
         [S, V], and the logits of the tokens flagged [F, V]. In a bucket when one takes it."""
         count = len(samples)
-        bucket = next((b for b in self.packed_buckets if b >= len(ints)), None)
+        bucket = self.packed_bucket(len(ints))
         if bucket is not None and not flagged:
             rows = self._fill_bucket(ints, samples, floats, bucket)
             try:
