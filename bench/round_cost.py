@@ -1,7 +1,8 @@
 """What one round of the server costs on the random-weight Qwen3-30B-A3B shape: decode tokens alone,
-prompts alone, and the two mixed (60 decode tokens beside 1-4 prompts), each one engine step as
-the scheduler makes it (CUDA graphs), median of --repeat; with the random weights' routing and
-spread (bench/common.py). The kernels of one such step: `bench/serve_offline.py --no-offline
+1-4 prompts alone, and the two mixed (60 decode tokens beside 1-4 prompts), each one engine step
+as the scheduler makes it (CUDA graphs), median of --repeat, and of it the graph's own time on
+the GPU (the rest is the host's: the step's inputs built, its tokens read); with the random
+weights' routing and spread (bench/common.py). The kernels of one such step: `bench/serve_offline.py --no-offline
 --profile-step 512 --profile-prompts 1 --profile-decodes 60`.
 
     PYTHONPATH=. python3 bench/round_cost.py --layers 48
@@ -27,8 +28,9 @@ BLOCK_SIZE = 16
 
 def rounds(args) -> dict[str, tuple[int, int]]:
     """name -> (decode tokens, prompts)"""
-    named = {f"{args.decode} decode tokens": (args.decode, 0), "1 prompt": (0, 1), "4 prompts": (0, 4)}
+    named = {f"{args.decode} decode tokens": (args.decode, 0)}
     for prompts in range(1, 5):
+        named[f"{prompts} prompt{'s' * (prompts > 1)}"] = (0, prompts)
         named[f"{args.decode} decode + {prompts} prompt{'s' * (prompts > 1)}"] = (args.decode, prompts)
     return named
 
@@ -49,15 +51,39 @@ def measure(model, args) -> list[dict]:
     for row in range(rows):
         engine.set_blocks(row, engine.blocks.allocate(blocks))
     letters = torch.randint(97, 123, (4, length)).tolist()
+    replays = graph_timer(engine)
     table = []
     for name, (decode, prompts) in rounds(args).items():
         chunks = [Chunk(row, [97 + row % 26], context) for row in range(decode)]
         chunks += [Chunk(args.decode + p, letters[p], 0) for p in range(prompts)]
         engine.step(chunks)  # compiles and captures
-        ms = statistics.median(timed(lambda: engine.step(chunks))[0] for _ in range(args.repeat)) * 1e3
-        table.append({"round": name, "tokens": decode + prompts * length, "ms": f"{ms:.1f}"})
+        replays.clear()
+        ms = statistics.median(timed(lambda: engine.step(chunks))[0] for _ in range(args.repeat)) * 1e3  # noqa: B023
+        row = {"round": name, "tokens": decode + prompts * length, "ms": f"{ms:.1f}"}
+        if replays:
+            gpu = statistics.median(start.elapsed_time(end) for start, end in replays)
+            row |= {"graph's GPU ms": f"{gpu:.1f}", "host ms (GPU idle)": f"{ms - gpu:.2f}"}
+        table.append(row)
     engine.close()
     return table
+
+
+def graph_timer(engine: DecodeEngine) -> list:
+    """The engine's CUDA graph replays from now on, each as CUDA events (start, end) into the list
+    returned: a step's time on the GPU, apart from the host's work around it."""
+    replays, replay = [], engine._replay
+
+    def timed_replay(key, step):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = replay(key, step)
+        end.record()
+        replays.append((start, end))
+        return out
+
+    if engine.cuda_graphs:
+        engine._replay = timed_replay
+    return replays
 
 
 def main():
