@@ -51,7 +51,6 @@ samples the same tokens from the same gathered logits.
 from __future__ import annotations
 
 import gc
-import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -243,7 +242,8 @@ class DecodeEngine:
                     ints = comm.broadcast_(torch.empty(a, 4, dtype=torch.long, device=self.device), self.group)
                     samples = comm.broadcast_(torch.empty(b, 3, dtype=torch.long, device=self.device), self.group)
                     floats = comm.broadcast_(torch.empty(b, 2, dtype=torch.float32, device=self.device), self.group)
-                    self._forward(ints, samples, floats, MODES[c], bool(ints[:, 3].any()))
+                    host = ints.tolist()
+                    self._forward(ints, samples, floats, _segments(host), MODES[c], any(t[3] for t in host))
                 else:
                     comm.broadcast_(self.ints[:a], self.group)
                     comm.broadcast_(self.floats[:a], self.group)
@@ -289,17 +289,21 @@ class DecodeEngine:
         return tokens[: len(chunks)].tolist()
 
     def _packed_step(self, chunks: list[Chunk]) -> list[int]:
-        ints = _packed_ints(chunks).to(self.device)
-        ends = itertools.accumulate(len(c.tokens) for c in chunks)
-        samples = [[end - 1, c.sampling.seed, c.step] for c, end in zip(chunks, ends) if c.sample]
+        ints, samples, floats = [], [], []
+        for c in chunks:
+            if c.sample:
+                samples.append([len(ints) + len(c.tokens) - 1, c.sampling.seed, c.step])
+                floats.append([c.sampling.temperature, c.sampling.top_p])
+            ints += [[token, c.start + i, c.row, c.all_logits] for i, token in enumerate(c.tokens)]
         sampled = [c for c in chunks if c.sample]
-        floats = [[c.sampling.temperature, c.sampling.top_p] for c in sampled]
         mode = mode_for([c.sampling.temperature for c in sampled], [c.sampling.top_p for c in sampled])
+        segments = _segments(ints)
+        ints = torch.tensor(ints, dtype=torch.long).to(self.device)
         samples = torch.tensor(samples, dtype=torch.long).view(-1, 3).to(self.device)
         floats = torch.tensor(floats, dtype=torch.float32).view(-1, 2).to(self.device)
         self._announce(_FORWARD, len(ints), len(samples), MODES.index(mode), ints, samples, floats)
         flagged = any(c.all_logits for c in chunks)
-        tokens, self.last_logits, rest = self._forward(ints, samples, floats, mode, flagged)
+        tokens, self.last_logits, rest = self._forward(ints, samples, floats, segments, mode, flagged)
         for i, c in enumerate(chunks):
             if c.all_logits:
                 self.last_all_logits[i], rest = rest[: len(c.tokens)], rest[len(c.tokens) :]
@@ -311,7 +315,7 @@ class DecodeEngine:
         return next((b for b in self.packed_buckets if b >= tokens), None)
 
     def _forward(
-        self, ints, samples, floats, mode: str, flagged: bool
+        self, ints, samples, floats, segments, mode: str, flagged: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The packed step: ints [N, 4] (token, position, table row, all logits wanted), samples
         [S, 3] (token index, seed, step) and floats [S, 2] (temperature, top_p); `flagged`
@@ -326,11 +330,10 @@ class DecodeEngine:
                 return tokens[:count], logits[:count], logits[:0]
             except HostLayoutMissing:  # this model's attention reads the runs on the host: eager from now on
                 self.packed_buckets = []
-        return self._eager_forward(ints, samples, floats, mode)
+        return self._eager_forward(ints, samples, floats, segments, mode)
 
-    def _eager_forward(self, ints, samples, floats, mode: str) -> tuple[torch.Tensor, ...]:
+    def _eager_forward(self, ints, samples, floats, segments, mode: str) -> tuple[torch.Tensor, ...]:
         count = len(samples)
-        segments = _segments(ints.tolist())  # the runs on the host, for attention that reads them there
         self.cache.set_step(ints[:, 2], ints[:, 1], max(s[3] for s in segments), segments)
         if not count:  # only chunks of prompts that go on: the last token stands in (never read)
             samples, floats = ints.new_tensor([[len(ints) - 1, 0, 0]]), floats.new_tensor([[0.0, 1.0]])
@@ -411,18 +414,18 @@ class DecodeEngine:
         before = torch.cuda.memory_allocated(self.device)
         # the step's tokens as sequences of at most max_len in the scratch row
         ints = [[0, i % self.max_len, self.cache.scratch_row, 0] for i in range(self.max_num_batched_tokens)]
-        ints = torch.tensor(ints, device=self.device)
+        ints_on_device = torch.tensor(ints, device=self.device)
         samples = torch.zeros(1, 3, dtype=torch.long, device=self.device)
         floats = torch.tensor([[0.0, 1.0]], device=self.device)
         with torch.no_grad():
-            self._eager_forward(ints, samples, floats, "greedy")
+            self._eager_forward(ints_on_device, samples, floats, _segments(ints), "greedy")
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         if self.cuda_graphs and self.packed_buckets:
             bucket = self.packed_buckets[-1]
             torch.cuda.reset_peak_memory_stats(self.device)
             before = torch.cuda.memory_allocated(self.device)
-            rows = self._fill_bucket(ints[:0], samples[:0], floats[:0], bucket)
+            rows = self._fill_bucket(ints_on_device[:0], samples[:0], floats[:0], bucket)
             try:
                 with torch.no_grad():
                     self._bucket_step(bucket, rows, "greedy")
@@ -439,19 +442,6 @@ class DecodeEngine:
         if self.group is not None:  # every rank the same pool: the smallest
             blocks = -comm.all_reduce_max(-blocks, self.group)
         return int(blocks)
-
-
-def _packed_ints(chunks: list[Chunk]) -> torch.Tensor:
-    """A packed step's tokens [N, 4] (token, position, table row, all logits wanted), in the chunks'
-    order: built a chunk at a time, not a token at a time (a list of [4] per token took ~1 ms of host
-    time per thousand tokens, while the GPU waited)."""
-    lengths = torch.tensor([len(c.tokens) for c in chunks])
-    per_chunk = torch.tensor([[c.start, c.row, c.all_logits] for c in chunks], dtype=torch.long)
-    start, row, flag = per_chunk.repeat_interleave(lengths, dim=0).unbind(1)
-    firsts = (lengths.cumsum(0) - lengths).repeat_interleave(lengths)  # each token's chunk's first token
-    position = start + torch.arange(len(firsts)) - firsts
-    tokens = torch.tensor(list(itertools.chain.from_iterable(c.tokens for c in chunks)), dtype=torch.long)
-    return torch.stack([tokens, position, row, flag], dim=1)
 
 
 def _segments(ints: list[list[int]]) -> list[tuple[int, int, int, int]]:
