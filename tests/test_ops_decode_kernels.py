@@ -104,8 +104,8 @@ def test_paged_attention_equals_the_contiguous_reference(triton_kernels, dtype, 
     earlier keys and values in the cache; the step's tokens — one a sequence (decode), or 1, 5
     and a tile's tokens + 5 consecutive tokens (packed: a chunk of a prompt in two tiles) — normed, rotated and
     written at their slots, then attending over their own sequence up to their own position,
-    against each sequence's keys held contiguously and attended explicitly (700 entries: in 4
-    splits, each every 4th block of 64 keys, some empty, a window across blocks)."""
+    against each sequence's keys held contiguously and attended explicitly (700 entries: in 8
+    splits, each every 8th block of keys, some empty, a window across blocks)."""
     heads, kv_heads, dim, block_size = 8, 2, 32, 16
     ends = [1, 18 if max_len < 200 else 301, max_len]  # each sequence's last position + 1
     per_tile = decode_attention.tile_tokens(heads // kv_heads)

@@ -22,9 +22,11 @@ programs, four for Qwen3-30B-A3B, and one such program per layer took 11 µs ove
 H200). A split takes every SPLITS-th block of its tile's keys, so that the splits share any
 length of keys without knowing it: a packed step captured in a CUDA graph replays with other
 lengths (64 tokens after 1,024 cached are four tiles, 16 programs unsplit: 72 µs a layer on
-an H200, 27 µs in 8 splits). Steps with tiles enough (about 64 tiles × key/value heads) run
-unsplit. A packed step's tile table has an entry per token (its tiles are found on the device,
-their number unknown to the host); the programs past the step's tiles do nothing.
+an H200, 27 µs in 8 splits). A decode step splits its keys until the launch has about
+SPLIT_PROGRAMS programs (16 splits at batch 1, 2 at 64, none at 256: more only adds merges); a
+packed step splits only when it has fewer than 64 programs, else it runs unsplit. A packed
+step's tile table has an entry per token (its tiles are found on the device, their number
+unknown to the host); the programs past the step's tiles do nothing.
 
 The reference is `models/layers.paged_attention` (the eager path: gathers through the block
 table, explicit masked softmax; tests compare the two). Limits: a power-of-two head size
@@ -37,13 +39,17 @@ import torch
 
 from moemesh.ops.backend import tl, triton
 
-BLOCK_KEYS = 64
-SPLIT_KEYS, MAX_SPLITS = 128, 16  # see split_count
+# Keys a block of the key loop: packed steps', decode steps'.
+BLOCK_KEYS, DECODE_BLOCK_KEYS = 64, 32
+SPLIT_BLOCKS, MAX_SPLITS, SPLIT_PROGRAMS = 2, 16, 512  # see split_count
 # A tile's query rows: its tokens × the query heads of one key/value head. The pipeline depth of
-# the key loop: packed steps and decode steps (Triton's default). 64 rows and 2 stages took a loaded
-# server's prefill round (60 decode tokens beside 4 prompts of 497) from 182 to 138 µs a layer on an
-# H100, and one prompt of 512 from 40 to 34 µs; `bench/paged_attention.py --sweep` measured them.
-TILE_ROWS, PACKED_STAGES, DECODE_STAGES = 64, 2, 3
+# the key loop: packed steps and decode steps. 64 rows and 2 stages took a loaded server's prefill
+# round (60 decode tokens beside 4 prompts of 497) from 182 to 138 µs a layer on an H100, and one
+# prompt of 512 from 40 to 34 µs (`bench/paged_attention.py --sweep`). Decode steps' 32-key blocks in
+# 2 stages and their splits (split_count) took 64 tokens at ~576 cached from 53.6 to 33.5 µs a layer
+# on an H200, 256 tokens from 185 to 103 µs and one token from 10.7 to 7.6 µs (blocks of 64 in 3
+# stages, splits by kv_len alone; `bench/paged_attention.py --decode-sweep`).
+TILE_ROWS, PACKED_STAGES, DECODE_STAGES = 64, 2, 2
 # rope_to_cache's tokens a program (one head of each) in steps of more than ROPE_SMALL_STEP tokens:
 # a program a (token, head) made a 2,048-token prefill launch 82k programs of a few hundred bytes
 # each, 67 µs a layer on an H200 (13 µs in blocks of 16). Decode steps keep a program a token, as
@@ -135,8 +141,10 @@ def paged_attention(
     group = heads // kv_heads
     out = q.new_empty(tokens, heads * head_dim)
     tiles = tile_starts.shape[0]  # a packed step's table has an entry per token, the tiles first
-    few_tiles = triton.cdiv(tokens, tokens_per_tile) * kv_heads < 64  # (a packed step's, as if one chunk)
-    splits = split_count(kv_len) if tokens_per_tile == 1 or few_tiles else 1
+    decoding = tokens_per_tile == 1
+    programs = triton.cdiv(tokens, tokens_per_tile) * kv_heads  # (a packed step's as if one chunk)
+    block_keys = DECODE_BLOCK_KEYS if decoding else BLOCK_KEYS
+    splits = split_count(kv_len, programs, block_keys) if decoding or programs < 64 else 1
     partial = out if splits == 1 else q.new_empty(tokens, heads, splits, head_dim + 2, dtype=torch.float32)
     rows = max(16, triton.next_power_of_2(tokens_per_tile * group))
     if tiles:
@@ -161,21 +169,24 @@ def paged_attention(
             HEADS=heads,
             ROWS=rows,
             D=head_dim,
-            BLOCK_N=BLOCK_KEYS,
+            BLOCK_N=block_keys,
             SPLITS=splits,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=4 if rows <= 64 else 8,
-            num_stages=DECODE_STAGES if tokens_per_tile == 1 else PACKED_STAGES,
+            num_stages=DECODE_STAGES if decoding else PACKED_STAGES,
         )
         if splits > 1:
             _merge_splits_kernel[(tokens * heads,)](partial, out, SPLITS=splits, D=head_dim)
     return out
 
 
-def split_count(kv_len: int) -> int:
-    """Programs per (tile, key/value head): one per SPLIT_KEYS entries of the cache read, a power of
-    two, at most MAX_SPLITS (flash-decoding's split; one row at batch 1 has only h_kv programs)."""
-    return min(MAX_SPLITS, 1 << max(0, (kv_len // SPLIT_KEYS).bit_length() - 1))
+def split_count(kv_len: int, programs: int, block_keys: int) -> int:
+    """Programs per (tile, key/value head), of `programs` unsplit (flash-decoding's split: one row at
+    batch 1 has only h_kv programs): as many as bring the launch to about SPLIT_PROGRAMS programs,
+    at most one per SPLIT_BLOCKS blocks of `block_keys` of the cache read and MAX_SPLITS, a power of
+    two. More programs than that only add merges: at 256 decode tokens splitting at all was slower."""
+    splits = max(1, min(kv_len // (SPLIT_BLOCKS * block_keys), SPLIT_PROGRAMS // programs))
+    return min(MAX_SPLITS, 1 << (splits.bit_length() - 1))
 
 
 @triton.jit
