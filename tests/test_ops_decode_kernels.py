@@ -95,6 +95,23 @@ def test_rope_to_cache_in_blocks_of_tokens_equals_a_program_a_token(triton_kerne
     assert torch.count_nonzero(pools[0][1][slots]) == tokens * kv_heads * dim  # every value written
 
 
+def test_split_count_fills_the_launch_and_no_more():
+    """A decode step splits its keys until the launch has about SPLIT_PROGRAMS programs: 16 ways for
+    one token of four key/value heads, 2 for 64 tokens, none for 256; never more than a split per
+    SPLIT_BLOCKS blocks of keys (a short cache stays whole), at most MAX_SPLITS, a power of two."""
+    count = decode_attention.split_count
+    assert [count(1024, tokens * 4, 32) for tokens in (1, 16, 64, 256)] == [16, 8, 2, 1]
+    assert count(63, 4, 32) == 1 and count(200, 4, 32) == 2  # 3 pairs of blocks of 32
+    assert count(1 << 20, 1, 32) == decode_attention.MAX_SPLITS
+    for kv_len in (1, 64, 100, 1000, 40960):
+        for programs in (1, 3, 64, 300, 5000):
+            n = count(kv_len, programs, 64)
+            assert 1 <= n <= decode_attention.MAX_SPLITS and n & (n - 1) == 0
+            assert n == 1 or (
+                n * programs <= decode_attention.SPLIT_PROGRAMS and n * decode_attention.SPLIT_BLOCKS * 64 <= kv_len
+            )
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window, norm", [(None, True), (5, False), (150, False)])
 @pytest.mark.parametrize("max_len", [40, 700])
@@ -105,7 +122,8 @@ def test_paged_attention_equals_the_contiguous_reference(triton_kernels, dtype, 
     and a tile's tokens + 5 consecutive tokens (packed: a chunk of a prompt in two tiles) — normed, rotated and
     written at their slots, then attending over their own sequence up to their own position,
     against each sequence's keys held contiguously and attended explicitly (700 entries: in 8
-    splits, each every 8th block of keys, some empty, a window across blocks)."""
+    splits when decoding, 4 packed, each every 8th or 4th block of keys, some empty, a window
+    across blocks)."""
     heads, kv_heads, dim, block_size = 8, 2, 32, 16
     ends = [1, 18 if max_len < 200 else 301, max_len]  # each sequence's last position + 1
     per_tile = decode_attention.tile_tokens(heads // kv_heads)
