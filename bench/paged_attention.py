@@ -4,6 +4,7 @@ how the tile table's size, the programs that walk it and the splits of the keys 
     PYTHONPATH=. python3 bench/paged_attention.py            (a GPU; bf16, Qwen3-30B-A3B's heads)
     PYTHONPATH=. python3 bench/paged_attention.py --sweep    (the kernel's launch settings, each layout)
     PYTHONPATH=. python3 bench/paged_attention.py --varlen   (new prompts in PyTorch's flash attention)
+    PYTHONPATH=. python3 bench/paged_attention.py --decode-sweep   (a decode step's launch settings)
 
 Layouts (blocks of 16, random block tables):
   follower  one chunk of 64 tokens after 1,024 cached (a prefix-cache follower's step): 4 tiles
@@ -24,6 +25,11 @@ tile, the kernel on the decode tokens' tiles alone, and flash on the prompts (co
 gathered from the cache by slot; the other tokens in filler segments without keys, the segment
 list padded to a fixed length as a CUDA graph needs, the longest segment the bucket); the
 prompts' outputs against the kernel's.
+
+--decode-sweep times a decode step's attention (--decode-layouts: B tokens at about C cached each,
+kv_len the engine's bucket) under each key block (DECODE_BLOCK_KEYS), pipeline depth
+(DECODE_STAGES) and number of splits (forced, in place of split_count's), and prints each
+layout's default beside its fastest; --out takes every variant's timing.
 
 --sweep times the round, prompt and mixed layouts as a captured step has them (an entry per
 token, kv_len the row length) under each key block (BLOCK_KEYS), pipeline depth (PACKED_STAGES)
@@ -174,7 +180,7 @@ def varlen(args) -> None:
     rows_out = []
     for kind in ("60+1x512", "60+2x512", "60+3x512", "0+4x512", "0+1x2048"):
         x = step_inputs(kind, args.max_len, torch.Generator().manual_seed(0), device, dtype)
-        bucket = -(-len(x["positions"]) // PACKED_BUCKET_STEP) * PACKED_BUCKET_STEP
+        bucket = -(-len(x["positions"]) // PACKED_BUCKET_STEP) * PACKED_BUCKET_STEP  # the engine's above 256 tokens
         x = padded(x, bucket)
         every = tile_table(x, per_tile, bucket)
         reference = attend(x, every, per_tile, args.max_len)
@@ -195,36 +201,24 @@ def varlen(args) -> None:
 
         every_us = kernel_us(lambda: attend(x, every, per_tile, args.max_len))  # noqa: B023
         decodes_us = kernel_us(lambda: attend(x, decodes, per_tile, args.max_len))  # noqa: B023
+        gather_us, (keys, values) = kernel_us(gather), gather()
+        keys_in = [b - a if bool(prompt[a]) else 0 for a, b in zip(bounds[:-1], bounds[1:])]  # fillers: none
+        seg_k = [sum(keys_in[:i]) for i in range(len(keys_in) + 1)]
         for segments in (8, 17, 33):  # the list's fixed length (fresh prompts of >= 256 / 128 tokens in 2,048)
-            seg_q = bounds + [bucket] * (segments + 1 - len(bounds))
-            keys_in = [b - a if bool(prompt[a]) else 0 for a, b in zip(bounds[:-1], bounds[1:])]
-            seg_k = [sum(keys_in[:i]) for i in range(len(keys_in) + 1)]
-            seg_k += [seg_k[-1]] * (segments + 1 - len(seg_k))
-            cu_q, cu_k = (torch.tensor(s, dtype=torch.int32, device=device) for s in (seg_q, seg_k))
-            keys, values = gather()
-
-            # (query, keys, values, segments' starts, keys' starts, longest segment, longest keys, dropout, causal,
-            # debug mask): the aten op of PyTorch's flash varlen, the same in torch 2.11 and 2.13
+            cu_q, cu_k = (
+                torch.tensor(s + [s[-1]] * (segments + 1 - len(s)), dtype=torch.int32, device=device)
+                for s in (bounds, seg_k)
+            )
+            # (query, keys, values, segments' starts, keys' starts, longest segment, longest keys, dropout,
+            # causal, debug mask): the aten op of PyTorch's flash varlen, the same in torch 2.11 and 2.13
             flash = functools.partial(
                 torch.ops.aten._flash_attention_forward,
-                x["q"],
-                keys,
-                values,
-                cu_q,
-                cu_k,
-                bucket,
-                bucket,
-                0.0,
-                True,
-                False,
+                *(x["q"], keys, values, cu_q, cu_k, bucket, bucket, 0.0, True, False),
+                scale=DIM**-0.5,
             )
-            error = (
-                (flash(scale=DIM**-0.5)[0].reshape(bucket, -1)[prompt].float() - reference[prompt].float())
-                .abs()
-                .max()
-                .item()
-            )
-            flash_us, gather_us = kernel_us(lambda: flash(scale=DIM**-0.5)), kernel_us(gather)  # noqa: B023
+            out = flash()[0].reshape(bucket, -1)
+            error = (out[prompt].float() - reference[prompt].float()).abs().max().item()
+            flash_us = kernel_us(flash)
             rows_out.append(
                 {
                     "layout (decode + prompts x tokens)": f"{kind}, bucket {bucket}",
@@ -243,9 +237,7 @@ def varlen(args) -> None:
 
 
 def decode_sweep(args) -> None:
-    """A decode step's launch settings: key block, pipeline depth, and splits of the keys (forced,
-    in place of split_count's choice from kv_len alone); the fastest of each layout beside the
-    default, and every variant into --out."""
+    """A decode step's launch settings (module doc)."""
     device, dtype, module = "cuda", torch.bfloat16, decode_attention
     choose = module.split_count
     defaults = (module.DECODE_BLOCK_KEYS, module.DECODE_STAGES, None)  # None: split_count's splits
@@ -256,6 +248,7 @@ def decode_sweep(args) -> None:
         tokens, reference, timings = len(x["positions"]), None, []
         kv_len = 1 << int(x["positions"].max()).bit_length()  # the engine's kv_lens bucket
         table = tile_table(x, 1, None)
+        default_splits = f"{choose(kv_len, tokens * KV_HEADS, defaults[0])} (default)"
         for block_keys, stages, splits in variants:
             module.DECODE_BLOCK_KEYS, module.DECODE_STAGES = block_keys, stages
             module.split_count = choose if splits is None else (lambda *_, n=splits: n)
@@ -266,8 +259,7 @@ def decode_sweep(args) -> None:
                 error = (out.float() - reference.float()).abs().max().item()
             except Exception:  # a launch setting this GPU cannot run (shared memory, registers)
                 us, error = float("nan"), float("nan")
-            default_splits = choose(kv_len, tokens * KV_HEADS, module.DECODE_BLOCK_KEYS)
-            timings.append((us, block_keys, stages, splits if splits else f"{default_splits} (default)", error))
+            timings.append((us, block_keys, stages, splits or default_splits, error))
         module.DECODE_BLOCK_KEYS, module.DECODE_STAGES, module.split_count = defaults[0], defaults[1], choose
         layout = f"{tokens} tokens at ~{kind.split(':')[2]} cached, kv_len {kv_len}"
         for us, b, s, n, error in timings:

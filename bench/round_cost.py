@@ -2,8 +2,8 @@
 1-4 prompts alone, and the two mixed (60 decode tokens beside 1-4 prompts), each one engine step
 as the scheduler makes it (CUDA graphs), median of --repeat, and of it the graph's own time on
 the GPU (the rest is the host's: the step's inputs built, its tokens read); with the random
-weights' routing and spread (bench/common.py). The kernels of one such step: `bench/serve_offline.py --no-offline
---profile-step 512 --profile-prompts 1 --profile-decodes 60`.
+weights' routing and spread (bench/common.py). The kernels of one such step:
+`bench/serve_offline.py --no-offline --profile-step 512 --profile-prompts 1 --profile-decodes 60`.
 
     PYTHONPATH=. python3 bench/round_cost.py --layers 48
     PYTHONPATH=. python3 bench/round_cost.py --layers 48 --selected-expert-rows 1024,20000
