@@ -17,7 +17,9 @@ server's process, N requests in flight, no HTTP): the share of the engine the se
     PYTHONPATH=. python3 bench/serve_load.py --layers 48 --clients 1,64 --schedules mixed,prefill-first \\
         --max-tokens-spread 0.5 --requests 6
     # serve's tokens a step (--max-num-batched-tokens) on one server: each value's engine alone and served
-    PYTHONPATH=. python3 bench/serve_load.py --layers 48 --clients 1,64 --step-tokens 2048,1024
+    # (at most the server's own budget: raise it for larger values)
+    PYTHONPATH=. python3 bench/serve_load.py --layers 48 --clients 1,64 --step-tokens 2048,1536,1024 \\
+        --serve-args '--max-num-batched-tokens 2048'
     # against a server that runs already (no engine-alone column)
     PYTHONPATH=. python3 bench/serve_load.py --url http://127.0.0.1:8000 --clients 1,16
 

@@ -178,8 +178,8 @@ def _model_arguments(command: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens",
         type=int,
         help="tokens one step computes at most: every decoding sequence's next, then chunks of prompts "
-        "(default: 8192 for generate; 2048 for serve, so that a burst of prompts reaches its first tokens "
-        "in several short steps rather than one long one)",
+        "(default: 8192 for generate; 1536 for serve, so that prompts reach their first tokens in short "
+        "steps: about two prompts of 512 tokens beside the decoding sequences)",
     )
     command.add_argument(
         "--packed-graph-tokens",
@@ -349,12 +349,15 @@ def _engine(args: argparse.Namespace, model, group, max_len: int, requests: int 
 
     on_gpu = next(model.parameters()).is_cuda
     max_batch = args.max_batch or (256 if on_gpu else 16)
+    # serve's steps: 1536 tokens took the first token p50 of 64 clients in step from 56-57 to 47-48 ms
+    # for 1-4% of the tokens/s against 2048 (48 layers, one H200; docs/benchmarks.md, 2026-11-26)
+    step_tokens = 1536 if requests is None else 8192
     try:
         return DecodeEngine(
             model,
             max_batch=max_batch if requests is None else min(max_batch, requests),
             max_len=max_len,
-            max_num_batched_tokens=args.max_num_batched_tokens or (2048 if requests is None else 8192),
+            max_num_batched_tokens=args.max_num_batched_tokens or step_tokens,
             packed_graph_tokens=args.packed_graph_tokens,
             block_size=args.block_size,
             num_blocks=args.kv_blocks,
