@@ -34,7 +34,7 @@ import math
 
 import torch
 
-from bench.common import add_model_arguments, bench_model_config, median_ms, print_table, sync, timed
+from bench.common import add_model_arguments, bench_model_config, median_ms, print_table, timed
 from bench.serve_offline import moemesh_model, workload
 from moemesh.data.tokenizer import ByteTokenizer
 from moemesh.inference.engine import DecodeEngine
@@ -43,8 +43,10 @@ from moemesh.inference.scheduler import Scheduler
 
 
 def run(model, prompts: list[list[int]], args, num_blocks: int, max_len: int) -> tuple[dict, list[list[int]]]:
-    """One pass of every request through an engine of `num_blocks` blocks: its counters, the
-    seconds of a warm pass (the first compiles and captures), and each request's tokens."""
+    """Every request through an engine of `num_blocks` blocks, warm (a first pass of other
+    prompts compiles the kernels and captures the graphs): the scheduler's counters and seconds,
+    each request's tokens, the cache's bytes a token, and the seconds a prompt token costs when
+    the same engine prefills the prompts alone."""
     engine = DecodeEngine(
         model,
         max_batch=args.max_batch,
@@ -124,7 +126,6 @@ def main() -> None:
     for share in pools:  # + the null block
         blocks = max(math.ceil(share * need_blocks), math.ceil(max_len / args.block_size)) + 1
         counters, outputs = run(model, prompts, args, blocks, max_len)
-        sync()
         first = first or (counters, outputs)
         readmitted = counters["admitted"] - first[0]["admitted"]
         found = counters["cached"] - first[0]["cached"]
