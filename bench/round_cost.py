@@ -30,8 +30,9 @@ def rounds(args) -> dict[str, tuple[int, int]]:
     """name -> (decode tokens, prompts)"""
     named = {f"{args.decode} decode tokens": (args.decode, 0)}
     for prompts in range(1, 5):
-        named[f"{prompts} prompt{'s' * (prompts > 1)}"] = (0, prompts)
-        named[f"{args.decode} decode + {prompts} prompt{'s' * (prompts > 1)}"] = (args.decode, prompts)
+        some = f"{prompts} prompt{'s' * (prompts > 1)}"
+        named[some] = (0, prompts)
+        named[f"{args.decode} decode + {some}"] = (args.decode, prompts)
     return named
 
 
