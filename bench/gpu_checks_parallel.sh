@@ -12,8 +12,17 @@
 #       resharding after forward) against the one-GPU figure of `singles`; the pipeline schedules
 #       on gpu_small and on the GPU-bound benchmark model (memory vs estimate, bubble).
 #   bash bench/gpu_checks_parallel.sh fsdp      FSDP vs replicated (memory, prefetch overlap).
+# On a machine with 4 GPUs (issue 48), through `moemesh train` and its step:
+#   bash bench/gpu_checks_parallel.sh scaling   the benchmark model (6 layers) with 4 sequences of
+#       4096 tokens per GPU on 1 GPU and on 2 (ep=2) side by side, then on 4 (ep=4), with each EP
+#       dispatcher: tokens/s per GPU and MFU (median of steps 3-12), peak memory; the new
+#       kernels' GPU tests first.
+#   bash bench/gpu_checks_parallel.sh full [VARIANTS] [--micro N ...]   the full Qwen3-30B-A3B
+#       shape's layouts through the trainer's step (bench/pipeline.py; default: both dispatchers).
+#   bash bench/gpu_checks_parallel.sh long STEPS [KEY=VALUE ...]   the full shape under `moemesh
+#       train` for STEPS steps (the loss falling; tokens/s per GPU, MFU, memory from metrics.jsonl).
 set -u
-export PYTHONUNBUFFERED=1 PYTHONPATH=. NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export PYTHONUNBUFFERED=1 PYTHONPATH=. NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-gpu_checks_out}
 LOGS=${LOGS:-/tmp/moemesh_gpu_checks}
 mkdir -p "$OUT" "$LOGS"
@@ -23,6 +32,32 @@ train() {  # GPU, log name, config, overrides...: one run of moemesh train, logg
     shift 3
     CUDA_VISIBLE_DEVICES=$gpu timeout 300 python3 -m moemesh train --config "$config" --set train.save_every=-1 \
         "train.run_dir=$LOGS/$name" "$@" > "$LOGS/$name.txt" 2>&1
+}
+run() {  # GPUs, log name, config, overrides...: moemesh train under torchrun on those GPUs
+    local gpus=$1 name=$2 config=$3
+    shift 3
+    CUDA_VISIBLE_DEVICES=$gpus timeout 420 torchrun --standalone --nproc-per-node $(($(tr -cd , <<< "$gpus" | wc -c) + 1)) \
+        -m moemesh train --config "$config" --set train.save_every=-1 train.log_every=1 "train.run_dir=$LOGS/$name" "$@" \
+        > "$LOGS/$name.txt" 2>&1
+}
+summary() {  # log names...: a row each from its run's metrics.jsonl (steps 3 on)
+    python3 - "$@" <<'PY'
+import json, statistics, sys, os
+logs = os.environ.get("LOGS", "/tmp/moemesh_gpu_checks")
+print("| run | steps | loss first → last | tokens/s per GPU | MFU | peak GiB (rank 0) |")
+print("|---|---|---|---|---|---|")
+for name in sys.argv[1:]:
+    try:
+        records = [json.loads(l) for l in open(f"{logs}/{name}/metrics.jsonl") if '"loss"' in l]
+    except OSError:
+        print(f"| {name} | failed | | | | |"); continue
+    later = [r for r in records if r["step"] >= 3] or records
+    tps = statistics.median(r["tokens_per_s"] for r in later)
+    mfu = statistics.median(r.get("mfu", 0) for r in later)
+    n = int(os.environ.get(f"GPUS_{name}", "1"))  # tokens_per_s is the whole step's
+    print(f"| {name} | {len(records)} | {records[0]['loss']:.3f} → {records[-1]['loss']:.3f} | {tps / n:,.0f} | "
+          f"{mfu:.1%} | {max(r['max_memory_bytes'] for r in records) / 2**30:.1f} |")
+PY
 }
 family() {  # family, GPU: the family's GPU config for 3 steps
     train "$2" "$1" "configs/$1_gpu.toml" train.steps=3 train.eval_every=0 train.log_every=1
@@ -64,5 +99,33 @@ pairs)
     ;;
 fsdp)
     echo "== FSDP vs replicated"; torchrun --nproc-per-node 2 bench/fsdp.py 2>&1 | quiet | tail -8
+    ;;
+scaling)
+    timeout 240 python3 -m pytest -q tests/test_ops_grouped_mm.py tests/test_ops_permute.py > "$LOGS/gpu_tests.txt" 2>&1
+    echo "== the new kernels' GPU tests"; tail -2 "$LOGS/gpu_tests.txt"
+    Q6=configs/qwen3_30b_a3b_6l.toml
+    six() {  # GPUs, name, overrides: 4 sequences of 4096 tokens per GPU a step, 12 steps
+        local n=$(($(tr -cd , <<< "$1" | wc -c) + 1))
+        run "$1" "$2" $Q6 train.steps=12 train.eval_every=0 train.global_batch=$((4 * n)) \
+            train.micro_batch=$((4 * n)) parallel.ep=$n "${@:3}"
+    }
+    six 0 q6_gpus1 & six 2,3 q6_gpus2 & wait
+    six 0,1,2,3 q6_gpus4
+    six 0,1,2,3 q6_gpus4_all_to_all parallel.ep_dispatch=all_to_all
+    echo "== the benchmark model, the same tokens per GPU on 1, 2 and 4 GPUs"
+    GPUS_q6_gpus2=2 GPUS_q6_gpus4=4 GPUS_q6_gpus4_all_to_all=4 summary q6_gpus1 q6_gpus2 q6_gpus4 q6_gpus4_all_to_all
+    for name in q6_gpus1 q6_gpus2 q6_gpus4 q6_gpus4_all_to_all; do quiet < "$LOGS/$name.txt" | grep -i "error\|computed again" | head -3; done
+    ;;
+full)
+    variants=${2:-ep,ep-all_to_all}
+    echo "== the full Qwen3-30B-A3B shape, 4 GPUs: $variants"
+    timeout 540 torchrun --standalone --nproc-per-node 4 bench/pipeline.py --config configs/qwen3_30b_a3b.toml \
+        --seq 4096 --steps 4 --warmup 2 --variants "$variants" "${@:3}" 2>&1 | quiet | grep -v "^\[rank" | tail -40
+    ;;
+long)
+    run 0,1,2,3 full_long configs/qwen3_30b_a3b.toml train.steps="$2" train.eval_every=0 "${@:3}"
+    quiet < "$LOGS/full_long.txt" | tail -5
+    GPUS_full_long=4 summary full_long
+    cp "$LOGS/full_long/loss.png" "$OUT/full_long_loss.png" 2>/dev/null
     ;;
 esac

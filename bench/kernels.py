@@ -140,7 +140,7 @@ def bandwidth_rows(copy_gbps):
     index = tokens * k * 8  # bytes of `position`; the fp32 routing weights are half that
     ops = [  # name, inputs, output grad, moemesh, torch, fwd bytes, bwd bytes (minimal read+write)
         ("permute", (x,), torch.randn_like(grouped),
-         lambda x: _PermuteRows.apply(x, position, n), lambda x: x[row_token],
+         lambda x: _PermuteRows.apply(x, position, n, True), lambda x: x[row_token],
          (tokens + n) * hidden * e + index, (n + tokens) * hidden * e + index),
         # bwd: grad_out read once, grouped read for the weight gradient, grad of grouped written
         ("combine", (grouped, weights), torch.randn_like(x),

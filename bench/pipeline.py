@@ -1,16 +1,22 @@
-"""Pipeline schedules against expert parallelism on the same GPUs and model, through the trainer's
-own step:
+"""Training layouts on the same GPUs and model, through the trainer's own step (`Trainer.train_step`):
+pipeline schedules, expert parallelism with either dispatcher, fully sharded data parallelism and
+their products:
 
     PYTHONPATH=. torchrun --nproc-per-node 2 bench/pipeline.py [--config configs/gpu_small.toml]
     PYTHONPATH=. torchrun --nproc-per-node 2 bench/pipeline.py --config configs/qwen3_30b_a3b_6l.toml --seq 4096 \
         --micro 1 --set train.param_dtype=bfloat16 --variants dualpipev,1f1b   (a GPU-bound model)
+    PYTHONPATH=. torchrun --nproc-per-node 4 bench/pipeline.py --config configs/qwen3_30b_a3b.toml --seq 4096 \
+        --micro 8 --micro-batches 2 --variants ep,ep-all_to_all   (issue 48's table: the full model)
     PYTHONPATH=. torchrun --nproc-per-node 2 bench/pipeline.py --config configs/tiny.toml --seq 128  (CPU smoke)
 
-Variants: DualPipeV (pp=2), 1F1B (pp=2), no pipeline (ep=2), each with 8 micro-batches per step.
-For each: step time and tokens/s; on GPUs also each rank's peak memory against the analytical
-estimate (`moemesh estimate`: parameter state + the activations of the micro-batches a stage holds at
-its peak), and from one profiled step each rank's idle share (no compute kernel running; NCCL
-kernels waiting on a peer count as idle) against the schedule's simulated bubble share with
+Variants (`VARIANTS`): DualPipeV and 1F1B over all ranks, expert parallelism over all ranks (the
+gathering dispatcher, and exact all-to-all splits), FSDP over all ranks, and on 4 ranks their
+products; each with --micro-batches micro-batches of --micro sequences a step. For each: step time,
+tokens/s per GPU and MFU (the trainer's FLOP count); on GPUs also each rank's peak memory against
+the analytical estimate (`moemesh estimate`: parameter state + the activations of the micro-batches
+a stage holds at its peak), and from one profiled step each rank's idle share (no compute kernel
+running; NCCL kernels waiting on a peer count as idle), the share where only NCCL ran, and rank 0's
+kernels that took the most time; under a pipeline, the schedule's simulated bubble share with
 backward = 2 × forward.
 """
 
@@ -20,12 +26,13 @@ import argparse
 import gc
 import json
 import os
+from collections import Counter
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from bench.common import interval_length, kernel_intervals, median_ms, print_table
+from bench.common import interval_length, median_ms, merged, print_table, profiled_kernels
 from moemesh.config import load_config
 from moemesh.parallel.pipeline.memory import run_costs, stage_ranges
 from moemesh.parallel.pipeline.partition import rank_memory
@@ -36,9 +43,11 @@ WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 VARIANTS = {
     "dualpipev": ["parallel.pp_schedule=dualpipev", f"parallel.pp={WORLD}"],
     "1f1b": ["parallel.pp_schedule=1f1b", f"parallel.pp={WORLD}"],
-    "ep (no pipeline)": [f"parallel.ep={WORLD}"],
+    "ep": [f"parallel.ep={WORLD}"],
+    "ep-all_to_all": [f"parallel.ep={WORLD}", "parallel.ep_dispatch=all_to_all"],
+    "dp_shard": [f"parallel.dp_shard={WORLD}"],
 }
-if WORLD >= 4 and WORLD % 2 == 0:  # pp × ep=2: DualPipeV's paired chunks overlapped (EP all-to-alls hidden) or not
+if WORLD >= 4 and WORLD % 2 == 0:  # pp × ep=2: DualPipeV's paired chunks overlapped (EP collectives hidden) or not
     VARIANTS.update(
         {
             f"dualpipev-ep2-{mode}": [
@@ -50,15 +59,26 @@ if WORLD >= 4 and WORLD % 2 == 0:  # pp × ep=2: DualPipeV's paired chunks overl
             for mode, on in (("overlap", True), ("sequential", False))
         }
     )
+    VARIANTS[f"dp_shard{WORLD // 2}-ep2"] = [f"parallel.dp_shard={WORLD // 2}", "parallel.ep=2"]
 
 
-def idle_share(trainer: Trainer, trace: Path | None = None) -> float:
-    """The share of one step's GPU time during which no compute kernel ran (`trace`: keep the
-    step's Chrome trace, host side included)."""
+def step_profile(trainer: Trainer, trace: Path | None = None) -> tuple[float, float, list[tuple[str, float]]]:
+    """One profiled step: the share of its GPU time during which no compute kernel ran, the share
+    during which only NCCL ran, and the kernels that took the most time (name, ms in the step).
+    `trace`: keep the step's Chrome trace, host side included."""
     torch.cuda.synchronize()
-    _, compute = kernel_intervals(trainer.train_step, trace)
-    span = compute[-1][1] - compute[0][0]
-    return 1 - interval_length(compute) / span
+    kernels = profiled_kernels(trainer.train_step, trace, host=trace is not None)
+    spans = {
+        nccl: merged([(e["ts"], e["ts"] + e["dur"]) for e in kernels if ("nccl" in e["name"].lower()) == nccl])
+        for nccl in (True, False)
+    }
+    compute, everything = spans[False], merged(spans[True] + spans[False])
+    span = everything[-1][1] - everything[0][0]
+    busy = interval_length(compute)
+    top = Counter()
+    for e in kernels:
+        top[e["name"][:60]] += e["dur"] / 1e3
+    return 1 - busy / span, (interval_length(everything) - busy) / span, top.most_common(8)
 
 
 def bubble_share(trainer: Trainer) -> float:
@@ -136,13 +156,14 @@ def op_trace(trainer: Trainer) -> list[dict]:
     return records
 
 
-def run_variant(name: str, overrides: list[str], args) -> dict:
+def run_variant(name: str, overrides: list[str], args) -> tuple[dict, list[tuple[str, float]]]:
+    """The variant's row, and rank 0's kernels that took the most time in a profiled step."""
     config = load_config(
         args.config,
         [
             *overrides,
             f"train.seq_len={args.seq}",
-            f"train.global_batch={args.micro * 8}",
+            f"train.global_batch={args.micro * args.micro_batches}",
             f"train.micro_batch={args.micro}",
             "train.eval_sequences=8",
             *args.set,
@@ -155,45 +176,51 @@ def run_variant(name: str, overrides: list[str], args) -> dict:
         trainer.train_step()
         torch.cuda.reset_peak_memory_stats()
     step_ms = median_ms(lambda: records.append(trainer.train_step()), warmup=args.warmup, repeat=args.steps)
-    tokens = config.train.global_batch * config.train.seq_len
+    tokens_per_s = config.train.global_batch * config.train.seq_len / step_ms * 1e3
     row = {
         "variant": name,
         "step ms": f"{step_ms:.0f}",
-        "tokens/s": f"{tokens / step_ms * 1e3:,.0f}",
+        "tokens/s per GPU": f"{tokens_per_s / WORLD:,.0f}",
         "loss": f"{records[-1]['loss']:.4f}",
     }
+    if trainer.peak_flops is not None:
+        row["MFU"] = f"{tokens_per_s * trainer.flops_per_token / (trainer.peak_flops * WORLD):.1%}"
+    if trainer.notes:  # a full expert buffer: the step ran again (the warm-up's, where the buffers settle)
+        row["steps computed again"] = len(trainer.notes)
+    top = []
     if on_gpu:
-        peaks = [torch.zeros(WORLD, device=trainer.device) for _ in range(3)]
+        peaks = [torch.zeros(WORLD, device=trainer.device) for _ in range(4)]
         peaks[0][dist.get_rank()] = torch.cuda.max_memory_allocated(trainer.device) / 2**30
         trace = (
             Path(args.trace_dir) / f"profile_{name.split()[0]}_rank{dist.get_rank()}.json.gz"
             if args.trace_dir
             else None
         )
-        peaks[1][dist.get_rank()] = idle_share(trainer, trace if name == "dualpipev" else None)
+        peaks[1][dist.get_rank()], peaks[2][dist.get_rank()], top = step_profile(trainer, trace)
         if trainer.pipeline is not None:
-            peaks[2][dist.get_rank()] = bubble_share(trainer)
+            peaks[3][dist.get_rank()] = bubble_share(trainer)
         for t in peaks:
             dist.all_reduce(t)
         row["peak GiB per rank"] = " / ".join(f"{p:.1f}" for p in peaks[0].tolist())
+        schedule = trainer.pipeline.schedule if trainer.pipeline is not None else None
+        costs = run_costs(config.model, config.parallel, config.step_shape)
+        ranges = stage_ranges(schedule, costs) if schedule is not None else [range(len(costs))]
+        in_flight = peak_in_flight(schedule) if schedule is not None else 1
+        estimate = rank_memory(costs, ranges, in_flight, list(schedule.stage_rank) if schedule else [0])
+        row["estimate GiB"] = " / ".join(f"{e / 2**30:.1f}" for e in estimate)
         row["GPU idle per rank"] = " / ".join(f"{p:.0%}" for p in peaks[1].tolist())
-        if trainer.pipeline is not None:
-            schedule = trainer.pipeline.schedule
-            costs = run_costs(config.model, config.parallel, config.step_shape)
-            estimate = rank_memory(
-                costs, stage_ranges(schedule, costs), peak_in_flight(schedule), list(schedule.stage_rank)
-            )
-            row["estimate GiB per rank"] = " / ".join(f"{e / 2**30:.1f}" for e in estimate)
-            row["measured bubble per rank"] = " / ".join(f"{p:.0%}" for p in peaks[2].tolist())
+        row["only NCCL per rank"] = " / ".join(f"{p:.0%}" for p in peaks[2].tolist())
+        if schedule is not None:
+            row["measured bubble per rank"] = " / ".join(f"{p:.0%}" for p in peaks[3].tolist())
             timeline = simulate(schedule, f=1.0, b=1.0, w=1.0)  # backward = input + weight gradient = 2F
             row["simulated bubble per rank"] = " / ".join(f"{b / timeline.makespan:.0%}" for b in timeline.bubble)
             # ... and with each stage's time as the partition estimated it (FLOPs)
-            times = [sum(costs[i].time for i in items) for items in stage_ranges(schedule, costs)]
+            times = [sum(costs[i].time for i in items) for items in ranges]
             timeline = simulate(schedule, 1.0, 1.0, 1.0, stage_time=[t * len(times) / sum(times) for t in times])
             row["simulated with stage FLOPs"] = " / ".join(f"{b / timeline.makespan:.0%}" for b in timeline.bubble)
             if args.trace_dir:
                 save_trace(trainer, name, args.trace_dir)
-    return row
+    return row, top
 
 
 def save_trace(trainer: Trainer, name: str, trace_dir: str) -> None:
@@ -217,28 +244,36 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="configs/gpu_small.toml")
     parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--micro", type=int, default=4, help="sequences per micro-batch (8 micro-batches per step)")
+    parser.add_argument("--micro", type=int, default=4, help="sequences per micro-batch (summed over the ranks)")
+    parser.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for every variant")
-    parser.add_argument("--variants", help="comma-separated subset of the variants to run")
+    parser.add_argument("--variants", help=f"comma-separated subset of: {', '.join(VARIANTS)}")
     parser.add_argument("--trace-dir", help="write each rank's per-operation memory and time trace here (GPU)")
     args = parser.parse_args()
     rows = []
     chosen = args.variants.split(",") if args.variants else list(VARIANTS)
-    for name, overrides in ((name, VARIANTS[name]) for name in chosen):
-        rows.append(run_variant(name, overrides, args))
+    for name in chosen:
+        if name not in VARIANTS:
+            parser.error(f"unknown variant {name!r} on {WORLD} ranks; choose from {', '.join(VARIANTS)}")
+    for name in chosen:
+        row, top = run_variant(name, VARIANTS[name], args)
+        rows.append(row)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         if dist.get_rank() == 0:
             print(rows[-1], flush=True)
+            print(
+                f"  [{name}] rank 0's kernels, ms in a step: " + "; ".join(f"{k} {ms:.1f}" for k, ms in top), flush=True
+            )
     if dist.get_rank() == 0:
         rows = [{key: row.get(key, "") for key in max(rows, key=len)} for row in rows]
         print_table(
             rows,
-            f"pipeline vs expert parallelism, {args.config}, 8 micro-batches of {args.micro}×{args.seq} "
-            f"tokens, {WORLD} GPUs",
+            f"training layouts, {args.config}, {args.micro_batches} micro-batches of {args.micro}×{args.seq} "
+            f"tokens, {WORLD} GPUs{' (' + ' '.join(args.set) + ')' if args.set else ''}",
         )
     dist.destroy_process_group()
 

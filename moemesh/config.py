@@ -26,6 +26,7 @@ from moemesh.models import ModelConfig
 from moemesh.models.family import family
 from moemesh.models.lora import LoraConfig
 from moemesh.parallel.config import ParallelConfig, StepShape
+from moemesh.parallel.expert import DISPATCHERS
 from moemesh.parallel.pipeline.schedule import min_micro_batches
 
 # `moemesh train` with no --config: the tiny model of this checkout.
@@ -393,6 +394,11 @@ def _validate(config: RunConfig) -> None:
     for name in PARALLEL_AXES:
         need(getattr(config.parallel, name) >= 1, f"parallel.{name} must be >= 1, got {getattr(config.parallel, name)}")
     need(config.parallel.timeout_s > 0, f"parallel.timeout_s must be > 0, got {config.parallel.timeout_s}")
+    need(config.parallel.ep_capacity > 0, f"parallel.ep_capacity must be > 0, got {config.parallel.ep_capacity}")
+    need(
+        config.parallel.ep_dispatch in DISPATCHERS,
+        f"parallel.ep_dispatch must be one of {', '.join(map(repr, DISPATCHERS))}, got {config.parallel.ep_dispatch!r}",
+    )
     # The micro-batches of a step, and each rank's slice of them, must not depend on the layout.
     ranks = config.parallel.batch_ranks
     need(

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moemesh.ops import permute
-from moemesh.ops.permute import permute_reference, permute_rows_reference
+from moemesh.ops.permute import permute_reference, permute_rows, permute_rows_reference
 from numerics import rel_err
 
 
@@ -88,6 +88,29 @@ def test_triton_keeps_dtype_bf16(triton_kernels):
     (got_grad,) = torch.autograd.grad(got.grouped, x, grad)
     (want_grad,) = torch.autograd.grad(want.grouped.float(), x, grad.float())  # fp32 reference sum
     assert got_grad.dtype == torch.bfloat16 and rel_err(got_grad, want_grad) <= 1e-2  # one bf16 rounding
+
+
+@pytest.mark.parametrize("num_tokens, hidden, k, num_rows", [(29, 130, 3, 40), (29, 130, 3, 87), (0, 8, 2, 5)])
+def test_rows_of_a_buffer_skip_positions_of_minus_one(triton_kernels, num_tokens, hidden, k, num_rows):
+    """`permute_rows` as expert parallelism's gathering dispatcher uses it: a buffer of num_rows
+    rows (fewer or more than the pairs), pairs that go to none (-1), rows no pair fills. The kernel
+    writes every named row as the reference does, and each token's gradient is the sum over its
+    named rows only."""
+    named = min(num_rows - 3, num_tokens * k * 2 // 3)  # pairs with a row; 3+ rows left unnamed
+    pairs = torch.randperm(num_tokens * k)[:named]
+    taken = torch.randperm(num_rows)[:named]  # distinct rows
+    position = torch.full((num_tokens * k,), -1, dtype=torch.int64)
+    position[pairs] = taken
+    position = position.view(num_tokens, k)
+    x = torch.randn(num_tokens, hidden, requires_grad=True)
+    got, want = permute_rows(x, position, num_rows), permute_rows_reference(x, position, num_rows)
+    assert torch.equal(got[taken], want[taken])  # the rest: unwritten by the kernel, zero in the reference
+    grad = torch.randn(num_rows, hidden)
+    grad_unnamed = grad.clone()
+    grad_unnamed[taken] = 0  # rows no pair names must not reach any token
+    (got_grad,) = torch.autograd.grad(got, x, grad)
+    (want_grad,) = torch.autograd.grad(want, x, grad - grad_unnamed)
+    assert rel_err(got_grad, want_grad) <= 1e-6 if num_tokens else got_grad.shape == x.shape
 
 
 def test_reference_gradcheck():

@@ -6,14 +6,16 @@ compares loss, logits and every gradient. Tolerance 1e-5 relative: the sharded r
 fp32 terms in another order (partial sums per rank), which moves results by ~1e-7."""
 
 import os
+from collections import Counter
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from moemesh.models import ModelConfig, build
 from moemesh.parallel import comm
 from moemesh.parallel.data import apply_data_parallel, label_tokens, rank_loss, reduce_gradients
-from moemesh.parallel.expert import apply_ep, is_expert_parameter
+from moemesh.parallel.expert import HEADROOM, apply_ep, fit_capacity, is_expert_parameter, start_capacity
 from moemesh.parallel.mesh import ParallelDims, init_mesh
 from numerics import rel_err
 
@@ -44,7 +46,9 @@ def micro_batch(seed=0, batch=8, seq=9):
     return input_ids, labels
 
 
-def sharded_step(dims: ParallelDims, config: ModelConfig, input_ids, labels, prepare=lambda model: None):
+def sharded_step(
+    dims: ParallelDims, config: ModelConfig, input_ids, labels, prepare=lambda model: None, dispatch="gather"
+):
     """Reference (one process) and sharded forward+backward of one micro-batch on this rank.
     Returns (reference model, reference output, sharded model, this rank's summed loss)."""
     reference = build(config, seed=1)
@@ -55,7 +59,7 @@ def sharded_step(dims: ParallelDims, config: ModelConfig, input_ids, labels, pre
     mesh = init_mesh(dims)
     model = build(config, seed=1)
     prepare(model)
-    apply_data_parallel(apply_ep(model, mesh), mesh)
+    apply_data_parallel(apply_ep(model, mesh, dispatch), mesh)
     ranks, rank = dims.batch_size, mesh.rank("batch")
     rows = input_ids.shape[0] // ranks
     local = slice(rank * rows, (rank + 1) * rows)
@@ -72,18 +76,18 @@ def sharded_step(dims: ParallelDims, config: ModelConfig, input_ids, labels, pre
     return reference, ref_out, model, summed, out, local, mesh, forward_bytes
 
 
-def check_matches_single_process(rank, dp, ep, kernels="auto"):
+def check_matches_single_process(rank, dp, ep, kernels="auto", dispatch="gather"):
     os.environ["MOEMESH_KERNELS"] = kernels  # read at every call; TRITON_INTERPRET came from conftest
     try:
-        return _check_matches_single_process(dp, ep)
+        return _check_matches_single_process(dp, ep, dispatch)
     finally:
         os.environ.pop("MOEMESH_KERNELS")
 
 
-def _check_matches_single_process(dp, ep):
+def _check_matches_single_process(dp, ep, dispatch):
     input_ids, labels = micro_batch(seed=dp * 10 + ep)
     reference, ref_out, model, loss, out, local, mesh, _ = sharded_step(
-        ParallelDims(dp_replicate=dp, ep=ep), CONFIG, input_ids, labels
+        ParallelDims(dp_replicate=dp, ep=ep), CONFIG, input_ids, labels, dispatch=dispatch
     )
     assert rel_err(loss, ref_out.loss.detach()) <= RTOL
     assert rel_err(out.logits, ref_out.logits[local].detach()) <= RTOL
@@ -100,10 +104,13 @@ def _check_matches_single_process(dp, ep):
     return True
 
 
-@pytest.mark.parametrize("dp, ep, kernels", [(1, 4, "auto"), (2, 2, "auto"), (1, 4, "triton")])
-def test_ep_equals_one_process(pool, dp, ep, kernels):
+@pytest.mark.parametrize(
+    "dp, ep, kernels, dispatch",
+    [(1, 4, "auto", "gather"), (2, 2, "auto", "gather"), (1, 4, "triton", "gather"), (1, 4, "triton", "all_to_all")],
+)
+def test_ep_equals_one_process(pool, dp, ep, kernels, dispatch):
     """kernels="triton": the permute/combine kernels (interpreted on CPU) on both sides."""
-    assert all(pool.run(check_matches_single_process, dp, ep, kernels))
+    assert all(pool.run(check_matches_single_process, dp, ep, kernels, dispatch))
 
 
 def _zero_router(model):
@@ -115,12 +122,12 @@ def _zero_router(model):
                 param.zero_()
 
 
-def check_degenerate_routing(rank, top_k):
+def check_degenerate_routing(rank, top_k, dispatch):
     config = CONFIG.replace(num_experts_per_tok=top_k)
     local_experts = config.num_experts // WORLD
     input_ids, labels = micro_batch(seed=5)
     reference, ref_out, model, loss, out, local, mesh, forward_bytes = sharded_step(
-        ParallelDims(ep=WORLD), config, input_ids, labels, _zero_router
+        ParallelDims(ep=WORLD), config, input_ids, labels, _zero_router, dispatch
     )
     chosen = set(model.model.layers[0].mlp.route(torch.randn(6, config.hidden_size)).expert_ids.flatten().tolist())
     assert len(chosen) == top_k
@@ -133,26 +140,73 @@ def check_degenerate_routing(rank, top_k):
             expected = expected[rank * local_experts : (rank + 1) * local_experts]
             assert (param.grad.norm() > 0) == (rank in holders), name
         assert (rel_err(param.grad, expected) <= RTOL) if expected.norm() > 0 else param.grad.norm() == 0, name
-    # Each token travels once to each holder (its row, k weights and k local ids); only holders
-    # send rows back, one per token of every rank.
     moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
     tokens, hidden, k = input_ids[local].numel(), config.hidden_size, config.num_experts_per_tok
-    dispatch = len(holders) * tokens * (hidden * 4 + k * 4 + k * 8)
-    combine = WORLD * tokens * hidden * 4 if rank in holders else 0
-    assert forward_bytes[("all_to_all", "forward")] == moe_layers * (dispatch + combine)
+    if dispatch == "gather":
+        # Every token goes to every rank (its row, k weights and k int32 ids); every rank sends the
+        # sums of every rank's tokens back (fp32 rows), holder or not.
+        assert forward_bytes[("all_gather", "forward")] == moe_layers * tokens * (hidden * 4 + k * 4 + k * 4)
+        assert forward_bytes[("all_to_all", "forward")] == moe_layers * WORLD * tokens * hidden * 4
+        return True
+    # Each token travels once to each holder (its row, k weights and k local ids); only holders
+    # send rows back, one per token of every rank.
+    dispatched = len(holders) * tokens * (hidden * 4 + k * 4 + k * 8)
+    combined = WORLD * tokens * hidden * 4 if rank in holders else 0
+    assert forward_bytes[("all_to_all", "forward")] == moe_layers * (dispatched + combined)
     return True
 
 
-@pytest.mark.parametrize("top_k", [1, 2])
-def test_degenerate_routing_all_tokens_to_the_same_experts(pool, top_k):
-    assert all(pool.run(check_degenerate_routing, top_k))
+@pytest.mark.parametrize("top_k, dispatch", [(1, "gather"), (2, "gather"), (2, "all_to_all")])
+def test_degenerate_routing_all_tokens_to_the_same_experts(pool, top_k, dispatch):
+    assert all(pool.run(check_degenerate_routing, top_k, dispatch))
 
 
-def check_collective_counts(rank):
-    """One dispatch and one combine all-to-all per MoE layer forward, the same backward; the
-    split sizes travel once per layer; the aux statistics once per forward and backward."""
+def check_capacity(rank):
+    """Every token to the same 2 experts: their holders need 2× (4× if one rank holds both) the
+    mean rows. With a buffer of 1.25× the forward drops pairs and `fit_capacity` says so, the same
+    on every rank, and raises the buffer; with it the forward is exact, and the next call finds
+    nothing to say."""
+    config = CONFIG.replace(num_experts_per_tok=2)
     mesh = init_mesh(ParallelDims(ep=WORLD))
-    model = apply_data_parallel(apply_ep(build(CONFIG, seed=1), mesh), mesh)
+    reference = build(config, seed=1)
+    _zero_router(reference)
+    model = apply_ep(build(config, seed=1), mesh)
+    _zero_router(model)
+    input_ids, _ = micro_batch(seed=6, batch=WORLD)
+    expected = reference(input_ids).logits
+
+    def logits():  # of every rank's tokens
+        return comm.all_gather(model(input_ids[rank : rank + 1]).logits, mesh.group("ep"), dim=0)
+
+    start_capacity(model, 1.25)
+    dropped = logits()
+    overflowed = fit_capacity(model, dist.group.WORLD)
+    said = comm.all_gather_object(overflowed)
+    assert rel_err(dropped, expected) > 1e-3  # pairs were dropped: wrong, and said
+    moe_layers = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
+    chosen = model.model.layers[0].mlp.route(torch.randn(1, config.hidden_size)).expert_ids.flatten().tolist()
+    slots = max(Counter(e // (config.num_experts // WORLD) for e in chosen).values())  # the busiest holder's
+    need = WORLD * slots / len(chosen)  # it serves every rank's tokens: ranks × slots rows a token, mean k
+    assert overflowed == [
+        f"layer {i} needed {need:.2f}× the mean expert rows, past its room; now {HEADROOM * need:.2f}×"
+        for i in moe_layers
+    ]
+    assert all(lines == overflowed for lines in said)  # every rank: the same lines, whatever it holds
+    assert rel_err(logits(), expected) <= RTOL
+    assert fit_capacity(model, dist.group.WORLD) == []
+    return True
+
+
+def test_a_full_expert_buffer_is_reported_and_raised(pool):
+    assert all(pool.run(check_capacity))
+
+
+def check_collective_counts(rank, dispatch):
+    """Per MoE layer: one dispatch and one combine collective forward, the same backward (an
+    all-gather and an all-to-all each way; with exact splits two all-to-alls, the split sizes
+    once forward); the aux statistics once per forward and backward."""
+    mesh = init_mesh(ParallelDims(ep=WORLD))
+    model = apply_data_parallel(apply_ep(build(CONFIG, seed=1), mesh, dispatch), mesh)
     input_ids, labels = micro_batch(seed=7, batch=WORLD)
     moe_layers = sum(CONFIG.is_moe_layer(i) for i in range(CONFIG.num_hidden_layers))
     comm.reset_counts()
@@ -160,20 +214,22 @@ def check_collective_counts(rank):
     forward = dict(comm.calls)
     out.loss.backward()
     backward = {key: n - forward.get(key, 0) for key, n in comm.calls.items()}
-    assert forward == {
-        ("exchange_sizes", "forward"): moe_layers,
-        ("all_to_all", "forward"): 2 * moe_layers,
-        ("all_reduce", "forward"): 1,
-    }, forward
-    assert {k: v for k, v in backward.items() if v} == {
-        ("all_to_all", "backward"): 2 * moe_layers,
-        ("all_reduce", "backward"): 1,
-    }, backward
+    dispatch_kinds = ["all_gather", "all_to_all"] if dispatch == "gather" else ["all_to_all", "all_to_all"]
+    expected_forward = Counter({("all_reduce", "forward"): 1})
+    expected_backward = Counter({("all_reduce", "backward"): 1})
+    for kind in dispatch_kinds:
+        expected_forward[(kind, "forward")] += moe_layers
+        expected_backward[(kind, "backward")] += moe_layers
+    if dispatch == "all_to_all":
+        expected_forward[("exchange_sizes", "forward")] = moe_layers
+    assert forward == dict(expected_forward), forward
+    assert {k: v for k, v in backward.items() if v} == dict(expected_backward), backward
     return True
 
 
-def test_collective_counts_per_moe_layer(pool):
-    assert all(pool.run(check_collective_counts))
+@pytest.mark.parametrize("dispatch", ["gather", "all_to_all"])
+def test_collective_counts_per_moe_layer(pool, dispatch):
+    assert all(pool.run(check_collective_counts, dispatch))
 
 
 def mesh_device_with_a_gpu_in_sight(rank) -> str:

@@ -73,8 +73,7 @@ def reference(tmp_path_factory):
 def first_step_gradients(rank, raw: dict):
     trainer = Trainer(config_from_dict(raw), io.StringIO())
     batch = trainer.dataset.train_sequences(0, trainer.train_config.global_batch)
-    micro = [trainer._micro_batch(m) for m in batch.split(trainer.train_config.micro_batch)]
-    ce, aux = trainer.pipeline.train(micro)
+    ce, aux = trainer.forward_backward(batch.split(trainer.train_config.micro_batch))
     reduce_gradients(trainer.model, trainer.mesh)
     comm.all_reduce_sum_([ce], trainer.mesh.group("batch"))
     grads = stored_state(
@@ -107,14 +106,13 @@ def count_reduce_scatters(rank, raw: dict) -> tuple[int, int]:
 
     trainer = Trainer(config_from_dict(raw), io.StringIO())
     batch = trainer.dataset.train_sequences(0, trainer.train_config.global_batch)
-    micro = [trainer._micro_batch(m) for m in batch.split(trainer.train_config.micro_batch)]
     calls = []
     names = [n for n in ("reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, n)]
     originals = {n: getattr(dist, n) for n in names}
     for n in names:  # FSDP calls whichever its torch version has, through the module attribute
         setattr(dist, n, lambda *a, _f=originals[n], **k: (calls.append(1), _f(*a, **k))[1])
     try:
-        trainer.pipeline.train(micro)
+        trainer.forward_backward(batch.split(trainer.train_config.micro_batch))
     finally:
         for n, f in originals.items():
             setattr(dist, n, f)
@@ -202,7 +200,9 @@ def traced_step(rank, raw: dict, overlap: bool):
     gradients, the FB ops' pieces in order). A piece is ("launch" | "wait", "forward" | "backward")
     of an all-to-all of tokens, or ("compute", "forward" | "backward") when a decoder layer's
     attention or experts start their forward or backward; ("FB", op index) opens each FB op."""
-    trainer = Trainer(config_from_dict({**raw, "parallel": {**raw["parallel"], "pp_overlap": overlap}}), io.StringIO())
+    # A buffer with room for every (token, expert) pair: no step is computed again, one run is traced.
+    parallel = {**raw["parallel"], "pp_overlap": overlap, "ep_capacity": float(raw["parallel"]["ep"])}
+    trainer = Trainer(config_from_dict({**raw, "parallel": parallel}), io.StringIO())
     runner = trainer.pipeline
     batch = trainer.dataset.train_sequences(0, trainer.train_config.global_batch)
     micro = [trainer._micro_batch(m) for m in batch.split(trainer.train_config.micro_batch)]
@@ -217,17 +217,20 @@ def traced_step(rank, raw: dict, overlap: bool):
                 pieces.append(("wait", self.direction))
             return self.work.wait()
 
-    def all_to_all_single(out, packed, *args, async_op=False, **kwargs):
-        work = original_all_to_all(out, packed, *args, async_op=async_op, **kwargs)
-        if packed.dtype != torch.uint8:  # the split sizes' exchange
-            return work
-        if in_fb[0]:
-            pieces.append(("launch", phase[0]))
-        return Work(work, phase[0])
+    def traced(collective):  # the dispatcher's all-gather and all-to-all of tokens
+        def launch(out, packed, *args, async_op=False, **kwargs):
+            work = collective(out, packed, *args, async_op=async_op, **kwargs)
+            if packed.dtype != torch.uint8:  # the split sizes' exchange
+                return work
+            if in_fb[0]:
+                pieces.append(("launch", phase[0]))
+            return Work(work, phase[0])
+
+        return launch
 
     def count(kind, direction, nbytes):
         phase[0] = direction
-        original_count(kind, direction, nbytes)
+        originals[2](kind, direction, nbytes)
 
     def traced_op(method):
         def run(op, op_index):
@@ -251,8 +254,9 @@ def traced_step(rank, raw: dict, overlap: bool):
             if module is not None:
                 module.register_forward_pre_hook(starts("forward"))
                 module.register_full_backward_pre_hook(starts("backward"))
-    original_all_to_all, original_count = dist.all_to_all_single, comm._count
-    dist.all_to_all_single, comm._count = all_to_all_single, count
+    originals = dist.all_to_all_single, dist.all_gather_into_tensor, comm._count
+    dist.all_to_all_single, dist.all_gather_into_tensor = traced(originals[0]), traced(originals[1])
+    comm._count = count
     if overlap:
         runner._forward_backward = traced_op(runner._forward_backward)
     else:  # every op, all of them sequential
@@ -260,7 +264,7 @@ def traced_step(rank, raw: dict, overlap: bool):
     try:
         ce, aux = runner.train(micro)
     finally:
-        dist.all_to_all_single, comm._count = original_all_to_all, original_count
+        dist.all_to_all_single, dist.all_gather_into_tensor, comm._count = originals
     grads = {name: p.grad for name, p in trainer.model.named_parameters() if p.grad is not None}
     return ce.item(), aux.item(), grads, pieces
 
@@ -323,9 +327,7 @@ def checkpointing_changes_nothing(rank, raw: dict, mode: str) -> bool:
         config = config_from_dict({**raw, "train": {**raw["train"], "activation_checkpointing": checkpointing}})
         trainer = Trainer(config, io.StringIO())
         batch = trainer.dataset.train_sequences(0, trainer.train_config.global_batch)
-        ce, aux = trainer.pipeline.train(
-            [trainer._micro_batch(m) for m in batch.split(trainer.train_config.micro_batch)]
-        )
+        ce, aux = trainer.forward_backward(batch.split(trainer.train_config.micro_batch))
         grads = {
             name: p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             for name, p in trainer.model.named_parameters()

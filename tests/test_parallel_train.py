@@ -50,9 +50,13 @@ def reference(tmp_path_factory):
     return config_file, run_dir
 
 
-LAYOUTS = {
+AXES = ("dp_replicate", "dp_shard", "ep", "tp", "pp")
+LAYOUTS = {  # [parallel] settings: the axes' sizes, and how the experts' tokens travel
     "ep2": {"ep": 2},
     "ep4": {"ep": 4},
+    # a buffer of half the mean rows: the first evaluation and some steps overflow, computed again with larger ones
+    "ep4-small-buffer": {"ep": 4, "ep_capacity": 0.5},
+    "ep2-all_to_all": {"ep": 2, "ep_dispatch": "all_to_all"},
     "tp2": {"tp": 2},
     "ep2-tp2": {"ep": 2, "tp": 2},
     "dp_shard2": {"dp_shard": 2},
@@ -62,9 +66,9 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
 def test_parallel_training_equals_one_process(reference, layout):
     config_file, single_dir = reference
-    run_dir = config_file.parent / "-".join(f"{axis}{size}" for axis, size in layout.items())
+    run_dir = config_file.parent / "-".join(f"{key}{value}" for key, value in layout.items())
     result = torchrun(
-        math.prod(layout.values()),
+        math.prod(size for axis, size in layout.items() if axis in AXES),
         "-m",
         "moemesh",
         "train",
@@ -76,6 +80,8 @@ def test_parallel_training_equals_one_process(reference, layout):
         f"train.run_dir={run_dir}",
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    if layout.get("ep_capacity", 1) < 1:
+        assert "computed again: an expert-parallel buffer was full (layer " in result.stdout, result.stdout
     # parameter counts (and so MFU) are those of the whole model, not of one rank's experts
     model = load_config(config_file, OVERRIDES).model
     full = build(model)

@@ -288,8 +288,12 @@ def _glu(act, gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def _per_row(bias: torch.Tensor, group_sizes: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Each expert's bias repeated over its rows ([E, D] -> [N, D]); output_size avoids a host sync."""
-    return torch.repeat_interleave(bias.to(rows.dtype), group_sizes, dim=0, output_size=rows.shape[0])
+    """Each expert's bias repeated over its rows ([E, D] -> [N, D]), zeros for the rows past the
+    last group (`grouped_mm`'s rest); output_size avoids a host sync."""
+    rest = rows.shape[0] - group_sizes.sum()
+    padded = torch.cat([bias.to(rows.dtype), bias.new_zeros(1, bias.shape[1], dtype=rows.dtype)])
+    sizes = torch.cat([group_sizes, rest.view(1).to(group_sizes.dtype)])
+    return torch.repeat_interleave(padded, sizes, dim=0, output_size=rows.shape[0])
 
 
 @dataclass

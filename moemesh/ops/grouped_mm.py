@@ -53,17 +53,25 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor, o
     """out[rows of group e] = x[rows of group e] @ weight[e].T, for weight [E, O, K]."""
     if offsets is not None and _fits(*weight.shape[1:]):
         return _grouped_mm_kernel(x, weight.transpose(-2, -1), offs=offsets)
-    pieces = torch.split(x, group_sizes.tolist())
-    return torch.cat([piece @ w.transpose(0, 1) for piece, w in zip(pieces, weight.unbind(0))])
+    pieces = torch.split(x, _with_rest(group_sizes, x))
+    out = [piece @ w.transpose(0, 1) for piece, w in zip(pieces, weight.unbind(0))]
+    return torch.cat([*out, x.new_zeros(len(x) - sum(map(len, out)), weight.shape[1])])
+
+
+def _with_rest(group_sizes: torch.Tensor, x: torch.Tensor) -> list[int]:
+    """The group sizes on the host, and the rows of x past the last group (a buffer that expert
+    parallelism sized before knowing its routing: no group reads them, and their output is 0)."""
+    sizes = group_sizes.tolist()
+    return [*sizes, len(x) - sum(sizes)]
 
 
 def _weight_gradient(grad: torch.Tensor, x: torch.Tensor, group_sizes: torch.Tensor, offsets) -> torch.Tensor:
     """[E, O, K]: grad[rows of e].T @ x[rows of e] for every group e."""
     if offsets is not None and _fits(grad.shape[-1], x.shape[-1]):
         return _grouped_mm_kernel(grad.transpose(0, 1), x, offs=offsets)
-    sizes = group_sizes.tolist()
-    pieces = zip(torch.split(grad, sizes), torch.split(x, sizes))
-    return torch.stack([g.transpose(0, 1) @ piece for g, piece in pieces])
+    sizes = _with_rest(group_sizes, x)
+    pieces = zip(torch.split(grad, sizes), torch.split(x, sizes), range(len(group_sizes)))  # the rest: no group
+    return torch.stack([g.transpose(0, 1) @ piece for g, piece, _ in pieces])
 
 
 class _GroupedMM(torch.autograd.Function):
@@ -129,8 +137,9 @@ def grouped_mm(
     low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
     x_low_rank: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x: [N, K], rows sorted by group; weight: [E, O, K]; group_sizes: [E] integers summing to N.
-    Returns [N, O] with out[rows of group e] = x[rows of group e] @ weight[e].T. The weight
+    """x: [N, K], rows sorted by group; weight: [E, O, K]; group_sizes: [E] integers summing to at
+    most N. Returns [N, O] with out[rows of group e] = x[rows of group e] @ weight[e].T; rows past
+    the last group belong to none (their output is 0 on the CPU loop, unwritten by the kernel). The weight
     gradient may be deferred (`weight_grad.py`). `offsets`: `group_offsets(x, group_sizes)`, when
     the caller has it. `low_rank` (A [E, r, K], B [E, O, r], in the compute dtype) adds each
     group's (x_low_rank or x)·A_eᵀ·B_eᵀ, in the same autograd node."""

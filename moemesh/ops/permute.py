@@ -45,7 +45,7 @@ def permute(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, align: in
     position, counts, offsets, host_offsets = routing_layout(x, topk_ids, num_experts, align)
     num_rows = topk_ids.numel() if host_offsets is None else host_offsets[-1]
     if use_triton(x):
-        grouped = _PermuteRows.apply(x, position, num_rows)
+        grouped = _PermuteRows.apply(x, position, num_rows, True)
     else:
         grouped = permute_rows_reference(x, position, num_rows)
     return Permuted(grouped, position, counts, offsets, host_offsets)
@@ -107,28 +107,45 @@ def padding_rows(position: torch.Tensor, num_rows: int) -> torch.Tensor:
     return torch.sort(covered, stable=True).indices[: num_rows - position.numel()]  # zeros first
 
 
+def permute_rows(x: torch.Tensor, position: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """x [T, H] -> [num_rows, H]: row position[t, j] holds a copy of x[t]; a position of -1 makes
+    no copy (expert parallelism's slots served on another rank). Rows no position names are zeros
+    on the reference path and left unwritten by the kernel, so a caller must not read them
+    (expert parallelism's buffer rows past those its routing filled). Backward: each token's row
+    gets the sum of its copies' gradients."""
+    if use_triton(x):
+        return _PermuteRows.apply(x, position, num_rows, False)
+    return permute_rows_reference(x, position, num_rows)
+
+
 def permute_rows_reference(x: torch.Tensor, position: torch.Tensor, num_rows: int) -> torch.Tensor:
     copies = x.repeat_interleave(position.shape[1], dim=0)  # [T*k, H] in (token, slot) order
-    return x.new_zeros(num_rows, x.shape[1]).index_copy(0, position.reshape(-1), copies)
+    position = position.reshape(-1)
+    copied = position >= 0  # -1: no copy
+    if not bool(copied.all()):
+        position, copies = position[copied], copies[copied]
+    return x.new_zeros(num_rows, x.shape[1]).index_copy(0, position, copies)
 
 
 class _PermuteRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, position, num_rows):
+    def forward(ctx, x, position, num_rows, zero_unnamed):
         ctx.save_for_backward(position)
-        return permute_rows_triton(x, position, num_rows)
+        return permute_rows_triton(x, position, num_rows, zero_unnamed)
 
     @staticmethod
     def backward(ctx, grad_grouped):
         (position,) = ctx.saved_tensors
-        return unpermute_sum_triton(grad_grouped, position), None, None
+        return unpermute_sum_triton(grad_grouped, position), None, None, None
 
 
-def permute_rows_triton(x: torch.Tensor, position: torch.Tensor, num_rows: int) -> torch.Tensor:
+def permute_rows_triton(
+    x: torch.Tensor, position: torch.Tensor, num_rows: int, zero_unnamed: bool = True
+) -> torch.Tensor:
     x, position = x.contiguous(), position.contiguous()
     num_tokens, hidden = x.shape
     grouped = x.new_empty(num_rows, hidden)
-    if num_rows > position.numel():
+    if num_rows > position.numel() and zero_unnamed:
         grouped.index_fill_(0, padding_rows(position, num_rows), 0)
     if x.numel() > 0 and position.numel() > 0:  # a launch grid must not be empty
         block = block_size(hidden)
@@ -159,7 +176,7 @@ def _permute_rows_kernel(x_ptr, position_ptr, grouped_ptr, hidden, k, BLOCK_H: t
     tile = tl.load(x_ptr + token * hidden + cols, mask=mask)
     for j in range(k):
         row = tl.load(position_ptr + token * k + j).to(tl.int64)
-        tl.store(grouped_ptr + row * hidden + cols, tile, mask=mask)
+        tl.store(grouped_ptr + row * hidden + cols, tile, mask=mask & (cols * 0 + row >= 0))  # -1: no copy
 
 
 @triton.jit
@@ -170,5 +187,6 @@ def _unpermute_sum_kernel(grad_grouped_ptr, position_ptr, grad_x_ptr, hidden, k,
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for j in range(k):
         row = tl.load(position_ptr + token * k + j).to(tl.int64)
-        acc += tl.load(grad_grouped_ptr + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+        read = mask & (cols * 0 + row >= 0)  # -1: no copy, no gradient
+        acc += tl.load(grad_grouped_ptr + row * hidden + cols, mask=read, other=0.0).to(tl.float32)
     tl.store(grad_x_ptr + token * hidden + cols, acc.to(grad_x_ptr.dtype.element_ty), mask=mask)

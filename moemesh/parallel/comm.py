@@ -36,11 +36,15 @@ def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Rows of several tensors (any dtypes, same row count) side by side as one byte matrix, so
     that one all-to-all carries them all."""
     rows = tensors[0].shape[0]
+    if len(tensors) == 1:  # no copy: the tensor's bytes as they are
+        return tensors[0].contiguous().view(-1).view(torch.uint8).view(rows, _row_bytes(tensors[0]))
     # Flattened first: a [rows, 1] tensor can count as contiguous with a stride of 0, which a byte view refuses.
     return torch.cat([t.contiguous().view(-1).view(torch.uint8).view(rows, _row_bytes(t)) for t in tensors], dim=1)
 
 
 def _unpack(packed: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    if len(like) == 1:  # the whole row: aligned as the buffer is
+        return [packed.view(like[0].dtype).reshape(packed.shape[0], *like[0].shape[1:])]
     out, start = [], 0
     for t in like:
         width = _row_bytes(t)
@@ -84,10 +88,14 @@ def _all_to_all_now(
     packed: torch.Tensor, output_splits: list[int], input_splits: list[int], group, phase: str
 ) -> torch.Tensor:
     out = packed.new_empty(sum(output_splits), packed.shape[1])
-    _count("all_to_all", phase, packed.numel())
-    # Asynchronous: NCCL runs it on its own stream; the compute stream waits at `wait`, right
-    # before the result is used, and whatever `_in_flight` queues meanwhile overlaps it.
-    work = dist.all_to_all_single(out, packed, output_splits, input_splits, group=group, async_op=True)
+    _count("all_to_all", phase, packed.numel() * packed.element_size())
+    return _landed(out, dist.all_to_all_single(out, packed, output_splits, input_splits, group=group, async_op=True))
+
+
+def _landed(out: torch.Tensor, work) -> torch.Tensor:
+    """`out` once the asynchronous collective `work` has filled it. NCCL runs it on its own
+    stream; the compute stream waits at `wait`, right before the result is used, and whatever
+    `_in_flight` queues meanwhile overlaps it."""
     if _in_flight is not None:
         _in_flight()
     work.wait()
@@ -127,6 +135,72 @@ def all_to_all(
     receive output_splits[p] rows from each; all tensors travel in one message. Gradients of the
     floating-point tensors come back by the reverse all-to-all."""
     return list(_AllToAll.apply(output_splits, input_splits, group, *tensors))
+
+
+# ---- rows of every rank, and their sums back (expert parallelism without host synchronisation) ------
+
+
+def _gathered(packed: torch.Tensor, group, phase: str) -> torch.Tensor:
+    out = packed.new_empty(dist.get_world_size(group) * packed.shape[0], packed.shape[1])
+    _count("all_gather", phase, packed.numel() * packed.element_size())
+    return _landed(out, dist.all_gather_into_tensor(out, packed.contiguous(), group=group, async_op=True))
+
+
+def _summed_blocks(tensors: list[torch.Tensor], group, phase: str) -> list[torch.Tensor]:
+    """Of each tensor's rows (ranks × T of them): block r from every rank, summed in fp32 on rank
+    r. One all-to-all of equal blocks carries every tensor, then local sums that round once (a
+    reduce-scatter would round at each hop of its ring)."""
+    ranks, rows = dist.get_world_size(group), tensors[0].shape[0]
+    splits = [rows // ranks] * ranks
+    received = _unpack(_all_to_all_now(_pack(tensors), splits, splits, group, phase), tensors)
+    return [
+        t.view(ranks, rows // ranks, *t.shape[1:]).sum(0, dtype=torch.promote_types(t.dtype, torch.float32)).to(t.dtype)
+        for t in received
+    ]
+
+
+class _AllGatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, *tensors):
+        ctx.group = group
+        ctx.differentiable = [t.is_floating_point() for t in tensors]
+        # Kept by selective activation checkpointing, as the all-to-all's result is.
+        received = recompute.kept(lambda: _gathered(_pack(list(tensors)), group, "forward"))
+        outputs = _unpack(received, list(tensors))
+        for out, differentiable in zip(outputs, ctx.differentiable):
+            if not differentiable:
+                ctx.mark_non_differentiable(out)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        # (an output no loss used gets a zero gradient from autograd: materialize_grads)
+        summed = iter(_summed_blocks([g for g, d in zip(grads, ctx.differentiable) if d], ctx.group, "backward"))
+        return (None, *(next(summed) if d else None for d in ctx.differentiable))
+
+
+class _ReduceScatterRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return recompute.kept(lambda: _summed_blocks([x], group, "forward")[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _unpack(_gathered(_pack([grad]), ctx.group, "backward"), [grad])[0], None
+
+
+def all_gather_rows(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
+    """Every rank's rows of each tensor (all with the same row count T on every rank), in rank
+    order: [ranks × T, ...] each, all in one message. The gradient of a floating-point tensor's
+    rows is the sum of the gradients its copies got on every rank."""
+    return list(_AllGatherRows.apply(group, *tensors))
+
+
+def reduce_scatter_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """x [ranks × T, ...] on every rank -> [T, ...]: rank r gets the sum over ranks of their
+    block r, accumulated in fp32 (the reverse of `all_gather_rows`)."""
+    return _ReduceScatterRows.apply(x, group)
 
 
 def exchange_sizes(sizes: torch.Tensor, group) -> torch.Tensor:

@@ -17,6 +17,12 @@ class ParallelConfig:
     ep: int = 1
     tp: int = 1
     pp: int = 1
+    # How tokens reach their experts under ep > 1 (`expert.py`): "gather" queues the step without
+    # waiting for the host; "all_to_all" sends exact splits, the host waiting once per MoE layer.
+    ep_dispatch: str = "gather"
+    # "gather"'s expert buffer at the start, in mean rows a rank (tokens × top-k): a step that needs
+    # more is computed again with a larger buffer (`expert.fit_capacity`), never with tokens dropped.
+    ep_capacity: float = 1.25
     pp_schedule: str = "dualpipev"  # or "1f1b"; train.global_batch / train.micro_batch micro-batches
     # DualPipeV under EP: a forward's compute hides a backward's EP all-to-alls, and vice versa. Off
     # by default: measured on 4 H200s (pp=2 × ep=2) it took 927 ms a step against 432 ms sequential

@@ -1,14 +1,33 @@
-"""Expert parallelism: each rank of the ep group holds E/ep experts, and tokens travel to them
-by all-to-all.
+"""Expert parallelism: each rank of the ep group holds E/ep experts, and tokens travel to them.
 
-A token is sent once to every rank that holds at least one of its k experts, together with the
-local ids and routing weights of those experts; the receiving rank expands it to one copy per
-expert, runs its experts, and sends back one row per token: the weighted sum of its experts'
-outputs. So routing-weight gradients are computed where the expert outputs are, and travel back
-with the token gradients.
+Two dispatchers (`parallel.ep_dispatch`):
+
+`GatherDispatcher` (the default) never waits for the host. Every rank gathers the tokens of all ep
+ranks with their routing (one all-gather of T rows a rank: at top-8 of 128 experts on 4 ranks a
+token has an expert on ~90% of the ranks, so this sends ~10% more than exact splits would), expands
+the (token, slot) pairs whose expert it holds into a buffer sorted by local expert, runs its
+experts, sums each gathered token's weighted expert outputs, and sends the sums back (an
+all-to-all of equal blocks, added up in fp32 on the token's rank). Every shape is known before the
+routing is, so the host queues layer after layer ahead of the GPU. The price: the buffer's rows
+must be fixed before the routing says how many pairs land here. Its capacity is
+`capacity_factor` × the mean (T·k rows); pairs past it are dropped and the largest need is
+recorded, so that `fit_capacity` — called by the trainer once a step, one host sync — can say the
+step overflowed: it then raises the factor and the trainer runs the step again, so no token is ever
+dropped from a step that counts. Without a factor the buffer holds every possible pair (ep ·
+min(k, E/ep) · T rows: exact whatever the routing, at several times the activation memory).
+All ranks of the group must dispatch the same number of tokens (the trainer's equal slices).
+
+`AllToAllDispatcher` sends a token once to every rank that holds at least one of its k experts,
+with exact split sizes: the sizes are exchanged and copied to the host once per MoE layer, which
+makes the CPU wait for the GPU there.
+
+Both compute routing-weight gradients where the expert outputs are, and send them back with the
+token gradients.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -17,9 +36,62 @@ from moemesh.errors import ConfigError
 from moemesh.models.moe import Dispatched, MoEBlock, Routing
 from moemesh.models.transformer import MoECausalLM
 from moemesh.ops import combine, permute
+from moemesh.ops.permute import permute_rows, routing_layout
 from moemesh.parallel import comm
 from moemesh.parallel.mesh import Mesh
 from moemesh.parallel.pieces import record_piece
+
+DISPATCHERS = ("gather", "all_to_all")
+# What `fit_capacity` gives a layer whose buffer was full: this × the largest need it saw.
+HEADROOM = 1.2
+
+
+class GatherDispatcher:
+    local = False  # experts live on other ranks too: the MoE block always dispatches
+
+    def __init__(self, group, ep_size: int, rank: int, num_local_experts: int):
+        self.group = group
+        self.ep_size, self.rank = ep_size, rank
+        self.num_local_experts = num_local_experts
+        self.capacity_factor: float | None = None  # None: room for every possible pair
+        # Since the last `fit_capacity`: the largest rows / (T·k) a dispatch needed, and the most
+        # pairs it dropped (device scalars: read once a step).
+        self.needed: torch.Tensor | None = None
+        self.dropped: torch.Tensor | None = None
+
+    def capacity(self, num_tokens: int, top_k: int) -> int:
+        """Rows of the expert buffer for `num_tokens` tokens a rank."""
+        most = self.ep_size * num_tokens * min(top_k, self.num_local_experts)
+        if self.capacity_factor is None:
+            return most
+        return min(most, math.ceil(self.capacity_factor * num_tokens * top_k))
+
+    def dispatch(self, x: torch.Tensor, routing: Routing, num_experts: int) -> Dispatched:
+        num_tokens, top_k = routing.expert_ids.shape
+        local = self.num_local_experts
+        ids = routing.expert_ids.to(torch.int32)
+        x_all, weights_all, ids_all = comm.all_gather_rows([x, routing.weights, ids], self.group)
+        here = ids_all // local == self.rank
+        local_ids = torch.where(here, ids_all % local, local)  # `local`: served by another rank
+        # Sorted by local expert, the other ranks' pairs last; starts[local]: the pairs here.
+        position, _, starts, _ = routing_layout(x_all, local_ids, local + 1, 1)
+        rows = self.capacity(num_tokens, top_k)
+        if num_tokens:
+            need, dropped = starts[local].float() / (num_tokens * top_k), (starts[local] - rows).clamp(min=0)
+            self.needed = need if self.needed is None else torch.maximum(self.needed, need)
+            self.dropped = dropped if self.dropped is None else torch.maximum(self.dropped, dropped)
+        # Pairs served elsewhere, and any past the capacity, read no row (-1).
+        position = torch.where(position < starts[local].clamp(max=rows), position, -1)
+        grouped = permute_rows(x_all, position, rows)
+        group_sizes = starts[: local + 1].clamp(max=rows).diff()
+        return Dispatched(grouped, group_sizes, (position, weights_all))
+
+    def combine(
+        self, expert_out: torch.Tensor, dispatched: Dispatched, routing: Routing, num_tokens: int
+    ) -> torch.Tensor:
+        position, weights_all = dispatched.state
+        sums = combine(expert_out, position, weights_all, skip=True)  # per gathered token: Σ weight · expert output
+        return comm.reduce_scatter_rows(sums, self.group)  # per token: Σ over the ranks
 
 
 class AllToAllDispatcher:
@@ -76,10 +148,13 @@ class AllToAllDispatcher:
         return combine(back, source, ones, skip=True)  # per token: Σ over the ranks it visited
 
 
-def apply_ep(model: MoECausalLM, mesh: Mesh) -> MoECausalLM:
-    """Keep this rank's E/ep experts of every MoE layer and install the all-to-all dispatcher.
-    Call on the whole model, on the meta device (`parallelize`) or identically initialised."""
+def apply_ep(model: MoECausalLM, mesh: Mesh, dispatch: str = "gather") -> MoECausalLM:
+    """Keep this rank's E/ep experts of every MoE layer and install the `dispatch` dispatcher
+    (`DISPATCHERS`). Call on the whole model, on the meta device (`parallelize`) or identically
+    initialised."""
     ep, rank = mesh.dims.ep, mesh.rank("ep")
+    if dispatch not in DISPATCHERS:
+        raise ConfigError(f"parallel.ep_dispatch must be one of {', '.join(DISPATCHERS)}, got {dispatch!r}")
     if ep == 1:
         return model
     num_experts = model.config.num_experts
@@ -94,8 +169,54 @@ def apply_ep(model: MoECausalLM, mesh: Mesh) -> MoECausalLM:
                 kept = full.detach()[rank * local : (rank + 1) * local].clone()
                 kept = nn.Parameter(kept, requires_grad=full.requires_grad)  # a frozen base stays frozen
                 setattr(block.experts, name, record_piece(kept, full, 0, mine))
-            block.dispatcher = AllToAllDispatcher(mesh.group("ep"), ep, local)
+            if dispatch == "gather":
+                block.dispatcher = GatherDispatcher(mesh.group("ep"), ep, rank, local)
+            else:
+                block.dispatcher = AllToAllDispatcher(mesh.group("ep"), ep, local)
     return model
+
+
+def _gather_dispatchers(model: nn.Module) -> dict[int, GatherDispatcher]:
+    """The gathering dispatchers of the decoder layers this rank holds, by layer index (under
+    tensor parallelism inside its wrapper)."""
+    found = {}
+    for i, layer in enumerate(model.model.layers):
+        dispatcher = getattr(getattr(layer, "mlp", None), "dispatcher", None)
+        dispatcher = getattr(dispatcher, "inner", dispatcher)  # tensor parallelism's wrapper
+        if isinstance(dispatcher, GatherDispatcher):
+            found[i] = dispatcher
+    return found
+
+
+def start_capacity(model: MoECausalLM, factor: float) -> None:
+    """Give every gathering dispatcher a buffer of `factor` × the mean rows (see the module doc)."""
+    for dispatcher in _gather_dispatchers(model).values():
+        dispatcher.capacity_factor = factor
+
+
+def fit_capacity(model: MoECausalLM, group) -> list[str]:
+    """After a step (or an evaluation): each MoE layer's largest need since the last call, over
+    every rank of `group` (the whole world: a pipeline rank holds only some layers), in one host
+    sync. A layer whose need passed its capacity raises it to HEADROOM × the need, on every rank
+    that holds it, and is named in the returned lines, the same on every rank; none returned:
+    nothing was dropped. Every rank of `group` must call it, whatever layers it holds."""
+    held = _gather_dispatchers(model)
+    device = next(model.parameters()).device
+    needs = torch.zeros(2, model.config.num_hidden_layers, device=device)  # per layer: the need, pairs dropped
+    for i, dispatcher in held.items():
+        if dispatcher.needed is not None:
+            needs[0, i], needs[1, i] = dispatcher.needed, dispatcher.dropped.float()
+        dispatcher.needed = dispatcher.dropped = None
+    if group is not None:
+        needs = comm.all_reduce_max(needs, group)
+    overflowed = []
+    for i, (need, dropped) in enumerate(zip(*needs.tolist())):
+        if dropped:
+            raised = math.ceil(round(HEADROOM * need * 100, 6)) / 100  # in hundredths, up
+            if i in held:
+                held[i].capacity_factor = raised
+            overflowed.append(f"layer {i} needed {need:.2f}× the mean expert rows, past its room; now {raised:.2f}×")
+    return overflowed
 
 
 def is_expert_parameter(name: str) -> bool:

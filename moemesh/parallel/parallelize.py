@@ -40,7 +40,7 @@ class Layout:
 def parallelize(model: MoECausalLM, mesh: Mesh, parallel: ParallelConfig, step: StepShape) -> Layout:
     """Lay `model` out in place for `mesh` and `parallel`; `step` says how many micro-batches the
     pipeline schedules and what they cost (with parallel.pp > 1), and the dtype FSDP gathers in."""
-    apply_data_parallel(apply_tp(apply_ep(model, mesh), mesh), mesh)  # TP ranks share their data
+    apply_data_parallel(apply_tp(apply_ep(model, mesh, parallel.ep_dispatch), mesh), mesh)  # TP ranks share their data
     schedule = stages = None
     if parallel.pp > 1:  # this rank keeps its stages only, partitioned by estimated memory and time
         schedule = build_schedule(parallel.pp_schedule, parallel.pp, step.micro_batches)

@@ -56,6 +56,7 @@ from moemesh.models.build import init_weights, meta_model
 from moemesh.models.lora import apply_lora, is_adapter
 from moemesh.parallel import comm
 from moemesh.parallel.data import clip_grad_norm_, label_tokens, local, rank_loss, reduce_gradients
+from moemesh.parallel.expert import fit_capacity, start_capacity
 from moemesh.parallel.mesh import ParallelDims, init_mesh
 from moemesh.parallel.parallelize import DTYPES, materialize, parallelize
 from moemesh.parallel.pieces import local_view
@@ -92,6 +93,12 @@ def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
     if device.type == "cuda":
         state["rng_cuda"] = torch.cuda.get_rng_state(device)
     return state
+
+
+def _set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(state["rng_cpu"])
+    if "rng_cuda" in state:
+        torch.cuda.set_rng_state(state["rng_cuda"], device)
 
 
 class Trainer:
@@ -162,6 +169,9 @@ class Trainer:
                 self.pipeline.use_fsdp()
         self.optimizer = build_optimizer(self.model, train)  # on the shards: its moments are sharded too
         self.scheduler = build_scheduler(self.optimizer, train)
+        if parallel.ep > 1:
+            start_capacity(self.model, parallel.ep_capacity)
+        self.notes: list[str] = []  # said between progress lines (`run`)
         self.step = 0
         self.data_position = 0  # sequences of the training order consumed so far
         self.bad_steps = 0  # skipped steps in a row (non-finite loss or gradient norm), up to now
@@ -192,15 +202,7 @@ class Trainer:
         train = self.train_config
         global_batch = self.dataset.train_sequences(self.data_position, train.global_batch)
         self.data_position += train.global_batch
-        micro_batches = global_batch.split(train.micro_batch)
-        if self.pipeline is not None:
-            ce_sum, aux_sum = self.pipeline.train([self._micro_batch(micro_batch) for micro_batch in micro_batches])
-            if not self.config.model.output_router_logits:
-                aux_sum = None
-        elif train.cuda_graphs:
-            ce_sum, aux_sum = self._replayed_forward_backward(micro_batches)
-        else:
-            ce_sum, aux_sum = self._forward_backward(micro_batches)
+        ce_sum, aux_sum = self.forward_backward(global_batch.split(train.micro_batch))
         reduce_gradients(self.model, self.mesh)
         max_norm = train.grad_clip if train.grad_clip > 0 else float("inf")
         grad_norm = clip_grad_norm_(self.model, max_norm, self.mesh)
@@ -227,6 +229,38 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=not train.cuda_graphs)  # a graph adds into the same tensors
         self.step += 1
         return record
+
+    def forward_backward(self, micro_batches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's forwards and backwards (through the pipeline, the CUDA graph or in turn),
+        its gradients left in the parameters before they are reduced over the ranks; returns this
+        rank's share of the mean cross-entropy and the mean load-balancing loss."""
+
+        def compute() -> tuple[torch.Tensor, torch.Tensor | None]:
+            if self.pipeline is not None:
+                ce_sum, aux_sum = self.pipeline.train([self._micro_batch(batch) for batch in micro_batches])
+                return ce_sum, aux_sum if self.config.model.output_router_logits else None
+            if self.train_config.cuda_graphs:
+                return self._replayed_forward_backward(micro_batches)
+            return self._forward_backward(micro_batches)
+
+        return self._within_capacity(compute, f"step {self.step + 1}")
+
+    def _within_capacity(self, compute, what: str):
+        """compute() until no expert-parallel buffer dropped a token in it (`parallel/expert.py`):
+        after one that did, the buffers are enlarged and compute runs again from the same state —
+        no gradient, expert count or random number of the dropped run is kept."""
+        if self.config.parallel.ep == 1 or self.config.parallel.ep_dispatch != "gather":
+            return compute()
+        rng = _rng_state(self.device)
+        while True:
+            result = compute()
+            overflowed = fit_capacity(self.model, dist.group.WORLD)
+            if not overflowed:
+                return result
+            self.notes.append(f"{what} computed again: an expert-parallel buffer was full ({'; '.join(overflowed)})")
+            self.optimizer.zero_grad(set_to_none=True)
+            update_router_bias(self.model, 0.0, None)  # forgets the dropped run's expert loads
+            _set_rng_state(rng, self.device)
 
     def _micro_batch(self, micro_batch: torch.Tensor) -> MicroBatch:
         local, tokens = self._local(micro_batch)
@@ -280,6 +314,9 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean language-model loss over the fixed validation sequences (no auxiliary loss)."""
+        return self._within_capacity(self._evaluate, f"the evaluation after step {self.step}")
+
+    def _evaluate(self) -> float:
         if self.pipeline is not None:
             total = self.pipeline.evaluate([self._micro_batch(batch) for batch in self.val_batches])
             tokens_in_all = sum(label_tokens(batch) for batch in self.val_batches)
@@ -334,9 +371,7 @@ class Trainer:
         )
         self.step, self.data_position = int(trainer["step"]), int(trainer["data_position"])
         self.bad_steps = int(trainer["bad_steps"])
-        torch.set_rng_state(trainer["rng_cpu"])
-        if "rng_cuda" in trainer:
-            torch.cuda.set_rng_state(trainer["rng_cuda"], self.device)
+        _set_rng_state(trainer, self.device)
 
     # ---- the run ----------------------------------------------------------------------------
     def _start(self) -> MetricsLog:
@@ -382,6 +417,11 @@ class Trainer:
     def _metrics_log(self, resume_step: int | None = None) -> MetricsLog:
         # Only the main rank writes the file; the others log into nothing.
         return MetricsLog(self.run_dir / METRICS_FILE, resume_step) if self.is_main else MetricsLog(os.devnull)
+
+    def _flush_notes(self, say) -> None:
+        for note in self.notes:
+            say(note)
+        self.notes.clear()
 
     def _say(self, text: str) -> None:
         self.stream.write(text + "\n")
@@ -441,6 +481,7 @@ class Trainer:
         if self.step == 0:
             val_losses.append(self.evaluate())
             log({"step": 0, "val_loss": val_losses[-1]})
+            self._flush_notes(self._say)
             self._say(f"step 0: validation loss {val_losses[-1]:.4f}")
         progress = Progress(train.steps, self.step, train.log_every, self.stream)
 
@@ -458,6 +499,7 @@ class Trainer:
                 if self.peak_flops is not None:  # of all the GPUs, whatever each one computes
                     gpus = self.mesh.dims.world_size
                     record["mfu"] = record["tokens_per_s"] * self.flops_per_token / (self.peak_flops * gpus)
+                self._flush_notes(progress.message)
                 progress.update(self.step, record["loss"], record["lr"], record["tokens_per_s"], record.get("mfu"))
                 self.bad_steps = self.bad_steps + 1 if record.get("skipped") else 0
                 if self.bad_steps:
@@ -477,6 +519,7 @@ class Trainer:
                 if last or (train.eval_every and self.step % train.eval_every == 0):
                     record["val_loss"] = self.evaluate()
                     val_losses.append(record["val_loss"])
+                    self._flush_notes(progress.message)
                     progress.message(f"step {self.step}: validation loss {record['val_loss']:.4f}")
                 log(record)
                 if train.save_every >= 0 and (last or (train.save_every and self.step % train.save_every == 0)):

@@ -52,6 +52,7 @@ Time is forward + backward FLOPs: 6 per multiplying parameter per token, plus at
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -188,13 +189,15 @@ def estimate_layer_costs(
     seq_len: int | None = None,
     residual_bytes: int | None = None,
     rank_params: list[float] | None = None,
+    ep: int = 1,
+    ep_capacity: float | None = None,
 ) -> list[LayerCost]:
     """Analytical LayerCosts for micro-batches of `tokens` tokens in sequences of `seq_len`
     (default: one sequence); time is forward + backward FLOPs. `residual_bytes`: the weights'
     dtype size (default: dtype_bytes). `rank_params`: the parameters a rank keeps of each item
     (default: the formula's, over `shard` ranks). See the module docstring."""
     r = residual_bytes or dtype_bytes
-    rows = estimate_layers(config, tokens, dtype_bytes, seq_len, r)
+    rows = estimate_layers(config, tokens, dtype_bytes, seq_len, r, ep, ep_capacity)
     rank_params = rank_params or [params / shard for _, params, _, _ in rows]
     return [
         LayerCost(
@@ -217,14 +220,28 @@ def head_working_bytes(config: ModelConfig, tokens: int, dtype_bytes: int) -> fl
     return 4 * vocab * config.hidden_size + chunk_tokens * vocab * dtype_bytes
 
 
+def expert_rows(config: ModelConfig, tokens: int, ep: int = 1, ep_capacity: float | None = None) -> int:
+    """Rows of a rank's expert buffer for `tokens` tokens a rank: the routed pairs (T·k, their
+    mean under exact all-to-all splits), or under the gathering EP dispatcher its capacity
+    (`parallel/expert.py`: ep_capacity × T·k, at most every possible pair)."""
+    k = config.num_experts_per_tok
+    if ep == 1 or ep_capacity is None:
+        return tokens * k
+    return min(ep * tokens * min(k, config.num_experts // ep), math.ceil(ep_capacity * tokens * k))
+
+
 def estimate_layers(
     config: ModelConfig,
     tokens: int,
     dtype_bytes: int = 2,
     seq_len: int | None = None,
     residual_bytes: int | None = None,
+    ep: int = 1,
+    ep_capacity: float | None = None,
 ) -> list[tuple[str, int, float, float]]:
-    """(name, parameters, activation bytes per micro-batch, forward + backward FLOPs) per item."""
+    """(name, parameters, activation bytes per micro-batch, forward + backward FLOPs) per item.
+    `ep`, `ep_capacity`: the gathering EP dispatcher's (`expert_rows`); it also keeps the
+    positions and routing weights of the pairs of every rank's tokens."""
     T, b, H, V = tokens, dtype_bytes, config.hidden_size, config.vocab_size
     r = residual_bytes or dtype_bytes
     D, heads, kv_heads = config.attention_head_dim, config.num_attention_heads, config.num_key_value_heads
@@ -253,7 +270,10 @@ def estimate_layers(
             inter = config.moe_intermediate_size
             mlp_params = E * 3 * H * inter + E * H
             mlp_flops = 6 * T * (k * 3 * H * inter + E * H)
-            mlp_acts = norm(T, H) + T * H * b + 4 * T * E + 12 * T * k + 8 * T * k + T * k * (2 * H + 3 * inter) * b
+            gathered = ep > 1 and ep_capacity is not None  # positions and weights of every rank's pairs
+            pairs = ep * T * k if gathered else T * k
+            mlp_acts = norm(T, H) + T * H * b + 4 * T * E + 12 * T * k + 8 * pairs + (4 * pairs if gathered else 0)
+            mlp_acts += expert_rows(config, T, ep, ep_capacity) * (2 * H + 3 * inter) * b
             mlp_acts += 8 * E + (E * H * b if r != b else 0)  # group sizes; the router weight's cast copy
         else:
             inter = config.intermediate_size
@@ -320,6 +340,7 @@ def run_costs(config: ModelConfig, parallel: ParallelConfig, step: StepShape) ->
     micro-batch (under TP as without it: an overestimate)."""
     dtype_bytes = 2 if step.dtype == "bfloat16" else 4
     residual_bytes = 2 if step.param_dtype == "bfloat16" else 4
+    ep_capacity = parallel.ep_capacity if parallel.ep_dispatch == "gather" else None
     costs = estimate_layer_costs(
         config,
         rank_tokens(parallel, step),
@@ -328,21 +349,36 @@ def run_costs(config: ModelConfig, parallel: ParallelConfig, step: StepShape) ->
         seq_len=step.seq_len,
         residual_bytes=residual_bytes,
         rank_params=rank_param_counts(config, parallel),
+        ep=parallel.ep,
+        ep_capacity=ep_capacity,
     )
     return with_recomputation(
-        costs, step.activation_checkpointing, config, rank_tokens(parallel, step), dtype_bytes, residual_bytes
+        costs,
+        step.activation_checkpointing,
+        config,
+        rank_tokens(parallel, step),
+        dtype_bytes,
+        residual_bytes,
+        expert_rows(config, rank_tokens(parallel, step), parallel.ep, ep_capacity),
     )
 
 
 def with_recomputation(
-    costs: list[LayerCost], mode: str, config: ModelConfig, tokens: int, dtype_bytes: int, residual_bytes: int
+    costs: list[LayerCost],
+    mode: str,
+    config: ModelConfig,
+    tokens: int,
+    dtype_bytes: int,
+    residual_bytes: int,
+    rows: int | None = None,
 ) -> list[LayerCost]:
     """The decoder layers' costs under activation checkpointing (`ops/recompute.py`): a layer keeps
     its input T*H*r per micro-batch in flight and, selective, its matmul outputs (q/k/v/o T*(Q + 2K
     + H)*b; MoE gate|up and down T*k*(2I + H)*b, the shared experts' alike; dense MLP T*(2I + H)*b);
     what it saved before is needed once, while its backward recomputes (working bytes). Full
-    recomputation adds a forward: a third of the forward + backward FLOPs. Under EP the kept
-    all-to-all results are left out (an underestimate for selective)."""
+    recomputation adds a forward: a third of the forward + backward FLOPs. `rows`: the expert
+    buffer's (`expert_rows`; default T·k). Under EP the kept collectives' results are left out (an
+    underestimate for selective)."""
     if mode == "none":
         return costs
     T, b, H = tokens, dtype_bytes, config.hidden_size
@@ -359,7 +395,7 @@ def with_recomputation(
         if mode == "selective":
             kept += T * (Q + 2 * K + H) * b
             if config.is_moe_layer(i):
-                kept += T * config.num_experts_per_tok * (2 * config.moe_intermediate_size + H) * b
+                kept += (rows or T * config.num_experts_per_tok) * (2 * config.moe_intermediate_size + H) * b
                 if config.n_shared_experts:
                     kept += T * (2 * config.moe_intermediate_size * config.n_shared_experts + H) * b
             else:
