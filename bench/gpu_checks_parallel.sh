@@ -120,7 +120,7 @@ full)
     variants=${2:-ep,ep-all_to_all}
     echo "== the full Qwen3-30B-A3B shape, 4 GPUs: $variants"
     timeout 540 torchrun --standalone --nproc-per-node 4 bench/pipeline.py --config configs/qwen3_30b_a3b.toml \
-        --seq 4096 --steps 4 --warmup 2 --variants "$variants" "${@:3}" 2>&1 | quiet | grep -v "^\[rank" | tail -40
+        --seq 4096 --steps 4 --warmup 2 --variants "$variants" "${@:3}" 2>&1 | tee "$LOGS/full_$variants.txt" | quiet | tail -40
     ;;
 long)
     run 0,1,2,3 full_long configs/qwen3_30b_a3b.toml train.steps="$2" train.eval_every=0 "${@:3}"
