@@ -36,7 +36,7 @@ from bench.common import interval_length, median_ms, merged, print_table, profil
 from moemesh.config import load_config
 from moemesh.parallel.pipeline.memory import run_costs, stage_ranges
 from moemesh.parallel.pipeline.partition import rank_memory
-from moemesh.parallel.pipeline.schedule import peak_in_flight, simulate
+from moemesh.parallel.pipeline.schedule import build_schedule, peak_in_flight, simulate
 from moemesh.train.trainer import Trainer
 
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
@@ -185,8 +185,16 @@ def run_variant(name: str, overrides: list[str], args) -> tuple[dict, list[tuple
     }
     if trainer.peak_flops is not None:
         row["MFU"] = f"{tokens_per_s * trainer.flops_per_token / (trainer.peak_flops * WORLD):.1%}"
-    if trainer.notes:  # a full expert buffer: the step ran again (the warm-up's, where the buffers settle)
-        row["steps computed again"] = len(trainer.notes)
+    if trainer.notes:  # a full expert buffer: a forward (or a pipeline's step) ran again
+        row["computed again"] = len(trainer.notes)
+    # Without a pipeline the whole model is one stage (as `moemesh estimate` counts it).
+    schedule = (
+        trainer.pipeline.schedule if trainer.pipeline is not None else build_schedule("1f1b", 1, args.micro_batches)
+    )
+    costs = run_costs(config.model, config.parallel, config.step_shape)
+    ranges = stage_ranges(schedule, costs)
+    estimate = rank_memory(costs, ranges, peak_in_flight(schedule), list(schedule.stage_rank))
+    row["estimate GiB"] = " / ".join(f"{e / 2**30:.1f}" for e in estimate)
     top = []
     if on_gpu:
         peaks = [torch.zeros(WORLD, device=trainer.device) for _ in range(4)]
@@ -202,15 +210,9 @@ def run_variant(name: str, overrides: list[str], args) -> tuple[dict, list[tuple
         for t in peaks:
             dist.all_reduce(t)
         row["peak GiB per rank"] = " / ".join(f"{p:.1f}" for p in peaks[0].tolist())
-        schedule = trainer.pipeline.schedule if trainer.pipeline is not None else None
-        costs = run_costs(config.model, config.parallel, config.step_shape)
-        ranges = stage_ranges(schedule, costs) if schedule is not None else [range(len(costs))]
-        in_flight = peak_in_flight(schedule) if schedule is not None else 1
-        estimate = rank_memory(costs, ranges, in_flight, list(schedule.stage_rank) if schedule else [0])
-        row["estimate GiB"] = " / ".join(f"{e / 2**30:.1f}" for e in estimate)
         row["GPU idle per rank"] = " / ".join(f"{p:.0%}" for p in peaks[1].tolist())
         row["only NCCL per rank"] = " / ".join(f"{p:.0%}" for p in peaks[2].tolist())
-        if schedule is not None:
+        if trainer.pipeline is not None:
             row["measured bubble per rank"] = " / ".join(f"{p:.0%}" for p in peaks[3].tolist())
             timeline = simulate(schedule, f=1.0, b=1.0, w=1.0)  # backward = input + weight gradient = 2F
             row["simulated bubble per rank"] = " / ".join(f"{b / timeline.makespan:.0%}" for b in timeline.bubble)

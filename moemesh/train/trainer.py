@@ -95,6 +95,21 @@ def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
     return state
 
 
+def _expert_loads(model: MoECausalLM) -> dict[torch.nn.Module, torch.Tensor]:
+    """A copy of the expert loads each router has counted so far (`models.moe.count_load`)."""
+    return {m: m.expert_load.clone() for m in model.modules() if getattr(m, "expert_load", None) is not None}
+
+
+def _restore_expert_loads(model: MoECausalLM, loads: dict[torch.nn.Module, torch.Tensor]) -> None:
+    for module in model.modules():
+        if getattr(module, "expert_load", None) is None:
+            continue
+        if module in loads:
+            module.expert_load.copy_(loads[module])
+        else:  # began counting in the dropped run
+            module.expert_load.zero_()
+
+
 def _set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
     torch.set_rng_state(state["rng_cpu"])
     if "rng_cuda" in state:
@@ -169,7 +184,9 @@ class Trainer:
                 self.pipeline.use_fsdp()
         self.optimizer = build_optimizer(self.model, train)  # on the shards: its moments are sharded too
         self.scheduler = build_scheduler(self.optimizer, train)
-        if parallel.ep > 1:
+        # Under the gathering EP dispatcher each forward is checked for a full expert buffer.
+        self.gathers = parallel.ep > 1 and parallel.ep_dispatch == "gather"
+        if self.gathers:
             start_capacity(self.model, parallel.ep_capacity)
         self.notes: list[str] = []  # said between progress lines (`run`)
         self.step = 0
@@ -234,32 +251,34 @@ class Trainer:
         """The step's forwards and backwards (through the pipeline, the CUDA graph or in turn),
         its gradients left in the parameters before they are reduced over the ranks; returns this
         rank's share of the mean cross-entropy and the mean load-balancing loss."""
+        if self.pipeline is not None:  # forwards and backwards interleave: the step is what runs again
+            batches = [self._micro_batch(batch) for batch in micro_batches]
+            ce_sum, aux_sum = self._within_capacity(
+                lambda: self.pipeline.train(batches), f"step {self.step + 1}", ran_backward=True
+            )
+            return ce_sum, aux_sum if self.config.model.output_router_logits else None
+        if self.train_config.cuda_graphs:
+            return self._replayed_forward_backward(micro_batches)
+        return self._forward_backward(micro_batches)
 
-        def compute() -> tuple[torch.Tensor, torch.Tensor | None]:
-            if self.pipeline is not None:
-                ce_sum, aux_sum = self.pipeline.train([self._micro_batch(batch) for batch in micro_batches])
-                return ce_sum, aux_sum if self.config.model.output_router_logits else None
-            if self.train_config.cuda_graphs:
-                return self._replayed_forward_backward(micro_batches)
-            return self._forward_backward(micro_batches)
-
-        return self._within_capacity(compute, f"step {self.step + 1}")
-
-    def _within_capacity(self, compute, what: str):
+    def _within_capacity(self, compute, what: str, ran_backward: bool = False):
         """compute() until no expert-parallel buffer dropped a token in it (`parallel/expert.py`):
-        after one that did, the buffers are enlarged and compute runs again from the same state —
-        no gradient, expert count or random number of the dropped run is kept."""
-        if self.config.parallel.ep == 1 or self.config.parallel.ep_dispatch != "gather":
+        after one that did, the buffers are enlarged and compute runs again from the state it
+        started from — the routers' expert counts and the random state as they were, and where it
+        ran backward (a pipeline's step) no gradient. Without the gathering dispatcher, compute()."""
+        if not self.gathers:
             return compute()
-        rng = _rng_state(self.device)
+        rng, loads = _rng_state(self.device), _expert_loads(self.model)
         while True:
             result = compute()
             overflowed = fit_capacity(self.model, dist.group.WORLD)
             if not overflowed:
                 return result
+            del result  # the dropped run's graph and activations, before the next run makes its own
             self.notes.append(f"{what} computed again: an expert-parallel buffer was full ({'; '.join(overflowed)})")
-            self.optimizer.zero_grad(set_to_none=True)
-            update_router_bias(self.model, 0.0, None)  # forgets the dropped run's expert loads
+            if ran_backward:
+                self.optimizer.zero_grad(set_to_none=True)
+            _restore_expert_loads(self.model, loads)
             _set_rng_state(rng, self.device)
 
     def _micro_batch(self, micro_batch: torch.Tensor) -> MicroBatch:
@@ -275,8 +294,10 @@ class Trainer:
         for micro_batch in micro_batches:
             local, tokens = self._local(micro_batch)
             shares = label_tokens(local), label_tokens(micro_batch)
-            with self._autocast():
-                out = self.model(tokens, labels=tokens, return_logits=False)
+            with self._autocast():  # checked before its backward, which then runs on a full forward
+                out = self._within_capacity(
+                    lambda: self.model(tokens, labels=tokens, return_logits=False), f"step {self.step + 1}"
+                )
             loss = rank_loss(out.ce_loss, out.aux_loss, *shares, coef, self.ranks)
             (loss / len(micro_batches)).backward()
             ce_sum += rank_loss(out.ce_loss.detach().float(), None, *shares, coef, self.ranks) / len(micro_batches)
@@ -314,11 +335,10 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean language-model loss over the fixed validation sequences (no auxiliary loss)."""
-        return self._within_capacity(self._evaluate, f"the evaluation after step {self.step}")
-
-    def _evaluate(self) -> float:
+        what = f"the evaluation after step {self.step}"
         if self.pipeline is not None:
-            total = self.pipeline.evaluate([self._micro_batch(batch) for batch in self.val_batches])
+            batches = [self._micro_batch(batch) for batch in self.val_batches]
+            total = self._within_capacity(lambda: self.pipeline.evaluate(batches), what)
             tokens_in_all = sum(label_tokens(batch) for batch in self.val_batches)
             comm.all_reduce_sum_([total], self.mesh.group("batch"), kind="metrics")
             return total.item() / tokens_in_all
@@ -326,7 +346,9 @@ class Trainer:
         for batch in self.val_batches:
             local, tokens = self._local(batch)
             with self._autocast():
-                loss = self.model(tokens, labels=tokens, output_router_logits=False, return_logits=False).ce_loss
+                loss = self._within_capacity(
+                    lambda: self.model(tokens, labels=tokens, output_router_logits=False, return_logits=False), what
+                ).ce_loss
             total += loss.float() * label_tokens(local)
             tokens_in_all += label_tokens(batch)
         comm.all_reduce_sum_([total], self.mesh.group("batch"), kind="metrics")
