@@ -40,17 +40,20 @@ from moemesh.parallel.pipeline.schedule import build_schedule, peak_in_flight, s
 from moemesh.train.trainer import Trainer
 
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+# Every variant sets every axis, whatever the config's [parallel] section says.
+ONE = ["parallel.pp=1", "parallel.dp_shard=1", "parallel.ep=1"]
 VARIANTS = {
-    "dualpipev": ["parallel.pp_schedule=dualpipev", f"parallel.pp={WORLD}"],
-    "1f1b": ["parallel.pp_schedule=1f1b", f"parallel.pp={WORLD}"],
-    "ep": [f"parallel.ep={WORLD}"],
-    "ep-all_to_all": [f"parallel.ep={WORLD}", "parallel.ep_dispatch=all_to_all"],
-    "dp_shard": [f"parallel.dp_shard={WORLD}"],
+    "dualpipev": [*ONE, "parallel.pp_schedule=dualpipev", f"parallel.pp={WORLD}"],
+    "1f1b": [*ONE, "parallel.pp_schedule=1f1b", f"parallel.pp={WORLD}"],
+    "ep": [*ONE, f"parallel.ep={WORLD}"],
+    "ep-all_to_all": [*ONE, f"parallel.ep={WORLD}", "parallel.ep_dispatch=all_to_all"],
+    "dp_shard": [*ONE, f"parallel.dp_shard={WORLD}"],
 }
 if WORLD >= 4 and WORLD % 2 == 0:  # pp × ep=2: DualPipeV's paired chunks overlapped (EP collectives hidden) or not
     VARIANTS.update(
         {
             f"dualpipev-ep2-{mode}": [
+                *ONE,
                 "parallel.pp_schedule=dualpipev",
                 f"parallel.pp={WORLD // 2}",
                 "parallel.ep=2",
@@ -59,7 +62,7 @@ if WORLD >= 4 and WORLD % 2 == 0:  # pp × ep=2: DualPipeV's paired chunks overl
             for mode, on in (("overlap", True), ("sequential", False))
         }
     )
-    VARIANTS[f"dp_shard{WORLD // 2}-ep2"] = [f"parallel.dp_shard={WORLD // 2}", "parallel.ep=2"]
+    VARIANTS[f"dp_shard{WORLD // 2}-ep2"] = [*ONE, f"parallel.dp_shard={WORLD // 2}", "parallel.ep=2"]
 
 
 def step_profile(trainer: Trainer, trace: Path | None = None) -> tuple[float, float, list[tuple[str, float]]]:
