@@ -100,21 +100,26 @@ pairs)
 fsdp)
     echo "== FSDP vs replicated"; torchrun --nproc-per-node 2 bench/fsdp.py 2>&1 | quiet | tail -8
     ;;
-scaling)
-    timeout 240 python3 -m pytest -q tests/test_ops_grouped_mm.py tests/test_ops_permute.py > "$LOGS/gpu_tests.txt" 2>&1
-    echo "== the new kernels' GPU tests"; tail -2 "$LOGS/gpu_tests.txt"
+scaling)  # [AXIS]: the axis the GPUs split, ep (default: both dispatchers, the new kernels' tests first) or dp_shard
+    axis=${2:-ep}
+    if [ "$axis" = ep ]; then
+        timeout 240 python3 -m pytest -q tests/test_ops_grouped_mm.py tests/test_ops_permute.py > "$LOGS/gpu_tests.txt" 2>&1
+        echo "== the new kernels' GPU tests"; tail -2 "$LOGS/gpu_tests.txt"
+    fi
     Q6=configs/qwen3_30b_a3b_6l.toml
     six() {  # GPUs, name, overrides: 4 sequences of 4096 tokens per GPU a step, 12 steps
         local n=$(($(tr -cd , <<< "$1" | wc -c) + 1))
         run "$1" "$2" $Q6 train.steps=12 train.eval_every=0 train.global_batch=$((4 * n)) \
-            train.micro_batch=$((4 * n)) parallel.ep=$n "${@:3}"
+            train.micro_batch=$((4 * n)) parallel.$axis=$n "${@:3}"
     }
-    six 0 q6_gpus1 & six 2,3 q6_gpus2 & wait
-    six 0,1,2,3 q6_gpus4
-    six 0,1,2,3 q6_gpus4_all_to_all parallel.ep_dispatch=all_to_all
-    echo "== the benchmark model, the same tokens per GPU on 1, 2 and 4 GPUs"
-    GPUS_q6_gpus2=2 GPUS_q6_gpus4=4 GPUS_q6_gpus4_all_to_all=4 summary q6_gpus1 q6_gpus2 q6_gpus4 q6_gpus4_all_to_all
-    for name in q6_gpus1 q6_gpus2 q6_gpus4 q6_gpus4_all_to_all; do quiet < "$LOGS/$name.txt" | grep -i "error\|computed again" | head -3; done
+    six 0 q6_gpus1 & six 2,3 q6_${axis}2 & wait
+    six 0,1,2,3 q6_${axis}4
+    runs="q6_gpus1 q6_${axis}2 q6_${axis}4"
+    if [ "$axis" = ep ]; then six 0,1,2,3 q6_ep4_all_to_all parallel.ep_dispatch=all_to_all; runs="$runs q6_ep4_all_to_all"; fi
+    echo "== the benchmark model, the same tokens per GPU on 1, 2 and 4 GPUs ($axis)"
+    declare -x "GPUS_q6_${axis}2=2" "GPUS_q6_${axis}4=4" GPUS_q6_ep4_all_to_all=4
+    summary $runs
+    for name in $runs; do quiet < "$LOGS/$name.txt" | grep -i "error\|computed again" | head -3; done
     ;;
 full)
     variants=${2:-ep,ep-all_to_all}
