@@ -12,6 +12,7 @@ exactly) and PEFT's format both ways, on transformers 5 + peft, fp32 on CPU:
 Tolerance 1e-5 relative: the same fp32 function in different operation orders (merged weights
 against PEFT's separate low-rank products, moemesh's grouped expert loop against transformers')."""
 
+import io
 import json
 import re
 import shutil
@@ -25,6 +26,7 @@ from moemesh.cli import main
 from moemesh.config import config_from_dict
 from moemesh.inference.generate import load_for_generation
 from moemesh.models import ModelConfig, build
+from moemesh.train.progress import format_count
 from moemesh.train.trainer import Trainer, train
 from numerics import rel_err
 from tiny_run import tiny_raw, write_corpus
@@ -219,6 +221,42 @@ def test_an_adapter_on_another_base_model_says_so(tmp_path, base, capsys, other,
     cause = f"moemesh generate: error: {tmp_path / 'adapter'} was made for another base model ({base.resolve()}): "
     assert err.startswith(cause) and err.count("\n") == 1, err
     assert re.search(what, err), err
+
+
+@pytest.mark.parametrize(
+    "lora, adapters, line",
+    [
+        (
+            {"rank": 4},
+            # per layer: attention 896 (q, o: 4·32 + 32·4; k, v: 4·32 + 16·4), banks 2,176 (4 experts × (4·32 + 48·4
+            # + 4·24 + 32·4))
+            "6.1k",
+            "rank 4 adapters on 8 projections (q_proj, k_proj, v_proj, o_proj) and 4 expert banks (gate_up_proj, "
+            "down_proj of every expert in 2 MoE layers); 6.1k parameters train on this rank, the base is frozen",
+        ),
+        (
+            {"rank": 4, "targets": ["q_proj", "mlp.gate"], "experts": False},
+            "512",
+            "rank 4 adapters on 2 projections (q_proj); 2 routers in full (a target names them); 768 parameters "
+            "train on this rank, the rest of the base is frozen",
+        ),
+    ],
+    ids=["attention-and-experts", "a-router-named"],
+)
+def test_the_start_up_lines_say_what_trains(tmp_path, base, lora, adapters, line):
+    """The lora line says what trains: projections by kind, expert banks apart from them, routers
+    only when a target names them. The model line gives the base's parameters and the adapters'
+    apart."""
+    raw = lora_raw(tmp_path, base, lora, steps=1, eval_every=0, save_every=-1)
+    out = io.StringIO()
+    train(config_from_dict(raw, init_source=init_source), stream=out)
+    lines = out.getvalue().splitlines()
+    model = build(BASE)
+    assert lines[0].endswith(
+        f"; {format_count(model.num_params())} parameters, {format_count(model.num_params(active=True))} active per "
+        f"token; {adapters} more in LoRA adapters"
+    )
+    assert f"lora    {line}" in lines
 
 
 def test_generate_with_an_adapter_equals_the_merged_model(tmp_path, base, capsys):
