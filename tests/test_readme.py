@@ -155,6 +155,20 @@ def section(text: str, title: str) -> str:
     return next(part for part in text.split("\n## ") if part.startswith(title))
 
 
+def test_the_quick_start_and_its_config_give_the_same_measured_figures():
+    """How long the quick start takes and where its validation loss ends, as the README's quick
+    start and configs/tiny.toml's header give them: ranges, with the day they were measured, the
+    same in both (they had drifted apart: "about two minutes" against "3–7 minutes", and "about
+    2.05" where 2.01 was measured)."""
+    readme = " ".join(section(README.read_text(), "Quick start").split())
+    header = " ".join(line.removeprefix("#") for line in DEFAULT_CONFIG.read_text().splitlines() if line[:1] == "#")
+    header = " ".join(header.split())
+    for pattern in (r"(\d[\d.]*–\d[\d.]*) minutes on two CPU cores", r"to (?:a validation loss of )?(\d\.\d+–\d\.\d+)"):
+        said = [re.search(pattern, text) for text in (readme, header)]
+        assert all(said) and said[0][1] == said[1][1], pattern
+    assert "2026-11-27" in readme and "2026-11-27" in header
+
+
 def test_the_lora_recipe_runs_after_the_quick_start(tmp_path, monkeypatch, capsys):
     """The quick start's `moemesh train`, then the LoRA recipe's block, in one directory. What the
     README leaves to the reader is the test's own: the model directory (a tiny Qwen3-MoE that
