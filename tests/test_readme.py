@@ -151,6 +151,15 @@ def test_the_check_finds_what_the_lora_recipe_did_wrong():
     ]
 
 
+def test_the_serving_section_says_how_to_get_its_client():
+    """`serve` answers the `openai` client, which `pip install -e '.[serve]'` does not bring: the
+    paragraph that says the client works says how to get it."""
+    [serving] = [part for part in README.read_text().split("\n\n") if part.startswith("`serve` (")]
+    assert "`openai` client" in serving
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["serve"]
+    assert "openai" in extra or re.search(r"`pip install [^`]*\bopenai\b[^`]*`", serving)
+
+
 def section(text: str, title: str) -> str:
     return next(part for part in text.split("\n## ") if part.startswith(title))
 
