@@ -61,9 +61,10 @@ def _parser() -> argparse.ArgumentParser:
     prompts.add_argument(
         "--prompts-file",
         metavar="FILE",
-        help="many prompts, generated together: one a line, or a .jsonl file of "
-        '{"prompt": ..., optional "max_tokens", "temperature", "top_p", "seed", "stop"}; '
-        "writes one JSON object a line (prompt, text, finish_reason, token counts)",
+        help="many prompts, generated together: one a line, every line as written (an empty line is an empty "
+        'prompt: the output has a row for each line, in order), or a .jsonl file of {"prompt": ..., optional '
+        '"max_tokens", "temperature", "top_p", "seed", "stop"} a line (blank lines skipped); writes one JSON '
+        "object a line (prompt, text, finish_reason, token counts)",
     )
     generate.add_argument("--output", metavar="FILE", help="where the JSON lines go (default: standard output)")
     generate.add_argument("--max-new-tokens", type=int, default=200)
@@ -235,23 +236,22 @@ def _train(args: argparse.Namespace) -> None:
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from moemesh.errors import RequestError
     from moemesh.inference.generate import generate, read_prompts
     from moemesh.inference.request import SamplingParams, check_request, prompt_ids
 
     defaults = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.seed, tuple(args.stop))
     _checked(defaults)
-    prompts = read_prompts(args.prompts_file, defaults) if args.prompts_file else [(args.prompt, defaults)]
+    prompts = read_prompts(args.prompts_file, defaults) if args.prompts_file else [(None, args.prompt, defaults)]
     with _loaded(args) as (model, tokenizer, group):
-        where = "--prompt" if args.prompt is not None else f"--prompts-file {args.prompts_file}"
-        try:  # a prompt that cannot run, named as the command line gave it
-            requests = [(prompt_ids(tokenizer, text), params) for text, params in prompts]
-            limit = model.config.max_position_embeddings
-            max_len = args.max_len or min(limit, max(len(ids) + params.max_tokens for ids, params in requests))
-            for ids, params in requests:
+        requests = []
+        for line, text, params in prompts:
+            with _prompt_named(args, line):
+                requests.append((prompt_ids(tokenizer, text), params))
+        limit = model.config.max_position_embeddings
+        max_len = args.max_len or min(limit, max(len(ids) + params.max_tokens for ids, params in requests))
+        for (line, _, _), (ids, params) in zip(prompts, requests):
+            with _prompt_named(args, line):
                 check_request(ids, params, min(max_len, limit))
-        except RequestError as e:
-            raise MoemeshError(f"{where}: {e}") from None
         engine = _engine(args, model, group, max_len, len(requests))
         if not engine.leader:
             return engine.follow()
@@ -274,12 +274,24 @@ def _generate(args: argparse.Namespace) -> None:
                 },
                 ensure_ascii=False,
             )
-            for (text, _), r in zip(prompts, results)
+            for (_, text, _), r in zip(prompts, results)
         ]
         if args.output:
             Path(args.output).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
         else:
             print("\n".join(lines))
+
+
+@contextlib.contextmanager
+def _prompt_named(args: argparse.Namespace, line: int | None):
+    """A prompt that cannot run, named as the command line gave it: --prompt, or its file's line."""
+    from moemesh.errors import RequestError
+
+    try:
+        yield
+    except RequestError as e:
+        where = "--prompt" if line is None else f"--prompts-file {args.prompts_file} line {line}"
+        raise MoemeshError(f"{where}: {e}") from None
 
 
 def _say_where_cut(results, params, max_len: int, limit: int, args: argparse.Namespace) -> None:

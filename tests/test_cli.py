@@ -150,6 +150,30 @@ def test_generate_many_prompts_from_a_file(tmp_path, capsys, trained):
     assert written[0] == lines[0] and written[1]["prompt"] == "class "
 
 
+def test_every_line_of_a_prompts_file_is_a_row(tmp_path, capsys, trained):
+    """3 lines in, 3 rows out, in order: an empty line and a line of spaces are prompts as written
+    (the empty one continues the end-of-document token alone, as `--prompt ""` does); a line that
+    cannot run is named by its number. `--help` says so."""
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    assert "every line as written (an empty line is an empty prompt" in " ".join(capsys.readouterr().out.split())
+    (tmp_path / "p.txt").write_text("def \n\n    \n")
+    args = ["generate", "--checkpoint", str(trained), "--max-new-tokens", "8"]
+    assert main([*args, "--prompts-file", str(tmp_path / "p.txt")]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [row["prompt"] for row in rows] == ["def ", "", "    "]
+    assert [row["prompt_tokens"] for row in rows] == [5, 1, 5]
+    assert main([*args, "--prompt", ""]) == 0
+    assert capsys.readouterr().out == rows[1]["text"] + "\n"
+
+    (tmp_path / "long.txt").write_text("def \n" + "x" * 200 + "\n")
+    err = _fails(capsys, [*args, "--prompts-file", str(tmp_path / "long.txt")])
+    assert err == (
+        f"moemesh generate: error: --prompts-file {tmp_path / 'long.txt'} line 2: the prompt has 201 tokens; the "
+        "context holds 128 (the prompt and at least one new token)\n"
+    )
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

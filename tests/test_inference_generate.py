@@ -150,14 +150,29 @@ def test_bad_settings_are_named(model, params, message):
 
 
 def test_prompts_files(tmp_path):
+    """Every line of a text file is a prompt, as written, numbered as editors number lines: an
+    empty line and one of spaces too (they once vanished, and the outputs no longer matched the
+    lines), a form feed inside a line (a line break to str.splitlines), a CRLF file's lines. A
+    .jsonl file's blank lines hold no object."""
     defaults = SamplingParams(max_tokens=5)
-    (tmp_path / "p.txt").write_text("first\n\n{not json}\n")
-    assert read_prompts(tmp_path / "p.txt", defaults) == [("first", defaults), ("{not json}", defaults)]
-    (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b", "temperature": 0.5, "stop": "x"}\n')
-    assert read_prompts(tmp_path / "p.jsonl", defaults) == [
-        ("a", defaults),
-        ("b", SamplingParams(max_tokens=5, temperature=0.5, stop=("x",))),
+    (tmp_path / "p.txt").write_bytes(b"first\n\n   \n{not json}\nclass A:\x0c pass\r\n")
+    assert read_prompts(tmp_path / "p.txt", defaults) == [
+        (1, "first", defaults),
+        (2, "", defaults),
+        (3, "   ", defaults),
+        (4, "{not json}", defaults),
+        (5, "class A:\x0c pass", defaults),
     ]
+    (tmp_path / "one.txt").write_text("\n")  # one empty line: one empty prompt
+    assert read_prompts(tmp_path / "one.txt", defaults) == [(1, "", defaults)]
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n\n{"prompt": "b", "temperature": 0.5, "stop": "x"}\n')
+    assert read_prompts(tmp_path / "p.jsonl", defaults) == [
+        (1, "a", defaults),
+        (3, "b", SamplingParams(max_tokens=5, temperature=0.5, stop=("x",))),
+    ]
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(DataError, match="has no prompt"):
+        read_prompts(tmp_path / "empty.txt", defaults)
     for line, message in [
         ("{oops", "line 1: invalid JSON"),
         ('{"text": "a"}', "line 1: expected an object"),

@@ -12,7 +12,9 @@ exactly) and PEFT's format both ways, on transformers 5 + peft, fp32 on CPU:
 Tolerance 1e-5 relative: the same fp32 function in different operation orders (merged weights
 against PEFT's separate low-rank products, moemesh's grouped expert loop against transformers')."""
 
+import io
 import json
+import re
 import shutil
 
 import pytest
@@ -24,6 +26,7 @@ from moemesh.cli import main
 from moemesh.config import config_from_dict
 from moemesh.inference.generate import load_for_generation
 from moemesh.models import ModelConfig, build
+from moemesh.train.progress import format_count
 from moemesh.train.trainer import Trainer, train
 from numerics import rel_err
 from tiny_run import tiny_raw, write_corpus
@@ -187,6 +190,73 @@ def test_a_lora_checkpoint_is_not_taken_for_a_whole_model(tmp_path, base):
     on_adapters = {**raw, "train": {**raw["train"], "init_from": str(tmp_path / "run"), "run_dir": str(tmp_path / "x")}}
     with pytest.raises(ConfigError, match="is a LoRA run, which holds adapters and no base weights"):
         Trainer(config_from_dict(on_adapters, init_source=init_source))
+
+
+@pytest.mark.parametrize(
+    "other, what",
+    [
+        (
+            {"num_experts": 8},
+            r"its model\.layers\.0\.mlp\.experts\.gate_up_proj adapters are of 4 experts at rank 4 "
+            r"\(adapter_config\.json's\); this model has 8 experts a layer",
+        ),
+        ({"num_hidden_layers": 1}, r"this model has no model\.layers\.1\."),
+        ({"hidden_size": 48}, r"its model\.layers\.0\.\S+ has shape \(.*32.*\), this model's \(.*48.*\)"),
+    ],
+    ids=["more-experts", "fewer-layers", "wider"],
+)
+def test_an_adapter_on_another_base_model_says_so(tmp_path, base, capsys, other, what):
+    """An adapter (moemesh's own, in PEFT's format) given to `generate` with a base other than its
+    own stops in one line that names the cause — another base model, the one its
+    adapter_config.json names — and what does not fit; not a rank its adapter_config.json
+    contradicts (the expert banks' rank read off a tensor that holds another number of experts)."""
+    raw = lora_raw(tmp_path, base, {"rank": 4, "alpha": 8.0}, steps=1, eval_every=0, save_every=0)
+    train(config_from_dict(raw, init_source=init_source))
+    assert main(["convert", str(tmp_path / "run"), str(tmp_path / "adapter")]) == 0
+    save_pretrained(build(BASE.replace(**other), seed=7), tmp_path / "other")
+    capsys.readouterr()
+    args = ["--checkpoint", str(tmp_path / "other"), "--adapter", str(tmp_path / "adapter"), "--prompt", "x"]
+    assert main(["generate", *args, "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    cause = f"moemesh generate: error: {tmp_path / 'adapter'} was made for another base model ({base.resolve()}): "
+    assert err.startswith(cause) and err.count("\n") == 1, err
+    assert re.search(what, err), err
+
+
+@pytest.mark.parametrize(
+    "lora, adapters, line",
+    [
+        (
+            {"rank": 4},
+            # per layer: attention 896 (q, o: 4·32 + 32·4; k, v: 4·32 + 16·4), banks 2,176 (4 experts × (4·32 + 48·4
+            # + 4·24 + 32·4))
+            "6.1k",
+            "rank 4 adapters on 8 projections (q_proj, k_proj, v_proj, o_proj) and 4 expert banks (gate_up_proj, "
+            "down_proj of every expert in 2 MoE layers); 6.1k parameters train on this rank, the base is frozen",
+        ),
+        (
+            {"rank": 4, "targets": ["q_proj", "mlp.gate"], "experts": False},
+            "512",
+            "rank 4 adapters on 2 projections (q_proj); 2 routers in full (a target names them); 768 parameters "
+            "train on this rank, the rest of the base is frozen",
+        ),
+    ],
+    ids=["attention-and-experts", "a-router-named"],
+)
+def test_the_start_up_lines_say_what_trains(tmp_path, base, lora, adapters, line):
+    """The lora line says what trains: projections by kind, expert banks apart from them, routers
+    only when a target names them. The model line gives the base's parameters and the adapters'
+    apart."""
+    raw = lora_raw(tmp_path, base, lora, steps=1, eval_every=0, save_every=-1)
+    out = io.StringIO()
+    train(config_from_dict(raw, init_source=init_source), stream=out)
+    lines = out.getvalue().splitlines()
+    model = build(BASE)
+    assert lines[0].endswith(
+        f"; {format_count(model.num_params())} parameters, {format_count(model.num_params(active=True))} active per "
+        f"token; {adapters} more in LoRA adapters"
+    )
+    assert f"lora    {line}" in lines
 
 
 def test_generate_with_an_adapter_equals_the_merged_model(tmp_path, base, capsys):

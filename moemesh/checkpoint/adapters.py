@@ -63,7 +63,8 @@ _PEFT_EXPERT_RENAMES = ("gate_proj", "up_proj", "down_proj", "gate")
 class Adapter:
     """An adapter read whole (it is small): for each adapted name — a projection's module name, or
     an expert bank's `...mlp.experts.gate_up_proj` — its (rank, alpha); its tensors under moemesh's
-    parameter names (routers trained in full among them); where its base came from, if known."""
+    parameter names (routers trained in full among them); where its base came from, if known; the
+    directory it was read from."""
 
     targets: dict[str, tuple[int, float]]
     tensors: dict[str, torch.Tensor]
@@ -71,11 +72,16 @@ class Adapter:
     base: str | None = None
     seed: int | None = None
     routers: list[str] = field(default_factory=list)
+    path: Path | None = None
 
     def attach(self, model: nn.Module, dtype: torch.dtype | None = torch.float32) -> dict:
         """Add this adapter's (still empty) factors to `model`, built and not yet laid out, and let
         its routers train (`load_into` then fills them, whatever the layout). Returns what is
         adapted, as `apply_lora` does."""
+        modules = {name for name, _ in model.named_modules()}
+        for name in [*self.targets, *self.routers]:
+            if (name.rpartition(".")[0] if _bank(name) else name) not in modules:
+                raise CheckpointError(f"{_another_base(self.path, self.base)}: this model has no {name}")
         linears = [name for name in self.targets if _bank(name) is None] + self.routers
         banks = [name for name in self.targets if _bank(name) is not None]
         expert_blocks = {name.rsplit(".experts.", 1)[0] for name in banks}
@@ -98,7 +104,8 @@ class Adapter:
             local, shape, index = local_view(params[name])
             if tuple(shape) != tuple(tensor.shape):
                 raise CheckpointError(
-                    f"adapter tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(shape)}"
+                    f"{_another_base(self.path, self.base)}: its {name} has shape {tuple(tensor.shape)}, "
+                    f"this model's {tuple(shape)}"
                 )
             piece = tensor if index is None else tensor[torch.meshgrid(*index, indexing="ij")]
             local.copy_(piece)
@@ -176,7 +183,7 @@ def read_adapter(path: str | os.PathLike, config: ModelConfig) -> Adapter:
         _load(checkpoint, stored_state({"model": {name: tensor}}))  # halves are views of it: read in place
         tensors[name] = tensor
     targets = {name: tuple(plan) for name, plan in record["adapted"].items() if plan is not None}
-    return Adapter(targets, tensors, record["dropout"], record["base"], record["seed"], _routers(record))
+    return Adapter(targets, tensors, record["dropout"], record["base"], record["seed"], _routers(record), path)
 
 
 def _routers(record: dict) -> list[str]:
@@ -236,13 +243,21 @@ def read_peft(path: Path, config: ModelConfig) -> Adapter:
                 raise CheckpointError(f"{weights}: {key!r} matches no target_parameters entry")
             bank = banks[len(banks) - 1 - depth]
             name = f"{owner}.{bank}"
-            num_experts = config.num_experts
+            # A bank's factors hold every expert's: its rank is adapter_config.json's, and the
+            # number of experts must then be this model's.
+            num_experts, rank = config.num_experts, rank_pattern.get(_pattern_key(rank_pattern, name), r)
+            rows = tensor.shape[0 if factor == "lora_A" else 1]
+            if rows != num_experts * rank:
+                raise CheckpointError(
+                    f"{_another_base(path, peft.get('base_model_name_or_path'))}: its {name} adapters are "
+                    f"of {rows / rank:g} experts at rank {rank} (adapter_config.json's); this model has "
+                    f"{num_experts} experts a layer"
+                )
             if factor == "lora_A":  # [E·r, in] -> [E, r, in]
-                tensors[f"{name}_lora_A"] = tensor.reshape(num_experts, -1, tensor.shape[-1]).clone()
-                rank = tensor.shape[0] // num_experts
+                tensors[f"{name}_lora_A"] = tensor.reshape(num_experts, rank, tensor.shape[-1]).clone()
                 targets[name] = (rank, alpha_of(name, rank))
             else:  # [out, r·E] -> [E, out, r]
-                tensors[f"{name}_lora_B"] = tensor.reshape(tensor.shape[0], -1, num_experts).permute(2, 0, 1).clone()
+                tensors[f"{name}_lora_B"] = tensor.reshape(tensor.shape[0], rank, num_experts).permute(2, 0, 1).clone()
         else:
             tensors[f"{owner}.{factor}"] = tensor.clone()
             if factor == "lora_A":
@@ -252,7 +267,12 @@ def read_peft(path: Path, config: ModelConfig) -> Adapter:
         expected = rank_pattern.get(_pattern_key(rank_pattern, name), r)
         if expected != rank:
             raise CheckpointError(f"{path}: {name} has rank {rank}, its adapter_config.json says {expected}")
-    return Adapter(targets, tensors, 0.0, peft.get("base_model_name_or_path"))
+    return Adapter(targets, tensors, 0.0, peft.get("base_model_name_or_path"), path=path)
+
+
+def _another_base(path: Path | None, base: str | None) -> str:
+    """How a message about an adapter that does not fit the model it is applied to starts."""
+    return f"{path or 'the adapter'} was made for another base model{f' ({base})' if base else ''}"
 
 
 def _pattern_key(patterns: dict, key: str) -> str:

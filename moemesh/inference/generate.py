@@ -93,19 +93,23 @@ def generate(
 _PER_PROMPT = ("max_tokens", "temperature", "top_p", "seed", "stop")
 
 
-def read_prompts(path: str | os.PathLike, defaults: SamplingParams) -> list[tuple[str, SamplingParams]]:
-    """A `.jsonl` file: one JSON object a line, {"prompt": ...} with optional max_tokens,
-    temperature, top_p, seed and stop (a string or a list) that override `defaults`; any other
-    file: one prompt a line. Empty lines are skipped."""
+def read_prompts(path: str | os.PathLike, defaults: SamplingParams) -> list[tuple[int, str, SamplingParams]]:
+    """(line number, prompt, settings) of each prompt of a file. A `.jsonl` file: one JSON object
+    a line, {"prompt": ...} with optional max_tokens, temperature, top_p, seed and stop (a string
+    or a list) that override `defaults`; its blank lines hold no object and are skipped. Any other
+    file: every line is a prompt, as written — an empty line or one of spaces too (an empty prompt
+    starts a document) — so that the outputs match the lines one to one. Lines end at "\n" (or
+    "\r\n") alone: a form feed is a character of a prompt, as in Python's sources."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"cannot read prompts file {path}: {e}") from None
     if path.suffix != ".jsonl":
-        prompts = [(line, defaults) for line in text.splitlines() if line.strip()]
+        lines = text.removesuffix("\n").split("\n") if text else []
+        prompts = [(number, line.removesuffix("\r"), defaults) for number, line in enumerate(lines, start=1)]
     else:
-        prompts = [_prompt_line(path, number, item, defaults) for number, item in jsonl_values(path, text)]
+        prompts = [(number, *_prompt_line(path, number, item, defaults)) for number, item in jsonl_values(path, text)]
     if not prompts:
         raise DataError(f"prompts file {path} has no prompt")
     return prompts

@@ -55,6 +55,7 @@ from moemesh.errors import CheckpointError, ConfigError, DivergedError
 from moemesh.models import MoECausalLM
 from moemesh.models.build import init_weights, meta_model
 from moemesh.models.lora import apply_lora, is_adapter
+from moemesh.models.moe import EXPERT_BANKS
 from moemesh.parallel import comm
 from moemesh.parallel.data import clip_grad_norm_, label_tokens, local, rank_loss, reduce_gradients
 from moemesh.parallel.expert import fit_capacity, start_capacity
@@ -158,6 +159,9 @@ class Trainer:
             config.model, DTYPES[train.dtype if self.lora.enabled else train.param_dtype]
         )
         self.model.activation_checkpointing = train.activation_checkpointing
+        # Counted on the whole model, before the layout keeps this rank's part, and the base's
+        # before adapters join it.
+        self.num_params = (self.model.num_params(), self.model.num_params(active=True))
         self.adapter = None  # adapters to start from (lora.init_from), else from the seed
         if self.lora.init_from:
             self.adapter = read_adapter(self.lora.init_from, config.model)
@@ -165,9 +169,8 @@ class Trainer:
             self.adapted = self.adapter.attach(self.model, DTYPES[train.param_dtype])
         else:
             self.adapted = apply_lora(self.model, self.lora, DTYPES[train.param_dtype]) if self.lora.enabled else {}
-        # Counted on the whole model, before the layout keeps this rank's part.
+        self.adapter_params = sum(p.numel() for name, p in self.model.named_parameters() if is_adapter(name))
         self.flops_per_token = flops_per_token(self.model, train.seq_len)
-        self.num_params = (self.model.num_params(), self.model.num_params(active=True))
         layout = parallelize(self.model, self.mesh, parallel, self.config.step_shape)
         materialize(self.model, self.device, None if train.init_from else train.seed)
         if train.init_from and is_lora_checkpoint(train.init_from):
@@ -458,10 +461,11 @@ class Trainer:
     def _describe(self) -> None:
         model, data, train = self.config.model, self.config.data, self.train_config
         total, active = self.num_params
+        adapters = f"; {format_count(self.adapter_params)} more in LoRA adapters" if self.adapter_params else ""
         self._say(
             f"model   {model.model_type}: {model.num_hidden_layers} layers, hidden {model.hidden_size}, "
             f"{model.num_experts} experts top-{model.num_experts_per_tok}; "
-            f"{format_count(total)} parameters, {format_count(active)} active per token"
+            f"{format_count(total)} parameters, {format_count(active)} active per token{adapters}"
         )
         self._say(
             f"data    {data.path} (tokenizer {data.tokenizer}: {self.config.tokenizer_origin}): "
@@ -475,13 +479,7 @@ class Trainer:
         if self.init_source is not None:
             self._say(f"init    weights of {self.init_source} (optimizer and step afresh)")
         if self.lora.enabled:
-            trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-            ranks = sorted({plan[0] for plan in self.adapted.values() if plan is not None})
-            start = f" from {self.lora.init_from}" if self.lora.init_from else ""
-            self._say(
-                f"lora    rank {'/'.join(map(str, ranks))} on {len(self.adapted)} projections, expert banks and "
-                f"routers{start}; {format_count(trained)} parameters train on this rank, the base is frozen"
-            )
+            self._say(f"lora    {self._what_trains()}")
         if self.mesh.dims.world_size > 1:
             self._say(f"layout  {self.mesh.dims.describe()}")
         if self.kept_whole:
@@ -489,6 +487,30 @@ class Trainer:
                 f"fsdp    {len(self.kept_whole)} tensors without an evenly divisible dimension stay whole on "
                 f"each rank: {', '.join(self.kept_whole[:3])}{', ...' if len(self.kept_whole) > 3 else ''}"
             )
+
+    def _what_trains(self) -> str:
+        """A LoRA run's adapters — on projections (by kind), on expert banks — and the routers that
+        train in full, which only a target naming them makes train."""
+        adapted = {name: plan for name, plan in self.adapted.items() if plan is not None}
+        banks = [name for name in adapted if name.rpartition(".")[2] in EXPERT_BANKS and ".experts." in name]
+        projections = [name for name in adapted if name not in banks]
+        routers = [name for name, plan in self.adapted.items() if plan is None]
+
+        def kinds(names: list[str]) -> str:
+            return ", ".join(dict.fromkeys(name.rpartition(".")[2] for name in names))
+
+        parts = [f"{len(projections)} projections ({kinds(projections)})"] if projections else []
+        if banks:
+            layers = len({name.rpartition(".")[0] for name in banks})
+            parts.append(f"{len(banks)} expert banks ({kinds(banks)} of every expert in {layers} MoE layers)")
+        ranks = "/".join(map(str, sorted({rank for rank, _ in adapted.values()})))
+        what = [f"rank {ranks} adapters on {' and '.join(parts)}"] if parts else []
+        if routers:
+            what.append(f"{len(routers)} routers in full (a target names them)")
+        start = f" from {self.lora.init_from}" if self.lora.init_from else ""
+        trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        frozen = "the rest of the base is frozen" if routers else "the base is frozen"
+        return f"{'; '.join(what)}{start}; {format_count(trained)} parameters train on this rank, {frozen}"
 
     def run(self) -> TrainResult:
         train = self.train_config

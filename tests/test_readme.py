@@ -1,0 +1,240 @@
+"""The README's commands as a newcomer runs them: its ```bash blocks, in order, in the one working
+directory of a fresh clone. The LoRA recipe once could not follow the quick start: without
+`--config` it trained into configs/tiny.toml's runs/tiny, the quick start's (refused, and the
+refusal's way out, train.overwrite=true, deletes the quick start's model), then converted
+runs/default, which no command wrote.
+
+- Every block, the GPU ones included, is read without running it: a command that trains must write
+  into a run directory that no earlier command wrote (unless it resumes or overwrites by name), and
+  every `runs/...` directory a command reads (a checkpoint, an adapter, what `convert` converts)
+  must have been written by an earlier one.
+- The quick start's `moemesh train` and then the LoRA recipe's block run for real, in one directory.
+
+`moemesh` is the console script `moemesh.cli:main` (pyproject.toml's [project.scripts]): the
+commands run through that function, in this process, with the words the README gives them, so that
+they run the checkout under test whatever `moemesh` a PATH holds."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+import re
+import shlex
+import textwrap
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from moemesh.cli import main
+from moemesh.config import DEFAULT_CONFIG, TrainConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+# Flags of moemesh commands that take no value.
+SWITCHES = {"--merge", "--profile", "--no-prefix-caching"}
+
+
+def bash_blocks(text: str) -> list[str]:
+    return re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M)
+
+
+def commands(block: str) -> list[list[str]]:
+    """A block's commands, each a list of words: lines continued by a backslash joined, comments
+    dropped, `a && b` split."""
+    found = []
+    for line in block.replace("\\\n", " ").splitlines():
+        words = shlex.split(line, comments=True)
+        while words:
+            end = words.index("&&") if "&&" in words else len(words)
+            found.append(words[:end])
+            words = words[end + 1 :]
+    return [command for command in found if command]
+
+
+def moemesh_args(command: list[str]) -> list[str] | None:
+    """The words after `moemesh` (`moemesh ...`, `python -m moemesh ...`, `torchrun ... -m moemesh
+    ...`), or None for another command."""
+    for i, word in enumerate(command):
+        if word == "moemesh" and (i == 0 or command[i - 1] == "-m"):
+            return command[i + 1 :]
+    return None
+
+
+def parse(args: list[str]) -> tuple[dict[str, str], dict[str, str], list[str]]:
+    """A moemesh command's words after the subcommand -> (flags and their values, --set keys and
+    values, positional words)."""
+    flags, settings, positional = {}, {}, []
+    words = iter(args)
+    for word in words:
+        if word == "--set":
+            continue  # its KEY=VALUE words follow
+        if "=" in word:  # a --set KEY=VALUE, or --flag=value
+            key, _, value = word.partition("=")
+            (flags if word.startswith("--") else settings)[key] = value
+        elif word.startswith("--"):
+            flags[word] = "" if word in SWITCHES else next(words)
+        else:
+            positional.append(word)
+    return flags, settings, positional
+
+
+def run_directory(flags: dict[str, str], settings: dict[str, str]) -> str:
+    """Where `moemesh train` writes: train.run_dir as set, else its config file's, else the default."""
+    if "train.run_dir" in settings:
+        return settings["train.run_dir"]
+    config = ROOT / flags["--config"] if "--config" in flags else DEFAULT_CONFIG
+    return tomllib.loads(config.read_text()).get("train", {}).get("run_dir", TrainConfig.run_dir)
+
+
+def run_directory_mistakes(blocks: list[str]) -> tuple[list[str], int]:
+    """What goes wrong with run directories when `blocks` run in order, and how many moemesh
+    commands were read (synopses such as `moemesh train [--config FILE]` are not commands)."""
+    written: set[str] = set()
+    mistakes, read = [], 0
+    for block in blocks:
+        for command in commands(block):
+            args = moemesh_args(command)
+            if not args or any(word.startswith("[") for word in args):
+                continue
+            read += 1
+            said = shlex.join(command)
+            flags, settings, positional = parse(args[1:])
+            sources = [flags.get("--checkpoint"), flags.get("--adapter")]
+            sources += [settings.get("train.init_from"), settings.get("lora.init_from")]
+            target = None
+            if args[0] == "train":
+                target = run_directory(flags, settings)
+                if "true" in (settings.get("train.resume"), settings.get("train.overwrite")):
+                    written.discard(os.path.normpath(target))  # continued or replaced, as asked
+            elif args[0] == "convert":
+                sources.append(positional[0])
+                target = positional[1]
+            for source in sources:
+                if source and source.startswith("runs/") and os.path.normpath(source) not in written:
+                    mistakes.append(f"{said}: reads {source}, which no earlier command wrote")
+            if target is not None and os.path.normpath(target) in written:
+                mistakes.append(f"{said}: writes into {target}, which an earlier command wrote")
+            if target is not None:
+                written.add(os.path.normpath(target))
+    return mistakes, read
+
+
+def test_each_command_writes_its_own_run_directory_and_reads_what_ran_before():
+    mistakes, read = run_directory_mistakes(bash_blocks(README.read_text()))
+    assert mistakes == []
+    assert read >= 15  # the README's commands were read, not skipped as synopses
+
+
+def test_the_check_finds_what_the_lora_recipe_did_wrong():
+    """The quick start and the LoRA recipe as the README gave them before issue 47."""
+    before = textwrap.dedent(
+        """\
+        ```bash
+        python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e . && moemesh train
+        ```
+        ```bash
+        moemesh train --set train.init_from=/models/Qwen3-30B-A3B data.path=my.jsonl train.lr=1e-4 \\
+            lora.rank=16 lora.alpha=32 train.activation_checkpointing=full train.cuda_graphs=true \\
+            train.global_batch=1 train.micro_batch=1 train.seq_len=4096
+        moemesh convert runs/default runs/my-adapter                     # a PEFT adapter directory
+        ```
+        """
+    )
+    mistakes, read = run_directory_mistakes(bash_blocks(before))
+    assert read == 3
+    assert [m.split(": ", 1)[1] for m in mistakes] == [
+        "writes into runs/tiny, which an earlier command wrote",
+        "reads runs/default, which no earlier command wrote",
+    ]
+
+
+def test_the_serving_section_says_how_to_get_its_client():
+    """`serve` answers the `openai` client, which `pip install -e '.[serve]'` does not bring: the
+    paragraph that says the client works says how to get it."""
+    [serving] = [part for part in README.read_text().split("\n\n") if part.startswith("`serve` (")]
+    assert "`openai` client" in serving
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["serve"]
+    assert "openai" in extra or re.search(r"`pip install [^`]*\bopenai\b[^`]*`", serving)
+
+
+def section(text: str, title: str) -> str:
+    return next(part for part in text.split("\n## ") if part.startswith(title))
+
+
+def test_the_quick_start_and_its_config_give_the_same_measured_figures():
+    """How long the quick start takes and where its validation loss ends, as the README's quick
+    start and configs/tiny.toml's header give them: ranges, with the day they were measured, the
+    same in both (they had drifted apart: "about two minutes" against "3–7 minutes", and "about
+    2.05" where 2.01 was measured)."""
+    readme = " ".join(section(README.read_text(), "Quick start").split())
+    header = " ".join(line.removeprefix("#") for line in DEFAULT_CONFIG.read_text().splitlines() if line[:1] == "#")
+    header = " ".join(header.split())
+    for pattern in (r"(\d[\d.]*–\d[\d.]*) minutes on two CPU cores", r"to (?:a validation loss of )?(\d\.\d+–\d\.\d+)"):
+        said = [re.search(pattern, text) for text in (readme, header)]
+        assert all(said) and said[0][1] == said[1][1], pattern
+    assert "2026-11-27" in readme and "2026-11-27" in header
+
+
+def test_the_lora_recipe_runs_after_the_quick_start(tmp_path, monkeypatch, capsys):
+    """The quick start's `moemesh train`, then the LoRA recipe's block, in one directory. What the
+    README leaves to the reader is the test's own: the model directory (a tiny Qwen3-MoE that
+    transformers makes, random weights, nothing downloaded, with 4,096 positions for the recipe's
+    train.seq_len=4096) and the data (my.jsonl, written here); the one GPU-only setting, which the
+    README names as such (train.cuda_graphs: "It takes one GPU"), is turned off.
+
+    Both runs are shortened, by a `--set train.steps=N` of their own after the README's words, so
+    that the test takes seconds: the quick start to 1 step, the recipe to 2. The collision cannot
+    hide behind that: the quick start's run directory is its config's (the override leaves it),
+    and a run of one step leaves checkpoints there as one of 300 does (step_1 rather than step_100
+    to step_300), which is all it takes for a later run into that directory to be refused. The
+    quick start's checkpoint is still there at the end."""
+    transformers = pytest.importorskip("transformers")
+    assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"] == {"moemesh": "moemesh.cli:main"}
+    text = README.read_text()
+    [quick_start] = [block for block in bash_blocks(section(text, "Quick start")) if "moemesh train" in block]
+    [recipe] = [block for block in bash_blocks(text) if "lora.rank=" in block]
+    base = tmp_path / "base"  # stands for /models/Qwen3-30B-A3B
+    substitutes = {"/models/Qwen3-30B-A3B": str(base), "train.cuda_graphs=true": "train.cuda_graphs=false"}
+    assert all(word in recipe for word in substitutes)
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=256,  # the byte tokenizer's: the directory has no tokenizer.json
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        norm_topk_prob=True,
+        max_position_embeddings=4096,
+    )
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(base)
+    monkeypatch.chdir(tmp_path)
+    documents = [Path(module.__file__).read_text() for module in (argparse, difflib, textwrap)]
+    Path("my.jsonl").write_text("".join(json.dumps({"text": doc}) + "\n" for doc in documents))  # ~220 kB
+
+    [train] = [moemesh_args(command) for command in commands(quick_start) if moemesh_args(command)]
+    assert main([*train, "--set", "train.steps=1"]) == 0
+    quick_start_checkpoint = tmp_path / "runs" / "tiny" / "checkpoints" / "step_1"
+    assert quick_start_checkpoint.is_dir()
+
+    for word, substitute in substitutes.items():
+        recipe = recipe.replace(word, substitute)
+    steps = [moemesh_args(command) for command in commands(recipe)]
+    assert [args[0] for args in steps] == ["train", "convert", "convert", "generate"]
+    capsys.readouterr()
+    for args in steps:
+        assert main([*args, "--set", "train.steps=2"] if args[0] == "train" else args) == 0, capsys.readouterr()
+        out = capsys.readouterr().out
+        if args[0] == "train":
+            assert "\nlora    rank 16 adapters on 8 projections (q_proj, k_proj, v_proj, o_proj) and 4 expert" in out
+    assert out.startswith("...") and len(out) > len("...\n")  # generate: the prompt and its continuation
+    assert (tmp_path / "runs" / "my-adapter" / "adapter_config.json").is_file()
+    assert (tmp_path / "runs" / "merged" / "config.json").is_file()
+    assert sorted(p.name for p in quick_start_checkpoint.parent.iterdir()) == ["step_1"]
