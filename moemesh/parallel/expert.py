@@ -16,6 +16,9 @@ step overflowed: it then raises the factor and the trainer runs the step again, 
 dropped from a step that counts. Without a factor the buffer holds every possible pair (ep ·
 min(k, E/ep) · T rows: exact whatever the routing, at several times the activation memory).
 All ranks of the group must dispatch the same number of tokens (the trainer's equal slices).
+On four H200s (docs/benchmarks.md, 2026-11-27) it is 5–7% faster than exact splits; both are bound
+by the router's balance: when one rank gets 2–3× the mean pairs of a layer, as a random router on
+byte-level text does, the others wait for it, and fully sharded data parallelism is twice as fast.
 
 `AllToAllDispatcher` sends a token once to every rank that holds at least one of its k experts,
 with exact split sizes: the sizes are exchanged and copied to the host once per MoE layer, which

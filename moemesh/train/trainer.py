@@ -8,6 +8,12 @@ the number of micro-batches, so the gradients, summed over micro-batches here an
 `train.cuda_graphs` (one process) each micro-batch's forward and backward replay one CUDA graph,
 captured at the first step (`cuda_graph.py`).
 
+Under the gathering expert-parallel dispatcher (`parallel/expert.py`) each forward is checked
+before its backward (a pipeline's step, an evaluation: as a whole): one whose expert buffer was
+full runs again with a larger buffer, from the same random state and expert counts, and the run
+says so in one line. The loop turns Python's cyclic garbage collector off and collects by hand
+every GC_EVERY steps, at the same step on every rank.
+
 A step whose loss or gradient norm is not finite changes nothing but the data position: no update
 of the weights, of AdamW's moments and step count, or of the learning-rate schedule, which counts
 updates (as Megatron-LM and DeepSpeed do with the steps they skip), so a bad batch eats neither

@@ -43,13 +43,13 @@ with no stepwise twins of them — keeping its own grad mode, autocast, device a
 are per thread (autograd runs backward functions with grad mode off, on a thread of its own). A
 hand-over costs the host some 15 µs.
 
-Limits. The EP dispatch copies its split sizes to the host, once per MoE layer (`expert.py`): that
-blocks the CPU until everything queued before it on the device has run — the forward's attention
-and routing, and, as collectives of one communicator run in order, the backward's all-to-all then
-in flight. So the backward's all-to-all overlaps the forward's attention and routing; then the CPU
-waits, and the GPU idles for the time the CPU takes to launch the dispatch and the backward's next
-kernels. The backward has no host sync (its splits come from the forward), so while the forward's
-dispatch and combine fly, the backward's kernels are queued ahead freely. The chunks share one
+Limits. Measured on four H200s (pp=2 × ep=2, docs/benchmarks.md, 2026-11-27), overlapped FB ops
+are slower than sequential ones — 2.3× on the 6-layer Qwen3-30B-A3B shape, 1.13× on the full one —
+also with the dispatcher that never waits for the host (`expert.py`), so `parallel.pp_overlap` is
+off by default: an unbalanced router keeps the EP ranks waiting for the busiest one, which a
+hand-over to the other chunk cannot hide, and every hand-over costs the host. With the
+`all_to_all` dispatcher the forward's dispatch also copies its split sizes to the host, once per
+MoE layer, blocking the CPU until everything queued before it has run. The chunks share one
 compute stream: compute overlaps communication, never other compute. When the two stages hold
 unequal numbers of MoE layers, the chunk with more all-to-alls finishes alone. Without EP (nothing
 to overlap) and under FSDP (whose per-module unshard/reshard state cannot take a forward in the
