@@ -102,18 +102,24 @@ def _landed(out: torch.Tensor, work) -> torch.Tensor:
     return out
 
 
+def _moved(ctx, tensors: tuple[torch.Tensor, ...], move: Callable[[torch.Tensor], torch.Tensor]) -> tuple:
+    """An autograd Function's forward: the tensors packed into one byte matrix, moved by the one
+    collective `move`, unpacked; the integer ones marked as having no gradient."""
+    ctx.differentiable = [t.is_floating_point() for t in tensors]
+    outputs = _unpack(move(_pack(list(tensors))), list(tensors))
+    for out, differentiable in zip(outputs, ctx.differentiable):
+        if not differentiable:
+            ctx.mark_non_differentiable(out)
+    return tuple(outputs)
+
+
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, output_splits, input_splits, group, *tensors):
         ctx.splits, ctx.group = (output_splits, input_splits), group
         ctx.templates = [t.new_empty(0, *t.shape[1:]) for t in tensors]
-        ctx.differentiable = [t.is_floating_point() for t in tensors]
-        received = _all_to_all_bytes(_pack(list(tensors)), output_splits, input_splits, group, "forward")
-        outputs = _unpack(received, list(tensors))
-        for out, differentiable in zip(outputs, ctx.differentiable):
-            if not differentiable:
-                ctx.mark_non_differentiable(out)
-        return tuple(outputs)
+        splits = (output_splits, input_splits)
+        return _moved(ctx, tensors, lambda packed: _all_to_all_bytes(packed, *splits, group, "forward"))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -163,14 +169,8 @@ class _AllGatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, group, *tensors):
         ctx.group = group
-        ctx.differentiable = [t.is_floating_point() for t in tensors]
         # Kept by selective activation checkpointing, as the all-to-all's result is.
-        received = recompute.kept(lambda: _gathered(_pack(list(tensors)), group, "forward"))
-        outputs = _unpack(received, list(tensors))
-        for out, differentiable in zip(outputs, ctx.differentiable):
-            if not differentiable:
-                ctx.mark_non_differentiable(out)
-        return tuple(outputs)
+        return _moved(ctx, tensors, lambda packed: recompute.kept(lambda: _gathered(packed, group, "forward")))
 
     @staticmethod
     def backward(ctx, *grads):
