@@ -564,6 +564,33 @@ def test_a_chat_template_that_raises_is_a_400(server):
     assert error.value.status == 400
 
 
+def test_message_keys_reach_the_template():
+    """A message's `name` (as OpenAI documents it) and any key of its own (as vLLM passes them) are
+    given to the chat template as sent; a name that is not a string is the request's 400."""
+    from moemesh.data.tokenizer import ByteTokenizer
+    from moemesh.inference.chat import ChatTemplate
+    from moemesh.inference.grammar import Grammars
+    from moemesh.inference.protocol import ApiError, Served, chat_plan
+
+    tokenizer = ByteTokenizer()
+    template = ChatTemplate(
+        "{% for m in messages %}{{ m['role'] }}/{{ m.get('name', '-') }}/{{ m.get('reasoning_content', '-') }}/"
+        "{{ m.get('weight', '-') }}: {{ m['content'] }}\n{% endfor %}"
+    )
+    served = Served(tokenizer, 256, 256, template, (), Grammars(tokenizer, 256), 8)
+    messages = [
+        {"role": "system", "content": "be brief", "name": "rules"},
+        {"role": "user", "content": "hi", "name": "ann", "weight": 0},
+        {"role": "assistant", "content": "ok", "reasoning_content": "short"},
+    ]
+    plan = chat_plan({"messages": messages}, served)
+    rendered = tokenizer.decode(plan.prompts[0])
+    assert rendered == "system/rules/-/-: be brief\nuser/ann/-/0: hi\nassistant/-/short/-: ok\n"
+    with pytest.raises(ApiError, match=r"messages\[0\].name must be a string") as error:
+        chat_plan({"messages": [{"role": "user", "content": "a", "name": 3}]}, served)
+    assert error.value.status == 400
+
+
 def test_lone_surrogates_with_the_byte_tokenizer():
     from moemesh.data.tokenizer import ByteTokenizer
     from moemesh.inference.grammar import Grammars

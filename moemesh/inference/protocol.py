@@ -298,12 +298,12 @@ def chat_plan(body: dict, served: Served) -> Plan:
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-MESSAGE_FIELDS = {"role", "content", "name", "tool_call_id", "tool_calls", "refusal", "function_call"}
 
 
 def _messages(messages) -> list[dict]:
-    """Messages as the template reads them: role, content (text parts joined), and name or
-    tool_call_id when given."""
+    """Messages as the template reads them: role, content (text parts joined), name and
+    tool_call_id when given (strings), and any other key as sent: a template may read keys of its
+    own (Qwen3's `reasoning_content`, say), as vLLM passes them."""
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list", "messages")
     out = []
@@ -311,9 +311,6 @@ def _messages(messages) -> list[dict]:
         where = f"messages[{i}]"
         if not isinstance(message, dict):
             raise ApiError(400, f"{where} must be an object", "messages")
-        unknown = sorted(set(message) - MESSAGE_FIELDS)
-        if unknown:
-            raise ApiError(400, f"{where} has an unknown field {short(unknown[0])}", "messages")
         role = message.get("role")
         if role not in ROLES:
             raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}, got {short(role)}", "messages")
@@ -336,13 +333,12 @@ def _messages(messages) -> list[dict]:
         if not isinstance(content, str):
             raise ApiError(400, f"{where}.content must be a string or a list of text parts", "messages")
         _text(content, f"{where}.content")
-        item = {"role": role, "content": content}
-        for name in ("name", "tool_call_id"):
-            if message.get(name) is not None:
-                if not isinstance(message[name], str):
-                    raise ApiError(400, f"{where}.{name} must be a string", "messages")
-                _text(message[name], f"{where}.{name}")
-                item[name] = message[name]
+        item = {**message, "role": role, "content": content}
+        for name, value in message.items():
+            if name in ("name", "tool_call_id") and value is not None and not isinstance(value, str):
+                raise ApiError(400, f"{where}.{name} must be a string", "messages")
+            if isinstance(value, str) and name != "content":
+                _text(value, f"{where}.{name}")
         out.append(item)
     return out
 

@@ -66,8 +66,9 @@ _in_flight: Callable[[], None] | None = None  # see `while_in_flight`
 @contextlib.contextmanager
 def while_in_flight(hook: Callable[[], None]):
     """Call `hook()` between launching each all-to-all or all-gather of rows (forward or backward
-    direction) and waiting for it: the pipeline runs another chunk's work there (`pipeline/runtime.py`). A
-    module global, not a thread-local: autograd may run backward functions on its own threads."""
+    direction) and waiting for it: the pipeline runs another chunk's work there
+    (`pipeline/runtime.py`). A module global, not a thread-local: autograd may run backward
+    functions on its own threads."""
     global _in_flight
     previous, _in_flight = _in_flight, hook
     try:

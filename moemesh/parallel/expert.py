@@ -11,10 +11,11 @@ all-to-all of equal blocks, added up in fp32 on the token's rank). Every shape i
 routing is, so the host queues layer after layer ahead of the GPU. The price: the buffer's rows
 must be fixed before the routing says how many pairs land here. Its capacity is
 `capacity_factor` × the mean (T·k rows); pairs past it are dropped and the largest need is
-recorded, so that `fit_capacity` — called by the trainer once a step, one host sync — can say the
-step overflowed: it then raises the factor and the trainer runs the step again, so no token is ever
-dropped from a step that counts. Without a factor the buffer holds every possible pair (ep ·
-min(k, E/ep) · T rows: exact whatever the routing, at several times the activation memory).
+recorded, so that `fit_capacity` — called by the trainer after each forward, before its backward
+(one host sync) — can say it overflowed: it then raises the factor and the trainer runs that
+forward again, so no token is ever dropped from a forward whose gradients count. Without a
+factor the buffer holds every possible pair (ep · min(k, E/ep) · T rows: exact whatever the
+routing, at several times the activation memory).
 All ranks of the group must dispatch the same number of tokens (the trainer's equal slices).
 On four H200s (docs/benchmarks.md, 2026-11-27) it is 5–7% faster than exact splits; both are bound
 by the router's balance: when one rank gets 2–3× the mean pairs of a layer, as a random router on
@@ -58,7 +59,7 @@ class GatherDispatcher:
         self.num_local_experts = num_local_experts
         self.capacity_factor: float | None = None  # None: room for every possible pair
         # Since the last `fit_capacity`: the largest rows / (T·k) a dispatch needed, and the most
-        # pairs it dropped (device scalars: read once a step).
+        # pairs it dropped (device scalars, read there).
         self.needed: torch.Tensor | None = None
         self.dropped: torch.Tensor | None = None
 
@@ -198,9 +199,9 @@ def start_capacity(model: MoECausalLM, factor: float) -> None:
 
 
 def fit_capacity(model: MoECausalLM, group) -> list[str]:
-    """After a step (or an evaluation): each MoE layer's largest need since the last call, over
-    every rank of `group` (the whole world: a pipeline rank holds only some layers), in one host
-    sync. A layer whose need passed its capacity raises it to HEADROOM × the need, on every rank
+    """After a forward (a pipeline's step, an evaluation): each MoE layer's largest need since
+    the last call, over every rank of `group` (the whole world: a pipeline rank holds only some
+    layers), in one host sync. A layer whose need passed its capacity raises it to HEADROOM × the need, on every rank
     that holds it, and is named in the returned lines, the same on every rank; none returned:
     nothing was dropped. Every rank of `group` must call it, whatever layers it holds."""
     held = _gather_dispatchers(model)
