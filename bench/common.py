@@ -173,7 +173,11 @@ def kernel_intervals(
 ) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
     """Run fn() under the profiler; returns the merged [start, end) intervals (µs) of the NCCL
     kernels and of all other kernels. `trace`: also keep the Chrome trace there, host side included."""
-    kernels = profiled_kernels(fn, trace, host=trace is not None)
+    return split_intervals(profiled_kernels(fn, trace, host=trace is not None))
+
+
+def split_intervals(kernels: list[dict]) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """The merged [start, end) intervals (µs) of the NCCL kernels and of all other kernels."""
     nccl = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" in e["name"].lower()]
     other = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" not in e["name"].lower()]
     return merged(nccl), merged(other)

@@ -13,10 +13,10 @@
 #       on gpu_small and on the GPU-bound benchmark model (memory vs estimate, bubble).
 #   bash bench/gpu_checks_parallel.sh fsdp      FSDP vs replicated (memory, prefetch overlap).
 # On a machine with 4 GPUs (issue 48), through `moemesh train` and its step:
-#   bash bench/gpu_checks_parallel.sh scaling   the benchmark model (6 layers) with 4 sequences of
-#       4096 tokens per GPU on 1 GPU and on 2 (ep=2) side by side, then on 4 (ep=4), with each EP
-#       dispatcher: tokens/s per GPU and MFU (median of steps 3-12), peak memory; the new
-#       kernels' GPU tests first.
+#   bash bench/gpu_checks_parallel.sh scaling [ep|dp_shard]   the benchmark model (6 layers) with 4
+#       sequences of 4096 tokens per GPU on 1 GPU and on 2 side by side, then on 4, the GPUs
+#       splitting that axis (ep: with each dispatcher, the new kernels' GPU tests first): tokens/s
+#       per GPU and MFU (median of steps 3-12), peak memory.
 #   bash bench/gpu_checks_parallel.sh full [VARIANTS] [--micro N ...]   the full Qwen3-30B-A3B
 #       shape's layouts through the trainer's step (bench/pipeline.py; default: both dispatchers).
 #   bash bench/gpu_checks_parallel.sh long STEPS [KEY=VALUE ...]   the full shape under `moemesh
@@ -33,10 +33,11 @@ train() {  # GPU, log name, config, overrides...: one run of moemesh train, logg
     CUDA_VISIBLE_DEVICES=$gpu timeout 300 python3 -m moemesh train --config "$config" --set train.save_every=-1 \
         "train.run_dir=$LOGS/$name" "$@" > "$LOGS/$name.txt" 2>&1
 }
+count() { echo $(($(tr -cd , <<< "$1" | wc -c) + 1)); }  # GPUs in a list such as 0,1,2
 run() {  # GPUs, log name, config, overrides...: moemesh train under torchrun on those GPUs
     local gpus=$1 name=$2 config=$3
     shift 3
-    CUDA_VISIBLE_DEVICES=$gpus timeout 420 torchrun --standalone --nproc-per-node $(($(tr -cd , <<< "$gpus" | wc -c) + 1)) \
+    CUDA_VISIBLE_DEVICES=$gpus timeout 420 torchrun --standalone --nproc-per-node "$(count "$gpus")" \
         -m moemesh train --config "$config" --set train.save_every=-1 train.log_every=1 "train.run_dir=$LOGS/$name" "$@" \
         > "$LOGS/$name.txt" 2>&1
 }
@@ -108,7 +109,8 @@ scaling)  # [AXIS]: the axis the GPUs split, ep (default: both dispatchers, the 
     fi
     Q6=configs/qwen3_30b_a3b_6l.toml
     six() {  # GPUs, name, overrides: 4 sequences of 4096 tokens per GPU a step, 12 steps
-        local n=$(($(tr -cd , <<< "$1" | wc -c) + 1))
+        local n
+        n=$(count "$1")
         run "$1" "$2" $Q6 train.steps=12 train.eval_every=0 train.global_batch=$((4 * n)) \
             train.micro_batch=$((4 * n)) parallel.$axis=$n "${@:3}"
     }

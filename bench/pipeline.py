@@ -6,7 +6,7 @@ their products:
     PYTHONPATH=. torchrun --nproc-per-node 2 bench/pipeline.py --config configs/qwen3_30b_a3b_6l.toml --seq 4096 \
         --micro 1 --set train.param_dtype=bfloat16 --variants dualpipev,1f1b   (a GPU-bound model)
     PYTHONPATH=. torchrun --nproc-per-node 4 bench/pipeline.py --config configs/qwen3_30b_a3b.toml --seq 4096 \
-        --micro 8 --micro-batches 2 --variants ep,ep-all_to_all   (issue 48's table: the full model)
+        --micro 4 --micro-batches 4 --variants ep,ep-all_to_all   (issue 48's table: the full model)
     PYTHONPATH=. torchrun --nproc-per-node 2 bench/pipeline.py --config configs/tiny.toml --seq 128  (CPU smoke)
 
 Variants (`VARIANTS`): DualPipeV and 1F1B over all ranks, expert parallelism over all ranks (the
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bench.common import interval_length, median_ms, merged, print_table, profiled_kernels
+from bench.common import interval_length, median_ms, merged, print_table, profiled_kernels, split_intervals
 from moemesh.config import load_config
 from moemesh.parallel.pipeline.memory import run_costs, stage_ranges
 from moemesh.parallel.pipeline.partition import rank_memory
@@ -71,11 +71,8 @@ def step_profile(trainer: Trainer, trace: Path | None = None) -> tuple[float, fl
     `trace`: keep the step's Chrome trace, host side included."""
     torch.cuda.synchronize()
     kernels = profiled_kernels(trainer.train_step, trace, host=trace is not None)
-    spans = {
-        nccl: merged([(e["ts"], e["ts"] + e["dur"]) for e in kernels if ("nccl" in e["name"].lower()) == nccl])
-        for nccl in (True, False)
-    }
-    compute, everything = spans[False], merged(spans[True] + spans[False])
+    nccl, compute = split_intervals(kernels)
+    everything = merged(nccl + compute)
     span = everything[-1][1] - everything[0][0]
     busy = interval_length(compute)
     top = Counter()

@@ -53,25 +53,30 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor, o
     """out[rows of group e] = x[rows of group e] @ weight[e].T, for weight [E, O, K]."""
     if offsets is not None and _fits(*weight.shape[1:]):
         return _grouped_mm_kernel(x, weight.transpose(-2, -1), offs=offsets)
-    pieces = torch.split(x, _with_rest(group_sizes, x))
-    out = [piece @ w.transpose(0, 1) for piece, w in zip(pieces, weight.unbind(0))]
-    return torch.cat([*out, x.new_zeros(len(x) - sum(map(len, out)), weight.shape[1])])
+    *pieces, rest = torch.split(x, _sizes_and_rest(group_sizes, len(x)))
+    return torch.cat(
+        [
+            *(piece @ w.transpose(0, 1) for piece, w in zip(pieces, weight.unbind(0))),
+            rest.new_zeros(len(rest), weight.shape[1]),
+        ]
+    )
 
 
-def _with_rest(group_sizes: torch.Tensor, x: torch.Tensor) -> list[int]:
-    """The group sizes on the host, and the rows of x past the last group (a buffer that expert
+def _sizes_and_rest(group_sizes: torch.Tensor, rows: int) -> list[int]:
+    """The group sizes on the host, and last the rows past the last group (a buffer that expert
     parallelism sized before knowing its routing: no group reads them, and their output is 0)."""
     sizes = group_sizes.tolist()
-    return [*sizes, len(x) - sum(sizes)]
+    return [*sizes, rows - sum(sizes)]
 
 
 def _weight_gradient(grad: torch.Tensor, x: torch.Tensor, group_sizes: torch.Tensor, offsets) -> torch.Tensor:
     """[E, O, K]: grad[rows of e].T @ x[rows of e] for every group e."""
     if offsets is not None and _fits(grad.shape[-1], x.shape[-1]):
         return _grouped_mm_kernel(grad.transpose(0, 1), x, offs=offsets)
-    sizes = _with_rest(group_sizes, x)
-    pieces = zip(torch.split(grad, sizes), torch.split(x, sizes), range(len(group_sizes)))  # the rest: no group
-    return torch.stack([g.transpose(0, 1) @ piece for g, piece, _ in pieces])
+    sizes = _sizes_and_rest(group_sizes, len(x))
+    *grads, _ = torch.split(grad, sizes)
+    *pieces, _ = torch.split(x, sizes)
+    return torch.stack([g.transpose(0, 1) @ piece for g, piece in zip(grads, pieces)])
 
 
 class _GroupedMM(torch.autograd.Function):

@@ -341,9 +341,10 @@ def run_costs(config: ModelConfig, parallel: ParallelConfig, step: StepShape) ->
     dtype_bytes = 2 if step.dtype == "bfloat16" else 4
     residual_bytes = 2 if step.param_dtype == "bfloat16" else 4
     ep_capacity = parallel.ep_capacity if parallel.ep_dispatch == "gather" else None
+    tokens = rank_tokens(parallel, step)
     costs = estimate_layer_costs(
         config,
-        rank_tokens(parallel, step),
+        tokens,
         dtype_bytes,
         state_bytes_per_param(step),
         seq_len=step.seq_len,
@@ -356,10 +357,10 @@ def run_costs(config: ModelConfig, parallel: ParallelConfig, step: StepShape) ->
         costs,
         step.activation_checkpointing,
         config,
-        rank_tokens(parallel, step),
+        tokens,
         dtype_bytes,
         residual_bytes,
-        expert_rows(config, rank_tokens(parallel, step), parallel.ep, ep_capacity),
+        expert_rows(config, tokens, parallel.ep, ep_capacity),
     )
 
 
