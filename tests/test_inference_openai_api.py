@@ -786,7 +786,8 @@ def _bad_bodies(rng: random.Random, count: int):
             [{"role": "user", "content": 5}],
             [{"role": "user", "content": [{"type": "image_url"}]}],
             [{"role": "user", "content": "\udfff"}],
-            [{"role": "user", "content": "a", "x": 1}],
+            [{"role": "user", "content": "a", "name": 5}],  # other keys pass to the template, but a name is a string
+            [{"role": "user", "content": "a", "x": "\udfff"}],  # and no key's text holds a lone surrogate
             [{"role": "user", "tool_calls": [{}]}],
             [None],
         ],
