@@ -45,7 +45,11 @@ processed after it (processing.py); a chunk with `all_logits` keeps those of eve
 Under tensor parallelism every rank holds an engine over its shard; the rank that schedules
 (rank 0 of the group) broadcasts each step's inputs and block-table changes first, and the others,
 in `follow`, run the same calls — collectives inside the model then pair up, and every rank
-samples the same tokens from the same gathered logits.
+samples the same tokens from the same gathered logits. A decode step is one broadcast (the
+operation and the step's inputs in one fixed-size message), and on GPUs the model's all-reduces
+of up to a packed step's activations go through a buffer every rank maps
+(`comm.use_peer_all_reduce`) rather than NCCL: a decode step's are a few KB each, two a layer, and
+their latency is what tensor parallelism adds to a step (docs/benchmarks.md, issue 49).
 """
 
 from __future__ import annotations
@@ -120,7 +124,7 @@ class DecodeEngine:
         self.group = group
         self.leader = group is None or dist.get_rank(group) == 0
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
-        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor], comm.Issued]] = {}
         self._pool = None
         # Packed steps padded to a bucket (captured when cuda_graphs): 16, 24, ... 256, 384, 512, ...
         if packed_graph_tokens is None:
@@ -144,18 +148,27 @@ class DecodeEngine:
         # table row, seed, step) and (temperature, top_p).
         self.ints = torch.zeros(max_batch, 5, dtype=torch.long, device=self.device)
         self.floats = torch.zeros(max_batch, 2, dtype=torch.float32, device=self.device)
+        # What the leader of a tensor-parallel group broadcasts first: (operation, a, b, c), then
+        # for a decode step its ints and floats (as int64: two float32 each).
+        self.message = torch.zeros(4 + 6 * max_batch, dtype=torch.long, device=self.device)
+        if group is not None:
+            hidden_bytes = model.config.hidden_size * next(model.parameters()).element_size()
+            comm.use_peer_all_reduce(
+                group, self.device, next(model.parameters()).dtype, max_num_batched_tokens * hidden_bytes
+            )
         self.vocab = model.config.vocab_size
         # The logits of the last step: [S, V] those each sampling chunk sampled from, in order, and
         # chunk index -> [tokens, V] for the chunks that asked for all of theirs.
         self.last_logits: torch.Tensor | None = None
         self.last_all_logits: dict[int, torch.Tensor] = {}
+        self.memory_note = ""  # on a GPU, where its memory went when the pool was sized
         if num_blocks is None:
             num_blocks = self._blocks_from_memory(gpu_memory_fraction)
         self.cache = PagedKVCache(num_blocks, block_size, max_batch, self.max_len, self.device)
         if (num_blocks - 1) * block_size < self.max_len:
             raise ValueError(
                 f"the KV cache holds {(num_blocks - 1) * block_size} tokens ({num_blocks - 1} blocks of "
-                f"{block_size}), fewer than one sequence of max_len={self.max_len}"
+                f"{block_size}), fewer than one sequence of max_len={self.max_len}{self.memory_note}"
             )
         self.tables = torch.zeros_like(self.cache.block_tables, device="cpu")  # the host's copy
         self._changed: set[int] = set()
@@ -207,9 +220,8 @@ class DecodeEngine:
             pieces = [min(self.max_len, bucket - first) for first in range(0, bucket, self.max_len)]
             self._packed_step([Chunk(self.cache.scratch_row, [0] * n, 0, sample=False) for n in pieces])
         kv_len = self.kv_lens[0]
-        for batch in self.batch_sizes:
-            self._pad(batch)
-            self._announce(_DECODE, batch, kv_len, MODES.index("greedy"))
+        for batch in self.batch_sizes:  # padding: token 0 at position 0 of the scratch row, greedy
+            self._send_decode([[0, 0, self.cache.scratch_row, 0, 0]] * batch, [[0.0, 1.0]] * batch, kv_len, "greedy")
             self._run(batch, kv_len, "greedy")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -227,8 +239,7 @@ class DecodeEngine:
     def follow(self) -> None:
         """On a tensor-parallel rank other than the leader: run what the leader announces, until it closes."""
         while True:
-            header = comm.broadcast_(torch.zeros(4, dtype=torch.long, device=self.device), self.group)
-            op, a, b, c = header.tolist()
+            op, a, b, c = comm.broadcast_(self.message, self.group)[:4].tolist()
             if op == _STOP:
                 return
             if op == _KEEP_ALIVE:
@@ -245,19 +256,34 @@ class DecodeEngine:
                     host = ints.tolist()
                     self._forward(ints, samples, floats, _segments(host), MODES[c], any(t[3] for t in host))
                 else:
-                    comm.broadcast_(self.ints[:a], self.group)
-                    comm.broadcast_(self.floats[:a], self.group)
+                    self._take_decode_inputs(a)
                     self._run(a, b, MODES[c])
 
     # ---- inside ----------------------------------------------------------------------------------
     def _announce(self, op: int, a: int = 0, b: int = 0, c: int = 0, *tensors: torch.Tensor) -> None:
         if self.group is None:
             return
-        comm.broadcast_(torch.tensor([op, a, b, c], dtype=torch.long, device=self.device), self.group)
-        if op == _DECODE:
-            tensors = (self.ints[:a], self.floats[:a])
+        self.message[:4].copy_(torch.tensor([op, a, b, c]))
+        comm.broadcast_(self.message, self.group)
         for t in tensors:
             comm.broadcast_(t, self.group)
+
+    def _send_decode(self, ints: list[list[int]], floats: list[list[float]], kv_len: int, mode: str) -> None:
+        """A decode step's inputs, per row (token, position, table row, seed, step) and
+        (temperature, top_p), into the buffers its graphs read: on the leader of a tensor-parallel
+        group through the message that announces the step, one copy and one broadcast."""
+        batch = len(ints)
+        floats_as_ints = torch.tensor(floats, dtype=torch.float32).view(torch.long).view(-1)
+        message = torch.cat([torch.tensor([_DECODE, batch, kv_len, MODES.index(mode)]), torch.tensor(ints).view(-1)])
+        self.message[: 4 + 6 * batch].copy_(torch.cat([message, floats_as_ints]), non_blocking=True)
+        if self.group is not None:
+            comm.broadcast_(self.message, self.group)
+        self._take_decode_inputs(batch)
+
+    def _take_decode_inputs(self, batch: int) -> None:
+        ints = self.message[4 : 4 + 5 * batch].view(batch, 5)
+        self.ints[:batch].copy_(ints)
+        self.floats[:batch].copy_(self.message[4 + 5 * batch : 4 + 6 * batch].view(torch.float32).view(batch, 2))
 
     def _send_tables(self) -> None:
         if not self._changed:
@@ -269,11 +295,6 @@ class DecodeEngine:
         self.cache.block_tables[rows] = tables
         self._changed.clear()
 
-    def _pad(self, batch: int) -> None:
-        """Decode inputs 0..batch-1 all padding: token 0 at position 0 of the scratch row, greedy."""
-        self.ints[:batch] = torch.tensor([0, 0, self.cache.scratch_row, 0, 0])
-        self.floats[:batch] = torch.tensor([0.0, 1.0])
-
     def _decode_step(self, chunks: list[Chunk], end: int) -> list[int]:
         batch = next(b for b in self.batch_sizes if b >= len(chunks))
         kv_len = next(n for n in self.kv_lens if n >= end)
@@ -281,9 +302,7 @@ class DecodeEngine:
         ints = [[c.tokens[0], c.start, c.row, c.sampling.seed, c.step] for c in chunks]
         ints += [[0, 0, self.cache.scratch_row, 0, 0]] * (batch - len(chunks))
         floats = [[c.sampling.temperature, c.sampling.top_p] for c in chunks] + [[0.0, 1.0]] * (batch - len(chunks))
-        self.ints[:batch].copy_(torch.tensor(ints), non_blocking=True)
-        self.floats[:batch].copy_(torch.tensor(floats), non_blocking=True)
-        self._announce(_DECODE, batch, kv_len, MODES.index(mode))
+        self._send_decode(ints, floats, kv_len, mode)
         tokens, logits = self._run(batch, kv_len, mode)
         self.last_logits = logits[: len(chunks)]
         return tokens[: len(chunks)].tolist()
@@ -391,10 +410,11 @@ class DecodeEngine:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                out = step()
-            self.graphs[key] = (graph, out)
-        graph, out = self.graphs[key]
+                out, issued = comm.counted_apart(step)
+            self.graphs[key] = (graph, out, issued)
+        graph, out, issued = self.graphs[key]
         graph.replay()
+        comm.recount(issued)  # the collectives the replay ran, counted as an eager step counts them
         return out
 
     def _blocks_from_memory(self, fraction: float) -> int:
@@ -438,6 +458,11 @@ class DecodeEngine:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         spare = fraction * total - (total - free) - peak
+        self.memory_note = (
+            f" (of {fraction:.0%} of {total / 2**30:.1f} GiB: {(total - free) / 2**30:.1f} GiB in use, of which "
+            f"{torch.cuda.memory_reserved(self.device) / 2**30:.1f} GiB by this process's tensors, the weights "
+            f"among them; {peak / 2**30:.1f} GiB for the largest step's activations)"
+        )
         blocks = torch.tensor([max(2, int(spare // per_block))], device=self.device)
         if self.group is not None:  # every rank the same pool: the smallest
             blocks = -comm.all_reduce_max(-blocks, self.group)

@@ -1,6 +1,8 @@
 """Every collective moemesh issues goes through here: autograd-aware where gradients must flow
 through it, and counted (calls and bytes per kind and phase) so tests can assert exactly what a
-layer communicates, forward and backward."""
+layer communicates, forward and backward — inside CUDA graphs too: a graph's capture issues
+nothing, so what it recorded is taken out of the counters (`counted_apart`) and added back at each
+replay (`recount`)."""
 
 from __future__ import annotations
 
@@ -27,6 +29,27 @@ def reset_counts() -> None:
 def _count(kind: str, phase: str, nbytes: int) -> None:
     calls[(kind, phase)] += 1
     sent_bytes[(kind, phase)] += nbytes
+
+
+Issued = tuple[Counter, Counter]  # (calls, sent_bytes) of one piece of work
+
+
+def counted_apart(work: Callable[[], Any]) -> tuple[Any, Issued]:
+    """Run `work` and return its result and the collectives it issued, those left out of the
+    counters: a CUDA graph's capture runs nothing yet, its replays do (`recount`)."""
+    before = calls.copy(), sent_bytes.copy()
+    out = work()
+    issued = calls - before[0], sent_bytes - before[1]
+    for counter, saved in zip((calls, sent_bytes), before):
+        counter.clear()
+        counter.update(saved)
+    return out, issued
+
+
+def recount(issued: Issued) -> None:
+    """Count the collectives of a replayed CUDA graph (`counted_apart` of its capture)."""
+    calls.update(issued[0])
+    sent_bytes.update(issued[1])
 
 
 # ---- all-to-all -----------------------------------------------------------------------------------
@@ -227,8 +250,11 @@ def _summed(x: torch.Tensor, group, phase: str) -> torch.Tensor:
 
 
 def _summed_now(x: torch.Tensor, group, phase: str) -> torch.Tensor:
+    _count("all_reduce", phase, x.numel() * x.element_size())
+    peer = _peer_buffers.get(group)
+    if peer is not None and (y := peer.summed(x)) is not None:
+        return y
     y = x.contiguous().clone()
-    _count("all_reduce", phase, y.numel() * y.element_size())
     dist.all_reduce(y, group=group)
     return y
 
@@ -250,6 +276,62 @@ class _AllReduceSum(torch.autograd.Function):
 def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
     """Differentiable sum over the ranks of `group` (a no-op for a one-rank group)."""
     return x if group is None else _AllReduceSum.apply(x, group)
+
+
+# ---- all-reduce through peer memory (decoding) -----------------------------------------------------
+
+# Bytes up to which a sum over a group with a peer buffer (`use_peer_all_reduce`) takes each way;
+# larger tensors go through NCCL. The thresholds come from `bench/decode.py --all-reduce`
+# (docs/benchmarks.md, issue 49); a benchmark sets them to compare the ways.
+PEER_ALL_REDUCE = {"one_shot": 256 << 10, "two_shot": 0}
+
+
+class _PeerBuffer:
+    """A buffer every rank of a group maps (PyTorch's symmetric memory) and the two sums over it
+    that need no NVLink multicast: one-shot (each rank copies its tensor in, then reads every
+    peer's and adds them: one kernel, lowest latency) and two-shot (a reduce-scatter, then an
+    all-gather, through the same buffer: less traffic for larger tensors). Both add the ranks in
+    rank order, so every rank gets the same sum, as with NCCL."""
+
+    def __init__(self, group, device: torch.device, dtype: torch.dtype, max_bytes: int):
+        from torch.distributed import _symmetric_memory as symmetric_memory
+
+        self.buffer = symmetric_memory.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
+        symmetric_memory.rendezvous(self.buffer, group)
+        self.group_name = group.group_name
+
+    def summed(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The sum of x over the group, or None when x is not for this buffer (its dtype, a
+        size past the thresholds or the buffer, or not a multiple of 16 bytes)."""
+        n, nbytes = x.numel(), x.numel() * x.element_size()
+        if x.dtype != self.buffer.dtype or nbytes % 16 or n > self.buffer.numel() or nbytes == 0:
+            return None
+        flat, into = x.contiguous().view(-1), self.buffer[:n]
+        if nbytes <= PEER_ALL_REDUCE["one_shot"]:
+            return torch.ops.symm_mem.one_shot_all_reduce_copy(into, flat, "sum", self.group_name).view_as(x)
+        if nbytes <= PEER_ALL_REDUCE["two_shot"]:
+            into.copy_(flat)
+            out = torch.empty_like(flat)
+            return torch.ops.symm_mem.two_shot_all_reduce_out(into, "sum", self.group_name, out).view_as(x)
+        return None
+
+
+_peer_buffers: dict[Any, _PeerBuffer] = {}
+
+
+def use_peer_all_reduce(group, device: torch.device, dtype: torch.dtype, max_bytes: int) -> bool:
+    """From now on, sum the tensors of `dtype` up to `max_bytes` over `group` through a buffer
+    every rank maps, not NCCL (collective: every rank of the group calls it). For decoding under
+    tensor parallelism, where a step's all-reduces are of a few KB and their latency is the cost.
+    False, and NCCL stays, where it cannot be: a CPU, a one-rank group, a PyTorch without
+    symmetric memory; or where nothing would use it (`PEER_ALL_REDUCE` all zero)."""
+    if group is None or device.type != "cuda" or dist.get_world_size(group) == 1 or not any(PEER_ALL_REDUCE.values()):
+        return False
+    if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy"):
+        return False
+    if group not in _peer_buffers:
+        _peer_buffers[group] = _PeerBuffer(group, device, dtype, max_bytes)
+    return True
 
 
 # ---- tensor-parallel regions (Megatron's f and g) --------------------------------------------------
