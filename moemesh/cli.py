@@ -146,10 +146,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _model_arguments(command: argparse.ArgumentParser) -> None:
-    command.add_argument(
+    model = command.add_mutually_exclusive_group(required=True)
+    model.add_argument(
         "--checkpoint",
-        required=True,
         help="checkpoint directory, run directory (newest checkpoint) or Hugging Face directory",
+    )
+    model.add_argument(
+        "--config",
+        metavar="TOML",
+        help="instead of a checkpoint: a moemesh config's model, its weights drawn from train.seed on each rank "
+        "(its text is noise: for measuring speed and memory before a checkpoint exists)",
     )
     command.add_argument(
         "--adapter",
@@ -344,7 +350,8 @@ def _serve(args: argparse.Namespace) -> None:
             port=args.port,
             sock=sock,
             api_key=api_key,
-            model_name=args.model_name or Path(args.checkpoint).resolve().name,
+            model_name=args.model_name
+            or (Path(args.config).stem if args.config else Path(args.checkpoint).resolve().name),
             max_waiting=args.max_waiting,
             max_request_bytes=args.max_request_bytes,
             reply_window_ms=args.reply_window_ms,
@@ -419,7 +426,8 @@ def _loaded(args: argparse.Namespace):
     import torch.distributed as dist
 
     from moemesh.config import device_for
-    from moemesh.inference.generate import load_for_generation
+    from moemesh.data.tokenizer import load_tokenizer
+    from moemesh.inference.generate import drawn_for_generation, load_for_generation
     from moemesh.parallel.mesh import ParallelDims, init_mesh
 
     for flag in ("max_batch", "max_num_batched_tokens", "kv_blocks", "block_size"):
@@ -437,7 +445,14 @@ def _loaded(args: argparse.Namespace):
     mesh = init_mesh(ParallelDims(tp=_tensor_parallel_size(args)))
     try:
         dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-        model, tokenizer = load_for_generation(args.checkpoint, args.tokenizer, device, dtype, mesh, args.adapter)
+        if args.config is None:
+            model, tokenizer = load_for_generation(args.checkpoint, args.tokenizer, device, dtype, mesh, args.adapter)
+        elif args.adapter is not None:
+            raise MoemeshError("--adapter needs the --checkpoint of its base model, not --config")
+        else:
+            model, tokenizer = drawn_for_generation(args.config, device, dtype, mesh)
+            if args.tokenizer is not None:
+                tokenizer = load_tokenizer(args.tokenizer)
         yield model, tokenizer, mesh.group("tp")
     finally:
         if dist.is_initialized():

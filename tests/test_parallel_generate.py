@@ -4,6 +4,7 @@ greedy and seeded-sampled tokens for a batch of prompts, with a KV cache of this
 one logits all-gather per prefill and per decode step; `torchrun ... moemesh generate --tp 2`
 prints what one process prints."""
 
+import json
 import os
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pytest
 from moemesh.checkpoint.hf import save_pretrained
 from moemesh.cli import main
 from moemesh.data.tokenizer import ByteTokenizer
-from moemesh.inference.engine import DecodeEngine
+from moemesh.inference.engine import Chunk, DecodeEngine
 from moemesh.inference.generate import generate
 from moemesh.inference.request import SamplingParams
 from moemesh.models import ModelConfig, build
@@ -63,10 +64,37 @@ def check_generation(rank):
     return comm.calls[("all_gather", "forward")], comm.sent_bytes[("all_gather", "forward")]
 
 
+def check_a_decode_step_is_one_broadcast(rank):
+    """The leader announces a decode step and sends its inputs in one broadcast; the step's
+    collectives otherwise: the embedding's all-reduce, two a layer, one logits all-gather."""
+    mesh = init_mesh(ParallelDims(tp=TP))
+    engine = DecodeEngine(apply_tp(build(CONFIG, seed=5), mesh).eval(), max_batch=2, max_len=16, group=mesh.group("tp"))
+    if not engine.leader:
+        return engine.follow()
+    engine.set_blocks(0, [1])  # max_len 16: one block of 16
+    engine.step([Chunk(0, [5, 6, 7], 0)])  # the prompt (a packed step) and the table row's blocks
+    comm.reset_counts()
+    engine.step([Chunk(0, [8], 3)])
+    engine.close()
+    issued = {kind: n for (kind, _), n in comm.calls.items()}
+    assert issued == {"broadcast": 2, "all_reduce": 1 + 2 * CONFIG.num_hidden_layers, "all_gather": 1}  # with close's
+
+
+def test_a_graph_s_collectives_are_counted_at_each_replay():
+    """What a CUDA graph's capture issues is not counted then (nothing ran), but at each replay."""
+    comm.reset_counts()
+    _, issued = comm.counted_apart(lambda: comm._count("all_reduce", "forward", 4096))
+    assert comm.calls[("all_reduce", "forward")] == 0
+    comm.recount(issued)
+    comm.recount(issued)
+    assert (comm.calls[("all_reduce", "forward")], comm.sent_bytes[("all_reduce", "forward")]) == (2, 8192)
+
+
 def test_tp_generation_equals_one_process():
     pool = WorkerPool(TP)
     try:
         (gathers, gathered), follower = pool.run(check_generation)
+        pool.run(check_a_decode_step_is_one_broadcast)
     finally:
         pool.close()
     assert follower == (gathers, gathered)  # the follower ran every step the leader ran
@@ -102,12 +130,23 @@ def test_tp_generation_with_the_decoding_kernels(monkeypatch):
         pool.close()
 
 
-def test_generate_command_under_torchrun(tmp_path, capsys):
-    model = build(CONFIG, seed=5)
-    save_pretrained(model, tmp_path / "hf")
-    assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "checkpoint")]) == 0  # every rank loads it
+@pytest.mark.parametrize("source", ["checkpoint", "config"])
+def test_generate_command_under_torchrun(tmp_path, capsys, source):
+    """From a checkpoint every rank reads its shard; from a config (weights drawn from the seed,
+    for measuring a model no checkpoint holds yet) every rank draws its shard. Either way the text
+    of one process."""
+    if source == "checkpoint":
+        model = build(CONFIG, seed=5)
+        save_pretrained(model, tmp_path / "hf")
+        assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "checkpoint")]) == 0  # every rank loads it
+        given = ["--checkpoint", str(tmp_path / "checkpoint")]
+    else:
+        model_keys = "\n".join(f"{key} = {json.dumps(value)}" for key, value in TINY_MODEL.items())
+        model_keys += "\ninitializer_range = 0.2"  # CONFIG's
+        (tmp_path / "run.toml").write_text(f"[model]\n{model_keys}\n\n[train]\nseed = 5\nseq_len = 32\n")
+        given = ["--config", str(tmp_path / "run.toml")]
     capsys.readouterr()
-    args = ["generate", "--checkpoint", str(tmp_path / "checkpoint"), "--prompt", "def ", "--max-new-tokens", "24"]
+    args = ["generate", *given, "--prompt", "def ", "--max-new-tokens", "24"]
     assert main(args) == 0
     expected = capsys.readouterr().out
     assert len(expected) > len("def \n")
@@ -141,6 +180,12 @@ def test_generate_refuses_a_layout_torchrun_did_not_launch(tmp_path, capsys):
     assert (
         "parallel layout pp=1 × dp_replicate=1 × dp_shard=1 × ep=1 × tp=3 needs 3 processes, but 1 were launched" in err
     )
+
+
+def test_generate_from_a_config_takes_no_adapter(tmp_path, capsys):
+    args = ["generate", "--config", "configs/tiny.toml", "--adapter", str(tmp_path), "--prompt", "x"]
+    assert main(args) == 2
+    assert "--adapter needs the --checkpoint of its base model, not --config" in capsys.readouterr().err
 
 
 def test_generate_set_takes_only_the_tensor_parallel_size(tmp_path, capsys):

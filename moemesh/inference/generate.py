@@ -1,7 +1,8 @@
 """Generation for many prompts at once: `generate` runs them through the decode engine and the
 scheduler (continuous batching), each with its own settings and stops, and returns them in
 order; `read_prompts` reads them from a file. `load_for_generation` is the one way the engine,
-`moemesh generate` and `moemesh serve` get a model and its tokenizer.
+`moemesh generate` and `moemesh serve` get a model and its tokenizer (`drawn_for_generation`:
+a config's model with weights drawn from its seed, for measuring before a checkpoint exists).
 
 A prompt's text is preceded by the end-of-document token, as a document is in training, so that
 it reads as the start of a document.
@@ -48,15 +49,9 @@ def load_for_generation(
     adapters (a PEFT directory or a LoRA run), laid out with their base, merged into its weights
     (each rank its shard, in fp32) and dropped: decoding then runs the base's kernels."""
     config = read_model_config(path)
-    if dtype is None:
-        dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
-    model = meta_model(config, dtype)
     if adapter is not None:
         adapter = read_adapter(adapter, config)
-        adapter.attach(model, torch.float32)
-    if mesh is not None:
-        step = StepShape(dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
-        parallelize(model, mesh, ParallelConfig(tp=mesh.dims.tp), step)
+    model = _laid_out(config, device, dtype, mesh, adapter)
     materialize(model, device)
     source = load_weights(model, path, mesh)
     if adapter is not None:
@@ -66,6 +61,34 @@ def load_for_generation(
     if tokenizer is None:
         tokenizer = str(source / TOKENIZER_FILE) if (Path(source) / TOKENIZER_FILE).is_file() else "bytes"
     return model, load_tokenizer(tokenizer)
+
+
+def drawn_for_generation(
+    config_path: str | os.PathLike, device: str = "cpu", dtype: torch.dtype | None = None, mesh: Mesh | None = None
+) -> tuple[MoECausalLM, Tokenizer]:
+    """The model of a moemesh config, laid out for `mesh` as `load_for_generation` lays it out, each
+    rank drawing only its shard from the config's train.seed (no rank holds the whole model), with
+    the config's data.tokenizer. Its answers are noise: this is for measuring a model's speed and
+    memory, served or not, before a checkpoint of it exists (Qwen3-235B-A22B is 470 GB in bf16)."""
+    from moemesh.config import load_config
+
+    run = load_config(config_path, launched=False)
+    model = materialize(_laid_out(run.model, device, dtype, mesh), device, seed=run.train.seed)
+    return model.eval(), load_tokenizer(run.data.tokenizer)
+
+
+def _laid_out(config, device, dtype: torch.dtype | None, mesh: Mesh | None, adapter=None) -> MoECausalLM:
+    """The model on meta in `dtype` (default bfloat16 on a GPU, float32 on a CPU), its adapters
+    attached, laid out for `mesh`'s tensor parallelism."""
+    if dtype is None:
+        dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    model = meta_model(config, dtype)
+    if adapter is not None:
+        adapter.attach(model, torch.float32)
+    if mesh is not None:
+        step = StepShape(dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
+        parallelize(model, mesh, ParallelConfig(tp=mesh.dims.tp), step)
+    return model
 
 
 def generate(
