@@ -132,12 +132,21 @@ def test_save_pretrained_loads_in_transformers_with_the_same_logits(case, tmp_pa
         (dict(hidden_size_per_layer_input=8), "hidden_size_per_layer_input"),
         (dict(num_kv_shared_layers=1), "num_kv_shared_layers"),
         (dict(enable_moe_block=False), "enable_moe_block"),
+        (dict(use_bidirectional_attention="all"), "use_bidirectional_attention"),
     ],
 )
 def test_unsupported_features_raise_a_config_error(change, message, tmp_path):
     hf = hf_model(CASES["e4_k2_capped"]).config.to_dict()
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_hf_dict({**hf, **change})
+
+
+def test_images_attending_both_ways_is_read_as_text_only():
+    """The published 26B-A4B's use_bidirectional_attention "vision" concerns image tokens; moemesh
+    reads the text model, causal, as without it."""
+    hf = hf_model(CASES["e4_k2_capped"]).config.to_dict()
+    hf.pop("use_bidirectional_attention", None)
+    assert ModelConfig.from_hf_dict({**hf, "use_bidirectional_attention": "vision"}) == ModelConfig.from_hf_dict(hf)
 
 
 # ---- the hub's multimodal checkpoints (Gemma4ForConditionalGeneration) -------------------------

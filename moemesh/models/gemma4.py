@@ -11,7 +11,8 @@ attention_k_eq_v, values that are their keys. Embeddings are × sqrt(hidden) and
 soft-capped. Each layer's output is × layer_scalar.
 
 Not supported (ConfigError): per-layer input embeddings (hidden_size_per_layer_input > 0),
-key/value sharing across layers (num_kv_shared_layers > 0), bidirectional attention. Under
+key/value sharing across layers (num_kv_shared_layers > 0), bidirectional attention of text
+(use_bidirectional_attention "vision", images' own, is read: moemesh models text only). Under
 tensor parallelism the attention_k_eq_v layers split their shared k projection by heads like
 the others (tp must divide num_global_key_value_heads too).
 
@@ -208,6 +209,10 @@ class Gemma4DecoderLayer(DecoderLayer):
 
 # ---- config.json ------------------------------------------------------------------------------
 def _read(hf: dict) -> None:
+    # "vision": image tokens attend to each other both ways, text stays causal — and moemesh
+    # models text only (the published 26B-A4B says so); text attending both ways is not supported.
+    if hf.get("use_bidirectional_attention") == "vision":
+        hf.pop("use_bidirectional_attention")
     unsupported = {"hidden_size_per_layer_input": 256, "num_kv_shared_layers": 0, "use_bidirectional_attention": None}
     for name, default in unsupported.items():
         if hf.pop(name, default):
