@@ -22,17 +22,32 @@ Also printed: the share of moemesh's tokens at batch B equal to batch 1's for th
 
 Sides run one after the other, each model freed before the next (the 48-layer model is 61 GB in
 bf16). Prints a table per model; nothing is written.
+
+Under torchrun, tensor parallelism over the ranks launched (issue 49):
+
+    torchrun --nproc-per-node N bench/decode.py --layers 48 --tensor-parallel --batches 1,64
+    torchrun --nproc-per-node N bench/decode.py --all-reduce
+
+--tensor-parallel: the model built on meta, laid out for tp=N and materialised from the seed,
+the engine made with the TP group; the engine's decode step alone (ms/step, as "engine ms/step"
+above) for each way of summing the model's all-reduces (--ways: NCCL; the peer buffer's one-shot;
+its two-shot; as shipped, `comm.PEER_ALL_REDUCE`), with the collectives of a step counted (those
+inside the captured graphs included) and whether its greedy tokens equal the first way's. With
+N = 1 it gives the one-GPU row. --all-reduce: one all-reduce of bf16 [--all-reduce-sizes bytes]
+in microseconds, 32 of them captured in a CUDA graph and replayed, each way, with the largest
+difference from an fp32 sum and whether every rank got the same bits.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 
 import torch
 
-from bench.common import add_model_arguments, bench_model_config, print_table, sync, timed
+from bench.common import add_model_arguments, bench_model_config, print_table, sync, tensor_parallel_model, timed
 from bench.e2e import free, transformers_model
 from moemesh.data.tokenizer import ByteTokenizer
 from moemesh.inference.engine import Chunk, DecodeEngine, Sampling
@@ -41,6 +56,7 @@ from moemesh.inference.request import SamplingParams
 from moemesh.inference.scheduler import Scheduler
 from moemesh.models import build, moe
 from moemesh.ops import gemv
+from moemesh.parallel import comm
 
 
 def moemesh_rows(config, args, device, dtype, prompts) -> tuple[list[dict], dict]:
@@ -141,14 +157,126 @@ def engine_steps(engine: DecodeEngine, prompts: list[list[int]]):
 
 
 def engine_step_ms(engine: DecodeEngine, prompts: list[list[int]], steps: int) -> float:
-    """Milliseconds a decode step of all rows, the engine alone, over `steps` - 1 steps."""
+    """Milliseconds a decode step of all rows, the engine alone, over `steps` - 1 steps (the
+    collectives counted from their start: `comm.calls`)."""
     step, held = engine_steps(engine, prompts)
+    comm.reset_counts()
     start = time.perf_counter()
     for i in range(1, steps):
         step(i)
     elapsed = time.perf_counter() - start
     engine.blocks.release(held)
     return elapsed / (steps - 1) * 1e3
+
+
+# The ways of `--ways`: comm.PEER_ALL_REDUCE's thresholds (bytes) for each; "shipped" keeps its own.
+WAYS = {
+    "nccl": {"one_shot": 0, "two_shot": 0},
+    "one-shot": {"one_shot": 1 << 40, "two_shot": 0},
+    "two-shot": {"one_shot": 0, "two_shot": 1 << 40},
+    "shipped": dict(comm.PEER_ALL_REDUCE),
+}
+
+
+def tensor_parallel_rows(config, args, prompts) -> list[dict]:
+    """The engine's decode step on all ranks launched, for each way of summing (rank 0's rows)."""
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    model, group = tensor_parallel_model(config)
+    rows, first = [], {}
+    for way in args.ways if world > 1 else ["nccl"]:
+        comm.PEER_ALL_REDUCE.update(WAYS[way])
+        for batch in args.batches:
+            engine = DecodeEngine(model, max_batch=batch, max_len=args.prompt_len + args.new_tokens + 1, group=group)
+            if engine.leader:
+                rows.append(tensor_parallel_row(engine, args, prompts[:batch], world, way, first))
+                engine.close()
+            else:
+                engine.follow()
+            del engine  # its KV cache took what the weights left: gone before the next engine sizes its own
+            free()
+    if dist.is_initialized():
+        dist.barrier()
+    return rows
+
+
+def tensor_parallel_row(engine: DecodeEngine, args, prompts: list[list[int]], world: int, way: str, first: dict):
+    """The leader's timing of one engine, with the collectives of a step and the greedy tokens
+    (against the first way's, in `first`)."""
+    batch = len(prompts)
+    timings = []
+    for _ in range(2):
+        timings.append(engine_step_ms(engine, prompts, args.new_tokens - 1))
+        counted = {kind: n / (args.new_tokens - 2) for (kind, _), n in comm.calls.items()}
+    tokens = greedy_tokens(engine, prompts, args.new_tokens - 1)
+    first.setdefault(batch, tokens)
+    ms = min(timings)
+    return {
+        "GPUs (TP)": world,
+        "all-reduce": way if world > 1 else "",
+        "batch": batch,
+        "engine ms/step": f"{ms:.2f}",
+        "tokens/s": f"{batch * 1e3 / ms:,.0f}",
+        "all-reduces/step": f"{counted.get('all_reduce', 0):.0f}",
+        "others/step": ", ".join(f"{k} {n:.0f}" for k, n in counted.items() if k != "all_reduce"),
+        "tokens as the first way": "yes" if tokens == first[batch] else "no",
+    }
+
+
+def greedy_tokens(engine: DecodeEngine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Each prompt's first greedy tokens, through the engine's decode steps."""
+    step, held = engine_steps(engine, prompts)
+    out = []
+    for i in range(1, new_tokens):
+        step(i)
+        out.append(engine.last_logits.argmax(-1).tolist())
+    engine.blocks.release(held)
+    return out
+
+
+def all_reduce_rows(args) -> list[dict]:
+    """One all-reduce of each size, each way, as a CUDA graph of 32 replayed (rank 0's rows)."""
+    import torch.distributed as dist
+
+    from moemesh.parallel.mesh import ParallelDims, init_mesh
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    group = init_mesh(ParallelDims(tp=world)).group("tp")
+    device = torch.device("cuda", torch.cuda.current_device())
+    sizes = [int(float(s) * 1024) for s in args.all_reduce_sizes.split(",")]
+    comm.use_peer_all_reduce(group, device, torch.bfloat16, max(sizes))
+    rows = []
+    for nbytes in sizes:
+        generator = torch.Generator(device=device).manual_seed(dist.get_rank())
+        x = torch.randn(nbytes // 2, generator=generator, device=device).bfloat16()
+        exact = x.float()
+        dist.all_reduce(exact, group=group)  # fp32
+        row = {"GPUs": world, "KB": f"{nbytes / 1024:g}"}
+        for way in args.ways:
+            comm.PEER_ALL_REDUCE.update(WAYS[way])
+            with torch.no_grad():
+                y = comm.all_reduce_sum(x, group)  # eager first: NCCL's communicator, the kernels
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    outs = [comm.all_reduce_sum(x, group) for _ in range(32)]
+            graph.replay()
+            sync()
+            start = time.perf_counter()
+            for _ in range(10):
+                graph.replay()
+            sync()
+            microseconds = (time.perf_counter() - start) / 320 * 1e6
+            gathered = [torch.empty_like(y) for _ in range(world)]
+            dist.all_gather(gathered, outs[-1], group=group)
+            same = all(torch.equal(g, gathered[0]) for g in gathered)
+            error = (outs[-1].float() - exact).abs().max().item()
+            row[f"{way} µs"] = f"{microseconds:.1f}"
+            row[f"{way} err / same"] = f"{error:.2g} / {'yes' if same else 'NO'}"
+            del graph, outs
+        rows.append(row)
+    comm.PEER_ALL_REDUCE.update(WAYS["shipped"])
+    return rows
 
 
 def profile_rows(config, args, device, prompts) -> list[dict]:
@@ -244,7 +372,16 @@ def main():
         "--profile-steps", type=int, default=0, help="instead of timing: the GPU kernels of this many decode steps"
     )
     parser.add_argument("--profile-batch", type=int, default=1, help="the batch of --profile-steps")
+    parser.add_argument(
+        "--tensor-parallel", action="store_true", help="under torchrun: the engine's step over all ranks launched"
+    )
+    parser.add_argument("--all-reduce", action="store_true", help="under torchrun: the all-reduce alone, by size")
+    parser.add_argument("--ways", default="nccl,one-shot,two-shot,shipped", help=f"of {', '.join(WAYS)}")
+    parser.add_argument("--all-reduce-sizes", default="4,8,16,32,64,128,256,512,1024,4096", help="KB")
     args = parser.parse_args()
+    args.ways = args.ways.split(",")
+    if unknown := set(args.ways) - set(WAYS):
+        parser.error(f"--ways: unknown {sorted(unknown)}; known: {', '.join(WAYS)}")
     if args.new_tokens < 3:
         parser.error("--new-tokens must be at least 3 (the first two steps are not timed)")
     args.batches = [int(b) for b in args.batches.split(",")]
@@ -265,6 +402,13 @@ def main():
         f"decode, {config.num_hidden_layers} layers, {str(dtype)[6:]}, prompt {args.prompt_len}, "
         f"{args.new_tokens} new tokens, greedy, {where}, torch {torch.__version__}"
     )
+    rank0 = os.environ.get("RANK", "0") == "0"
+    if args.all_reduce:
+        rows = all_reduce_rows(args)
+        return print_table(rows, f"all-reduce of bf16, a CUDA graph of 32, {where}") if rank0 else None
+    if args.tensor_parallel:
+        rows = tensor_parallel_rows(config, args, prompts)
+        return print_table(rows, title + ": tensor-parallel engine steps") if rank0 else None
     if args.profile_steps:
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)

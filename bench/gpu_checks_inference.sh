@@ -30,9 +30,27 @@
 #   bash bench/gpu_checks_inference.sh graphs   the GPU tests of the paged engine (packed steps as
 #       CUDA graphs), a process per file; the prefill, prefix and profile tables of the 48-layer
 #       shape with packed steps eager (--packed-graph-tokens 0) and as graphs (the default)
+# On a machine with 4 GPUs (issue 49), tensor parallelism:
+#   bash bench/gpu_checks_inference.sh tp       the all-reduce alone on 2 (and 4) GPUs, each way and
+#       size (bench/decode.py --all-reduce); the 48-layer shape's decode step at batch 1 and 64 on
+#       1, 2 (and 4) GPUs, each way of summing (--tensor-parallel); the same for
+#       configs/gemma4_26b_a4b.toml on 1 and 2 GPUs (tp must divide its 2 global key/value heads)
+#   bash bench/gpu_checks_inference.sh serve-tp N MODEL...   `moemesh serve` over N GPUs of a
+#       random-weight MODEL (a config; default the 48-layer Qwen3-30B-A3B shape) under 1 and 64
+#       openai clients, beside the engine alone (serve_load.py --tp N)
+#   bash bench/gpu_checks_inference.sh serve235   Qwen3-235B-A22B (configs/qwen3_235b_a22b.toml,
+#       weights drawn from the seed on each rank) served by `torchrun -m moemesh serve --tp 4`:
+#       the openai client's answer, batch-1 ms a token, batch-64 tokens/s, the KV capacity
 # Packages the image lacks (fastapi, uvicorn and theirs) travel as wheels in .whl (device README).
 set -u
-export PYTHONUNBUFFERED=1 PYTHONPATH=.:${PYTHONPATH:-} NCCL_NVLS_ENABLE=0
+export PYTHONUNBUFFERED=1 PYTHONPATH=.:${PYTHONPATH:-} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export NVSHMEM_DISABLE_NVLS=1
+tp_decode() {  # GPUs, log name, decode.py options...: the engine's step under torchrun on those GPUs
+    local gpus=$1 name=$2
+    shift 2
+    CUDA_VISIBLE_DEVICES=$gpus timeout 400 torchrun --standalone --nproc-per-node $(($(tr -cd , <<< "$gpus" | wc -c) + 1)) \
+        bench/decode.py --tensor-parallel --prompt-len 128 --new-tokens 64 --batches 1,64 "$@" > "$LOGS/$name.txt" 2>&1
+}
 LOGS=${LOGS:-/tmp/moemesh_gpu_checks}
 mkdir -p "$LOGS"
 quiet() { grep -v "^W1\|UserWarning\|_warn_once\|warnings.warn"; }
@@ -113,5 +131,74 @@ serve)
     ;;
 serve48)
     timeout 580 python3 bench/serve_load.py --layers 48 --clients 1,16,64,256 2>&1 | quiet | tail -16
+    ;;
+tp)  # on 2 GPUs: 1 then 2; on 4: 1 and 2 side by side, then 4
+    gpus=$(nvidia-smi -L | wc -l)
+    sizes=2; [ "$gpus" -ge 4 ] && sizes="2 4"
+    for n in $sizes; do
+        CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) timeout 200 torchrun --standalone --nproc-per-node $n \
+            bench/decode.py --all-reduce > "$LOGS/all_reduce$n.txt" 2>&1
+        echo "== the all-reduce alone, $n GPUs"; quiet < "$LOGS/all_reduce$n.txt" | grep "|\|Error"
+    done
+    if [ "$gpus" -ge 4 ]; then
+        tp_decode 0 tp1 --layers 48 & tp_decode 2,3 tp2 --layers 48 & wait
+        tp_decode 0,1,2,3 tp4 --layers 48
+    else
+        tp_decode 0 tp1 --layers 48; tp_decode 0,1 tp2 --layers 48
+    fi
+    for n in 1 $sizes; do echo "== the 48-layer decode step, $n GPUs"; quiet < "$LOGS/tp$n.txt" | grep "|\|Error"; done
+    tp_decode 0 gemma1 --config configs/gemma4_26b_a4b.toml
+    tp_decode 0,1 gemma2 --config configs/gemma4_26b_a4b.toml --ways nccl,shipped
+    for n in 1 2; do echo "== Gemma-4 26B-A4B's decode step, $n GPUs"; quiet < "$LOGS/gemma$n.txt" | grep "|\|Error"; done
+    ;;
+serve-tp)
+    model=${3:+--config $3}
+    timeout 560 python3 bench/serve_load.py ${model:---layers 48} --clients 1,64 --tp "$2" --long-prompt 0 \
+        2>&1 | quiet | tail -12
+    ;;
+serve235)
+    python3 - <<'PY' 2>&1 | quiet | tail -30
+import os, subprocess, sys, time, json, urllib.request
+log = open(os.environ.get("LOGS", "/tmp") + "/serve235.txt", "w")
+server = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+    "-m", "moemesh", "serve", "--config", "configs/qwen3_235b_a22b.toml", "--tp", "4", "--port", "8031",
+    "--max-len", "8192"], stdout=log, stderr=subprocess.STDOUT)
+start = time.time()
+try:
+    while True:
+        try:
+            urllib.request.urlopen("http://127.0.0.1:8031/v1/models", timeout=2)
+            break
+        except OSError:
+            if server.poll() is not None or time.time() - start > 420:
+                raise SystemExit(f"the server did not come up ({server.poll()}): see {log.name}")
+            time.sleep(2)
+    print(f"up in {time.time() - start:.0f} s")
+    from openai import OpenAI
+    client = OpenAI(base_url="http://127.0.0.1:8031/v1", api_key="none")
+    reply = client.chat.completions.create(model="qwen3_235b_a22b", messages=[{"role": "user", "content": "Hello"}],
+                                           max_tokens=8)
+    print("chat answer:", repr(reply.choices[0].message.content), reply.usage)
+    def timed(n_clients, tokens):
+        import concurrent.futures as cf
+        def one(i):
+            r = client.completions.create(model="qwen3_235b_a22b", prompt="x" * 128 + str(i), max_tokens=tokens,
+                                          temperature=0)  # tokens counted: an end-of-text token may stop one early
+            return r.usage.completion_tokens
+        t = time.perf_counter()
+        with cf.ThreadPoolExecutor(n_clients) as pool:
+            made = sum(pool.map(one, range(n_clients)))
+        return made, time.perf_counter() - t
+    timed(1, 16); timed(64, 16)  # the graphs of these batches
+    made1, s1 = timed(1, 128)
+    made64, s64 = timed(64, 128)
+    print(f"batch 1: {made1} tokens in {s1:.2f} s: {s1 * 1e3 / made1:.2f} ms a token (prompt included)")
+    print(f"64 clients: {made64} tokens in {s64:.2f} s: {made64 / s64:,.0f} tokens/s")
+finally:
+    server.terminate()
+    server.wait(timeout=60)
+    log.close()
+    print(open(log.name).read()[-3000:])
+PY
     ;;
 esac

@@ -22,6 +22,8 @@ server's process, N requests in flight, no HTTP): the share of the engine the se
         --serve-args '--max-num-batched-tokens 2048'
     # against a server that runs already (no engine-alone column)
     PYTHONPATH=. python3 bench/serve_load.py --url http://127.0.0.1:8000 --clients 1,16
+    # the server under tensor parallelism: its child under torchrun on N GPUs (issue 49)
+    PYTHONPATH=. python3 bench/serve_load.py --layers 48 --clients 1,64 --tp 4
 
 With --layers or --config this script starts the server itself, in a child process: the model
 built on the device with random weights (no 61 GB checkpoint to write and read), the engine
@@ -188,7 +190,7 @@ def engine_alone(scheduler, clock: StepClock, tokenizer, clients: int, args) -> 
 def serve_child(args) -> None:
     import torch
 
-    from bench.common import bench_model_config, spread_routing
+    from bench.common import bench_model_config, spread_routing, tensor_parallel_model
     from bench.serve_offline import moemesh_model
     from moemesh.cli import _engine, _parser
     from moemesh.data.tokenizer import ByteTokenizer
@@ -201,7 +203,11 @@ def serve_child(args) -> None:
     if not args.config:  # the real model's context: 40,960 positions
         config = config.replace(max_position_embeddings=40960)
     config = config.replace(output_router_logits=False)
-    model = moemesh_model(config, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    group = None
+    if args.tp > 1:  # under torchrun: rank 0 serves, the others follow its steps
+        model, group = tensor_parallel_model(config)
+    else:
+        model = moemesh_model(config, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     if args.spread_routing:
         spread_routing(model)
     if args.fake_step_ms is not None:
@@ -209,8 +215,10 @@ def serve_child(args) -> None:
     serve_args = _parser().parse_args(["serve", "--checkpoint", "random", *args.serve_args.split()])
     limit = config.max_position_embeddings
     engine = _engine(
-        serve_args, model, None, serve_args.max_len or (limit if device.type == "cuda" else min(limit, 4096))
+        serve_args, model, group, serve_args.max_len or (limit if device.type == "cuda" else min(limit, 4096))
     )
+    if not engine.leader:
+        return engine.follow()
     tokenizer = ByteTokenizer()
     tokenizer.eos_id = None  # every request makes --max-tokens tokens
     warm_up = engine.warm_up()
@@ -394,7 +402,9 @@ def start_server(args) -> tuple[subprocess.Popen, str, dict]:
     """The child server; returns once it listens, with its URL and its report."""
     port = args.port
     command = [sys.executable, __file__, "--serve", "--port", str(port), "--clients", args.clients]
-    names = ("layers", "config", "requests", "prompt_len", "max_tokens", "max_tokens_spread", "long_prompt")
+    if args.tp > 1:
+        command[:1] = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.tp)]
+    names = ("layers", "config", "requests", "prompt_len", "max_tokens", "max_tokens_spread", "long_prompt", "tp")
     names += ("serve_args", "schedules", "step_tokens")
     names += ("fake_step_ms", "fake_prefill_ms", "fake_token_us", "spread_routing")
     for name in names:
@@ -468,6 +478,7 @@ def main():
     )
     parser.add_argument("--fake-token-us", type=float, default=10.0, help="with --fake-step-ms: more a prefill token")
     parser.add_argument("--port", type=int, default=8013, help="the server's (and the next one, its bench control's)")
+    parser.add_argument("--tp", type=int, default=1, help="the started server's tensor-parallel GPUs")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child
     args = parser.parse_args()
     args.client_counts = [int(c) for c in args.clients.split(",")]
