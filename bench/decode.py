@@ -33,7 +33,7 @@ the engine made with the TP group; the engine's decode step alone (ms/step, as "
 above) for each way of summing the model's all-reduces (--ways: NCCL; the peer buffer's one-shot;
 its two-shot; as shipped, `comm.PEER_ALL_REDUCE`), with the collectives of a step counted (those
 inside the captured graphs included) and whether its greedy tokens equal the first way's. With
-N = 1 it gives the one-GPU row. --all-reduce: one all-reduce of bf16 [--all-reduce-sizes bytes]
+N = 1 it gives the one-GPU row; with --profile-steps, rank 0's kernels of a step instead. --all-reduce: one all-reduce of bf16 [--all-reduce-sizes bytes]
 in microseconds, 32 of them captured in a CUDA graph and replayed, each way, with the largest
 difference from an fp32 sum and whether every rank got the same bits.
 """
@@ -185,6 +185,16 @@ def tensor_parallel_rows(config, args, prompts) -> list[dict]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     model, group = tensor_parallel_model(config)
     rows, first = [], {}
+    if args.profile_steps:  # rank 0's kernels, as shipped
+        engine = DecodeEngine(
+            model, max_batch=args.profile_batch, max_len=args.prompt_len + args.profile_steps + 2, group=group
+        )
+        if engine.leader:
+            rows = kernel_rows(engine, args, prompts)
+            engine.close()
+        else:
+            engine.follow()
+        return rows
     for way in args.ways if world > 1 else ["nccl"]:
         comm.PEER_ALL_REDUCE.update(WAYS[way])
         for batch in args.batches:
@@ -283,13 +293,21 @@ def profile_rows(config, args, device, prompts) -> list[dict]:
     """The GPU kernels of --profile-steps decode steps of the engine at batch --profile-batch,
     by name: calls and microseconds per step, the busiest first (the kernels of the graphs'
     replays; the prompts' prefill not included)."""
+    model = build(config, seed=0, device=device).eval()
+    return kernel_rows(
+        DecodeEngine(model, max_batch=args.profile_batch, max_len=args.prompt_len + args.profile_steps + 2),
+        args,
+        prompts,
+    )
+
+
+def kernel_rows(engine: DecodeEngine, args, prompts) -> list[dict]:
+    """The kernels of --profile-steps decode steps of `engine` (this rank's), by name."""
     from collections import defaultdict
 
     from bench.common import profiled_kernels
 
-    model = build(config, seed=0, device=device).eval()
     steps, batch = args.profile_steps, args.profile_batch
-    engine = DecodeEngine(model, max_batch=batch, max_len=args.prompt_len + steps + 2)
     step, _ = engine_steps(engine, prompts[:batch])
     kernels = profiled_kernels(lambda: [step(i) for i in range(1, steps + 1)])
     by_name = defaultdict(lambda: [0, 0.0])
@@ -408,7 +426,8 @@ def main():
         return print_table(rows, f"all-reduce of bf16, a CUDA graph of 32, {where}") if rank0 else None
     if args.tensor_parallel:
         rows = tensor_parallel_rows(config, args, prompts)
-        return print_table(rows, title + ": tensor-parallel engine steps") if rank0 else None
+        what = "kernels per decode step (rank 0)" if args.profile_steps else "tensor-parallel engine steps"
+        return print_table(rows, f"{title}, {os.environ.get('WORLD_SIZE', '1')} GPUs: {what}") if rank0 else None
     if args.profile_steps:
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)

@@ -283,7 +283,7 @@ def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
 # Bytes up to which a sum over a group with a peer buffer (`use_peer_all_reduce`) takes each way;
 # larger tensors go through NCCL. The thresholds come from `bench/decode.py --all-reduce`
 # (docs/benchmarks.md, issue 49); a benchmark sets them to compare the ways.
-PEER_ALL_REDUCE = {"one_shot": 256 << 10, "two_shot": 0}
+PEER_ALL_REDUCE = {"one_shot": 1 << 20, "two_shot": 4 << 20}
 
 
 class _PeerBuffer:
