@@ -67,7 +67,8 @@ trainer: train/logprobs.py): each step's forward records the experts every MoE l
 each of its tokens (`models.moe.RoutingRecorder`), and the scheduler files them under their
 sequence's positions in `Sequence.routing`. Positions taken from the prefix cache were computed
 for another sequence and are not filed; a preempted sequence's recomputed ones are filed again.
-Eager engines only (no CUDA graphs: a replay records nothing).
+Eager engines only (no CUDA graphs: a replay records nothing). The engine's model records from
+then on, whoever runs it, until `scheduler.routing.stop()`.
 
 A request's failure is that request's alone: what is done for one row after the engine's step
 (processing.py: penalties, biases, grammars, log-probabilities; its text and stops) runs under
