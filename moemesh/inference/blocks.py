@@ -14,6 +14,10 @@ A block whose count drops to 0 is free but keeps its key and contents: a later `
 back. Free blocks, keyed or not, wait in one queue in the order they were freed (a sequence's last
 block first, so that its prefix outlives its tail); `allocate` takes the block free the longest
 and drops its key: cached prefixes are evicted least recently used (vLLM's policy).
+
+New weights (`DecodeEngine.load_weights`) make every cached block stale: its keys and values were
+computed with the old ones. `reset_prefix_cache` drops every key; it refuses while a sequence
+holds blocks, whose entries would be stale too.
 """
 
 from __future__ import annotations
@@ -86,3 +90,12 @@ class BlockPool:
         if self.prefix_caching and key not in self.cached and block not in self.key_of:
             self.cached[key] = block
             self.key_of[block] = (key, tuple(tokens))
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (the blocks stay free, unkeyed). RuntimeError, changing
+        nothing, while any block is held: running sequences hold entries of the old weights."""
+        held = sum(count > 0 for count in self.refs)
+        if held:
+            raise RuntimeError(f"{held} blocks are held by running sequences: finish or cancel them first")
+        self.cached.clear()
+        self.key_of.clear()

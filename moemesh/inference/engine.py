@@ -67,6 +67,7 @@ from moemesh.inference.request import Sampling
 from moemesh.inference.sampling import MODES, mode_for, sample
 from moemesh.models import MoECausalLM, PagedKVCache
 from moemesh.models.kv_cache import HostLayoutMissing
+from moemesh.models.weights import copy_weights
 from moemesh.parallel import comm
 
 _FORWARD, _DECODE, _STOP, _KEEP_ALIVE, _TABLES = 1, 2, 3, 4, 5
@@ -226,6 +227,15 @@ class DecodeEngine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
+
+    def load_weights(self, source) -> None:
+        """New weights in place, from a model (LoRA adapters merged) or a state dict of the same
+        layout (`models/weights.py`; under tensor parallelism every rank its own shard), between
+        generations: RuntimeError while sequences hold blocks, ValueError when names or shapes do
+        not fit, either before anything changes. The prefix cache is emptied (its blocks hold keys
+        and values of the old weights); captured CUDA graphs stay valid (same tensors)."""
+        self.blocks.reset_prefix_cache()
+        copy_weights(self.model, source)
 
     def keep_alive(self) -> None:
         """Tell the followers the leader is alive though idle: their wait for the next step

@@ -244,6 +244,9 @@ class Sequence:
         self.cancelled = False  # set from any thread; the scheduler drops the request at its next step
         self.on_update = on_update
         self.sampler = None  # processing.RowSampler, when the request needs one (the scheduler's)
+        # position -> the experts each MoE layer chose for that token, [layers, k] (the
+        # scheduler's record_routing)
+        self.routing: dict = {}
         self._text = IncrementalText(tokenizer)
         self._hold = max((len(s) for s in params.stop), default=1) - 1
         self._sent = 0

@@ -62,6 +62,14 @@ the time (5%, over about the last second); beyond it, finishing rounds go on wit
 (a reply came) are not limited: a closed loop keeps its windows. (Skipping windows after
 misses instead lost the whole gain on the 48-layer shape: docs/benchmarks.md.)
 
+Routing (`record_routing`, for reinforcement learning's comparison of the engine with the
+trainer: train/logprobs.py): each step's forward records the experts every MoE layer chose for
+each of its tokens (`models.moe.RoutingRecorder`), and the scheduler files them under their
+sequence's positions in `Sequence.routing`. Positions taken from the prefix cache were computed
+for another sequence and are not filed; a preempted sequence's recomputed ones are filed again.
+Eager engines only (no CUDA graphs: a replay records nothing). The engine's model records from
+then on, whoever runs it, until `scheduler.routing.stop()`.
+
 A request's failure is that request's alone: what is done for one row after the engine's step
 (processing.py: penalties, biases, grammars, log-probabilities; its text and stops) runs under
 its own guard, and a row that raises finishes with "error" while the others go on. Only a
@@ -89,6 +97,7 @@ from moemesh.inference.grammar import Grammars
 from moemesh.inference.processing import FLOOR, RowSampler
 from moemesh.inference.request import Logprob, QueueFull, SamplingParams, Sequence, check_request
 from moemesh.inference.sampling import token_logprobs
+from moemesh.models.moe import RoutingRecorder
 
 MISSED_WINDOWS_SHARE = 0.05  # of the time, at most, in reply windows that got no reply
 
@@ -110,8 +119,14 @@ class Scheduler:
         max_waiting: int = 64,
         reply_window_s: float = 0.0,
         prefill_first: bool = False,
+        record_routing: bool = False,
     ):
         self.engine, self.tokenizer, self.max_waiting = engine, tokenizer, max_waiting
+        if record_routing and engine.cuda_graphs:
+            raise ValueError(
+                "record_routing needs an eager engine (cuda_graphs=False): a graph's replay records nothing"
+            )
+        self.routing = RoutingRecorder(engine.model).start() if record_routing else None
         self.reply_window_s, self.prefill_first = reply_window_s, prefill_first
         self._prompts_round = False  # the last round computed prompts alone (prefill_first)
         self.pool = engine.blocks
@@ -176,9 +191,16 @@ class Scheduler:
                 )
             )
         self.decode_batches[len(work)] += 1
+        if self.routing is not None:
+            self.routing.take()  # drop what forwards outside the rounds recorded (a warm-up)
         tokens = self.engine.step(chunks)
-        sampled = 0
+        routing = self.routing.take() if self.routing is not None else None  # [tokens, layers, k], chunk by chunk
+        sampled = offset = 0
         for i, ((sequence, count), chunk) in enumerate(zip(work, chunks)):
+            if routing is not None:
+                for j in range(count):
+                    sequence.routing[chunk.start + j] = routing[offset + j]
+                offset += count
             held = self.held[sequence]
             held.computed += count
             self._register(sequence, held)

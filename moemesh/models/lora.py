@@ -36,6 +36,8 @@ base: A by columns; the other factor whole, its gradient summed over tp); FSDP s
 
 `merge_adapters` folds W + s·B·A into the base weights — whole, or a TP shard: a shard's factors
 give exactly its block of the product — and removes the adapters (generation, serving, export).
+`merged_state_dict` computes the same weights without touching the model (a training run handing
+its current weights to an engine: `models/weights.py`).
 
 Limit: dropout draws its masks on each rank for the rows that rank holds, so with dropout > 0 a
 layout does not reproduce one process exactly (as in every framework); at 0 it does.
@@ -191,25 +193,48 @@ def trainable_names(model: nn.Module) -> list[str]:
     return [name for name, param in model.named_parameters() if param.requires_grad]
 
 
+def _merged(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapted weights of one module, merged: weight name -> W + s·B·A (in fp32, then in
+    W's dtype); empty when it has no adapter."""
+    if has_adapter(module):
+        delta = module.lora_B.float() @ module.lora_A.float() * module.lora_scaling
+        return {"weight": (module.weight.float() + delta).to(module.weight.dtype)}
+    merged = {}
+    if isinstance(module, Experts):
+        for bank, scaling in module.lora_scaling.items():
+            weight = getattr(module, bank)
+            a, b = getattr(module, f"{bank}_lora_A"), getattr(module, f"{bank}_lora_B")
+            merged[bank] = (weight.float() + torch.bmm(b.float(), a.float()) * scaling).to(weight.dtype)
+    return merged
+
+
 @torch.no_grad()
 def merge_adapters(model: nn.Module) -> None:
     """W += s·B·A for every adapter (in fp32, then in W's dtype), and the adapters removed: the
     model computes what it computed with them, at the base's cost. Works on whole modules and on
     tensor-parallel shards alike (not on FSDP-sharded ones)."""
     for module in model.modules():
+        for name, weight in _merged(module).items():
+            getattr(module, name).copy_(weight)
         if has_adapter(module):
-            delta = module.lora_B.float() @ module.lora_A.float() * module.lora_scaling
-            module.weight.copy_((module.weight.float() + delta).to(module.weight.dtype))
             for attribute in ("lora_A", "lora_B", "lora_scaling", "lora_dropout"):
                 delattr(module, attribute)
             if type(module) is LoraLinear:
                 module.__class__ = Linear
-        if isinstance(module, Experts) and getattr(module, "lora_scaling", None):
-            for bank, scaling in module.lora_scaling.items():
-                weight = getattr(module, bank)
-                a, b = getattr(module, f"{bank}_lora_A"), getattr(module, f"{bank}_lora_B")
-                delta = torch.bmm(b.float(), a.float()) * scaling
-                weight.copy_((weight.float() + delta).to(weight.dtype))
+        if isinstance(module, Experts) and module.has_adapters:
+            for bank in module.lora_scaling:
                 delattr(module, f"{bank}_lora_A")
                 delattr(module, f"{bank}_lora_B")
             module.lora_scaling = {}
+
+
+@torch.no_grad()
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """`model`'s state dict as `merge_adapters` would leave it, the model left as it is: the
+    adapted weights merged (new tensors), the factors left out, every other entry the model's own
+    tensor (shared, not copied)."""
+    state = model.state_dict()
+    for prefix, module in model.named_modules():
+        for name, weight in _merged(module).items():
+            state[f"{prefix}.{name}" if prefix else name] = weight
+    return {name: t for name, t in state.items() if not is_adapter(name)}

@@ -13,6 +13,10 @@ For up to SELECTED_EXPERT_ROWS (token, expert) pairs without gradients (decoding
 `selected_experts` is the block in one go: the tokens through their k experts by `expert_gemv`,
 each chosen expert's weights read once, then the same weighted sum and reduce. The staged path
 above is its reference.
+
+`RoutingRecorder` keeps the experts each block chose for each token, so that two forwards of the
+same tokens (the engine's and the trainer's: reinforcement learning) can be compared decision by
+decision. Off by default: a block then pays one attribute test per forward.
 """
 
 from __future__ import annotations
@@ -336,10 +340,14 @@ class MoEBlock(nn.Module):
         # Tensor parallelism replaces this with the block's one all-reduce: the expert outputs are
         # partial sums there, and the weighted top-k sum of combine is linear in them.
         self.reduce_output: Callable[[torch.Tensor], torch.Tensor] = lambda out: out
+        # A list while a `RoutingRecorder` records: each forward's chosen experts [T, k], sorted.
+        self.routing_record: list[torch.Tensor] | None = None
 
     def route(self, x: torch.Tensor, stats: bool = True) -> Routing:
         """`stats=False`: no load-balancing statistics (decoding)."""
         routing = self.gate(x, stats=stats)
+        if self.routing_record is not None and not recompute.recomputing():  # once, not again in backward
+            self.routing_record.append(routing.expert_ids.detach().sort(dim=-1).values)
         if self.shared_experts is not None:
             routing = dataclasses.replace(routing, shared=self.shared_experts(x))
         return routing
@@ -380,3 +388,46 @@ class MoEBlock(nn.Module):
         dispatched = self.dispatch(x, routing)
         out = self.combine(self.compute_experts(dispatched), dispatched, routing, x.shape[0])
         return out, routing.stats
+
+
+class RoutingRecorder:
+    """The experts every MoE block of `model` chooses for each token, while recording (a context
+    manager, or `start`/`stop`). `take()` returns the choices since the last take as one tensor
+    [T, L, k]: token, MoE layer (in model order), the k chosen expert ids sorted ascending (the
+    set is the decision; the order among the k is the router's business). T is the tokens of the
+    forwards since the last take, in the order they ran, flattened as the block sees them.
+
+    Limits: eager forwards only — a replayed CUDA graph runs no Python, so it records nothing; the
+    tokens of an expert-parallel forward are this rank's."""
+
+    def __init__(self, model: nn.Module):
+        self.blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
+
+    def start(self) -> RoutingRecorder:
+        for block in self.blocks:
+            block.routing_record = []
+        return self
+
+    def stop(self) -> None:
+        for block in self.blocks:
+            block.routing_record = None
+
+    __enter__ = start
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def take(self) -> torch.Tensor:
+        records = []
+        for block in self.blocks:
+            if block.routing_record is None:
+                raise RuntimeError("RoutingRecorder.take: not recording (call start() first)")
+            records.append(torch.cat(block.routing_record) if block.routing_record else None)
+            block.routing_record = []
+        if not records or all(r is None for r in records):
+            return torch.zeros(0, len(records), 0, dtype=torch.long)
+        if any(r is None or r.shape[0] != records[0].shape[0] for r in records):
+            raise RuntimeError(
+                "RoutingRecorder.take: the MoE layers saw different numbers of tokens (a forward cut short?)"
+            )
+        return torch.stack(records, dim=1)
