@@ -33,9 +33,10 @@ the engine made with the TP group; the engine's decode step alone (ms/step, as "
 above) for each way of summing the model's all-reduces (--ways: NCCL; the peer buffer's one-shot;
 its two-shot; as shipped, `comm.PEER_ALL_REDUCE`), with the collectives of a step counted (those
 inside the captured graphs included) and whether its greedy tokens equal the first way's. With
-N = 1 it gives the one-GPU row; with --profile-steps, rank 0's kernels of a step instead. --all-reduce: one all-reduce of bf16 [--all-reduce-sizes bytes]
-in microseconds, 32 of them captured in a CUDA graph and replayed, each way, with the largest
-difference from an fp32 sum and whether every rank got the same bits.
+N = 1 it gives the one-GPU row; with --profile-steps, rank 0's kernels of a step instead.
+--all-reduce: one all-reduce of bf16 [--all-reduce-sizes KB] in microseconds, 32 of them captured
+in a CUDA graph and replayed, each way, with the largest difference from an fp32 sum and whether
+every rank got the same bits.
 """
 
 from __future__ import annotations
