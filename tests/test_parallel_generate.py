@@ -90,13 +90,37 @@ def test_a_graph_s_collectives_are_counted_at_each_replay():
     assert (comm.calls[("all_reduce", "forward")], comm.sent_bytes[("all_reduce", "forward")]) == (2, 8192)
 
 
-def test_tp_generation_equals_one_process():
+def check_each_rank_reads_only_its_shard(rank, hf_dir):
+    """A Hugging Face directory under TP: each rank reads from the safetensors exactly the
+    elements it keeps (its heads, expert slices, vocabulary rows; the norms and router whole),
+    never a whole sharded tensor — how a model larger than one GPU (470 GB of Qwen3-235B-A22B)
+    is read by four."""
+    from moemesh.checkpoint import lazy
+    from moemesh.inference.generate import load_for_generation
+
+    read = []
+    box = lazy.Stored._box
+    lazy.Stored._box = lambda self, boxes: read.append(box(self, boxes).numel()) or box(self, boxes)
+    try:
+        model, _ = load_for_generation(hf_dir, "bytes", mesh=init_mesh(ParallelDims(tp=TP)))
+    finally:
+        lazy.Stored._box = box
+    kept = {t.data_ptr(): t.numel() for t in model.state_dict().values()}  # tied weights once
+    whole = sum(t.numel() for t in build(CONFIG).state_dict().values())
+    return sum(read), sum(kept.values()), whole
+
+
+def test_tp_generation_equals_one_process(tmp_path):
+    save_pretrained(build(CONFIG, seed=5), tmp_path / "hf")
     pool = WorkerPool(TP)
     try:
         (gathers, gathered), follower = pool.run(check_generation)
         pool.run(check_a_decode_step_is_one_broadcast)
+        reads = pool.run(check_each_rank_reads_only_its_shard, str(tmp_path / "hf"))
     finally:
         pool.close()
+    for read, kept, whole in reads:
+        assert 0 < read == kept < 0.6 * whole, (read, kept, whole)
     assert follower == (gathers, gathered)  # the follower ran every step the leader ran
     # one all-gather of [rows, V / tp] fp32 logits per prefill and per decode step (1 or 2 rows),
     # the warm-up's two steps (batch 1 and 2) included
