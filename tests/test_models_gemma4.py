@@ -253,10 +253,11 @@ def check_per_expert_scale_before_the_one_reduce(rank):
     model = apply_data_parallel(apply_tp(built(config), mesh), mesh)
     x = torch.randn(10, config.hidden_size, generator=torch.Generator().manual_seed(4))
     upstream = torch.randn(10, config.hidden_size, generator=torch.Generator().manual_seed(5))
-    expected = reference.model.layers[0].mlp(x)[0]
+    layer, theirs = model.model.layers[0], reference.model.layers[0]
+    expected = theirs.aggregate(x, theirs.mlp(x)[0])  # both branches and their norms, x the residual
     comm.reset_counts()
-    out = model.model.layers[0].mlp(x)[0]
-    assert dict(comm.calls) == {("all_reduce", "forward"): 1}
+    out = layer.aggregate(x, layer.mlp(x)[0])
+    assert dict(comm.calls) == {("all_reduce", "forward"): 1}  # the dense MLP's and the experts' sums together
     assert rel_err(out, expected) <= RTOL
     (expected * upstream).sum().backward()
     (out * upstream).sum().backward()

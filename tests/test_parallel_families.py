@@ -123,25 +123,35 @@ def test_layout_equals_one_process(pool, family, dp, ep, tp):
     assert all(pool.run(check_matches_single_process, CONFIGS[family], dp, ep, tp))
 
 
+def feed_forward(layer, x):
+    """Layer `layer`'s MoE block on tokens x — with Gemma 4's dense MLP beside it, both branches
+    and their norms (`aggregate`, x standing in for the residual)."""
+    out = layer.mlp(x)[0]
+    return layer.aggregate(x, out) if hasattr(layer, "reduce_branches") else out
+
+
 def one_reduce_block(config, tp=WORLD):
     """Layer 0's MoE block under TP (over all ranks, or replicas of tp ranks): its output for a
     batch of tokens, the block, the tokens and the one-process block's output. The block must
-    issue exactly one forward all-reduce of [tokens, hidden] and match one process."""
+    issue exactly one forward all-reduce of [tokens, hidden] and match one process; Gemma 4's
+    layer one of [2, tokens, hidden] for its dense MLP and its experts together."""
     mesh = init_mesh(ParallelDims(dp_replicate=WORLD // tp, tp=tp))
-    reference = build_with_biases(config).model.layers[0].mlp
-    block = apply_tp(build_with_biases(config), mesh).model.layers[0].mlp
+    reference = build_with_biases(config).model.layers[0]
+    layer = apply_tp(build_with_biases(config), mesh).model.layers[0]
     x = torch.randn(10, config.hidden_size, generator=torch.Generator().manual_seed(4))
     comm.reset_counts()
-    out = block(x)[0]
+    out = feed_forward(layer, x)
+    branches = 2 if hasattr(layer, "reduce_branches") else 1
     assert dict(comm.calls) == {("all_reduce", "forward"): 1}
-    assert comm.sent_bytes[("all_reduce", "forward")] == x.numel() * 4
-    expected = reference(x)[0]
+    assert comm.sent_bytes[("all_reduce", "forward")] == branches * x.numel() * 4
+    expected = feed_forward(reference, x)
     assert rel_err(out, expected) <= RTOL
-    return block, x, expected
+    return layer.mlp, x, expected
 
 
 def check_one_reduce_per_moe_block(rank, family):
-    """One forward all-reduce per MoE block, DeepSeek's shared experts included."""
+    """One forward all-reduce per MoE block, DeepSeek's shared experts included, Gemma 4's dense
+    MLP too."""
     one_reduce_block(CONFIGS[family].replace(num_hidden_layers=1, first_k_dense_replace=0, layer_types=None))
     return True
 

@@ -17,8 +17,9 @@ tensor parallelism the attention_k_eq_v layers split their shared k projection b
 the others (tp must divide num_global_key_value_heads too).
 
 transformers names the dense MLP `mlp` and the expert block's parts `router` / `experts` on the
-layer; moemesh keeps the expert block at `mlp` (a MoEBlock, as in every family, which tensor
-parallelism reduces once after combine) and the dense MLP at `dense_mlp`, renamed at load and save.
+layer; moemesh keeps the expert block at `mlp` (a MoEBlock, as in every family) and the dense MLP
+at `dense_mlp`, renamed at load and save. Under tensor parallelism the two branches are summed in
+one all-reduce a layer (`reduce_branches`), not one each.
 Load-balancing loss: transformers computes none; moemesh's is the Switch loss of the others.
 
 The hub's multimodal checkpoints (Gemma4ForConditionalGeneration, model_type "gemma4") load their
@@ -28,6 +29,7 @@ language model, skipping the vision and audio parts (checkpoint/multimodal.py); 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -190,6 +192,11 @@ class Gemma4DecoderLayer(DecoderLayer):
         self.post_feedforward_layernorm_2 = RMSNorm(hidden, eps)
         self.post_feedforward_layernorm = RMSNorm(hidden, eps)
         self.layer_scalar = nn.Buffer(torch.ones(1))
+        # The two branches' outputs, each summed over tensor-parallel ranks before its own
+        # post-norm: the identity here. Tensor parallelism makes it one all-reduce of both, the
+        # dense MLP's down projection and the expert block leaving their partial sums to it
+        # (llama.cpp's one reduce a layer for this model's two branches).
+        self.reduce_branches: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]] = lambda *both: both
 
     def attention(self, h: torch.Tensor, rope, positions: torch.Tensor, cache: PagedKVCache | None = None):
         if self.embed_scale is not None:
@@ -202,8 +209,8 @@ class Gemma4DecoderLayer(DecoderLayer):
         return self.pre_feedforward_layernorm_2(flat), self.mlp.route(flat, stats)
 
     def aggregate(self, h: torch.Tensor, mlp_out: torch.Tensor) -> torch.Tensor:
-        dense = self.post_feedforward_layernorm_1(self.dense_mlp(self.pre_feedforward_layernorm(h)))
-        experts = self.post_feedforward_layernorm_2(mlp_out.view_as(h))
+        dense, experts = self.reduce_branches(self.dense_mlp(self.pre_feedforward_layernorm(h)), mlp_out.view_as(h))
+        dense, experts = self.post_feedforward_layernorm_1(dense), self.post_feedforward_layernorm_2(experts)
         return (h + self.post_feedforward_layernorm(dense + experts)) * self.layer_scalar
 
 

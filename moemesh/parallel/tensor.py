@@ -79,8 +79,29 @@ def apply_tp(model: MoECausalLM, mesh: Mesh, plan: dict[str, str] | None = None)
         _APPLY[style](model, name, shard, group)
     for region in regions:
         _enter_sharded(region, group, tp)
+    _reduce_branches_once(model, regions, group)
     model.tie_weights()
     return model
+
+
+def _reduce_branches_once(model: nn.Module, regions: list[nn.Module], group) -> None:
+    """A layer with two sharded branches side by side (Gemma 4: a dense MLP beside the experts,
+    each normalised after its sum) sums both in one all-reduce of [2, tokens, hidden], not one
+    each: the dense MLP's rowwise down projection (no bias: a bias would be added on every rank)
+    and the expert block leave their partial sums to the layer's `reduce_branches`."""
+    for layer in model.modules():
+        dense, block = getattr(layer, "dense_mlp", None), getattr(layer, "mlp", None)
+        if not hasattr(layer, "reduce_branches") or dense not in regions or block not in regions:
+            continue
+        if not isinstance(dense.down_proj, RowwiseLinear) or dense.down_proj.bias is not None:
+            continue
+        dense.down_proj.group = None  # its partial product, reduced with the experts'
+        block.reduce_output = lambda out: out
+        layer.reduce_branches = functools.partial(_summed_together, group=group)
+
+
+def _summed_together(*partials: torch.Tensor, group) -> tuple[torch.Tensor, ...]:
+    return tuple(comm.from_partial(torch.stack(partials), group).unbind(0))
 
 
 def _enter_sharded(region: nn.Module, group, tp: int) -> None:
