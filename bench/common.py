@@ -37,23 +37,27 @@ def bench_model_config(args) -> ModelConfig:
     return load_config(args.config, launched=False).model if args.config else qwen3_30b_a3b(args.layers)
 
 
-def tensor_parallel_model(config: ModelConfig):
-    """(this rank's shard of `config`'s model, the TP group) over all ranks torchrun launched, as
-    `moemesh serve --tp N` lays it out: built on meta, laid out for tp = WORLD_SIZE, each rank
-    drawing its shard from seed 0 (bf16 on a GPU, fp32 on a CPU). One process: the whole model,
-    no group."""
+def tensor_parallel_model(config: ModelConfig, axis: str = "tp"):
+    """(this rank's shard of `config`'s model, its group) over all ranks torchrun launched, as
+    `moemesh serve --tp N` (axis "tp") or `--ep N` ("ep") lays it out: built on meta, laid out for
+    N = WORLD_SIZE, each rank drawing its shard from seed 0 (bf16 on a GPU, fp32 on a CPU). One
+    process: the whole model, no group."""
     from moemesh.models.build import meta_model
     from moemesh.parallel.config import ParallelConfig, StepShape
+    from moemesh.parallel.expert import apply_ep_for_decoding
     from moemesh.parallel.mesh import ParallelDims, init_mesh
     from moemesh.parallel.parallelize import materialize, parallelize
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    mesh = init_mesh(ParallelDims(tp=world))
+    mesh = init_mesh(ParallelDims(**{axis: world}))
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     model = meta_model(config, torch.bfloat16 if on_gpu else torch.float32)
-    parallelize(model, mesh, ParallelConfig(tp=world), StepShape(dtype="bfloat16" if on_gpu else "float32"))
-    return materialize(model, device, seed=0).eval(), mesh.group("tp")
+    if axis == "ep":
+        apply_ep_for_decoding(model, mesh)
+    else:
+        parallelize(model, mesh, ParallelConfig(tp=world), StepShape(dtype="bfloat16" if on_gpu else "float32"))
+    return materialize(model, device, seed=0).eval(), mesh.group(axis)
 
 
 def routers(model: torch.nn.Module) -> list[torch.nn.Module]:

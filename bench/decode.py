@@ -28,7 +28,8 @@ Under torchrun, tensor parallelism over the ranks launched (issue 49):
     torchrun --nproc-per-node N bench/decode.py --layers 48 --tensor-parallel --batches 1,64
     torchrun --nproc-per-node N bench/decode.py --all-reduce
 
---tensor-parallel: the model built on meta, laid out for tp=N and materialised from the seed,
+--tensor-parallel: the model built on meta, laid out for tp=N (with --layout ep: the experts
+split over N ranks, everything else whole on each, as `serve --ep N`) and materialised from the seed,
 the engine made with the TP group; the engine's decode step alone (ms/step, as "engine ms/step"
 above) for each way of summing the model's all-reduces (--ways: NCCL; the peer buffer's one-shot;
 its two-shot; as shipped, `comm.PEER_ALL_REDUCE`), with the collectives of a step counted (those
@@ -184,7 +185,7 @@ def tensor_parallel_rows(config, args, prompts) -> list[dict]:
     import torch.distributed as dist
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    model, group = tensor_parallel_model(config)
+    model, group = tensor_parallel_model(config, args.layout)
     rows, first = [], {}
     if args.profile_steps:  # rank 0's kernels, as shipped
         engine = DecodeEngine(
@@ -224,7 +225,7 @@ def tensor_parallel_row(engine: DecodeEngine, args, prompts: list[list[int]], wo
     first.setdefault(batch, tokens)
     ms = min(timings)
     return {
-        "GPUs (TP)": world,
+        "GPUs": f"{world} ({args.layout.upper()})" if world > 1 else "1",
         "all-reduce": way if world > 1 else "",
         "batch": batch,
         "engine ms/step": f"{ms:.2f}",
@@ -393,6 +394,13 @@ def main():
     parser.add_argument("--profile-batch", type=int, default=1, help="the batch of --profile-steps")
     parser.add_argument(
         "--tensor-parallel", action="store_true", help="under torchrun: the engine's step over all ranks launched"
+    )
+    parser.add_argument(
+        "--layout",
+        choices=("tp", "ep"),
+        default="tp",
+        help="with --tensor-parallel: split heads, expert slices and vocabulary (tp), or the experts alone (ep: "
+        "`serve --ep`, the rest whole on every rank)",
     )
     parser.add_argument("--all-reduce", action="store_true", help="under torchrun: the all-reduce alone, by size")
     parser.add_argument("--ways", default="nccl,one-shot,two-shot,shipped", help=f"of {', '.join(WAYS)}")

@@ -222,13 +222,21 @@ def _model_arguments(command: argparse.ArgumentParser) -> None:
         "vocabulary); rank 0 prints or serves",
     )
     command.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel ranks instead (torchrun --nproc-per-node N ... --ep N): each rank keeps E/N "
+        "experts and computes their share of every token; attention, its KV cache and the vocabulary "
+        "are whole on every rank (one all-reduce a MoE layer); rank 0 prints or serves",
+    )
+    command.add_argument(
         "--set",
         dest="overrides",
         action="append",
         nargs="+",
         default=[],
         metavar="parallel.tp=N",
-        help="the same as --tp N, spelled as for `moemesh train`",
+        help="the same as --tp N (or --ep N: parallel.ep=N), spelled as for `moemesh train`",
     )
 
 
@@ -428,7 +436,7 @@ def _loaded(args: argparse.Namespace):
     from moemesh.config import device_for
     from moemesh.data.tokenizer import load_tokenizer
     from moemesh.inference.generate import drawn_for_generation, load_for_generation
-    from moemesh.parallel.mesh import ParallelDims, init_mesh
+    from moemesh.parallel.mesh import init_mesh
 
     for flag in ("max_batch", "max_num_batched_tokens", "kv_blocks", "block_size"):
         value = getattr(args, flag)
@@ -442,7 +450,7 @@ def _loaded(args: argparse.Namespace):
         raise MoemeshError(f"--gpu-memory-fraction must be in (0, 1], got {args.gpu_memory_fraction}")
     device = device_for(args.device, "--device")
     # First the mesh: it checks the number of processes and makes "cuda" this rank's GPU.
-    mesh = init_mesh(ParallelDims(tp=_tensor_parallel_size(args)))
+    mesh = init_mesh(_parallel_dims(args))
     try:
         dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
         if args.config is None:
@@ -453,24 +461,31 @@ def _loaded(args: argparse.Namespace):
             model, tokenizer = drawn_for_generation(args.config, device, dtype, mesh)
             if args.tokenizer is not None:
                 tokenizer = load_tokenizer(args.tokenizer)
-        yield model, tokenizer, mesh.group("tp")
+        yield model, tokenizer, mesh.group("ep" if mesh.dims.ep > 1 else "tp")
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _tensor_parallel_size(args: argparse.Namespace) -> int:
-    tp = args.tp
+def _parallel_dims(args: argparse.Namespace):
+    """generate's and serve's layout: --tp or --ep (or --set parallel.tp=N / parallel.ep=N)."""
+    from moemesh.parallel.mesh import ParallelDims
+
+    sizes = {"tp": args.tp, "ep": args.ep}
     for item in (item for group in args.overrides for item in group):
         key, _, value = item.partition("=")
-        if key != "parallel.tp" or not value.isdigit():
+        if key not in ("parallel.tp", "parallel.ep") or not value.isdigit():
             raise MoemeshError(
-                f"{args.command} --set takes only parallel.tp=N (the tensor-parallel size), got {item!r}"
+                f"{args.command} --set takes only parallel.tp=N or parallel.ep=N (the tensor- or expert-parallel "
+                f"size), got {item!r}"
             )
-        tp = int(value)
-    if tp < 1:
-        raise MoemeshError(f"--tp must be >= 1, got {tp}")
-    return tp
+        sizes[key.removeprefix("parallel.")] = int(value)
+    for axis, size in sizes.items():
+        if size < 1:
+            raise MoemeshError(f"--{axis} must be >= 1, got {size}")
+    if sizes["tp"] > 1 and sizes["ep"] > 1:
+        raise MoemeshError(f"{args.command} takes --tp or --ep, not both (got tp={sizes['tp']}, ep={sizes['ep']})")
+    return ParallelDims(**sizes)
 
 
 def _estimate(args: argparse.Namespace) -> None:

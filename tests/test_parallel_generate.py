@@ -19,6 +19,7 @@ from moemesh.inference.generate import generate
 from moemesh.inference.request import SamplingParams
 from moemesh.models import ModelConfig, build
 from moemesh.parallel import comm
+from moemesh.parallel.expert import apply_ep_for_decoding
 from moemesh.parallel.mesh import ParallelDims, init_mesh
 from moemesh.parallel.tensor import apply_tp
 from multiprocess import WorkerPool
@@ -36,16 +37,18 @@ PARAMS = [
 ]
 
 
-def generate_under_tp(config, prompts, params, max_len) -> DecodeEngine:
-    """Warm up and generate on the TP group (the leader checks one process's tokens; the others
-    follow) with the collectives counted from the TP engine's start; -> this rank's engine."""
+def generate_under_tp(config, prompts, params, max_len, axis="tp") -> DecodeEngine:
+    """Warm up and generate on the TP group (or, with axis "ep", expert-parallel for decoding: the
+    experts split, the rest replicated) — the leader checks one process's tokens, the others
+    follow — with the collectives counted from the engine's start; -> this rank's engine."""
     tokenizer = ByteTokenizer()
     expected = generate(
         DecodeEngine(build(config, seed=5).eval(), max_batch=2, max_len=max_len), tokenizer, prompts, params
     )
-    mesh = init_mesh(ParallelDims(tp=TP))
+    mesh = init_mesh(ParallelDims(**{axis: TP}))
+    lay_out = apply_tp if axis == "tp" else apply_ep_for_decoding
     engine = DecodeEngine(
-        apply_tp(build(config, seed=5), mesh).eval(), max_batch=2, max_len=max_len, group=mesh.group("tp")
+        lay_out(build(config, seed=5), mesh).eval(), max_batch=2, max_len=max_len, group=mesh.group(axis)
     )
     comm.reset_counts()
     if engine.leader:
@@ -62,6 +65,17 @@ def check_generation(rank):
     engine = generate_under_tp(CONFIG, PROMPTS, PARAMS, max_len=32)
     assert engine.cache.keys[0].shape[1] == CONFIG.num_key_value_heads // TP  # [rows, heads, max_len, head_dim]
     return comm.calls[("all_gather", "forward")], comm.sent_bytes[("all_gather", "forward")]
+
+
+def check_ep_generation(rank):
+    """Expert parallelism for decoding: each rank its half of the experts, attention, KV cache and
+    vocabulary whole; one all-reduce a MoE layer per forward, no logits gathered."""
+    engine = generate_under_tp(CONFIG, PROMPTS, PARAMS, max_len=32, axis="ep")
+    assert engine.model.model.layers[0].mlp.experts.gate_up_proj.shape[0] == CONFIG.num_experts // TP
+    assert engine.cache.keys[0].shape[1] == CONFIG.num_key_value_heads  # every head here
+    forwards = comm.calls[("all_reduce", "forward")] / CONFIG.num_hidden_layers
+    assert forwards == int(forwards) > len(PROMPTS) and ("all_gather", "forward") not in comm.calls
+    return True
 
 
 def check_a_decode_step_is_one_broadcast(rank):
@@ -117,6 +131,7 @@ def test_tp_generation_equals_one_process(tmp_path):
         (gathers, gathered), follower = pool.run(check_generation)
         pool.run(check_a_decode_step_is_one_broadcast)
         reads = pool.run(check_each_rank_reads_only_its_shard, str(tmp_path / "hf"))
+        pool.run(check_ep_generation)
     finally:
         pool.close()
     for read, kept, whole in reads:
@@ -154,11 +169,12 @@ def test_tp_generation_with_the_decoding_kernels(monkeypatch):
         pool.close()
 
 
-@pytest.mark.parametrize("source", ["checkpoint", "config"])
-def test_generate_command_under_torchrun(tmp_path, capsys, source):
+@pytest.mark.parametrize("source, layout", [("checkpoint", "tp"), ("config", "tp"), ("checkpoint", "ep")])
+def test_generate_command_under_torchrun(tmp_path, capsys, source, layout):
     """From a checkpoint every rank reads its shard; from a config (weights drawn from the seed,
-    for measuring a model no checkpoint holds yet) every rank draws its shard. Either way the text
-    of one process."""
+    for measuring a model no checkpoint holds yet) every rank draws its shard; under --tp its
+    heads, expert slices and vocabulary, under --ep its experts. Either way the text of one
+    process."""
     if source == "checkpoint":
         model = build(CONFIG, seed=5)
         save_pretrained(model, tmp_path / "hf")
@@ -187,7 +203,7 @@ def test_generate_command_under_torchrun(tmp_path, capsys, source):
             "moemesh",
             *args,
             "--set",
-            f"parallel.tp={TP}",
+            f"parallel.{layout}={TP}",
         ],
         capture_output=True,
         text=True,
@@ -214,4 +230,4 @@ def test_generate_from_a_config_takes_no_adapter(tmp_path, capsys):
 
 def test_generate_set_takes_only_the_tensor_parallel_size(tmp_path, capsys):
     assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "x", "--set", "train.steps=3"]) == 2
-    assert "generate --set takes only parallel.tp=N" in capsys.readouterr().err
+    assert "generate --set takes only parallel.tp=N or parallel.ep=N" in capsys.readouterr().err

@@ -30,6 +30,7 @@ from moemesh.models import MoECausalLM
 from moemesh.models.build import meta_model
 from moemesh.models.lora import merge_adapters
 from moemesh.parallel.config import ParallelConfig, StepShape
+from moemesh.parallel.expert import apply_ep_for_decoding
 from moemesh.parallel.mesh import Mesh
 from moemesh.parallel.parallelize import materialize, parallelize
 
@@ -79,13 +80,15 @@ def drawn_for_generation(
 
 def _laid_out(config, device, dtype: torch.dtype | None, mesh: Mesh | None, adapter=None) -> MoECausalLM:
     """The model on meta in `dtype` (default bfloat16 on a GPU, float32 on a CPU), its adapters
-    attached, laid out for `mesh`'s tensor parallelism."""
+    attached, laid out for `mesh`'s tensor or expert parallelism."""
     if dtype is None:
         dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
     model = meta_model(config, dtype)
     if adapter is not None:
         adapter.attach(model, torch.float32)
-    if mesh is not None:
+    if mesh is not None and mesh.dims.ep > 1:  # this rank's experts, the rest whole
+        apply_ep_for_decoding(model, mesh)
+    elif mesh is not None:
         step = StepShape(dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
         parallelize(model, mesh, ParallelConfig(tp=mesh.dims.tp), step)
     return model

@@ -27,10 +27,16 @@ makes the CPU wait for the GPU there.
 
 Both compute routing-weight gradients where the expert outputs are, and send them back with the
 token gradients.
+
+`ReplicatedTokensDispatcher` is expert parallelism for decoding (`apply_ep_for_decoding`): every
+rank holds the same tokens — attention, embedding and head replicated — computes its experts' share
+of each, and the block's one all-reduce adds the shares. No token travels and the host never
+waits, at the price of attention computed on every rank (and its KV cache held on every rank).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -177,6 +183,44 @@ def apply_ep(model: MoECausalLM, mesh: Mesh, dispatch: str = "gather") -> MoECau
                 block.dispatcher = GatherDispatcher(mesh.group("ep"), ep, rank, local)
             else:
                 block.dispatcher = AllToAllDispatcher(mesh.group("ep"), ep, local)
+    return model
+
+
+class ReplicatedTokensDispatcher:
+    """Every rank holds the same tokens: each computes the (token, expert) pairs of its own
+    experts, and the block's `reduce_output` sums the ranks' shares. Each pair is computed on
+    exactly one rank, so the sum is one process's in another order."""
+
+    local = False  # experts live on other ranks too: the MoE block always dispatches
+
+    def __init__(self, rank: int, num_local_experts: int):
+        self.rank, self.num_local_experts = rank, num_local_experts
+
+    def dispatch(self, x: torch.Tensor, routing: Routing, num_experts: int) -> Dispatched:
+        local = self.num_local_experts
+        here = routing.expert_ids // local == self.rank
+        # The other ranks' pairs in a last group that no expert computes and the combine skips.
+        permuted = permute(x, torch.where(here, routing.expert_ids % local, local), local + 1)
+        return Dispatched(permuted.grouped, permuted.offsets.diff()[:local], torch.where(here, permuted.position, -1))
+
+    def combine(
+        self, expert_out: torch.Tensor, dispatched: Dispatched, routing: Routing, num_tokens: int
+    ) -> torch.Tensor:
+        return combine(expert_out, dispatched.state, routing.weights, skip=True)  # this rank's share
+
+
+def apply_ep_for_decoding(model: MoECausalLM, mesh: Mesh) -> MoECausalLM:
+    """Expert parallelism for an engine: this rank's E/ep experts of every MoE layer, everything
+    else replicated, the tokens too (`ReplicatedTokensDispatcher`; one all-reduce a MoE layer).
+    Refuses DeepSeek's shared experts, which every rank would add to its share."""
+    ep, rank, group = mesh.dims.ep, mesh.rank("ep"), mesh.group("ep")
+    blocks = [block for block in model.modules() if isinstance(block, MoEBlock)]
+    if ep > 1 and any(block.shared_experts is not None for block in blocks):
+        raise ConfigError("expert parallelism for decoding does not support shared experts yet: use tensor parallelism")
+    apply_ep(model, mesh)
+    for block in blocks if ep > 1 else ():
+        block.dispatcher = ReplicatedTokensDispatcher(rank, model.config.num_experts // ep)
+        block.reduce_output = functools.partial(comm.from_partial, group=group)
     return model
 
 
