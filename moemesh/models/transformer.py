@@ -116,6 +116,9 @@ class MoECausalLM(nn.Module):
         # Tensor parallelism sets this to a cross-entropy over logits split by vocabulary (the head
         # then holds a slice of it), used instead of the fused loss that needs the whole vocabulary.
         self.vocab_parallel_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        # ... and this to each row's log-probability of a target over such logits ([N, V/tp],
+        # targets [N] -> [N]: reinforcement learning's per-token log-probabilities, train/logprobs.py).
+        self.vocab_parallel_logprobs: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         # ... and this to the all-gather that rebuilds full-vocabulary logits from those slices
         # (generation needs them for the last position only).
         self.gather_logits: Callable[[torch.Tensor], torch.Tensor] = lambda logits: logits

@@ -5,9 +5,9 @@ weights to an inference engine in the same process without writing a checkpoint
 In place: the model keeps its parameter tensors, so whatever holds them (a CUDA graph captured
 over them, a tied embedding and LM head) sees the new values. Each copy casts to the target's
 dtype and device (an fp32 trainer into a bf16 engine), and nothing is copied unless every name
-and shape fits. The layouts must be the same: under tensor parallelism each rank copies its own
-shard, of the same local shape, into its own engine — no collective (not yet tested under tensor
-parallelism). An FSDP-sharded source
+and shape fits. The layouts must cut the same slices: under tensor or expert parallelism each rank
+copies its own shard, of the same local shape, into its own engine — no collective
+(tests/test_train_logprobs.py). An FSDP-sharded source
 (DTensor shards) must be gathered first; this refuses it rather than copying a shard as a whole.
 """
 

@@ -356,6 +356,7 @@ def _vocab(model, name, shard, group):
         module.weight = shard(module.weight, 0)
         module.register_forward_pre_hook(functools.partial(_input_to_shards, group=group))
         model.vocab_parallel_loss = functools.partial(vocab_parallel_cross_entropy, vocab_start=start, group=group)
+        model.vocab_parallel_logprobs = functools.partial(vocab_parallel_logprobs, vocab_start=start, group=group)
         model.gather_logits = functools.partial(comm.all_gather, group=group, dim=-1)
 
 
@@ -439,13 +440,21 @@ def vocab_parallel_cross_entropy(
     vocab_start), without gathering them: the max, then the sum of exponentials and the target
     logit (one all-reduce for both) are reduced over the group."""
     targets = shift_labels(labels, ignore_index).flatten()
-    logits = logits.float().flatten(0, -2)
-    shift = comm.all_reduce_max(logits.max(dim=-1).values, group)  # constant: it cancels in the loss
+    valid = targets != ignore_index
+    total = torch.where(valid, -vocab_parallel_logprobs(logits.flatten(0, -2), targets, vocab_start, group), 0.0).sum()
+    return total / valid.sum().clamp_min(1)
+
+
+def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, group) -> torch.Tensor:
+    """log softmax(logits)[target] per row of logits split by vocabulary ([N, V/tp], this rank's
+    columns from vocab_start; targets [N], whole vocabulary ids), in fp32, differentiable, without
+    gathering them: the max, then the sum of exponentials and the target logit (one all-reduce for
+    both) are reduced over the group. A target outside [0, V) gives -log Σ exp."""
+    logits = logits.float()
+    shift = comm.all_reduce_max(logits.max(dim=-1).values, group)  # constant: it cancels
     shifted = logits - shift[:, None]
     local = targets - vocab_start
     here = (local >= 0) & (local < logits.shape[-1])
     target = torch.where(here, shifted.gather(1, local.clamp(0, logits.shape[-1] - 1)[:, None]).squeeze(1), 0.0)
     sum_exp, target = comm.from_partial(torch.stack([shifted.exp().sum(-1), target]), group)
-    valid = targets != ignore_index
-    total = torch.where(valid, sum_exp.log() - target, 0.0).sum()
-    return total / valid.sum().clamp_min(1)
+    return target - sum_exp.log()

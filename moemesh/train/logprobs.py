@@ -22,9 +22,13 @@ log-probabilities to ~1e-6 and every routing decision — not bit for bit: the e
 kernels (paged attention, the few-token expert path) sum in other orders. Bitwise equality
 needs the batch-invariant mode of issue 50, which does not exist yet.
 
+Under tensor parallelism the head holds this rank's vocabulary slice: each token's log-probability
+is then reduced over the group without gathering the logits (`tensor.vocab_parallel_logprobs`),
+and every rank of the group must score the same sequences (the forward's collectives pair up).
+
 Limits: the engine's temperature is reproduced, not its top_p < 1 (tokens outside the nucleus
-at -inf), penalties, biases or grammars; the logits must be whole on this rank (no
-vocabulary-parallel head); run it under the trainer's autocast for a mixed-precision step.
+at -inf), penalties, biases or grammars; run it under the trainer's autocast for a
+mixed-precision step.
 """
 
 from __future__ import annotations
@@ -62,10 +66,6 @@ def completion_logprobs(
         )
     if any(not p for p in prompts):
         raise ValueError("every prompt needs at least one token (the first completion token's logits come from it)")
-    if model.vocab_parallel_loss is not None:
-        raise ValueError(
-            "completion_logprobs needs the whole vocabulary's logits on this rank (no vocab-parallel head)"
-        )
     sequences = [p + c for p, c in zip(prompts, completions)]
     length = max(len(s) for s in sequences)
     device = next(model.parameters()).device
@@ -81,11 +81,14 @@ def completion_logprobs(
     finally:
         if routing:
             recorder.stop()
-    logprobs = F.log_softmax(logits.float() / (temperature or 1.0), dim=-1)
     out = []
     for i, (p, c) in enumerate(zip(prompts, completions)):
         positions = torch.arange(len(p) - 1, len(p) + len(c) - 1, device=device)
-        out.append(logprobs[i, positions, tokens[i, positions + 1]])
+        scaled, targets = logits[i, positions].float() / (temperature or 1.0), tokens[i, positions + 1]
+        if model.vocab_parallel_loss is not None:  # tensor parallelism: this rank's vocabulary slice
+            out.append(model.vocab_parallel_logprobs(scaled, targets))
+        else:
+            out.append(F.log_softmax(scaled, dim=-1).gather(1, targets[:, None]).squeeze(1))
     if chosen is not None:
         chosen = chosen.view(len(sequences), length, *chosen.shape[1:])
         chosen = [chosen[i, : len(s)] for i, s in enumerate(sequences)]
