@@ -14,6 +14,12 @@
    host's peak resident memory (VmHWM, reset first) against the model's bytes, and the GPU's peak
    against the weights. The page cache is dropped first where the machine allows it (said in the
    output), so the files come from the disk.
+
+With `--hand-over N` instead (issue 50): a training run's weights into an engine in place, the
+N-layer shape — two models on the GPU (the policy being trained and the engine's), the engine made
+over the second, then `engine.load_weights(policy)`: seconds (best of 3) and GB/s of weights.
+
+    PYTHONPATH=. python3 bench/load.py --hand-over 48
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import torch
 from bench.common import drop_page_cache, print_table, qwen3_30b_a3b, timed
 from moemesh.checkpoint.hf import write_pretrained
 from moemesh.config import load_config
+from moemesh.inference.engine import DecodeEngine
 from moemesh.inference.generate import load_for_generation
 from moemesh.models.build import meta_model
 from moemesh.parallel.parallelize import materialize
@@ -142,6 +149,26 @@ def load_row(directory: Path, layers: int, model_bytes: int) -> dict:
     }
 
 
+def hand_over_row(layers: int) -> dict:
+    """Two bf16 models of the shape on the device, an engine over the second; the first's weights
+    into it, timed."""
+    config = load_config(CONFIG, launched=False).model.replace(num_hidden_layers=layers)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    policy = materialize(meta_model(config, dtype), DEVICE, seed=0)
+    engine = DecodeEngine(
+        materialize(meta_model(config, dtype), DEVICE, seed=1).eval(), max_batch=1, max_len=64, num_blocks=8
+    )
+    seconds = min(timed(lambda: engine.load_weights(policy))[0] for _ in range(3))
+    assert torch.equal(engine.model.lm_head.weight, policy.lm_head.weight)
+    weights = sum(t.numel() * t.element_size() for t in policy.state_dict().values())
+    return {
+        "what": f"a training run's weights into an engine in place ({layers} layers, load_weights)",
+        "s": f"{seconds:.3f}",
+        "GB/s": f"{weights / seconds / 1e9:,.0f}",
+        "weights GB": f"{weights / 1e9:.1f}",
+    }
+
+
 def main() -> None:
     global DEVICE, CONFIG
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -151,9 +178,12 @@ def main() -> None:
     parser.add_argument("--skip-build", action="store_true")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--config", default=str(CONFIG), help="the shape (its layer count is replaced)")
+    parser.add_argument("--hand-over", type=int, metavar="N", help="only: weights into an engine, N layers")
     args = parser.parse_args()
     DEVICE, CONFIG = args.device, Path(args.config)
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    if args.hand_over:
+        return print_table([hand_over_row(args.hand_over)], f"hand-over on {name}")
     rows = [] if args.skip_build else build_rows([int(n) for n in args.layers.split(",")])
     print_table(rows, f"setup on {name}")
     directory = Path(args.dir)
