@@ -42,7 +42,8 @@ next step), so that requests with penalties, biases, grammars or log-probabiliti
 processed after it (processing.py); a chunk with `all_logits` keeps those of every token too
 (`last_all_logits`: a prompt's own log-probabilities).
 
-Under tensor parallelism every rank holds an engine over its shard; the rank that schedules
+Under tensor parallelism (or expert parallelism for decoding: `parallel.expert.apply_ep_for_decoding`)
+every rank holds an engine over its shard; the rank that schedules
 (rank 0 of the group) broadcasts each step's inputs and block-table changes first, and the others,
 in `follow`, run the same calls — collectives inside the model then pair up, and every rank
 samples the same tokens from the same gathered logits. A decode step is one broadcast (the

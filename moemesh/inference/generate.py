@@ -20,6 +20,7 @@ import torch
 from moemesh.checkpoint.adapters import read_adapter
 from moemesh.checkpoint.dcp import TOKENIZER_FILE
 from moemesh.checkpoint.load import load_weights, read_model_config
+from moemesh.config import load_config
 from moemesh.data.sources import jsonl_values
 from moemesh.data.tokenizer import Tokenizer, load_tokenizer
 from moemesh.errors import DataError, RequestError
@@ -71,8 +72,6 @@ def drawn_for_generation(
     rank drawing only its shard from the config's train.seed (no rank holds the whole model), with
     the config's data.tokenizer. Its answers are noise: this is for measuring a model's speed and
     memory, served or not, before a checkpoint of it exists (Qwen3-235B-A22B is 470 GB in bf16)."""
-    from moemesh.config import load_config
-
     run = load_config(config_path, launched=False)
     model = materialize(_laid_out(run.model, device, dtype, mesh), device, seed=run.train.seed)
     return model.eval(), load_tokenizer(run.data.tokenizer)
