@@ -176,9 +176,8 @@ try:
     print(f"up in {time.time() - start:.0f} s")
     from openai import OpenAI
     client = OpenAI(base_url="http://127.0.0.1:8031/v1", api_key="none")
-    reply = client.chat.completions.create(model="qwen3_235b_a22b", messages=[{"role": "user", "content": "Hello"}],
-                                           max_tokens=8)
-    print("chat answer:", repr(reply.choices[0].message.content), reply.usage)
+    reply = client.completions.create(model="qwen3_235b_a22b", prompt="Hello", max_tokens=8)  # bytes: no chat template
+    print("answer:", repr(reply.choices[0].text), reply.usage)
     def timed(n_clients, tokens):
         import concurrent.futures as cf
         def one(i):
