@@ -40,7 +40,8 @@
 #       openai clients, beside the engine alone (serve_load.py --tp N)
 #   bash bench/gpu_checks_inference.sh serve235   Qwen3-235B-A22B (configs/qwen3_235b_a22b.toml,
 #       weights drawn from the seed on each rank) served by `torchrun -m moemesh serve --tp 4`:
-#       the openai client's answer, batch-1 ms a token, batch-64 tokens/s, the KV capacity
+#       the openai client's answer, batch-1 ms a token, 64 clients' tokens/s, the server's log
+#       (KV capacity); `serve235 configs/tiny.toml 2` is a CPU dry run
 # Packages the image lacks (fastapi, uvicorn and theirs) travel as wheels in .whl (device README).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.:${PYTHONPATH:-} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -156,13 +157,15 @@ serve-tp)
     timeout 560 python3 bench/serve_load.py ${model:---layers 48} --clients 1,64 --tp "$2" --long-prompt 0 \
         2>&1 | quiet | tail -12
     ;;
-serve235)
-    python3 - <<'PY' 2>&1 | quiet | tail -30
+serve235)  # [CONFIG N]: another config over N processes (a CPU dry run: configs/tiny.toml 2)
+    CONFIG=${2:-configs/qwen3_235b_a22b.toml} GPUS=${3:-4} python3 - <<'PY' 2>&1 | quiet | tail -30
 import os, subprocess, sys, time, json, urllib.request
 log = open(os.environ.get("LOGS", "/tmp") + "/serve235.txt", "w")
-server = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-    "-m", "moemesh", "serve", "--config", "configs/qwen3_235b_a22b.toml", "--tp", "4", "--port", "8031",
-    "--max-len", "8192"], stdout=log, stderr=subprocess.STDOUT)
+config, gpus = os.environ["CONFIG"], os.environ["GPUS"]
+name = os.path.splitext(os.path.basename(config))[0]
+server = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", gpus,
+    "-m", "moemesh", "serve", "--config", config, "--tp", gpus, "--port", "8031", "--max-len", "8192"],
+    stdout=log, stderr=subprocess.STDOUT)
 start = time.time()
 try:
     while True:
@@ -176,12 +179,12 @@ try:
     print(f"up in {time.time() - start:.0f} s")
     from openai import OpenAI
     client = OpenAI(base_url="http://127.0.0.1:8031/v1", api_key="none")
-    reply = client.completions.create(model="qwen3_235b_a22b", prompt="Hello", max_tokens=8)  # bytes: no chat template
+    reply = client.completions.create(model=name, prompt="Hello", max_tokens=8)  # bytes: no chat template
     print("answer:", repr(reply.choices[0].text), reply.usage)
     def timed(n_clients, tokens):
         import concurrent.futures as cf
         def one(i):
-            r = client.completions.create(model="qwen3_235b_a22b", prompt="x" * 128 + str(i), max_tokens=tokens,
+            r = client.completions.create(model=name, prompt="x" * 128 + str(i), max_tokens=tokens,
                                           temperature=0)  # tokens counted: an end-of-text token may stop one early
             return r.usage.completion_tokens
         t = time.perf_counter()
@@ -197,7 +200,7 @@ finally:
     server.terminate()
     server.wait(timeout=60)
     log.close()
-    print(open(log.name).read()[-3000:])
+    print("".join(line for line in open(log.name) if line.startswith(("moemesh", "[rank"))))  # its own lines
 PY
     ;;
 esac

@@ -72,6 +72,8 @@ def test_a_tp2_server_answers_what_one_process_generates(tmp_path, capsys):
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)
+    # What it holds, said at start: 2 rows of 128 on a CPU (--max-batch, --max-len)
+    assert "the KV cache holds 256 tokens, a sequence up to 128" in server.stdout.read().decode()
     for ask, text in zip(asks, texts):
         assert (
             main(["generate", "--checkpoint", str(checkpoint), "--prompt", ask["prompt"], "--max-new-tokens", "16"])

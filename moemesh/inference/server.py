@@ -88,7 +88,8 @@ class Service:
         if announce:
             print(
                 f"moemesh serve: decode steps of batch 1 to {self.engine.max_batch} and packed steps of up "
-                f"to {self.engine.max_num_batched_tokens} tokens ready in {seconds:.1f} s",
+                f"to {self.engine.max_num_batched_tokens} tokens ready in {seconds:.1f} s; the KV cache holds "
+                f"{self.engine.capacity:,} tokens, a sequence up to {self.engine.max_len:,}",
                 flush=True,
             )
         if sock is None:
