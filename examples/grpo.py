@@ -3,6 +3,7 @@ the trainer's forward, hand the weights back to the engine, every step — on a 
 
     python examples/grpo.py                 # 400 steps, about a minute on two CPU cores
     python examples/grpo.py --steps 20
+    python examples/grpo.py --batch-invariant   # sampler and trainer on the same bits: differences 0
 
 The task: reverse three digits — prompt "418=", answer "814". The reward of a completion is the
 share of its three characters that are right, position by position. The model is a freshly
@@ -27,11 +28,11 @@ slime compute it):
 No KL penalty and no reference model (DAPO drops them too); one optimizer step per batch, so the
 ratio is the trainer/sampler mismatch alone and the clip guards against it.
 
-What holds today on CPU in fp32: the trainer's and the engine's log-probabilities differ by about
-1e-6 (at most 6.6e-6 over the default run, growing with the logits) and no routing decision
-differs (0 of 712,614) (the engine's paged attention and few-token expert kernels
-sum in other orders than the training forward). They are not bit-equal: that needs the
-batch-invariant mode of issue 50.
+What holds on CPU in fp32: by default the trainer's and the engine's log-probabilities differ by
+about 1e-6 (at most 6.6e-6 over the default run, growing with the logits) and no routing decision
+differs (0 of 712,614): the engine's paged attention and few-token expert kernels sum in other
+orders than the training forward. With --batch-invariant both run in that mode
+(`ops/invariant.py`) and every difference is exactly 0: the ratio is exactly 1 before the step.
 
 The end-of-document token ends a completion early; the engine reports no log-probability for it
 (its token is not part of the completion), so it is not trained on.
@@ -117,13 +118,20 @@ def run(
     lr: float = 1e-3,
     seed: int = 0,
     say=print,
+    batch_invariant: bool = False,
 ) -> list[dict]:
     """The loop; returns each step's record (and `say`s one line a step)."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
     tokenizer = CharTokenizer()
     policy = build(model_config(), seed=seed)  # the trainer's model, trained in place
-    engine = DecodeEngine(build(model_config(), seed=seed).eval(), max_batch=prompts * group, max_len=16, block_size=4)
+    engine = DecodeEngine(
+        build(model_config(), seed=seed).eval(),
+        max_batch=prompts * group,
+        max_len=16,
+        block_size=4,
+        batch_invariant=batch_invariant,
+    )
     scheduler = Scheduler(engine, tokenizer, max_waiting=prompts * group, record_routing=True)
     optimizer = build_optimizer(policy, TrainConfig(lr=lr, weight_decay=0.0))
     records = []
@@ -146,7 +154,12 @@ def run(
         advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).flatten()
         # 3. the trainer's log-probabilities of the same tokens, against the engine's
         scored = completion_logprobs(
-            policy, [s.prompt_ids for s in sequences], [s.token_ids for s in sequences], 1.0, routing=True
+            policy,
+            [s.prompt_ids for s in sequences],
+            [s.token_ids for s in sequences],
+            1.0,
+            routing=True,
+            batch_invariant=batch_invariant,
         )
         worst, differ, compared = compare(sequences, scored)
         # 4. the clipped surrogate, averaged over every completion token of the batch
@@ -184,8 +197,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--group", type=int, default=8, help="completions sampled per prompt")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--batch-invariant", action="store_true", help="sample and score in batch-invariant mode: differences 0"
+    )
     args = parser.parse_args(argv)
-    records = run(args.steps, args.prompts, args.group, args.lr, args.seed)
+    records = run(args.steps, args.prompts, args.group, args.lr, args.seed, batch_invariant=args.batch_invariant)
     tenth = max(1, len(records) // 10)
     first = sum(r["reward"] for r in records[:tenth]) / tenth
     last = sum(r["reward"] for r in records[-tenth:]) / tenth

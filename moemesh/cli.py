@@ -222,6 +222,12 @@ def _model_arguments(command: argparse.ArgumentParser) -> None:
         "vocabulary); rank 0 prints or serves",
     )
     command.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="each sequence's tokens and log-probabilities the same bits whatever else runs with it, and equal "
+        "to the trainer's forward in that mode (one process, eager; a reference mode: many times slower)",
+    )
+    command.add_argument(
         "--ep",
         type=int,
         default=1,
@@ -391,6 +397,7 @@ def _engine(args: argparse.Namespace, model, group, max_len: int, requests: int 
             gpu_memory_fraction=args.gpu_memory_fraction,
             prefix_caching=args.prefix_caching,
             group=group,
+            batch_invariant=args.batch_invariant,
         )
     except ValueError as e:  # the cache cannot hold one sequence of --max-len
         raise MoemeshError(

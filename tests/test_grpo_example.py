@@ -46,6 +46,11 @@ def test_a_few_steps_print_small_differences_and_move_the_engines_weights(monkey
     assert handed == [(True, True)] * 3  # each step's weights reached the engine, and they moved
 
 
+def test_in_batch_invariant_mode_sampler_and_trainer_agree_exactly():
+    records = example().run(steps=2, prompts=4, group=4, say=lambda line: None, batch_invariant=True)
+    assert all(r["max_logprob_diff"] == 0.0 and r["routing_differ"] == 0 for r in records)
+
+
 def test_the_reward_rises():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the module's docstring says why

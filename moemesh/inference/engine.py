@@ -69,6 +69,7 @@ from moemesh.inference.sampling import MODES, mode_for, sample
 from moemesh.models import MoECausalLM, PagedKVCache
 from moemesh.models.kv_cache import HostLayoutMissing
 from moemesh.models.weights import copy_weights
+from moemesh.ops import invariant
 from moemesh.parallel import comm
 
 _FORWARD, _DECODE, _STOP, _KEEP_ALIVE, _TABLES = 1, 2, 3, 4, 5
@@ -105,8 +106,13 @@ class DecodeEngine:
         gpu_memory_fraction: float = 0.9,
         prefix_caching: bool = True,
         group=None,
+        batch_invariant: bool = False,
     ):
         self.model = model
+        # Each sequence's numbers independent of the rest of its step (ops/invariant.py): eager.
+        self.batch_invariant = batch_invariant
+        if batch_invariant and (group is not None or cuda_graphs):
+            raise ValueError("batch-invariant mode runs eagerly in one process (no CUDA graphs, no tensor parallelism)")
         self.device = next(model.parameters()).device
         limit = model.config.max_position_embeddings
         self.max_len = min(max_len or limit, limit)
@@ -125,7 +131,7 @@ class DecodeEngine:
         self.block_size = block_size
         self.group = group
         self.leader = group is None or dist.get_rank(group) == 0
-        self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.cuda_graphs = self.device.type == "cuda" and not batch_invariant if cuda_graphs is None else cuda_graphs
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor], comm.Issued]] = {}
         self._pool = None
         # Packed steps padded to a bucket (captured when cuda_graphs): 16, 24, ... 256, 384, 512, ...
@@ -202,9 +208,12 @@ class DecodeEngine:
         if end > self.max_len:
             raise ValueError(f"position {end - 1} is beyond the cache's rows of {self.max_len} entries")
         self._send_tables()
-        if len(chunks) <= self.max_batch and all(len(c.tokens) == 1 and c.sample and not c.all_logits for c in chunks):
-            return self._decode_step(chunks, end)
-        return self._packed_step(chunks)
+        with invariant.batch_invariant(self.batch_invariant):
+            if len(chunks) <= self.max_batch and all(
+                len(c.tokens) == 1 and c.sample and not c.all_logits for c in chunks
+            ):
+                return self._decode_step(chunks, end)
+            return self._packed_step(chunks)
 
     @torch.no_grad()
     def warm_up(self) -> float:

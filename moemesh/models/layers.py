@@ -13,7 +13,7 @@ from torch import nn
 from moemesh.models.adapted import projections
 from moemesh.models.config import ModelConfig
 from moemesh.models.kv_cache import PagedKVCache
-from moemesh.ops import decode_attention, gemv
+from moemesh.ops import decode_attention, gemv, invariant
 from moemesh.ops.backend import use_triton
 from moemesh.ops.linear import Linear
 from moemesh.ops.rms_norm import rms_norm
@@ -73,6 +73,8 @@ class Attention(nn.Module):
         cache: PagedKVCache | None = None,
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
+        if invariant.on():
+            return self.invariant(x, rope, cache)
         if (
             cache is not None
             and self.sinks is None
@@ -100,6 +102,44 @@ class Attention(nn.Module):
                 q, k, v, attn_mask=mask, is_causal=plain_causal, enable_gqa=self.num_kv_heads != self.num_heads
             )
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    def invariant(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: PagedKVCache | None
+    ) -> torch.Tensor:
+        """The forward in batch-invariant mode (`ops/invariant.py`): each query attends, alone, to
+        exactly its keys — without a cache the sequence's up to its place (positions 0, 1, ... of
+        each row), with one those its table row holds up to its position."""
+        if self.sinks is not None or self.sliding_window is not None:
+            raise ValueError("batch-invariant mode does not cover attention sinks or sliding windows yet")
+        batch, seq, _ = x.shape
+        q, k, v = (p.view(batch, seq, -1, self.head_dim) for p in projections(x, self.q_proj, self.k_proj, self.v_proj))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        q, k = rotary(q.transpose(1, 2), cos, sin).transpose(1, 2), rotary(k.transpose(1, 2), cos, sin).transpose(1, 2)
+        scale = self.head_dim**-0.5
+        if cache is None:  # [B, T, heads, D]
+            out = [
+                invariant.attend(q[b, t], k[b, : t + 1].transpose(0, 1), v[b, : t + 1].transpose(0, 1), scale)
+                for b in range(batch)
+                for t in range(seq)
+            ]
+        else:
+            cache.write(
+                self.layer_idx, k.reshape(batch * seq, -1, self.head_dim), v.reshape(batch * seq, -1, self.head_dim)
+            )
+            out = []
+            for i, (row, position) in enumerate(zip(cache.token_rows.tolist(), cache.positions.tolist())):
+                keys, values = cache.gather(self.layer_idx, row, position + 1)
+                out.append(
+                    invariant.attend(
+                        q.view(batch * seq, *q.shape[2:])[i],
+                        keys[0, :, : position + 1],
+                        values[0, :, : position + 1],
+                        scale,
+                    )
+                )
+        return self.o_proj(torch.stack(out).view(batch, seq, -1))
 
     def fused(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: PagedKVCache) -> torch.Tensor:
         """The step's tokens [B, T, H] through the kernels of ops/gemv.py (a few rows) and

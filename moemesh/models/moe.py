@@ -33,7 +33,7 @@ from torch import nn
 
 from moemesh.models.config import ModelConfig
 from moemesh.models.layers import ACTIVATIONS, DenseMLP
-from moemesh.ops import combine, permute, recompute, swiglu
+from moemesh.ops import combine, invariant, permute, recompute, swiglu
 from moemesh.ops.backend import autocast_inputs, use_triton
 from moemesh.ops.expert_gemv import expert_gemv, expert_gemv_combine, expert_swiglu_gemv
 from moemesh.ops.grouped_mm import group_offsets, grouped_mm
@@ -106,11 +106,13 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor, stats: bool = True) -> Routing:
         """`stats=False` (decoding): the choice alone, the logits by `ops/gemv.py` and the choice
         in one kernel on a Triton device."""
-        if not stats and not torch.is_grad_enabled():
+        if not stats and not torch.is_grad_enabled() and not invariant.on():
             logits = linear(x, self.weight, self.bias)
             return Routing(*topk_softmax(logits, self.top_k, self.norm_topk_prob), stats=None)
-        logits = F.linear(x, self.weight, self.bias)
+        logits = invariant.linear(x, self.weight, self.bias) if invariant.on() else F.linear(x, self.weight, self.bias)
         probs, weights, expert_ids, counts = routed(logits, self.top_k, self.norm_topk_prob)  # one kernel each way
+        if not stats:
+            return Routing(weights, expert_ids, None)
         stats = RouterStats(counts, probs.sum(dim=0), probs.shape[0])
         count_load(self, stats)
         return Routing(weights, expert_ids, stats)
@@ -376,6 +378,25 @@ class MoEBlock(nn.Module):
     def selected_experts(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """x [T, H] -> [T, H], reading only the chosen experts' weights."""
         return self._finish(self.experts(x, expert_ids=routing.expert_ids, weights=routing.weights), routing)
+
+    def invariant(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """x [T, H] -> [T, H] in batch-invariant mode: each (token, expert) pair alone
+        (`ops/invariant.py`), every expert on this rank."""
+        if not self.dispatcher.local or self.experts.has_adapters:
+            raise ValueError("batch-invariant mode covers one process's experts without adapters (merge them first)")
+        e = self.experts
+        down_bias = None if e.down_proj_bias is None else e.down_proj_bias * e.down_bias_share
+        out = invariant.experts(
+            x,
+            routing.expert_ids,
+            routing.weights,
+            e.gate_up_proj,
+            e.down_proj,
+            e.activation,
+            e.gate_up_proj_bias,
+            down_bias,
+        )
+        return self._finish(out, routing)
 
     def _finish(self, out: torch.Tensor, routing: Routing) -> torch.Tensor:
         if routing.shared is not None:  # under TP both are partial sums: one reduce for the two

@@ -20,7 +20,7 @@ from moemesh.models.family import family
 from moemesh.models.layers import Attention, DenseMLP, PagedKVCache, RMSNorm
 from moemesh.models.moe import Dispatched, MoEBlock, RouterStats, Routing, load_balancing_loss
 from moemesh.models.rope import RotaryEmbedding
-from moemesh.ops import linear_cross_entropy, recompute
+from moemesh.ops import invariant, linear_cross_entropy, recompute
 from moemesh.ops.backend import autocast_inputs
 
 
@@ -77,6 +77,8 @@ class DecoderLayer(nn.Module):
         if not self.is_moe:
             return self.aggregate(h, self.mlp(self.post_attention_layernorm(h))), None
         x, routing = self.route(h, stats=cache is None)  # decoding needs no balancing statistics
+        if invariant.on():  # one path whatever the tokens: ops/invariant.py
+            return self.aggregate(h, self.mlp.invariant(x, routing)), routing.stats
         if self.mlp.reads_selected_experts(x.shape[0]):  # decoding's few tokens
             return self.aggregate(h, self.mlp.selected_experts(x, routing)), routing.stats
         dispatched = self.dispatch(x, routing)
@@ -201,7 +203,7 @@ class MoECausalLM(nn.Module):
         cap = self.config.final_logit_softcapping
         if labels is not None and not return_logits and self.vocab_parallel_loss is None and cap is None:
             return None, linear_cross_entropy(*autocast_inputs(h, self.lm_head.weight), shift_labels(labels))
-        logits = self.lm_head(h)
+        logits = invariant.linear(h, self.lm_head.weight) if invariant.on() else self.lm_head(h)
         if cap is not None:  # Gemma: cap · tanh(logits / cap), elementwise (so per vocabulary slice too)
             logits = torch.tanh(logits / cap) * cap
         if labels is None:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moemesh.ops import gemv, recompute, weight_grad
+from moemesh.ops import gemv, invariant, recompute, weight_grad
 from moemesh.ops.backend import autocast_inputs
 
 
@@ -155,6 +155,8 @@ def linears(
     """[x·W_iᵀ + (x·A_iᵀ)·B_iᵀ] for projections of one input x: A the A_i [r_i, in] stacked
     ([Σ r_i, in]), B_i [out_i, r_i], both in the compute dtype. One autograd node: x is read once
     for every rank-r product, and its gradient is accumulated by the GEMMs themselves."""
+    if invariant.on():
+        raise ValueError("batch-invariant mode does not cover LoRA adapters: merge them first")
     (x,) = autocast_inputs(x)
     return list(_SharedInputLinears.apply(x, a, *weights, *bs))
 
@@ -176,6 +178,10 @@ def linear(
     gradients (decoding) on a Triton device, `ops/gemv.py`'s kernel. `low_rank` (A [r, in],
     B [out, r], in the compute dtype) adds (x_low_rank or x)·Aᵀ·Bᵀ."""
     (x,) = autocast_inputs(x)
+    if invariant.on():
+        if low_rank is not None:
+            raise ValueError("batch-invariant mode does not cover LoRA adapters: merge them first")
+        return invariant.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     if low_rank is None and gemv.fits(rows, weight):
         out = gemv.gemv(rows, [weight])[0].view(*x.shape[:-1], weight.shape[0])

@@ -19,8 +19,9 @@ these logits; here they are materialised, [B, T, V] fp32, since per-token values
 
 What matches the engine, measured on CPU in fp32 (tests/test_train_logprobs.py): the engine's
 log-probabilities to ~1e-6 and every routing decision — not bit for bit: the engine's decoding
-kernels (paged attention, the few-token expert path) sum in other orders. Bitwise equality
-needs the batch-invariant mode of issue 50, which does not exist yet.
+kernels (paged attention, the few-token expert path) sum in other orders. With `batch_invariant`
+(and an engine made with it: ops/invariant.py) bit for bit, fp32 and bf16
+(tests/test_batch_invariant.py).
 
 Under tensor parallelism the head holds this rank's vocabulary slice: each token's log-probability
 is then reduced over the group without gathering the logits (`tensor.vocab_parallel_logprobs`),
@@ -40,6 +41,7 @@ import torch.nn.functional as F
 
 from moemesh.models import MoECausalLM
 from moemesh.models.moe import RoutingRecorder
+from moemesh.ops import invariant
 
 
 @dataclass
@@ -56,10 +58,12 @@ def completion_logprobs(
     completions: list[list[int]],
     temperature: float = 1.0,
     routing: bool = False,
+    batch_invariant: bool = False,
 ) -> Scored:
     """Each completion token's log-probability under `model`'s training forward, at `temperature`
     (as the engine samples; 0 — greedy — reads as 1, as the engine reports greedy tokens'), and
-    with `routing` the experts chosen for every token."""
+    with `routing` the experts chosen for every token. `batch_invariant`: the forward in that mode
+    (ops/invariant.py), bit-equal to an engine's made with `batch_invariant=True`."""
     if len(prompts) != len(completions) or not prompts:
         raise ValueError(
             f"need as many prompts as completions, at least one; got {len(prompts)} and {len(completions)}"
@@ -76,7 +80,8 @@ def completion_logprobs(
     if routing:
         recorder.start()
     try:
-        logits = model(tokens, output_router_logits=False).logits
+        with invariant.batch_invariant(batch_invariant):
+            logits = model(tokens, output_router_logits=False).logits
         chosen = recorder.take() if routing else None
     finally:
         if routing:

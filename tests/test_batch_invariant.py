@@ -1,0 +1,121 @@
+"""Batch-invariant mode (issue 50, `ops/invariant.py`), CPU, fp32 and bf16: a sequence's tokens and
+log-probabilities are the same bits whether it is generated alone or among others — with prompts
+prefilled in chunks at other split points, prefixes taken from the cache and sequences preempted
+and recomputed — and the trainer's forward of the whole sequence gives each sampled token's
+log-probability bit-equal to the engine's, with the same experts chosen in every layer. Exact
+equality is the claim, so every comparison is `torch.equal`."""
+
+import pytest
+import torch
+
+from moemesh.data.tokenizer import ByteTokenizer
+from moemesh.inference.engine import DecodeEngine
+from moemesh.inference.request import SamplingParams
+from moemesh.inference.scheduler import Scheduler
+from moemesh.models import ModelConfig, build
+from moemesh.train.logprobs import completion_logprobs
+from tiny_run import TINY_MODEL
+
+CONFIG = ModelConfig(**TINY_MODEL, initializer_range=0.2)  # wide weights: varied tokens, no near-ties
+SETTINGS = [(0.0, 0), (1.0, 1), (0.7, 2)]  # greedy, then seeded sampling at two temperatures
+
+
+def prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(0)
+    first = [0, *torch.randint(1, 256, (17,), generator=generator).tolist()]
+    others = [[0, *torch.randint(1, 256, (n,), generator=generator).tolist()] for n in (6, 28, 11)]
+    return [first, first[:13] + [5, 6, 7], *others]  # the second shares the first's prefix
+
+
+def generated(model, requests, batch_invariant=True, record_routing=False, **engine):
+    """Each (prompt, params) through one scheduler -> its sequences, the scheduler."""
+    engine = DecodeEngine(model, max_len=64, batch_invariant=batch_invariant, **engine)
+    scheduler = Scheduler(engine, ByteTokenizer(), max_waiting=100, record_routing=record_routing)
+    sequences = [scheduler.submit(prompt, params) for prompt, params in requests]
+    scheduler.run_until_idle()
+    return sequences, scheduler
+
+
+def logprobs(sequence) -> torch.Tensor:
+    return torch.tensor([p.logprob for p in sequence.logprobs])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_sequence_s_numbers_do_not_depend_on_its_batch(dtype):
+    model = build(CONFIG, seed=1).to(dtype).eval()
+    requests = [
+        (p, SamplingParams(max_tokens=14, temperature=t, seed=s, logprobs=0)) for p in prompts() for t, s in SETTINGS
+    ]
+    # Together: 6 rows, steps of 11 tokens (prompts cut at other points), blocks of 4 in a pool too
+    # small for all (sequences preempted and recomputed), prefixes reused.
+    together, scheduler = generated(
+        model, requests, max_batch=6, max_num_batched_tokens=11, block_size=4, num_blocks=20
+    )
+    assert scheduler.preemptions > 0 and scheduler.cached_tokens > 0
+    for request, sequence in zip(requests, together):
+        (alone,), _ = generated(model, [request], max_batch=1, max_num_batched_tokens=64, block_size=16)
+        assert sequence.token_ids == alone.token_ids
+        assert torch.equal(logprobs(sequence), logprobs(alone))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_trainer_s_logprobs_and_routing_equal_the_engine_s_bit_for_bit(dtype):
+    model = build(CONFIG, seed=1).to(dtype).eval()
+    requests = [
+        (p, SamplingParams(max_tokens=14, temperature=t, seed=s, logprobs=0)) for p in prompts() for t, s in SETTINGS
+    ]
+    sequences, scheduler = generated(
+        model, requests, record_routing=True, max_batch=6, max_num_batched_tokens=11, block_size=4
+    )
+    scheduler.routing.stop()
+    decisions = 0
+    for sequence in sequences:
+        scored = completion_logprobs(
+            model.train(),
+            [sequence.prompt_ids],
+            [sequence.token_ids],
+            sequence.params.temperature,
+            routing=True,
+            batch_invariant=True,
+        )
+        assert torch.equal(scored.logprobs[0].detach(), logprobs(sequence))
+        for position, chosen in sequence.routing.items():
+            assert torch.equal(chosen, scored.routing[0][position])
+            decisions += chosen.numel() // chosen.shape[-1]
+    assert decisions > 500
+
+
+def test_without_the_mode_the_numbers_differ_in_the_last_bits():
+    """What the mode is for: the default kernels (a GEMM's order depends on its rows, attention
+    over a padded window) give the trainer other last bits than the engine on some tokens."""
+    model = build(CONFIG, seed=1).eval()
+    requests = [(p, SamplingParams(max_tokens=14, logprobs=0)) for p in prompts()]
+    sequences, _ = generated(model, requests, batch_invariant=False, max_batch=6, max_num_batched_tokens=11)
+    scored = completion_logprobs(model, [s.prompt_ids for s in sequences], [s.token_ids for s in sequences])
+    differ = sum(not torch.equal(ours.detach(), logprobs(s)) for ours, s in zip(scored.logprobs, sequences))
+    assert differ > 0
+
+
+def test_what_the_mode_does_not_cover_is_refused():
+    model = build(CONFIG, seed=1).eval()
+    with pytest.raises(ValueError, match="batch-invariant mode runs eagerly in one process"):
+        DecodeEngine(model, max_len=32, batch_invariant=True, cuda_graphs=True)
+    windowed = build(CONFIG.replace(model_type="gpt_oss", sliding_window=4, layer_types=None), seed=1).eval()
+    with pytest.raises(ValueError, match="sliding windows"):
+        completion_logprobs(windowed, [[0, 1, 2]], [[3]], batch_invariant=True)
+
+
+def test_generate_batch_invariant_prints_what_each_prompt_gives_alone(tmp_path, capsys):
+    """`moemesh generate --batch-invariant`: the rows of a prompts file, generated together, are
+    what each prompt gives alone."""
+    import json
+
+    from moemesh.cli import main
+
+    (tmp_path / "prompts.txt").write_text("def main\nhello\n")
+    common = ["generate", "--config", "configs/tiny.toml", "--max-new-tokens", "6", "--batch-invariant"]
+    assert main([*common, "--prompts-file", str(tmp_path / "prompts.txt")]) == 0
+    together = [json.loads(line)["text"] for line in capsys.readouterr().out.splitlines()]
+    for prompt, text in zip(("def main", "hello"), together, strict=True):
+        assert main([*common, "--prompt", prompt]) == 0
+        assert capsys.readouterr().out == prompt + text + "\n"
