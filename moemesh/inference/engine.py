@@ -37,6 +37,10 @@ Pool size: `num_blocks` as given; else on a GPU from memory — one forward of t
 cache takes what is left of gpu_memory_fraction of the device after the weights and that peak;
 on a CPU max_batch rows of max_len entries (the static cache's capacity).
 
+With `batch_invariant` every step runs eagerly in batch-invariant mode (`ops/invariant.py`): a
+sequence's tokens and log-probabilities are then the same bits whatever else its steps hold, and
+equal to the trainer's forward in that mode (a reference, many times slower; one process).
+
 A step keeps the logits it sampled from (`last_logits`: [sampling chunks, V], read before the
 next step), so that requests with penalties, biases, grammars or log-probabilities can be
 processed after it (processing.py); a chunk with `all_logits` keeps those of every token too
