@@ -74,7 +74,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
         if invariant.on():
-            return self.invariant(x, rope, cache)
+            return self.invariant(x, rope, positions, cache)
         if (
             cache is not None
             and self.sinks is None
@@ -104,7 +104,11 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def invariant(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: PagedKVCache | None
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        positions: torch.Tensor,
+        cache: PagedKVCache | None,
     ) -> torch.Tensor:
         """The forward in batch-invariant mode (`ops/invariant.py`): each query attends, alone, to
         exactly its keys — without a cache the sequence's up to its place (positions 0, 1, ... of
@@ -112,6 +116,10 @@ class Attention(nn.Module):
         if self.sinks is not None or self.sliding_window is not None:
             raise ValueError("batch-invariant mode does not cover attention sinks or sliding windows yet")
         batch, seq, _ = x.shape
+        if cache is None and not bool((positions == torch.arange(seq, device=positions.device)).all()):
+            raise ValueError(
+                "batch-invariant mode reads each row as one sequence from position 0 (no packed documents)"
+            )
         q, k, v = (p.view(batch, seq, -1, self.head_dim) for p in projections(x, self.q_proj, self.k_proj, self.v_proj))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
