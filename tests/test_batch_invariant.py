@@ -98,7 +98,7 @@ def test_without_the_mode_the_numbers_differ_in_the_last_bits():
 
 def test_what_the_mode_does_not_cover_is_refused():
     model = build(CONFIG, seed=1).eval()
-    with pytest.raises(ValueError, match="batch-invariant mode runs eagerly in one process"):
+    with pytest.raises(ValueError, match="batch-invariant mode runs eagerly"):
         DecodeEngine(model, max_len=32, batch_invariant=True, cuda_graphs=True)
     windowed = build(CONFIG.replace(model_type="gpt_oss", sliding_window=4, layer_types=None), seed=1).eval()
     with pytest.raises(ValueError, match="sliding windows"):
@@ -133,3 +133,56 @@ def test_the_mode_computes_the_model_s_own_numbers():
         ours = model(tokens, labels=tokens, return_logits=True)
     torch.testing.assert_close(ours.logits, expected.logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ours.loss, expected.loss, rtol=1e-5, atol=1e-6)
+
+
+# ---- under tensor parallelism (2 processes, gloo) -----------------------------------------------
+WORLD = 2
+
+
+def check_engine_and_trainer_bit_equal_under_tp(rank):
+    """The engine over 2 tensor-parallel ranks samples in the mode; both ranks score the leader's
+    sequences with the trainer's forward in the mode, the logits gathered whole as the engine's:
+    every log-probability and routing decision bit-equal (a sum of two partial sums has one
+    order)."""
+    from moemesh.parallel import comm
+    from moemesh.parallel.mesh import ParallelDims, init_mesh
+    from moemesh.parallel.tensor import apply_tp
+
+    mesh = init_mesh(ParallelDims(tp=WORLD))
+    model = apply_tp(build(CONFIG, seed=1), mesh).eval()
+    engine = DecodeEngine(
+        model,
+        max_len=64,
+        max_batch=6,
+        max_num_batched_tokens=11,
+        block_size=4,
+        batch_invariant=True,
+        group=mesh.group("tp"),
+    )
+    shared = None
+    if engine.leader:
+        scheduler = Scheduler(engine, ByteTokenizer(), max_waiting=100, record_routing=True)
+        requests = [
+            (p, SamplingParams(max_tokens=10, temperature=t, seed=s, logprobs=0))
+            for p in prompts()
+            for t, s in SETTINGS
+        ]
+        sequences = [scheduler.submit(p, q) for p, q in requests]
+        scheduler.run_until_idle()
+        scheduler.routing.stop()
+        engine.close()
+        shared = [(s.prompt_ids, s.token_ids, s.params.temperature, logprobs(s), s.routing) for s in sequences]
+    else:
+        engine.follow()
+    compared = 0
+    for prompt, tokens, temperature, engine_logprobs, routing in comm.all_gather_object(shared)[0]:
+        scored = completion_logprobs(model, [prompt], [tokens], temperature, routing=True, batch_invariant=True)
+        assert torch.equal(scored.logprobs[0].detach(), engine_logprobs)
+        for position, chosen in routing.items():
+            assert torch.equal(chosen, scored.routing[0][position])
+        compared += len(tokens)
+    return compared
+
+
+def test_under_tensor_parallelism_the_trainer_s_logprobs_equal_the_engine_s_bit_for_bit(pool):
+    assert min(pool.run(check_engine_and_trainer_bit_equal_under_tp)) > 100

@@ -115,8 +115,8 @@ class DecodeEngine:
         self.model = model
         # Each sequence's numbers independent of the rest of its step (ops/invariant.py): eager.
         self.batch_invariant = batch_invariant
-        if batch_invariant and (group is not None or cuda_graphs):
-            raise ValueError("batch-invariant mode runs eagerly in one process (no CUDA graphs, no tensor parallelism)")
+        if batch_invariant and cuda_graphs:
+            raise ValueError("batch-invariant mode runs eagerly (no CUDA graphs)")
         self.device = next(model.parameters()).device
         limit = model.config.max_position_embeddings
         self.max_len = min(max_len or limit, limit)
@@ -268,7 +268,7 @@ class DecodeEngine:
                 return
             if op == _KEEP_ALIVE:
                 continue
-            with torch.no_grad():
+            with torch.no_grad(), invariant.batch_invariant(self.batch_invariant):
                 if op == _TABLES:
                     rows = comm.broadcast_(torch.empty(a, dtype=torch.long, device=self.device), self.group)
                     tables = torch.empty(a, self.tables.shape[1], dtype=torch.int32, device=self.device)

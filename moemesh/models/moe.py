@@ -380,23 +380,22 @@ class MoEBlock(nn.Module):
         return self._finish(self.experts(x, expert_ids=routing.expert_ids, weights=routing.weights), routing)
 
     def invariant(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """x [T, H] -> [T, H] in batch-invariant mode: each (token, expert) pair alone
-        (`ops/invariant.py`), every expert on this rank."""
-        if not self.dispatcher.local or self.experts.has_adapters:
-            raise ValueError("batch-invariant mode covers one process's experts without adapters (merge them first)")
-        e = self.experts
+        """x [T, H] -> [T, H] in batch-invariant mode: the block's own dispatch and combine (any
+        layout), each dispatched row through its expert alone (`ops/invariant.py`)."""
+        if self.experts.has_adapters:
+            raise ValueError("batch-invariant mode does not cover LoRA adapters: merge them first")
+        e, dispatched = self.experts, self.dispatch(x, routing)
         down_bias = None if e.down_proj_bias is None else e.down_proj_bias * e.down_bias_share
         out = invariant.experts(
-            x,
-            routing.expert_ids,
-            routing.weights,
+            dispatched.grouped,
+            dispatched.group_sizes,
             e.gate_up_proj,
             e.down_proj,
             e.activation,
             e.gate_up_proj_bias,
             down_bias,
         )
-        return self._finish(out, routing)
+        return self.combine(out, dispatched, routing, x.shape[0])
 
     def _finish(self, out: torch.Tensor, routing: Routing) -> torch.Tensor:
         if routing.shared is not None:  # under TP both are partial sums: one reduce for the two

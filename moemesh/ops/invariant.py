@@ -17,16 +17,18 @@ many. Here instead:
     on its place in a tile or on the other rows, fp32 and bf16);
   * `attend`: one query at a time over exactly its keys — scores summed over the head dimension,
     a softmax over those keys alone, the values summed in key order — in fp32;
-  * `experts`: each (token, expert) pair through the expert's two `linear`s, the k outputs summed
-    with the routing weights in slot order.
+  * `experts`: each (token, expert) pair through the expert's two `linear`s, after the block's own
+    dispatch (a copy of each row, in any layout), the k outputs then summed with the routing
+    weights in slot order by its combine.
 
 Every other op of the models (norms, rotary, softmax and top-k of the router, sampling) is already
 per row. The cost is the point of the name: a Python loop per query and per expert — a
 reference mode, exact and tested on CPUs (fp32 and bf16; tests/test_batch_invariant.py), tens of
 times slower than the default. GPU kernels with the same property (a fixed-tile GEMM without
 split-K, one attention kernel with a fixed split, one MoE path) are not written yet. Not covered:
-attention sinks and sliding windows, latent attention, LoRA adapters (merge them first), tensor
-and expert parallelism.
+attention sinks and sliding windows, latent attention, LoRA adapters (merge them first). Under
+tensor parallelism the engine and the trainer agree bit for bit on two ranks (a sum of two
+partials has one order); over more ranks the all-reduces' order may depend on their size.
 """
 
 from __future__ import annotations
@@ -76,25 +78,21 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
 
 
 def experts(
-    x: torch.Tensor,
-    expert_ids: torch.Tensor,
-    weights: torch.Tensor,
+    grouped: torch.Tensor,
+    group_sizes: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
     activation,
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [T, H] through each token's experts expert_ids [T, k] (banks gate_up [E, 2I, H], down
-    [E, H, I]), the outputs weighted by weights [T, k] and summed over the k slots in order ->
-    [T, H] in x's dtype. Differentiable."""
-    num_tokens, top_k = expert_ids.shape
-    pairs = expert_ids.reshape(-1)
-    out = x.new_zeros(num_tokens * top_k, x.shape[1])
-    for expert in pairs.unique().tolist():
-        where = (pairs == expert).nonzero()[:, 0]
-        h = linear(x[where // top_k], gate_up[expert], None if gate_up_bias is None else gate_up_bias[expert])
-        h = linear(activation(h), down[expert], None if down_bias is None else down_bias[expert])
-        out = out.index_copy(0, where, h)
-    summed = (weights.float()[..., None] * out.view(num_tokens, top_k, -1).float()).sum(1)
-    return summed.to(x.dtype)
+    """The rows of a dispatch, grouped [N, H] sorted by expert in groups of group_sizes [E] (banks
+    gate_up [E, 2I, H], down [E, H, I]), each through its expert's two `linear`s -> [N, H]; rows
+    past the last group (served elsewhere) are zeros. Differentiable."""
+    pieces, start = [], 0
+    for expert, size in enumerate(group_sizes.tolist()):
+        rows = grouped[start : start + size]
+        h = linear(rows, gate_up[expert], None if gate_up_bias is None else gate_up_bias[expert])
+        pieces.append(linear(activation(h), down[expert], None if down_bias is None else down_bias[expert]))
+        start += size
+    return torch.cat([*pieces, grouped.new_zeros(grouped.shape[0] - start, grouped.shape[1])])

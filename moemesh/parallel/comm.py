@@ -393,15 +393,28 @@ def all_reduce_sum_(tensors: list[torch.Tensor], group, kind: str = "all_reduce"
             t.copy_(piece.view_as(t))
 
 
+class _AllGather(torch.autograd.Function):
+    """Every rank's x side by side. Every rank then computes the same from the whole (the logits
+    of a vocabulary-split head), so each x's gradient is its own slice of the whole's."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        pieces = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        _count("all_gather", "forward", x.numel() * x.element_size())
+        dist.all_gather(pieces, x.contiguous(), group=group)
+        return torch.cat(pieces, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(dist.get_world_size(ctx.group), dim=ctx.dim)[dist.get_rank(ctx.group)], None, None
+
+
 def all_gather(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
-    """Every rank's x, concatenated along `dim` in rank order; not differentiable (generation
-    gathers the logits of the last position, split by vocabulary)."""
-    if group is None:
-        return x
-    pieces = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    _count("all_gather", "forward", x.numel() * x.element_size())
-    dist.all_gather(pieces, x.contiguous(), group=group)
-    return torch.cat(pieces, dim=dim)
+    """Every rank's x, concatenated along `dim` in rank order (generation gathers the logits of
+    the last position, split by vocabulary; batch-invariant scoring all of them). Differentiable
+    where every rank goes on with the same whole."""
+    return x if group is None else _AllGather.apply(x, group, dim)
 
 
 def broadcast_(x: torch.Tensor, group) -> torch.Tensor:

@@ -90,8 +90,10 @@ def completion_logprobs(
     for i, (p, c) in enumerate(zip(prompts, completions)):
         positions = torch.arange(len(p) - 1, len(p) + len(c) - 1, device=device)
         scaled, targets = logits[i, positions].float() / (temperature or 1.0), tokens[i, positions + 1]
-        if model.vocab_parallel_loss is not None:  # tensor parallelism: this rank's vocabulary slice
+        if model.vocab_parallel_loss is not None and not batch_invariant:  # TP: this rank's vocabulary slice
             out.append(model.vocab_parallel_logprobs(scaled, targets))
+        elif model.vocab_parallel_loss is not None:  # the whole vocabulary, as the engine samples from
+            out.append(F.log_softmax(model.gather_logits(scaled), dim=-1).gather(1, targets[:, None]).squeeze(1))
         else:
             out.append(F.log_softmax(scaled, dim=-1).gather(1, targets[:, None]).squeeze(1))
     if chosen is not None:
