@@ -24,8 +24,9 @@ many. Here instead:
 Every other op of the models (norms, rotary, softmax and top-k of the router, sampling) is already
 per row. The price: a Python loop per query and per expert — a reference mode, exact and tested
 on CPUs (fp32 and bf16; tests/test_batch_invariant.py), 7× the default's time for a GRPO step of
-the tiny model (examples/grpo.py), far more for a large one. GPU kernels with the same property (a fixed-tile GEMM without
-split-K, one attention kernel with a fixed split, one MoE path) are not written yet. Not covered:
+the tiny model (examples/grpo.py), far more for a large one. GPU kernels with the same property
+(a fixed-tile GEMM without split-K, one attention kernel with a fixed split, one MoE path) are not
+written yet. Not covered:
 attention sinks and sliding windows, latent attention, LoRA adapters (merge them first). Under
 tensor parallelism the engine and the trainer agree bit for bit on two ranks (a sum of two
 partials has one order); over more ranks the all-reduces' order may depend on their size.
