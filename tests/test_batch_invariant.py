@@ -143,7 +143,8 @@ def check_engine_and_trainer_bit_equal_under_tp(rank):
     """The engine over 2 tensor-parallel ranks samples in the mode; both ranks score the leader's
     sequences with the trainer's forward in the mode, the logits gathered whole as the engine's:
     every log-probability and routing decision bit-equal (a sum of two partial sums has one
-    order)."""
+    order), and the gradients of their sum each rank's share of one process's (the parallel
+    layouts' tolerance: within 1.2e-6 of float64 here)."""
     from moemesh.parallel import comm
     from moemesh.parallel.mesh import ParallelDims, init_mesh
     from moemesh.parallel.tensor import apply_tp
@@ -174,13 +175,31 @@ def check_engine_and_trainer_bit_equal_under_tp(rank):
         shared = [(s.prompt_ids, s.token_ids, s.params.temperature, logprobs(s), s.routing) for s in sequences]
     else:
         engine.follow()
-    compared = 0
+    compared, total = 0, 0.0
     for prompt, tokens, temperature, engine_logprobs, routing in comm.all_gather_object(shared)[0]:
         scored = completion_logprobs(model, [prompt], [tokens], temperature, routing=True, batch_invariant=True)
         assert torch.equal(scored.logprobs[0].detach(), engine_logprobs)
         for position, chosen in routing.items():
             assert torch.equal(chosen, scored.routing[0][position])
         compared += len(tokens)
+        total = total + scored.logprobs[0].sum()
+    # And the gradients a policy step takes from these log-probabilities: each rank's share of one
+    # float64 process's (default mode), to 1e-5 as the layouts' own tests hold them.
+    from moemesh.parallel.data import reduce_gradients
+    from numerics import rel_err
+    from test_parallel_tensor import local_slice
+
+    total.backward()
+    reduce_gradients(model, mesh)
+    reference = build(CONFIG, seed=1).double()
+    sequences = comm.all_gather_object(shared)[0]
+    sum(
+        completion_logprobs(reference, [prompt], [tokens], temperature).logprobs[0].sum()
+        for prompt, tokens, temperature, _, _ in sequences
+    ).backward()
+    expected = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        assert rel_err(param.grad, local_slice(name, expected[name].grad, rank, WORLD)) <= 1e-5, name
     return compared
 
 

@@ -86,6 +86,14 @@ class DecoderLayer(nn.Module):
         return self.aggregate(h, out), routing.stats
 
 
+class LMHead(nn.Linear):
+    """nn.Linear (the same parameter), by `ops/invariant.py` in batch-invariant mode — as a module
+    call, so that what parallelism hooks on the head (TP's entry) still runs."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return invariant.linear(h, self.weight, self.bias) if invariant.on() else super().forward(h)
+
+
 class TransformerBody(nn.Module):
     """Embedding, decoder layers and final norm (transformers' `model.` prefix)."""
 
@@ -102,7 +110,7 @@ class MoECausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = TransformerBody(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         rotary = family(config.model_type).rotary
         self.rotary = (
@@ -203,7 +211,7 @@ class MoECausalLM(nn.Module):
         cap = self.config.final_logit_softcapping
         if labels is not None and not return_logits and self.vocab_parallel_loss is None and cap is None:
             return None, linear_cross_entropy(*autocast_inputs(h, self.lm_head.weight), shift_labels(labels))
-        logits = invariant.linear(h, self.lm_head.weight) if invariant.on() else self.lm_head(h)
+        logits = self.lm_head(h)
         if cap is not None:  # Gemma: cap · tanh(logits / cap), elementwise (so per vocabulary slice too)
             logits = torch.tanh(logits / cap) * cap
         if labels is None:
