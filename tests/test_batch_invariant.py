@@ -139,26 +139,13 @@ def test_the_mode_computes_the_model_s_own_numbers():
 WORLD = 2
 
 
-def check_engine_and_trainer_bit_equal_under_tp(rank):
-    """The engine over 2 tensor-parallel ranks samples in the mode; both ranks score the leader's
-    sequences with the trainer's forward in the mode, the logits gathered whole as the engine's:
-    every log-probability and routing decision bit-equal (a sum of two partial sums has one
-    order), and the gradients of their sum each rank's share of one process's (the parallel
-    layouts' tolerance: within 1.2e-6 of float64 here)."""
+def sampled_over(model, group) -> list[tuple]:
+    """Every rank: the engine over `group` in the mode samples (the leader schedules, the others
+    follow); -> the leader's (prompt, tokens, temperature, log-probabilities, routing) each."""
     from moemesh.parallel import comm
-    from moemesh.parallel.mesh import ParallelDims, init_mesh
-    from moemesh.parallel.tensor import apply_tp
 
-    mesh = init_mesh(ParallelDims(tp=WORLD))
-    model = apply_tp(build(CONFIG, seed=1), mesh).eval()
     engine = DecodeEngine(
-        model,
-        max_len=64,
-        max_batch=6,
-        max_num_batched_tokens=11,
-        block_size=4,
-        batch_invariant=True,
-        group=mesh.group("tp"),
+        model, max_len=64, max_batch=6, max_num_batched_tokens=11, block_size=4, batch_invariant=True, group=group
     )
     shared = None
     if engine.leader:
@@ -175,24 +162,57 @@ def check_engine_and_trainer_bit_equal_under_tp(rank):
         shared = [(s.prompt_ids, s.token_ids, s.params.temperature, logprobs(s), s.routing) for s in sequences]
     else:
         engine.follow()
-    compared, total = 0, 0.0
-    for prompt, tokens, temperature, engine_logprobs, routing in comm.all_gather_object(shared)[0]:
+    return comm.all_gather_object(shared)[0]
+
+
+def scored_bit_equal(model, sequences) -> torch.Tensor:
+    """The trainer's forward in the mode on every rank: each sampled token's log-probability and
+    each routing decision equal to the engine's, bit for bit; -> the sum of the log-probabilities."""
+    total = torch.zeros(())
+    for prompt, tokens, temperature, engine_logprobs, routing in sequences:
         scored = completion_logprobs(model, [prompt], [tokens], temperature, routing=True, batch_invariant=True)
         assert torch.equal(scored.logprobs[0].detach(), engine_logprobs)
         for position, chosen in routing.items():
             assert torch.equal(chosen, scored.routing[0][position])
-        compared += len(tokens)
         total = total + scored.logprobs[0].sum()
-    # And the gradients a policy step takes from these log-probabilities: each rank's share of one
-    # float64 process's (default mode), to 1e-5 as the layouts' own tests hold them.
+    return total
+
+
+def check_engine_and_trainer_bit_equal_under_ep(rank):
+    """Expert parallelism for decoding (each rank its experts' share of every token): the engine
+    samples in the mode and the trainer scores in the same layout, bit-equal too."""
+    from moemesh.parallel.expert import apply_ep_for_decoding
+    from moemesh.parallel.mesh import ParallelDims, init_mesh
+
+    mesh = init_mesh(ParallelDims(ep=WORLD))
+    model = apply_ep_for_decoding(build(CONFIG, seed=1), mesh).eval()
+    sequences = sampled_over(model, mesh.group("ep"))
+    scored_bit_equal(model, sequences)
+    return sum(len(tokens) for _, tokens, *_ in sequences)
+
+
+def test_under_expert_parallelism_for_decoding_the_trainer_s_logprobs_equal_the_engine_s(pool):
+    assert min(pool.run(check_engine_and_trainer_bit_equal_under_ep)) > 100
+
+
+def check_engine_and_trainer_bit_equal_under_tp(rank):
+    """The engine over 2 tensor-parallel ranks samples in the mode; both ranks score the leader's
+    sequences with the trainer's forward in the mode, the logits gathered whole as the engine's:
+    every log-probability and routing decision bit-equal (a sum of two partial sums has one
+    order), and the gradients of their sum each rank's share of one process's (the parallel
+    layouts' tolerance: within 1.2e-6 of float64 here)."""
     from moemesh.parallel.data import reduce_gradients
+    from moemesh.parallel.mesh import ParallelDims, init_mesh
+    from moemesh.parallel.tensor import apply_tp
     from numerics import rel_err
     from test_parallel_tensor import local_slice
 
-    total.backward()
+    mesh = init_mesh(ParallelDims(tp=WORLD))
+    model = apply_tp(build(CONFIG, seed=1), mesh).eval()
+    sequences = sampled_over(model, mesh.group("tp"))
+    scored_bit_equal(model, sequences).backward()
     reduce_gradients(model, mesh)
-    reference = build(CONFIG, seed=1).double()
-    sequences = comm.all_gather_object(shared)[0]
+    reference = build(CONFIG, seed=1).double()  # one process, float64, the default mode
     sum(
         completion_logprobs(reference, [prompt], [tokens], temperature).logprobs[0].sum()
         for prompt, tokens, temperature, _, _ in sequences
@@ -200,7 +220,7 @@ def check_engine_and_trainer_bit_equal_under_tp(rank):
     expected = dict(reference.named_parameters())
     for name, param in model.named_parameters():
         assert rel_err(param.grad, local_slice(name, expected[name].grad, rank, WORLD)) <= 1e-5, name
-    return compared
+    return sum(len(tokens) for _, tokens, *_ in sequences)
 
 
 def test_under_tensor_parallelism_the_trainer_s_logprobs_equal_the_engine_s_bit_for_bit(pool):

@@ -28,8 +28,9 @@ the tiny model (examples/grpo.py), far more for a large one. GPU kernels with th
 (a fixed-tile GEMM without split-K, one attention kernel with a fixed split, one MoE path) are not
 written yet. Not covered:
 attention sinks and sliding windows, latent attention, LoRA adapters (merge them first). Under
-tensor parallelism the engine and the trainer agree bit for bit on two ranks (a sum of two
-partials has one order); over more ranks the all-reduces' order may depend on their size.
+tensor parallelism, and expert parallelism for decoding, the engine and the trainer agree bit for
+bit on two ranks (a sum of two partials has one order); over more ranks the all-reduces' order may
+depend on their size.
 """
 
 from __future__ import annotations
