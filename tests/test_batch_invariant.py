@@ -27,6 +27,15 @@ def prompts() -> list[list[int]]:
     return [first, first[:13] + [5, 6, 7], *others]  # the second shares the first's prefix
 
 
+def sampled_requests(max_tokens: int) -> list[tuple[list[int], SamplingParams]]:
+    """Each prompt at each setting, with log-probabilities."""
+    return [
+        (p, SamplingParams(max_tokens=max_tokens, temperature=t, seed=s, logprobs=0))
+        for p in prompts()
+        for t, s in SETTINGS
+    ]
+
+
 def generated(model, requests, batch_invariant=True, record_routing=False, **engine):
     """Each (prompt, params) through one scheduler -> its sequences, the scheduler."""
     engine = DecodeEngine(model, max_len=64, batch_invariant=batch_invariant, **engine)
@@ -43,9 +52,7 @@ def logprobs(sequence) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_sequence_s_numbers_do_not_depend_on_its_batch(dtype):
     model = build(CONFIG, seed=1).to(dtype).eval()
-    requests = [
-        (p, SamplingParams(max_tokens=14, temperature=t, seed=s, logprobs=0)) for p in prompts() for t, s in SETTINGS
-    ]
+    requests = sampled_requests(14)
     # Together: 6 rows, steps of 11 tokens (prompts cut at other points), blocks of 4 in a pool too
     # small for all (sequences preempted and recomputed), prefixes reused.
     together, scheduler = generated(
@@ -61,9 +68,7 @@ def test_a_sequence_s_numbers_do_not_depend_on_its_batch(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_trainer_s_logprobs_and_routing_equal_the_engine_s_bit_for_bit(dtype):
     model = build(CONFIG, seed=1).to(dtype).eval()
-    requests = [
-        (p, SamplingParams(max_tokens=14, temperature=t, seed=s, logprobs=0)) for p in prompts() for t, s in SETTINGS
-    ]
+    requests = sampled_requests(14)
     sequences, scheduler = generated(
         model, requests, record_routing=True, max_batch=6, max_num_batched_tokens=11, block_size=4
     )
@@ -150,11 +155,7 @@ def sampled_over(model, group) -> list[tuple]:
     shared = None
     if engine.leader:
         scheduler = Scheduler(engine, ByteTokenizer(), max_waiting=100, record_routing=True)
-        requests = [
-            (p, SamplingParams(max_tokens=10, temperature=t, seed=s, logprobs=0))
-            for p in prompts()
-            for t, s in SETTINGS
-        ]
+        requests = sampled_requests(10)
         sequences = [scheduler.submit(p, q) for p, q in requests]
         scheduler.run_until_idle()
         scheduler.routing.stop()
