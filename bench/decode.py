@@ -191,26 +191,30 @@ def tensor_parallel_rows(config, args, prompts) -> list[dict]:
         engine = DecodeEngine(
             model, max_batch=args.profile_batch, max_len=args.prompt_len + args.profile_steps + 2, group=group
         )
-        if engine.leader:
-            rows = kernel_rows(engine, args, prompts)
-            engine.close()
-        else:
-            engine.follow()
-        return rows
+        return led(engine, lambda e: kernel_rows(e, args, prompts)) or []
     for way in args.ways if world > 1 else ["nccl"]:
         comm.PEER_ALL_REDUCE.update(WAYS[way])
         for batch in args.batches:
             engine = DecodeEngine(model, max_batch=batch, max_len=args.prompt_len + args.new_tokens + 1, group=group)
-            if engine.leader:
-                rows.append(tensor_parallel_row(engine, args, prompts[:batch], world, way, first))
-                engine.close()
-            else:
-                engine.follow()
+            row = led(engine, lambda e: tensor_parallel_row(e, args, prompts[:batch], world, way, first))
+            rows += [row] if row else []
             del engine  # its KV cache took what the weights left: gone before the next engine sizes its own
             free()
+    comm.PEER_ALL_REDUCE.update(WAYS["shipped"])
     if dist.is_initialized():
         dist.barrier()
     return rows
+
+
+def led(engine: DecodeEngine, work):
+    """`work(engine)` on the leader of the engine's group, which then releases the others; they
+    follow its steps meanwhile. -> the leader's result, None on the others."""
+    if not engine.leader:
+        return engine.follow()
+    try:
+        return work(engine)
+    finally:
+        engine.close()
 
 
 def tensor_parallel_row(engine: DecodeEngine, args, prompts: list[list[int]], world: int, way: str, first: dict):

@@ -36,17 +36,17 @@ def copy_weights(model: nn.Module, source: nn.Module | Mapping[str, torch.Tensor
     ]
     sharded = [n for n, t in state.items() if isinstance(t, DTensor)]
     problems = [
-        f"{len(missing)} missing ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})" if missing else "",
-        f"{len(unexpected)} unexpected ({', '.join(unexpected[:3])}{', ...' if len(unexpected) > 3 else ''})"
-        if unexpected
-        else "",
-        f"{len(shapes)} of another shape ({'; '.join(shapes[:3])}{'; ...' if len(shapes) > 3 else ''})"
-        if shapes
-        else "",
-        f"{len(sharded)} FSDP-sharded (gather them first: {sharded[0]})" if sharded else "",
+        f"{len(names)} {what} ({'; '.join(names[:3])}{'; ...' if len(names) > 3 else ''})"
+        for what, names in [
+            ("missing", missing),
+            ("unexpected", unexpected),
+            ("of another shape", shapes),
+            ("FSDP-sharded (gather them first)", sharded),
+        ]
+        if names
     ]
-    if any(problems):
-        raise ValueError("weights do not fit the model: " + ", ".join(p for p in problems if p) + "; nothing copied")
+    if problems:
+        raise ValueError("weights do not fit the model: " + ", ".join(problems) + "; nothing copied")
     with torch.no_grad():
         for name, tensor in target.items():
             tensor.copy_(state[name])

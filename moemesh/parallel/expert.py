@@ -214,11 +214,13 @@ def apply_ep_for_decoding(model: MoECausalLM, mesh: Mesh) -> MoECausalLM:
     else replicated, the tokens too (`ReplicatedTokensDispatcher`; one all-reduce a MoE layer).
     Refuses DeepSeek's shared experts, which every rank would add to its share."""
     ep, rank, group = mesh.dims.ep, mesh.rank("ep"), mesh.group("ep")
+    if ep == 1:
+        return model
     blocks = [block for block in model.modules() if isinstance(block, MoEBlock)]
-    if ep > 1 and any(block.shared_experts is not None for block in blocks):
+    if any(block.shared_experts is not None for block in blocks):
         raise ConfigError("expert parallelism for decoding does not support shared experts yet: use tensor parallelism")
     apply_ep(model, mesh)
-    for block in blocks if ep > 1 else ():
+    for block in blocks:
         block.dispatcher = ReplicatedTokensDispatcher(rank, model.config.num_experts // ep)
         block.reduce_output = functools.partial(comm.from_partial, group=group)
     return model
@@ -245,9 +247,10 @@ def start_capacity(model: MoECausalLM, factor: float) -> None:
 def fit_capacity(model: MoECausalLM, group) -> list[str]:
     """After a forward (a pipeline's step, an evaluation): each MoE layer's largest need since
     the last call, over every rank of `group` (the whole world: a pipeline rank holds only some
-    layers), in one host sync. A layer whose need passed its capacity raises it to HEADROOM × the need, on every rank
-    that holds it, and is named in the returned lines, the same on every rank; none returned:
-    nothing was dropped. Every rank of `group` must call it, whatever layers it holds."""
+    layers), in one host sync. A layer whose need passed its capacity raises it to HEADROOM × the
+    need, on every rank that holds it, and is named in the returned lines, the same on every rank;
+    none returned: nothing was dropped. Every rank of `group` must call it, whatever layers it
+    holds."""
     held = _gather_dispatchers(model)
     device = next(model.parameters()).device
     needs = torch.zeros(2, model.config.num_hidden_layers, device=device)  # per layer: the need, pairs dropped
