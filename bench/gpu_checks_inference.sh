@@ -34,7 +34,9 @@
 #   bash bench/gpu_checks_inference.sh tp       the all-reduce alone on 2 (and 4) GPUs, each way and
 #       size (bench/decode.py --all-reduce); the 48-layer shape's decode step at batch 1 and 64 on
 #       1, 2 (and 4) GPUs, each way of summing (--tensor-parallel); the same for
-#       configs/gemma4_26b_a4b.toml on 1 and 2 GPUs (tp must divide its 2 global key/value heads)
+#       configs/gemma4_26b_a4b.toml on 1, 2 (and 4) GPUs
+#   bash bench/gpu_checks_inference.sh ep4      on 4 GPUs, the 48-layer step at batch 1, 64 and 256
+#       with the experts split over 4 (--layout ep) and with tp=4
 #   bash bench/gpu_checks_inference.sh serve-tp N MODEL...   `moemesh serve` over N GPUs of a
 #       random-weight MODEL (a config; default the 48-layer Qwen3-30B-A3B shape) under 1 and 64
 #       openai clients, beside the engine alone (serve_load.py --tp N)
@@ -141,16 +143,26 @@ tp)  # on 2 GPUs: 1 then 2; on 4: 1 and 2 side by side, then 4
             bench/decode.py --all-reduce > "$LOGS/all_reduce$n.txt" 2>&1
         echo "== the all-reduce alone, $n GPUs"; quiet < "$LOGS/all_reduce$n.txt" | grep "|\|Error"
     done
-    if [ "$gpus" -ge 4 ]; then
-        tp_decode 0 tp1 --layers 48 & tp_decode 2,3 tp2 --layers 48 & wait
-        tp_decode 0,1,2,3 tp4 --layers 48
+    shown() { for name in "$@"; do echo "== $name"; quiet < "$LOGS/$name.txt" | grep "|\|Error"; done; }
+    if [ "$gpus" -ge 4 ]; then  # the 48-layer shape on 1 and 2 GPUs side by side, then on 4; Gemma-4 the same
+        tp_decode 0 tp1 --layers 48 --batches 1,64,256 & tp_decode 2,3 tp2 --layers 48 & wait
+        shown tp1 tp2
+        tp_decode 0,1,2,3 tp4 --layers 48; shown tp4
+        tp_decode 0 gemma1 --config configs/gemma4_26b_a4b.toml &
+        tp_decode 2,3 gemma2 --config configs/gemma4_26b_a4b.toml --ways nccl,shipped & wait
+        shown gemma1 gemma2
+        tp_decode 0,1,2,3 gemma4 --config configs/gemma4_26b_a4b.toml --ways nccl,shipped; shown gemma4
     else
-        tp_decode 0 tp1 --layers 48; tp_decode 0,1 tp2 --layers 48
+        tp_decode 0 tp1 --layers 48; tp_decode 0,1 tp2 --layers 48; shown tp1 tp2
+        tp_decode 0 gemma1 --config configs/gemma4_26b_a4b.toml
+        tp_decode 0,1 gemma2 --config configs/gemma4_26b_a4b.toml --ways nccl,shipped; shown gemma1 gemma2
     fi
-    for n in 1 $sizes; do echo "== the 48-layer decode step, $n GPUs"; quiet < "$LOGS/tp$n.txt" | grep "|\|Error"; done
-    tp_decode 0 gemma1 --config configs/gemma4_26b_a4b.toml
-    tp_decode 0,1 gemma2 --config configs/gemma4_26b_a4b.toml --ways nccl,shipped
-    for n in 1 2; do echo "== Gemma-4 26B-A4B's decode step, $n GPUs"; quiet < "$LOGS/gemma$n.txt" | grep "|\|Error"; done
+    ;;
+ep4)  # on 4 GPUs: experts split over 4 (attention whole on each) against tp=4, batch 1, 64 and 256
+    for layout in ep tp; do
+        tp_decode 0,1,2,3 ${layout}4_large --layers 48 --layout $layout --ways shipped --batches 1,64,256 --new-tokens 32
+        echo "== the 48-layer decode step, $layout=4"; quiet < "$LOGS/${layout}4_large.txt" | grep "|\|Error"
+    done
     ;;
 serve-tp)
     model=${3:+--config $3}
