@@ -281,8 +281,11 @@ def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
 # ---- all-reduce through peer memory (decoding) -----------------------------------------------------
 
 # Bytes up to which a sum over a group with a peer buffer (`use_peer_all_reduce`) takes each way;
-# larger tensors go through NCCL. The thresholds come from `bench/decode.py --all-reduce`
-# (docs/benchmarks.md, issue 49); a benchmark sets them to compare the ways.
+# larger tensors go through NCCL. One-shot's limit is for 2 ranks and halves as the ranks double
+# (each rank reads every peer's whole tensor). The thresholds come from `bench/decode.py
+# --all-reduce` on 2 and 4 H200s (docs/benchmarks.md, issue 49: one-shot is the fastest up to 1 MB
+# on 2, up to 512 KB on 4; two-shot then, NCCL from past 4 MB); a benchmark sets them to compare
+# the ways.
 PEER_ALL_REDUCE = {"one_shot": 1 << 20, "two_shot": 4 << 20}
 
 
@@ -299,6 +302,7 @@ class _PeerBuffer:
         self.buffer = symmetric_memory.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
         symmetric_memory.rendezvous(self.buffer, group)
         self.group_name = group.group_name
+        self.ranks = dist.get_world_size(group)
 
     def summed(self, x: torch.Tensor) -> torch.Tensor | None:
         """The sum of x over the group, or None when x is not for this buffer (its dtype, a
@@ -307,7 +311,7 @@ class _PeerBuffer:
         if x.dtype != self.buffer.dtype or nbytes % 16 or n > self.buffer.numel() or nbytes == 0:
             return None
         flat, into = x.contiguous().view(-1), self.buffer[:n]
-        if nbytes <= PEER_ALL_REDUCE["one_shot"]:
+        if nbytes <= PEER_ALL_REDUCE["one_shot"] * 2 // self.ranks:
             return torch.ops.symm_mem.one_shot_all_reduce_copy(into, flat, "sum", self.group_name).view_as(x)
         if nbytes <= PEER_ALL_REDUCE["two_shot"]:
             into.copy_(flat)
