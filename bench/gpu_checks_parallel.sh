@@ -19,6 +19,9 @@
 #       per GPU and MFU (median of steps 3-12), peak memory.
 #   bash bench/gpu_checks_parallel.sh full [VARIANTS] [--micro N ...]   the full Qwen3-30B-A3B
 #       shape's layouts through the trainer's step (bench/pipeline.py; default: both dispatchers).
+#   bash bench/gpu_checks_parallel.sh balance   the 6-layer shape's trainer step under ep=2 (GPUs
+#       2-3) and ep=4, with the model's router and with spread (balanced) routing: the GPUs' idle
+#       share from the mechanism alone and from the router's imbalance (bench/pipeline.py --routing)
 #   bash bench/gpu_checks_parallel.sh long STEPS [KEY=VALUE ...]   the full shape under `moemesh
 #       train` for STEPS steps (the loss falling; tokens/s per GPU, MFU, memory from metrics.jsonl).
 set -u
@@ -128,6 +131,15 @@ full)
     echo "== the full Qwen3-30B-A3B shape, 4 GPUs: $variants"
     timeout 540 torchrun --standalone --nproc-per-node 4 bench/pipeline.py --config configs/qwen3_30b_a3b.toml \
         --seq 4096 --steps 4 --warmup 2 --variants "$variants" "${@:3}" 2>&1 | tee "$LOGS/full_$variants.txt" | quiet | tail -40
+    ;;
+balance)
+    six() {  # GPUs, micro-batches, sequences a micro-batch
+        CUDA_VISIBLE_DEVICES=$1 timeout 280 torchrun --standalone --nproc-per-node "$(count "$1")" bench/pipeline.py \
+            --config configs/qwen3_30b_a3b_6l.toml --seq 4096 --micro "$3" --micro-batches "$2" --steps 4 --warmup 2 \
+            --variants ep --routing model,spread 2>&1 | tee "$LOGS/balance_$1.txt" | quiet | grep "|\|Error"
+    }
+    six "${GPUS2:-2,3}" 8 2
+    six 0,1,2,3 4 4
     ;;
 long)
     run 0,1,2,3 full_long configs/qwen3_30b_a3b.toml train.steps="$2" train.eval_every=0 "${@:3}"

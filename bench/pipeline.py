@@ -18,6 +18,13 @@ a stage holds at its peak), and from one profiled step each rank's idle share (n
 running; NCCL kernels waiting on a peer count as idle), the share where only NCCL ran, and rank 0's
 kernels that took the most time; under a pipeline, the schedule's simulated bubble share with
 backward = 2 × forward.
+
+`--routing model,spread` runs each variant twice: with the model's router, and with each token's
+k experts spread by a fixed pseudo-random pattern of its position (the router's probabilities at
+those experts still weight the outputs and train it). A random-init router on byte-level text
+sends one rank of ep=4 up to 2.7× the mean load; the spread pattern is balanced within a few
+percent, so the two rows part the cost of the layout's own mechanism from that of the router's
+imbalance (Megatron-Core's `moe_router_force_load_balancing`, a benchmark-only switch likewise).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import torch.distributed as dist
 
 from bench.common import interval_length, median_ms, merged, print_table, profiled_kernels, split_intervals
 from moemesh.config import load_config
+from moemesh.models import moe
 from moemesh.parallel.pipeline.memory import run_costs, stage_ranges
 from moemesh.parallel.pipeline.partition import rank_memory
 from moemesh.parallel.pipeline.schedule import build_schedule, peak_in_flight, simulate
@@ -63,6 +71,24 @@ if WORLD >= 4 and WORLD % 2 == 0:  # pp × ep=2: DualPipeV's paired chunks overl
         }
     )
     VARIANTS[f"dp_shard{WORLD // 2}-ep2"] = [*ONE, f"parallel.dp_shard={WORLD // 2}", "parallel.ep=2"]
+
+
+def spread_routed(logits: torch.Tensor, k: int, renormalize: bool):
+    """`moe.routed` with each token's k experts fixed by its position t: the k largest of
+    frac(43758.5453 · sin(12.9898 t + 78.233 e)) over the experts e — the same in a recomputed
+    forward (no random state), spread over every expert-parallel rank, close to balanced."""
+    tokens, experts = logits.shape
+    t = torch.arange(tokens, device=logits.device, dtype=torch.float32)[:, None]
+    e = torch.arange(experts, device=logits.device, dtype=torch.float32)[None, :]
+    ids = torch.frac(torch.sin(12.9898 * t + 78.233 * e) * 43758.5453).abs().topk(k, dim=-1).indices
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights = probs.gather(1, ids)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return probs, weights, ids, moe.choice_counts(ids, experts)
+
+
+ROUTINGS = {"model": moe.routed, "spread": spread_routed}
 
 
 def step_profile(trainer: Trainer, trace: Path | None = None) -> tuple[float, float, list[tuple[str, float]]]:
@@ -252,6 +278,9 @@ def main():
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for every variant")
     parser.add_argument("--variants", help=f"comma-separated subset of: {', '.join(VARIANTS)}")
+    parser.add_argument(
+        "--routing", default="model", help="comma-separated: model (the router's choice), spread (balanced; see above)"
+    )
     parser.add_argument("--trace-dir", help="write each rank's per-operation memory and time trace here (GPU)")
     args = parser.parse_args()
     rows = []
@@ -259,8 +288,15 @@ def main():
     for name in chosen:
         if name not in VARIANTS:
             parser.error(f"unknown variant {name!r} on {WORLD} ranks; choose from {', '.join(VARIANTS)}")
-    for name in chosen:
+    routings = args.routing.split(",")
+    if not set(routings) <= set(ROUTINGS):
+        parser.error(f"--routing: choose from {', '.join(ROUTINGS)}")
+    runs = [(name, routing) for name in chosen for routing in routings]
+    for name, routing in runs:
+        moe.routed = ROUTINGS[routing]
         row, top = run_variant(name, VARIANTS[name], args)
+        if len(routings) > 1:
+            row["variant"] = f"{name} ({routing} routing)"
         rows.append(row)
         gc.collect()
         if torch.cuda.is_available():
@@ -268,7 +304,8 @@ def main():
         if dist.get_rank() == 0:
             print(rows[-1], flush=True)
             print(
-                f"  [{name}] rank 0's kernels, ms in a step: " + "; ".join(f"{k} {ms:.1f}" for k, ms in top), flush=True
+                f"  [{row['variant']}] rank 0's kernels, ms in a step: " + "; ".join(f"{k} {ms:.1f}" for k, ms in top),
+                flush=True,
             )
     if dist.get_rank() == 0:
         rows = [{key: row.get(key, "") for key in max(rows, key=len)} for row in rows]
