@@ -7,29 +7,57 @@ bit-equal to the engine's, which sampled it one step at a time (reinforcement le
 importance ratio is then exactly 1 where the weights are the same).
 
 Why the default path is not: a GEMM's kernel, and with it the order in which a row's products
-are added, depends on how many rows it computes (on a CPU torch's fp32 `F.linear` of 1 to 8 rows
-differs from the same rows among 64); decoding attends over a padded window with a mask and
-prefill over a whole chunk; the MoE takes a per-token path for few tokens and grouped GEMMs for
-many. Here instead:
+are added, depends on how many rows it computes (cuBLAS picks its tiles and split-K by shape; on
+a CPU torch's fp32 `F.linear` of 1 to 8 rows differs from the same rows among 64); decoding
+attends over a padded window with a mask, split over the keys by the batch's size, and prefill
+over a whole chunk; the MoE takes a per-token path for few tokens and grouped GEMMs for many.
 
-  * `linear`: rows in tiles of TILE (the last padded), one GEMM call a tile, so each row is
-    computed by a call of the same shape wherever it sits (checked: a row's bits do not depend
-    on its place in a tile or on the other rows, fp32 and bf16);
-  * `attend`: one query at a time over exactly its keys — scores summed over the head dimension,
-    a softmax over those keys alone, the values summed in key order — in fp32;
-  * `experts`: each (token, expert) pair through the expert's two `linear`s, after the block's own
-    dispatch (a copy of each row, in any layout), the k outputs then summed with the routing
-    weights in slot order by its combine.
+Two implementations of the three ops, chosen per call by the tensor's device (`kernels`: CUDA,
+or MOEMESH_KERNELS=triton under Triton's interpreter):
 
-Every other op of the models (norms, rotary, softmax and top-k of the router, sampling) is already
-per row. The price: a Python loop per query and per expert — a reference mode, exact and tested
-on CPUs (fp32 and bf16; tests/test_batch_invariant.py), 7× the default's time for a GRPO step of
-the tiny model (examples/grpo.py), far more for a large one. GPU kernels with the same property
-(a fixed-tile GEMM without split-K, one attention kernel with a fixed split, one MoE path) are not
-written yet. Not covered:
-attention sinks and sliding windows, latent attention, LoRA adapters (merge them first). Under
-tensor parallelism, and expert parallelism for decoding, the engine and the trainer agree bit for
-bit on two ranks (a sum of two partials has one order); over more ranks the all-reduces' order may
+  * `linear` — CPU reference: rows in tiles of TILE (the last padded), one GEMM call a tile, so
+    each row is computed by a call of the same shape wherever it sits. GPU: `matmul`, a Triton
+    kernel of fixed tiles: BLOCK_M rows × BLOCK_N columns a program, K in blocks of BLOCK_K added
+    in order from 0 into an fp32 accumulator, no split-K; BLOCK_N a function of the weight's width
+    alone. Every row of a given weight then runs the same compiled kernel and the same sequence
+    of tl.dot steps, whether alone or among 10,000 rows, at any place in its tile (a tensor-core
+    MMA computes an output element from its row and column only; rows past the end load zeros).
+    Backward is the ordinary one (autograd.Function): only forward values must agree.
+  * `attend` — CPU reference: one query at a time over exactly its keys, in fp32. GPU:
+    `paged_attention`, one kernel for the engine's steps (decode tokens, prompt chunks, against
+    the paged cache) and for the trainer's whole sequences (`causal_attention`: each row's keys
+    as one block of T). A program takes a tile of one sequence's consecutive tokens × the query
+    heads of one key/value head (a fixed ATTENTION_ROWS-row tile per model) and reads the keys
+    0..the tile's last position in blocks of ATTENTION_KEYS starting at key 0, with a running
+    softmax in fp32 — no split of the keys. A query's numbers depend only on the blocks it sees,
+    which are the same whatever its tile: a block it sees none of (its tile's later tokens')
+    leaves its maximum, sum and accumulator exactly as they were. Keys are read through the
+    block table one by one, so the cache's block size does not matter either. Backward (training)
+    recomputes torch's attention and differentiates that.
+  * `experts` — CPU reference: each expert's rows through its two `linear`s. GPU:
+    `grouped_matmul`, the same matmul kernel over tiles of BLOCK_M rows of one expert (the tile
+    table made on the device, no host sync: `expert_tiles`), for gate_up and then down, the
+    activation between (elementwise), each row bit-equal to `matmul` of it alone with its
+    expert's weight. The block's own dispatch (a copy of each row, in any layout) and combine
+    (the k outputs summed with the routing weights in slot order) as the default path.
+
+Every other op of the models (norms, rotary, softmax and top-k of the router, sampling, the
+log-softmax of log-probabilities) is already per row, on a CPU and in the Triton kernels on a GPU
+(rms_norm's tile depends on the width alone; topk_softmax is a program a token) — torch's CUDA
+softmax and log_softmax pick their kernel by the row's width, not the number of rows.
+
+Exactness is tested on CPUs (tests/test_batch_invariant.py): the reference in fp32 and bf16, the
+kernels under Triton's interpreter in fp32 (its bf16 tl.dot is wrong), the tiny model's engine and
+trainer through them included. On a GPU in bf16 the claim is measured, not proven by a test here:
+`bench/gpu_checks_inference.sh invariant` (bench/decode.py --batch-invariant) counts what differs
+over 10k tokens of the 48-layer Qwen3-30B-A3B shape. Limits: the kernels' tiles are not tuned (one
+config per weight width, the same for decoding's few rows and training's many), so the price is
+the GPU run's to say; an eager engine (no CUDA graphs); decode at batch 1 has only a program per
+key/value head in attention (no split: a split would have to be fixed per key position, and the
+trainer would have to take it too). Not covered: attention sinks and sliding windows, latent
+attention, LoRA adapters (merge them first), packed documents in a training row. Under tensor
+parallelism, and expert parallelism for decoding, the engine and the trainer agree bit for bit on
+two ranks (a sum of two partials has one order); over more ranks the all-reduces' order may
 depend on their size.
 """
 
@@ -488,25 +516,42 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, tiles: torch.Tensor) -
 
 
 class _GroupedMatmul(torch.autograd.Function):
-    """`grouped_matmul` forward; backward by ops/grouped_mm.py's grouped GEMMs (the ordinary ones)."""
+    """`grouped_matmul` forward; backward: the input's gradient by the same kernel (each expert's
+    rows times its weight untransposed), the weight's by torch's grouped GEMM where it runs
+    (CUDA, bf16), else a loop over the experts."""
 
     @staticmethod
     def forward(ctx, x, weight, group_sizes, tiles):
-        ctx.save_for_backward(x, weight, group_sizes)
+        ctx.save_for_backward(x, weight, group_sizes, tiles)
         return grouped_matmul(x, weight, tiles)
 
     @staticmethod
     def backward(ctx, grad):
-        from moemesh.ops import grouped_mm
-
-        x, weight, group_sizes = ctx.saved_tensors
+        x, weight, group_sizes, tiles = ctx.saved_tensors
         grad = grad.contiguous()
-        offsets = grouped_mm.group_offsets(x, group_sizes)
-        w = weight.to(x.dtype)
-        grad_x = (
-            grouped_mm._forward(grad, w.transpose(-2, -1), group_sizes, offsets) if ctx.needs_input_grad[0] else None
-        )
-        grad_w = None
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grouped_matmul(grad, weight.transpose(-2, -1), tiles)
         if ctx.needs_input_grad[1]:
-            grad_w = grouped_mm._weight_gradient(grad, x, group_sizes, offsets).to(weight.dtype)
+            grad_w = _weight_gradient(grad, x, group_sizes).to(weight.dtype)
         return grad_x, grad_w, None, None
+
+
+_grouped_mm_kernel = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)  # torch >= 2.10, 2.9
+
+
+def _weight_gradient(grad: torch.Tensor, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    """[E, N, K]: grad[rows of e].T @ x[rows of e] for every expert e (rows past the groups left out)."""
+    if (
+        _grouped_mm_kernel is not None
+        and x.is_cuda
+        and x.dtype == torch.bfloat16
+        and grad.shape[1] % 8 == 0
+        and x.shape[1] % 8 == 0
+        and torch.cuda.get_device_capability(x.device) >= (8, 0)
+    ):
+        return _grouped_mm_kernel(grad.transpose(0, 1), x, offs=group_sizes.cumsum(0, dtype=torch.int32))
+    sizes = group_sizes.tolist()
+    *grads, _ = torch.split(grad, [*sizes, grad.shape[0] - sum(sizes)])
+    *pieces, _ = torch.split(x, [*sizes, x.shape[0] - sum(sizes)])
+    return torch.stack([g.transpose(0, 1) @ piece for g, piece in zip(grads, pieces)])
