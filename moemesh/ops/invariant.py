@@ -68,7 +68,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from moemesh.ops.backend import tl, triton, use_triton
+from moemesh.ops.backend import HAVE_TRITON, tl, triton, use_triton
 
 TILE = 16  # rows a GEMM call of the CPU reference computes, whatever the batch
 _on = False
@@ -80,6 +80,15 @@ BLOCK_M, BLOCK_K = 64, 64
 # Attention: the query rows of a program (its tokens × the query heads of one key/value head) and
 # the keys of a block of the key loop (blocks start at key 0, 64, 128, ... for every query).
 ATTENTION_ROWS, ATTENTION_KEYS = 64, 64
+
+
+def _jit(*varying: str):
+    """triton.jit with the integer arguments `varying` (those that change with the batch or with
+    who calls: a row count, the cache's block size, a table's width) neither specialised on the
+    value 1 nor on their alignment, so that every call of a kernel runs one compiled program."""
+    if not HAVE_TRITON:
+        return triton.jit
+    return triton.jit(do_not_specialize=varying, do_not_specialize_on_alignment=varying)
 
 
 def on() -> bool:
@@ -181,7 +190,7 @@ class _Matmul(torch.autograd.Function):
         return grad_x, grad_w
 
 
-@triton.jit
+@_jit("m_tiles", "rows", "stride_xm", "stride_xk", "stride_om")
 def _matmul_kernel(
     x_ptr,
     w_ptr,
@@ -367,7 +376,14 @@ class _CausalAttention(torch.autograd.Function):
         return *grads, None
 
 
-@triton.jit
+@_jit(
+    "key_slot_stride",
+    "key_head_stride",
+    "value_slot_stride",
+    "value_head_stride",
+    "table_stride",
+    "block_size",
+)
 def _attention_kernel(
     q_ptr,
     keys_ptr,
