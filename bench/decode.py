@@ -23,6 +23,21 @@ Also printed: the share of moemesh's tokens at batch B equal to batch 1's for th
 Sides run one after the other, each model freed before the next (the 48-layer model is 61 GB in
 bf16). Prints a table per model; nothing is written.
 
+--batch-invariant (issue 50): the engine in batch-invariant mode (ops/invariant.py's kernels)
+beside the default, and its claim checked in bf16:
+
+    PYTHONPATH=. python3 bench/decode.py --layers 48 --batch-invariant --batches 1,64
+
+For each batch, the engine's decode step alone (ms/step, as "engine ms/step" above) as shipped
+and in the mode, and their ratio. Then the check, at the largest batch: that many prompts (a few
+sharing half of the first one's), --check-tokens greedy tokens each with log-probabilities, in
+the mode through one scheduler — prompts prefilled in chunks at odd split points, prefixes reused,
+a KV pool too small for all (preemption) — and then: (1) --alone of them generated alone (batch
+1, whole-prompt prefill, another block size): tokens and log-probabilities compared; (2) every
+sequence scored by the trainer's forward (`completion_logprobs`, gradients on, in the mode, a few
+sequences a forward): log-probabilities and the experts chosen at every position the engine
+computed compared. Counts of what differs are printed (0 is the claim).
+
 Under torchrun, tensor parallelism over the ranks launched (issue 49):
 
     torchrun --nproc-per-node N bench/decode.py --layers 48 --tensor-parallel --batches 1,64
@@ -61,13 +76,17 @@ from moemesh.ops import gemv
 from moemesh.parallel import comm
 
 
-def moemesh_rows(config, args, device, dtype, prompts) -> tuple[list[dict], dict]:
+def built(config, device, dtype):
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # built in bf16 directly: the 48-layer model has no room for an fp32 copy
     try:
-        model = build(config, seed=0, device=device).eval()
+        return build(config, seed=0, device=device).eval()
     finally:
         torch.set_default_dtype(previous)
+
+
+def moemesh_rows(config, args, device, dtype, prompts) -> tuple[list[dict], dict]:
+    model = built(config, device, dtype)
     tokenizer = ByteTokenizer()  # never decodes real text here: the ids are random
     tokenizer.eos_id = None  # no early stop: every sequence makes --new-tokens tokens
     rows, first_row = [], {}
@@ -169,6 +188,130 @@ def engine_step_ms(engine: DecodeEngine, prompts: list[list[int]], steps: int) -
     elapsed = time.perf_counter() - start
     engine.blocks.release(held)
     return elapsed / (steps - 1) * 1e3
+
+
+def batch_invariant_rows(config, args, device, dtype, prompts) -> tuple[list[dict], list[dict]]:
+    """--batch-invariant: (the decode step's timing rows, the check's rows); see the docstring."""
+    model = built(config, device, dtype)
+    timing = []
+    for batch in args.batches:
+        row = {"batch": batch}
+        for name, invariant in (("default", False), ("batch-invariant", True)):
+            engine = DecodeEngine(
+                model, max_batch=batch, max_len=args.prompt_len + args.new_tokens + 1, batch_invariant=invariant
+            )
+            engine_step_ms(engine, prompts[:batch], 3)  # warm-up: compiles (and tunes) the kernels, captures the graphs
+            ms = min(engine_step_ms(engine, prompts[:batch], args.new_tokens - 1) for _ in range(2))
+            row[f"{name} ms/step"] = f"{ms:.2f}"
+            row[f"{name} tokens/s"] = f"{batch * 1e3 / ms:,.0f}"
+            del engine
+            free()
+        row["ratio"] = f"{float(row['batch-invariant ms/step']) / float(row['default ms/step']):.2f}"
+        timing.append(row)
+        print_table(timing, "decode step, the engine alone: as shipped and in batch-invariant mode")
+    return timing, invariant_check(model, args, prompts)
+
+
+def invariant_check(model, args, prompts) -> list[dict]:
+    """The check of --batch-invariant (see the docstring) -> its rows."""
+    from moemesh.train.logprobs import completion_logprobs
+
+    tokenizer = ByteTokenizer()
+    tokenizer.eos_id = None  # every sequence makes --check-tokens tokens
+    batch, half = max(args.batches), args.prompt_len // 2
+    chosen = [list(p) for p in prompts[:batch]]
+    for p in chosen[1:4]:  # prefixes to reuse
+        p[:half] = chosen[0][:half]
+    params = SamplingParams(max_tokens=args.check_tokens, temperature=0.0, logprobs=0)
+    max_len = args.prompt_len + args.check_tokens + 1
+    per_sequence = math.ceil(max_len / 16)
+    start = time.perf_counter()
+    engine = DecodeEngine(
+        model,
+        max_batch=batch,
+        max_len=max_len,
+        batch_invariant=True,
+        max_num_batched_tokens=args.prompt_len * 3 // 2 + 7,  # prompts cut at odd places
+        num_blocks=max(per_sequence + 1, batch * per_sequence * 7 // 10),  # too few for all: preemption
+    )
+    scheduler = Scheduler(engine, tokenizer, max_waiting=batch, record_routing=True)
+    together = [scheduler.submit(p, params) for p in chosen]
+    scheduler.run_until_idle()
+    scheduler.routing.stop()
+    note = f"{scheduler.preemptions} preemptions, {scheduler.cached_tokens} prompt tokens from the prefix cache"
+    print(f"together: batch {batch}, {time.perf_counter() - start:.0f} s, {note}", flush=True)
+    del engine, scheduler
+    free()
+
+    def logprobs(sequence) -> torch.Tensor:
+        return torch.tensor([p.logprob for p in sequence.logprobs])
+
+    rows = []
+    start = time.perf_counter()
+    picked = sorted({0, 1, batch // 2, batch - 1})[: args.alone] if args.alone else []
+    tokens = differ_tokens = differ_logprobs = 0
+    for i in picked:
+        engine = DecodeEngine(model, max_batch=1, max_len=max_len, batch_invariant=True, block_size=32)
+        (alone,) = generate_sequences(engine, tokenizer, [chosen[i]], params)
+        ours, theirs = alone.token_ids, together[i].token_ids
+        same = next((j for j, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(ours))
+        tokens += len(ours)
+        differ_tokens += len(ours) - same
+        differ_logprobs += int((logprobs(alone)[:same] != logprobs(together[i])[:same]).sum())  # where tokens agree
+        del engine
+        free()
+    rows.append(
+        {
+            "comparison": f"batch {batch} (chunked, cached, preempted) vs alone, {len(picked)} sequences",
+            "tokens compared": tokens,
+            "tokens differing": f"{differ_tokens} (from the first that differs on)",
+            "log-probs differing": differ_logprobs,
+            "routing decisions compared": "",
+            "routing differing": "",
+            "seconds": f"{time.perf_counter() - start:.0f}",
+        }
+    )
+    print_table(rows, "batch-invariant mode: bit-equality")
+
+    start = time.perf_counter()
+    compared = differing = decisions = routing_differing = 0
+    largest = 0.0
+    for first in range(0, batch, args.score_batch):
+        group = together[first : first + args.score_batch]
+        with torch.enable_grad():
+            scored = completion_logprobs(
+                model, [s.prompt_ids for s in group], [s.token_ids for s in group], 0.0, True, True
+            )
+        for j, sequence in enumerate(group):
+            ours, theirs = scored.logprobs[j].detach().cpu(), logprobs(sequence)
+            compared += len(theirs)
+            differing += int((ours != theirs).sum())
+            largest = max(largest, float((ours - theirs).abs().max()))
+            for position, experts in sequence.routing.items():
+                same = (experts.cpu() == scored.routing[j][position].cpu()).all(-1)
+                decisions += same.numel()
+                routing_differing += int((~same).sum())
+        del scored
+    rows.append(
+        {
+            "comparison": f"engine (batch {batch}) vs the trainer's forward, {batch} sequences",
+            "tokens compared": compared,
+            "tokens differing": "",
+            "log-probs differing": f"{differing} (largest {largest:.3g})",
+            "routing decisions compared": decisions,
+            "routing differing": routing_differing,
+            "seconds": f"{time.perf_counter() - start:.0f}",
+        }
+    )
+    return rows
+
+
+def generate_sequences(engine: DecodeEngine, tokenizer, prompts: list[list[int]], params) -> list:
+    """The prompts through a scheduler of `engine` -> their sequences."""
+    scheduler = Scheduler(engine, tokenizer, max_waiting=len(prompts))
+    sequences = [scheduler.submit(p, params) for p in prompts]
+    scheduler.run_until_idle()
+    return sequences
 
 
 # The ways of `--ways`: comm.PEER_ALL_REDUCE's thresholds (bytes) for each; "shipped" keeps its own.
@@ -406,6 +549,14 @@ def main():
         help="with --tensor-parallel: split heads, expert slices and vocabulary (tp), or the experts alone (ep: "
         "`serve --ep`, the rest whole on every rank)",
     )
+    parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="the engine's step in batch-invariant mode beside the default, and the mode's bit-equality checked",
+    )
+    parser.add_argument("--check-tokens", type=int, default=160, help="--batch-invariant: new tokens a sequence")
+    parser.add_argument("--alone", type=int, default=4, help="--batch-invariant: sequences generated alone too")
+    parser.add_argument("--score-batch", type=int, default=4, help="--batch-invariant: sequences a trainer forward")
     parser.add_argument("--all-reduce", action="store_true", help="under torchrun: the all-reduce alone, by size")
     parser.add_argument("--ways", default="nccl,one-shot,two-shot,shipped", help=f"of {', '.join(WAYS)}")
     parser.add_argument("--all-reduce-sizes", default="4,8,16,32,64,128,256,512,1024,4096", help="KB")
@@ -441,6 +592,10 @@ def main():
         rows = tensor_parallel_rows(config, args, prompts)
         what = "kernels per decode step (rank 0)" if args.profile_steps else "tensor-parallel engine steps"
         return print_table(rows, f"{title}, {os.environ.get('WORLD_SIZE', '1')} GPUs: {what}") if rank0 else None
+    if args.batch_invariant:
+        timing, check = batch_invariant_rows(config, args, device, dtype, prompts)
+        print_table(timing, f"{title}: the engine's decode step, as shipped and in batch-invariant mode")
+        return print_table(check, f"{title}: batch-invariant mode, bit-equality (0 differing is the claim)")
     if args.profile_steps:
         previous = torch.get_default_dtype()
         torch.set_default_dtype(dtype)

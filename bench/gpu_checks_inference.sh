@@ -30,6 +30,11 @@
 #   bash bench/gpu_checks_inference.sh graphs   the GPU tests of the paged engine (packed steps as
 #       CUDA graphs), a process per file; the prefill, prefix and profile tables of the 48-layer
 #       shape with packed steps eager (--packed-graph-tokens 0) and as graphs (the default)
+#   bash bench/gpu_checks_inference.sh invariant  batch-invariant mode (issue 50): the GPU tests of its
+#       kernels (compiled, bf16 included); the 48-layer shape's decode step at batch 1 and 64 as
+#       shipped and in the mode, and the mode's bit-equality in bf16 — 64 sequences of 160 tokens
+#       together (chunked, cached, preempted) against 4 alone and against the trainer's forward
+#       (bench/decode.py --batch-invariant)
 # On a machine with 4 GPUs (issue 49), tensor parallelism:
 #   bash bench/gpu_checks_inference.sh tp       the all-reduce alone on 2 (and 4) GPUs, each way and
 #       size (bench/decode.py --all-reduce); the 48-layer shape's decode step at batch 1 and 64 on
@@ -92,6 +97,12 @@ offline48)
 peer48)
     timeout 580 python3 bench/serve_offline.py --layers 48 --prompts 256 --new-tokens 256 --no-moemesh \
         2>&1 | quiet | tail -12
+    ;;
+invariant)
+    timeout 90 python3 -m pytest -q tests/test_batch_invariant.py -k kernel > "$LOGS/invariant_tests.txt" 2>&1
+    echo "== GPU tests"; grep -E "passed|failed|Error" "$LOGS/invariant_tests.txt" | tail -5
+    timeout 440 python3 bench/decode.py --layers 48 --batch-invariant --batches 1,64 --prompt-len 256 \
+        --new-tokens 32 --check-tokens 160 2>&1 | quiet | grep -v "^$" | tail -${ROWS:-24}
     ;;
 decode6)
     timeout 560 python3 bench/decode.py --layers 6 2>&1 | quiet | tail -20

@@ -7,6 +7,7 @@ equality is the claim, so every comparison is `torch.equal`."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from moemesh.data.tokenizer import ByteTokenizer
 from moemesh.inference.engine import DecodeEngine
@@ -226,3 +227,188 @@ def check_engine_and_trainer_bit_equal_under_tp(rank):
 
 def test_under_tensor_parallelism_the_trainer_s_logprobs_equal_the_engine_s_bit_for_bit(pool):
     assert min(pool.run(check_engine_and_trainer_bit_equal_under_tp)) > 100
+
+
+# ---- the mode's Triton kernels (ops/invariant.py): compiled on a GPU, interpreted on CPU ---------
+# Under Triton's CPU interpreter tl.dot is wrong in bf16 (see test_ops_decode_kernels.py): bf16 is
+# checked on GPUs only. Tolerances against float64: fp32 inputs with fp32 products ("ieee") 1e-6
+# relative; bf16 inputs with fp32 sums 1e-2 (the output's rounding, and in attention the bf16
+# probabilities that multiply the values, as flash attention rounds them).
+KERNEL_DTYPES = [
+    torch.float32,
+    pytest.param(
+        torch.bfloat16,
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="the CPU interpreter's bf16 tl.dot is wrong"),
+    ),
+]
+
+
+def kernel_tol(dtype) -> float:
+    return 1e-6 if dtype == torch.float32 else 1e-2
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_the_matmul_kernel_computes_a_row_alike_wherever_it_sits(triton_kernels, dtype):
+    """Each row's bits whether computed alone, among 130 rows or among 70 others at another place
+    of another tile; the gradients the ordinary ones."""
+    from moemesh.ops import invariant
+    from numerics import rel_err
+
+    w = torch.randn(70, 45).to(dtype)
+    x = torch.randn(130, 45).to(dtype)
+    full = invariant.matmul(x, w)
+    assert rel_err(full, x.double() @ w.double().T) <= kernel_tol(dtype)
+    for i in (0, 1, 63, 64, 129):
+        assert torch.equal(invariant.matmul(x[i : i + 1], w)[0], full[i])
+    shuffled = torch.cat([torch.randn(37, 45).to(dtype), x[60:93], torch.randn(3, 45).to(dtype)])
+    assert torch.equal(invariant.matmul(shuffled, w)[37:70], full[60:93])
+    assert invariant.matmul(x[:0], w).shape == (0, 70)
+    with invariant.batch_invariant():  # `linear` runs it, with a bias, differentiable
+        xg, wg, bias = (t.clone().requires_grad_() for t in (x[:9], w, torch.randn(70).to(dtype)))
+        out = invariant.linear(xg.view(3, 3, 45), wg, bias)
+    grad = torch.randn_like(out)
+    expected = [t.detach().double().requires_grad_() for t in (xg, wg, bias)]
+    torch.autograd.backward(out, grad)
+    torch.autograd.backward(F.linear(*expected).view(3, 3, 70), grad.double())
+    for ours, reference in zip((xg, wg, bias), expected):
+        assert rel_err(ours.grad, reference.grad) <= kernel_tol(dtype)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_the_grouped_kernel_computes_each_row_as_the_matmul_kernel_alone(triton_kernels, dtype):
+    """Rows sorted by expert (an empty expert, one of 70 rows: two tiles, rows past the last group):
+    each row's bits those of `matmul` of that row alone with its expert's weight; the rows past
+    the groups zeros; the two projections' gradients the ordinary ones."""
+    from moemesh.ops import invariant
+    from moemesh.ops.swiglu import swiglu
+    from numerics import rel_err
+
+    sizes = torch.tensor([3, 0, 70, 1, 9])
+    rows = int(sizes.sum())
+    x = torch.randn(rows + 4, 24).to(dtype)
+    gate_up, down = torch.randn(5, 40, 24).to(dtype), torch.randn(5, 24, 20).to(dtype)
+    tiles, _ = invariant.expert_tiles(sizes, x.shape[0])
+    h = invariant.grouped_matmul(x, gate_up, tiles)
+    experts = torch.repeat_interleave(torch.arange(5), sizes)
+    for i in (0, 2, 3, 40, 72, 73, rows - 1):
+        assert torch.equal(h[i], invariant.matmul(x[i : i + 1], gate_up[experts[i]])[0])
+    assert not h[rows:].any()
+    expected = torch.cat([x[:rows].double()[experts == e] @ gate_up[e].double().T for e in range(5)])
+    assert rel_err(h[:rows], expected) <= kernel_tol(dtype)
+
+    params = [t.clone().requires_grad_() for t in (x, gate_up, down)]
+    biases = [torch.randn(5, 40).to(dtype).requires_grad_(), torch.randn(5, 24).to(dtype).requires_grad_()]
+    out = invariant.experts(params[0], sizes, params[1], params[2], swiglu, *biases)
+    assert not out[rows:].any()
+    grad = torch.randn_like(out)
+    torch.autograd.backward(out[:rows], grad[:rows])
+    reference = [t.detach().double().requires_grad_() for t in (*params, *biases)]
+    xr, gr, dr, gbr, dbr = reference
+    pieces = torch.split(xr[:rows], sizes.tolist())
+    want = torch.cat(
+        [swiglu(p @ gr[e].T + gbr[e]) @ dr[e].T + dbr[e] for e, p in enumerate(pieces)]  # swiglu: elementwise
+    )
+    torch.autograd.backward(want, grad[:rows].double())
+    assert rel_err(out[:rows], want) <= 10 * kernel_tol(dtype)
+    for ours, theirs in zip((*params, *biases), reference):
+        assert rel_err(
+            ours.grad[:rows] if ours is params[0] else ours.grad,
+            theirs.grad[:rows] if ours is params[0] else theirs.grad,
+        ) <= 10 * kernel_tol(dtype)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("head_dim", [8, 32])
+def test_the_attention_kernel_gives_a_query_the_same_bits_in_any_step(triton_kernels, dtype, head_dim):
+    """A sequence of 70 tokens (more than one key block of 64) attended whole (the trainer's
+    layout: one block of T a row) and through a paged cache of blocks of 4 in shuffled order —
+    each token alone (decode steps), in chunks at other split points beside another sequence's
+    (packed steps) — every query's output bit-equal; within tolerance of float64; the whole
+    sequence's gradients those of torch's attention."""
+    from moemesh.models.kv_cache import PagedKVCache
+    from moemesh.ops import invariant
+    from numerics import rel_err
+
+    length, heads, kv_heads, scale = 70, 6, 2, head_dim**-0.5
+    q, k, v = (torch.randn(2, length, n, head_dim).to(dtype) for n in (heads, kv_heads, kv_heads))
+    whole = invariant.causal_attention(q, k, v, scale)
+    expected = F.scaled_dot_product_attention(
+        *(t.double().transpose(1, 2) for t in (q, k, v)), is_causal=True, scale=scale, enable_gqa=True
+    ).transpose(1, 2)
+    assert rel_err(whole, expected) <= 10 * kernel_tol(dtype)
+    assert torch.equal(invariant.causal_attention(q[1:, :29], k[1:, :29], v[1:, :29], scale)[0], whole[1, :29])
+
+    cache = PagedKVCache(num_blocks=2 * 18 + 1, block_size=4, rows=2, max_len=72)
+    cache.block_tables[:2] = (torch.randperm(2 * 18) + 1).view(2, 18).int()  # block 0 is the null block
+    every = torch.arange(length)
+    cache.set_step(torch.tensor([0, 1]).repeat_interleave(length), every.repeat(2), length, packed=True)
+    cache.write(0, k.flatten(0, 1), v.flatten(0, 1))
+
+    def step(rows, positions, packed):
+        cache.set_step(torch.tensor(rows), torch.tensor(positions), length, packed=packed)
+        tokens = torch.stack([q[r, p] for r, p in zip(rows, positions)])
+        starts, lengths, count, _ = cache.tiles(invariant.tile_tokens(heads // kv_heads))
+        return invariant.paged_attention(
+            tokens, cache.keys[0], cache.values[0], cache.block_tables, 4, cache.token_rows, cache.positions,
+            starts, lengths, count, scale,
+        )  # fmt: skip
+
+    decode = step([0, 1, 1], [69, 0, 44], packed=False)
+    assert torch.equal(decode, torch.stack([whole[0, 69], whole[1, 0], whole[1, 44]]))
+    chunks = step([1] * 13 + [0] * 40 + [1], [*range(7, 20), *range(21, 61), 64], packed=True)
+    assert torch.equal(chunks, torch.cat([whole[1, 7:20], whole[0, 21:61], whole[1, 64:65]]))
+
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    grads = torch.autograd.grad(invariant.causal_attention(q, k, v, scale), (q, k, v), whole)
+    reference = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(
+        *(t.transpose(1, 2) for t in reference), is_causal=True, scale=scale, enable_gqa=True
+    )
+    for ours, theirs in zip(grads, torch.autograd.grad(out.transpose(1, 2), reference, whole.double())):
+        assert rel_err(ours, theirs) <= 10 * kernel_tol(dtype)
+
+
+def test_with_the_kernels_the_engine_and_the_trainer_agree_bit_for_bit(triton_kernels, monkeypatch):
+    """The tiny model through the kernels (interpreted on CPU, fp32; bf16 on a GPU: bench/decode.py
+    --batch-invariant): generated together (prompts in chunks at other split points, a prefix
+    reused) each sequence's tokens and log-probabilities are those it gets alone, and equal the
+    trainer's, with its routing. (Preemption only prefills again: the CPU reference's tests
+    above cover it; the interpreter is slow.)"""
+    from moemesh.ops import invariant
+
+    launches = {"matmul": 0, "paged_attention": 0, "grouped_matmul": 0}
+    for name in launches:
+        original = getattr(invariant, name)
+
+        def counted(*args, name=name, original=original):
+            launches[name] += 1
+            return original(*args)
+
+        monkeypatch.setattr(invariant, name, counted)
+    model = build(CONFIG, seed=1).eval()
+    first, shares_its_prefix, _, longest, _ = prompts()
+    requests = [
+        (p, SamplingParams(max_tokens=6, temperature=t, seed=s, logprobs=0))
+        for p, (t, s) in zip((first, shares_its_prefix, longest), SETTINGS)
+    ]
+    together, scheduler = generated(
+        model, requests, record_routing=True, max_batch=3, max_num_batched_tokens=11, block_size=4, num_blocks=17
+    )
+    scheduler.routing.stop()
+    assert scheduler.cached_tokens > 0
+    assert all(launches.values()), launches
+    for request, sequence in zip(requests, together):
+        (alone,), _ = generated(model, [request], max_batch=1, max_num_batched_tokens=64, block_size=16)
+        assert sequence.token_ids == alone.token_ids
+        assert torch.equal(logprobs(sequence), logprobs(alone))
+        scored = completion_logprobs(
+            model,
+            [sequence.prompt_ids],
+            [sequence.token_ids],
+            request[1].temperature,
+            routing=True,
+            batch_invariant=True,
+        )
+        assert torch.equal(scored.logprobs[0], logprobs(sequence))
+        for position, chosen in sequence.routing.items():
+            assert torch.equal(chosen, scored.routing[0][position])

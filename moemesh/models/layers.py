@@ -112,7 +112,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """The forward in batch-invariant mode (`ops/invariant.py`): each query attends, alone, to
         exactly its keys — without a cache the sequence's up to its place (positions 0, 1, ... of
-        each row), with one those its table row holds up to its position."""
+        each row), with one those its table row holds up to its position. On the kernels' device
+        (CUDA) by one attention kernel in both cases, else a loop over the queries (the CPU
+        reference)."""
         if self.sinks is not None or self.sliding_window is not None:
             raise ValueError("batch-invariant mode does not cover attention sinks or sliding windows yet")
         batch, seq, _ = x.shape
@@ -126,6 +128,28 @@ class Attention(nn.Module):
         cos, sin = rope
         q, k = rotary(q.transpose(1, 2), cos, sin).transpose(1, 2), rotary(k.transpose(1, 2), cos, sin).transpose(1, 2)
         scale = self.head_dim**-0.5
+        if invariant.kernels(x):  # one kernel for whole sequences and the engine's steps
+            if cache is None:
+                out = invariant.causal_attention(q, k, v, scale)
+            else:
+                rows = batch * seq
+                cache.write(self.layer_idx, k.reshape(rows, -1, self.head_dim), v.reshape(rows, -1, self.head_dim))
+                keys, values = cache.keys[self.layer_idx], cache.values[self.layer_idx]
+                starts, lengths, count, _ = cache.tiles(invariant.tile_tokens(q.shape[2] // k.shape[2]))
+                out = invariant.paged_attention(
+                    q.reshape(rows, -1, self.head_dim),
+                    keys,
+                    values,
+                    cache.block_tables,
+                    cache.block_size,
+                    cache.token_rows,
+                    cache.positions,
+                    starts,
+                    lengths,
+                    count,
+                    scale,
+                )
+            return self.o_proj(out.reshape(batch, seq, -1))
         if cache is None:  # [B, T, heads, D]
             out = [
                 invariant.attend(q[b, t], k[b, : t + 1].transpose(0, 1), v[b, : t + 1].transpose(0, 1), scale)

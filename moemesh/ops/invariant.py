@@ -7,29 +7,57 @@ bit-equal to the engine's, which sampled it one step at a time (reinforcement le
 importance ratio is then exactly 1 where the weights are the same).
 
 Why the default path is not: a GEMM's kernel, and with it the order in which a row's products
-are added, depends on how many rows it computes (on a CPU torch's fp32 `F.linear` of 1 to 8 rows
-differs from the same rows among 64); decoding attends over a padded window with a mask and
-prefill over a whole chunk; the MoE takes a per-token path for few tokens and grouped GEMMs for
-many. Here instead:
+are added, depends on how many rows it computes (cuBLAS picks its tiles and split-K by shape; on
+a CPU torch's fp32 `F.linear` of 1 to 8 rows differs from the same rows among 64); decoding
+attends over a padded window with a mask, split over the keys by the batch's size, and prefill
+over a whole chunk; the MoE takes a per-token path for few tokens and grouped GEMMs for many.
 
-  * `linear`: rows in tiles of TILE (the last padded), one GEMM call a tile, so each row is
-    computed by a call of the same shape wherever it sits (checked: a row's bits do not depend
-    on its place in a tile or on the other rows, fp32 and bf16);
-  * `attend`: one query at a time over exactly its keys — scores summed over the head dimension,
-    a softmax over those keys alone, the values summed in key order — in fp32;
-  * `experts`: each (token, expert) pair through the expert's two `linear`s, after the block's own
-    dispatch (a copy of each row, in any layout), the k outputs then summed with the routing
-    weights in slot order by its combine.
+Two implementations of the three ops, chosen per call by the tensor's device (`kernels`: CUDA,
+or MOEMESH_KERNELS=triton under Triton's interpreter):
 
-Every other op of the models (norms, rotary, softmax and top-k of the router, sampling) is already
-per row. The price: a Python loop per query and per expert — a reference mode, exact and tested
-on CPUs (fp32 and bf16; tests/test_batch_invariant.py), 7× the default's time for a GRPO step of
-the tiny model (examples/grpo.py), far more for a large one. GPU kernels with the same property
-(a fixed-tile GEMM without split-K, one attention kernel with a fixed split, one MoE path) are not
-written yet. Not covered:
-attention sinks and sliding windows, latent attention, LoRA adapters (merge them first). Under
-tensor parallelism, and expert parallelism for decoding, the engine and the trainer agree bit for
-bit on two ranks (a sum of two partials has one order); over more ranks the all-reduces' order may
+  * `linear` — CPU reference: rows in tiles of TILE (the last padded), one GEMM call a tile, so
+    each row is computed by a call of the same shape wherever it sits. GPU: `matmul`, a Triton
+    kernel of fixed tiles: BLOCK_M rows × BLOCK_N columns a program, K in blocks of BLOCK_K added
+    in order from 0 into an fp32 accumulator, no split-K; BLOCK_N a function of the weight's width
+    alone. Every row of a given weight then runs the same compiled kernel and the same sequence
+    of tl.dot steps, whether alone or among 10,000 rows, at any place in its tile (a tensor-core
+    MMA computes an output element from its row and column only; rows past the end load zeros).
+    Backward is the ordinary one (autograd.Function): only forward values must agree.
+  * `attend` — CPU reference: one query at a time over exactly its keys, in fp32. GPU:
+    `paged_attention`, one kernel for the engine's steps (decode tokens, prompt chunks, against
+    the paged cache) and for the trainer's whole sequences (`causal_attention`: each row's keys
+    as one block of T). A program takes a tile of one sequence's consecutive tokens × the query
+    heads of one key/value head (a fixed ATTENTION_ROWS-row tile per model) and reads the keys
+    0..the tile's last position in blocks of ATTENTION_KEYS starting at key 0, with a running
+    softmax in fp32 — no split of the keys. A query's numbers depend only on the blocks it sees,
+    which are the same whatever its tile: a block it sees none of (its tile's later tokens')
+    leaves its maximum, sum and accumulator exactly as they were. Keys are read through the
+    block table one by one, so the cache's block size does not matter either. Backward (training)
+    recomputes torch's attention and differentiates that.
+  * `experts` — CPU reference: each expert's rows through its two `linear`s. GPU:
+    `grouped_matmul`, the same matmul kernel over tiles of BLOCK_M rows of one expert (the tile
+    table made on the device, no host sync: `expert_tiles`), for gate_up and then down, the
+    activation between (elementwise), each row bit-equal to `matmul` of it alone with its
+    expert's weight. The block's own dispatch (a copy of each row, in any layout) and combine
+    (the k outputs summed with the routing weights in slot order) as the default path.
+
+Every other op of the models (norms, rotary, softmax and top-k of the router, sampling, the
+log-softmax of log-probabilities) is already per row, on a CPU and in the Triton kernels on a GPU
+(rms_norm's tile depends on the width alone; topk_softmax is a program a token) — torch's CUDA
+softmax and log_softmax pick their kernel by the row's width, not the number of rows.
+
+Exactness is tested on CPUs (tests/test_batch_invariant.py): the reference in fp32 and bf16, the
+kernels under Triton's interpreter in fp32 (its bf16 tl.dot is wrong), the tiny model's engine and
+trainer through them included. On a GPU in bf16 the claim is measured, not proven by a test here:
+`bench/gpu_checks_inference.sh invariant` (bench/decode.py --batch-invariant) counts what differs
+over 10k tokens of the 48-layer Qwen3-30B-A3B shape. Limits: the kernels' tiles are not tuned (one
+config per weight width, the same for decoding's few rows and training's many), so the price is
+the GPU run's to say; an eager engine (no CUDA graphs); decode at batch 1 has only a program per
+key/value head in attention (no split: a split would have to be fixed per key position, and the
+trainer would have to take it too). Not covered: attention sinks and sliding windows, latent
+attention, LoRA adapters (merge them first), packed documents in a training row. Under tensor
+parallelism, and expert parallelism for decoding, the engine and the trainer agree bit for bit on
+two ranks (a sum of two partials has one order); over more ranks the all-reduces' order may
 depend on their size.
 """
 
@@ -40,8 +68,27 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-TILE = 16  # rows a GEMM call computes, whatever the batch
+from moemesh.ops.backend import HAVE_TRITON, tl, triton, use_triton
+
+TILE = 16  # rows a GEMM call of the CPU reference computes, whatever the batch
 _on = False
+
+# The kernels' tiles. None depends on the number of rows: BLOCK_M and BLOCK_K are constants and
+# BLOCK_N a function of the weight's output width alone (`_block_n`), so a weight always runs
+# one compiled kernel, whatever the batch.
+BLOCK_M, BLOCK_K = 64, 64
+# Attention: the query rows of a program (its tokens × the query heads of one key/value head) and
+# the keys of a block of the key loop (blocks start at key 0, 64, 128, ... for every query).
+ATTENTION_ROWS, ATTENTION_KEYS = 64, 64
+
+
+def _jit(*varying: str):
+    """triton.jit with the integer arguments `varying` (those that change with the batch or with
+    who calls: a row count, the cache's block size, a table's width) neither specialised on the
+    value 1 nor on their alignment, so that every call of a kernel runs one compiled program."""
+    if not HAVE_TRITON:
+        return triton.jit
+    return triton.jit(do_not_specialize=varying, do_not_specialize_on_alignment=varying)
 
 
 def on() -> bool:
@@ -60,8 +107,19 @@ def batch_invariant(enabled: bool = True):
         _on = before
 
 
+def kernels(x: torch.Tensor) -> bool:
+    """Whether the mode computes `x`'s ops with the Triton kernels below (CUDA tensors; CPU ones
+    under Triton's interpreter with MOEMESH_KERNELS=triton) rather than the CPU reference."""
+    return use_triton(x)
+
+
+# ---- linear -------------------------------------------------------------------------------------
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), each row computed in a tile of TILE rows."""
+    """F.linear(x, weight, bias): on the kernels' device by `matmul`, else each row computed in a
+    tile of TILE rows (the CPU reference)."""
+    if kernels(x):
+        out = _Matmul.apply(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
+        return out if bias is None else out + bias.to(out.dtype)
     rows = x.reshape(-1, x.shape[-1])
     padded = F.pad(rows, (0, 0, 0, (-rows.shape[0]) % TILE))
     out = torch.cat([F.linear(tile, weight.to(x.dtype)) for tile in padded.split(TILE)])[: rows.shape[0]]
@@ -69,9 +127,132 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out if bias is None else out + bias.to(out.dtype)
 
 
+def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T -> [M, N] in x's dtype (the weight cast to it), fp32 sums: one
+    program a (BLOCK_M rows, BLOCK_N columns) tile, K added in blocks of BLOCK_K in order."""
+    rows, width = x.shape
+    out = x.new_empty(rows, weight.shape[0])
+    if rows and weight.shape[0]:
+        _launch_matmul(x, weight, out, None, triton.cdiv(rows, BLOCK_M), rows)
+    return out
+
+
+def _block_n(n: int) -> int:
+    """Output columns of a program, from the weight's width alone: narrow weights (a decode step's
+    projections, one tile of rows) need many programs, the vocabulary few wide ones."""
+    return 32 if n <= 4096 else 64 if n < 65536 else 128
+
+
+def _launch_matmul(x, weight, out, tiles, m_tiles: int, rows: int) -> None:
+    """One launch of `_matmul_kernel`: plain (tiles None) or grouped (tiles: each M tile's expert,
+    first and end row, int32 [3, m_tiles]; weight [E, N, K])."""
+    n, k = weight.shape[-2:]
+    block_n = _block_n(n)
+    grouped = tiles is not None
+    w_strides = weight.stride() if grouped else (0, *weight.stride())
+    fp32 = x.dtype == torch.float32
+    _matmul_kernel[(m_tiles, triton.cdiv(n, block_n))](
+        x,
+        weight,
+        out,
+        tiles if grouped else x,
+        m_tiles,
+        rows,
+        n,
+        k,
+        x.stride(0),
+        x.stride(1),
+        *w_strides,
+        out.stride(0),
+        GROUPED=grouped,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=block_n,
+        BLOCK_K=32 if fp32 else BLOCK_K,
+        PRECISION="ieee" if fp32 else "tf32",
+        num_warps=4,
+        num_stages=3,
+    )
+
+
+class _Matmul(torch.autograd.Function):
+    """`matmul` forward; the ordinary backward (only forward values need to agree)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return matmul(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad @ weight.to(grad.dtype) if ctx.needs_input_grad[0] else None
+        grad_w = (grad.T @ x).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w
+
+
+@_jit("m_tiles", "rows", "stride_xm", "stride_xk", "stride_om")
+def _matmul_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    tiles_ptr,
+    m_tiles,
+    rows,
+    n,
+    k,
+    stride_xm,
+    stride_xk,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    GROUPED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """out[rows] = x[rows] @ w[expert].T for one (M tile, N tile). A row's products are summed in
+    the same order wherever the row sits: K in blocks of BLOCK_K from 0, each block one tl.dot
+    into the fp32 accumulator (rows past the tile's end load zeros and are not stored)."""
+    tile = tl.program_id(0)
+    if GROUPED:
+        expert = tl.load(tiles_ptr + tile).to(tl.int64)
+        first = tl.load(tiles_ptr + m_tiles + tile)
+        end = tl.load(tiles_ptr + 2 * m_tiles + tile)
+    else:
+        expert = 0
+        first = tile * BLOCK_M
+        end = rows
+    if first < end:  # a grouped launch's tiles past the step's: nothing to do
+        r = (first + tl.arange(0, BLOCK_M)).to(tl.int64)
+        c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_rows, in_cols = r < end, c < n
+        w_base = w_ptr + expert * stride_we
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for start in range(0, k, BLOCK_K):
+            kk = start + tl.arange(0, BLOCK_K)
+            in_k = kk < k
+            a = tl.load(
+                x_ptr + r[:, None] * stride_xm + kk[None, :] * stride_xk,
+                mask=in_rows[:, None] & in_k[None, :],
+                other=0.0,
+            )
+            b = tl.load(
+                w_base + c[None, :] * stride_wn + kk[:, None] * stride_wk,
+                mask=in_cols[None, :] & in_k[:, None],
+                other=0.0,
+            )
+            acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)
+        out = out_ptr + r[:, None] * stride_om + c[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=in_rows[:, None] & in_cols[None, :])
+
+
+# ---- attention ----------------------------------------------------------------------------------
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query's attention: q [h, D] over its keys k [h_kv, n, D] and values v [h_kv, n, Dv]
-    (the h / h_kv query heads of a group share a key/value head) -> [h, Dv] in q's dtype."""
+    """One query's attention (the CPU reference): q [h, D] over its keys k [h_kv, n, D] and values
+    v [h_kv, n, Dv] (the h / h_kv query heads of a group share a key/value head) -> [h, Dv] in
+    q's dtype."""
     groups = q.shape[0] // k.shape[0]
     keys, values = k.float().repeat_interleave(groups, 0), v.float().repeat_interleave(groups, 0)
     scores = (q.float()[:, None, :] * keys).sum(-1) * scale  # [h, n]
@@ -79,6 +260,210 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
     return (probs[..., None] * values).sum(1).to(q.dtype)
 
 
+def tile_tokens(group: int) -> int:
+    """Tokens of one sequence a program of `paged_attention` takes (× `group` query heads each)."""
+    return max(1, ATTENTION_ROWS // triton.next_power_of_2(group))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+    token_rows: torch.Tensor,
+    positions: torch.Tensor,
+    tile_starts: torch.Tensor,
+    tile_lengths: torch.Tensor,
+    tile_count: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of q [N, h, D] (tokens at `positions` [N] of the sequences in table rows
+    `token_rows` [N]) over the key and value pools [slots, h_kv, D] read through `block_tables`;
+    tiles: runs of at most `tile_tokens(h / h_kv)` tokens of one sequence (first token, tokens),
+    the first `tile_count` [1] of them -> [N, h, D] in q's dtype.
+
+    Every query attends over its keys 0..position in blocks of ATTENTION_KEYS from key 0, in
+    order, with a running softmax in fp32; a block the query sees none of (a later token's of its
+    tile) changes none of its numbers (its maximum stays, it adds exact zeros). So a query's bits
+    do not depend on its tile's other tokens, on the cache's block size, or on the step."""
+    tokens, heads, head_dim = q.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    out = q.new_empty(tokens, heads, head_dim)
+    tiles = tile_starts.shape[0]
+    if tiles and tokens:
+        rows = max(16, triton.next_power_of_2(tile_tokens(group) * group))
+        block_d = max(16, triton.next_power_of_2(head_dim))
+        _attention_kernel[(tiles, kv_heads)](
+            q.contiguous(),
+            keys,
+            values,
+            out,
+            keys.stride(0),
+            keys.stride(1),
+            values.stride(0),
+            values.stride(1),
+            block_tables,
+            block_tables.stride(0),
+            block_size,
+            token_rows,
+            positions,
+            tile_starts,
+            tile_lengths,
+            tile_count,
+            scale,
+            GROUP=group,
+            HEADS=heads,
+            ROWS=rows,
+            D=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_N=ATTENTION_KEYS,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=4 if rows * block_d <= 64 * 128 else 8,
+            num_stages=2,
+        )
+    return out
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, T, h, D], k and v [B, T, h_kv, D], each row a sequence from position 0 -> [B, T, h, D]:
+    `paged_attention` with each row's keys as one block of T. Differentiable (backward through
+    torch's attention, recomputed: only the forward's values have to be the engine's)."""
+    return _CausalAttention.apply(q, k, v, scale)
+
+
+class _CausalAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        ctx.save_for_backward(q, k, v)
+        ctx.scale = scale
+        batch, seq, heads, head_dim = q.shape
+        device = q.device
+        per_tile = tile_tokens(heads // k.shape[2])
+        sequences = torch.arange(batch, device=device, dtype=torch.int32)
+        firsts = torch.arange(0, seq, per_tile, device=device, dtype=torch.int32)
+        starts = (sequences[:, None] * seq + firsts[None, :]).flatten()
+        lengths = (seq - firsts).clamp(max=per_tile).repeat(batch)
+        out = paged_attention(
+            q.reshape(batch * seq, heads, head_dim),
+            k.reshape(batch * seq, *k.shape[2:]),
+            v.reshape(batch * seq, *v.shape[2:]),
+            sequences[:, None].contiguous(),
+            max(seq, 1),
+            sequences.repeat_interleave(seq),
+            torch.arange(seq, device=device, dtype=torch.int32).repeat(batch),
+            starts,
+            lengths,
+            torch.tensor([starts.shape[0]], device=device, dtype=torch.int32),
+            scale,
+        )
+        return out.view(batch, seq, heads, head_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v = (t.detach().requires_grad_() for t in ctx.saved_tensors)
+        with torch.enable_grad():
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                is_causal=True,
+                scale=ctx.scale,
+                enable_gqa=k.shape[2] != q.shape[2],
+            )
+            grads = torch.autograd.grad(out.transpose(1, 2), (q, k, v), grad)
+        return *grads, None
+
+
+@_jit(
+    "key_slot_stride",
+    "key_head_stride",
+    "value_slot_stride",
+    "value_head_stride",
+    "table_stride",
+    "block_size",
+)
+def _attention_kernel(
+    q_ptr,
+    keys_ptr,
+    values_ptr,
+    out_ptr,
+    key_slot_stride,
+    key_head_stride,
+    value_slot_stride,
+    value_head_stride,
+    tables_ptr,
+    table_stride,
+    block_size,
+    rows_ptr,
+    positions_ptr,
+    tile_starts_ptr,
+    tile_lengths_ptr,
+    tile_count_ptr,
+    scale,
+    GROUP: tl.constexpr,
+    HEADS: tl.constexpr,
+    ROWS: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One (tile, key/value head): the tile's tokens × the group's query heads as ROWS query rows
+    against the keys 0..the tile's last position."""
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1).to(tl.int64)
+    if tile < tl.load(tile_count_ptr):
+        first = tl.load(tile_starts_ptr + tile).to(tl.int64)
+        count = tl.load(tile_lengths_ptr + tile)
+        r = tl.arange(0, ROWS)  # query row r: token r // GROUP of the tile, head r % GROUP of the group
+        valid = r // GROUP < count
+        token = first + r // GROUP
+        head = kv_head * GROUP + r % GROUP
+        position = tl.load(positions_ptr + token, mask=valid, other=-1).to(tl.int64)
+        table = tables_ptr + tl.load(rows_ptr + first).to(tl.int64) * table_stride
+        hi = tl.max(position, axis=0) + 1  # the tile's keys [0, hi)
+        d = tl.arange(0, BLOCK_D)
+        in_d = d < D
+        at = (token * HEADS + head) * D  # q's and the output's [N, h, D]
+        q = tl.load(q_ptr + at[:, None] + d[None, :], mask=valid[:, None] & in_d[None, :], other=0.0)
+        running_max = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+        total = tl.zeros([ROWS], dtype=tl.float32)
+        acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+        for start in range(0, hi, BLOCK_N):
+            keys_at = start + tl.arange(0, BLOCK_N)
+            present = keys_at < hi
+            block = tl.load(table + keys_at // block_size, mask=present, other=0).to(tl.int64)
+            slot = block * block_size + keys_at % block_size
+            mask = present[:, None] & in_d[None, :]
+            k = tl.load(
+                keys_ptr + slot[:, None] * key_slot_stride + kv_head * key_head_stride + d[None, :],
+                mask=mask,
+                other=0.0,
+            )
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            visible = present[None, :] & (keys_at[None, :] <= position[:, None])
+            scores = tl.where(visible, scores, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row that sees no key yet
+            alpha = tl.exp(running_max - shift)
+            p = tl.exp(scores - shift[:, None])
+            total = total * alpha + tl.sum(p, axis=1)
+            v = tl.load(
+                values_ptr + slot[:, None] * value_slot_stride + kv_head * value_head_stride + d[None, :],
+                mask=mask,
+                other=0.0,
+            )
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            running_max = new_max
+        out = acc / tl.where(total > 0, total, 1.0)[:, None]
+        tl.store(
+            out_ptr + at[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=valid[:, None] & in_d[None, :]
+        )
+
+
+# ---- experts ------------------------------------------------------------------------------------
 def experts(
     grouped: torch.Tensor,
     group_sizes: torch.Tensor,
@@ -89,8 +474,18 @@ def experts(
     down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The rows of a dispatch, grouped [N, H] sorted by expert in groups of group_sizes [E] (banks
-    gate_up [E, 2I, H], down [E, H, I]), each through its expert's two `linear`s -> [N, H]; rows
-    past the last group (served elsewhere) are zeros. Differentiable."""
+    gate_up [E, 2I, H], down [E, H, I]), each through its expert's two projections -> [N, H]; rows
+    past the last group (served elsewhere) are zeros. On the kernels' device each projection is
+    one `grouped_matmul` launch; else a loop over the experts' `linear`s. Differentiable."""
+    if kernels(grouped):
+        tiles, row_experts = expert_tiles(group_sizes, grouped.shape[0])
+        h = _GroupedMatmul.apply(grouped, gate_up, group_sizes, tiles)
+        if gate_up_bias is not None:
+            h = h + _per_row(gate_up_bias, row_experts).to(h.dtype)
+        out = _GroupedMatmul.apply(activation(h), down, group_sizes, tiles)
+        if down_bias is not None:
+            out = out + _per_row(down_bias, row_experts).to(out.dtype)
+        return out
     pieces, start = [], 0
     for expert, size in enumerate(group_sizes.tolist()):
         rows = grouped[start : start + size]
@@ -98,3 +493,81 @@ def experts(
         pieces.append(linear(activation(h), down[expert], None if down_bias is None else down_bias[expert]))
         start += size
     return torch.cat([*pieces, grouped.new_zeros(grouped.shape[0] - start, grouped.shape[1])])
+
+
+def _per_row(bias: torch.Tensor, row_experts: torch.Tensor) -> torch.Tensor:
+    """bias [E, n] of each row's expert (zeros past the last group: their expert is E)."""
+    return F.pad(bias, (0, 0, 0, 1))[row_experts]
+
+
+def expert_tiles(group_sizes: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grouped launch's M tiles, on the device (no host sync): int32 [3, cdiv(rows, BLOCK_M) +
+    E] — each tile's expert, first row and end row, BLOCK_M rows of one expert from its group's
+    first (the tiles past the step's have first == end) — and each row's expert [rows] (E past
+    the last group)."""
+    device, count = group_sizes.device, group_sizes.shape[0]
+    sizes = group_sizes.long()
+    ends = sizes.cumsum(0)
+    per_expert = (sizes + BLOCK_M - 1) // BLOCK_M
+    tile_ends = per_expert.cumsum(0)
+    index = torch.arange(triton.cdiv(rows, BLOCK_M) + count, device=device)
+    expert = torch.searchsorted(tile_ends, index, right=True)
+    used = expert < count
+    e = expert.clamp(max=count - 1)
+    first = ends[e] - sizes[e] + (index - (tile_ends[e] - per_expert[e])) * BLOCK_M
+    end = torch.minimum(first + BLOCK_M, ends[e])
+    first, end = torch.where(used, first, 0), torch.where(used, end, 0)
+    row_experts = torch.searchsorted(ends, torch.arange(rows, device=device), right=True)
+    return torch.stack([e, first, end]).int().contiguous(), row_experts
+
+
+def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
+    """out[rows of expert e] = x[rows] @ weight[e].T for weight [E, N, K] and `expert_tiles`'
+    tiles; rows in no tile are 0. Each row's bits as `matmul`'s kernel computes a row: the same
+    tiles and order, whatever the other rows of its expert."""
+    out = x.new_zeros(x.shape[0], weight.shape[1])
+    if x.shape[0] and weight.shape[1]:
+        _launch_matmul(x, weight, out, tiles, tiles.shape[1], x.shape[0])
+    return out
+
+
+class _GroupedMatmul(torch.autograd.Function):
+    """`grouped_matmul` forward; backward: the input's gradient by the same kernel (each expert's
+    rows times its weight untransposed), the weight's by torch's grouped GEMM where it runs
+    (CUDA, bf16), else a loop over the experts."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group_sizes, tiles):
+        ctx.save_for_backward(x, weight, group_sizes, tiles)
+        return grouped_matmul(x, weight, tiles)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, group_sizes, tiles = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grouped_matmul(grad, weight.transpose(-2, -1), tiles)
+        if ctx.needs_input_grad[1]:
+            grad_w = _weight_gradient(grad, x, group_sizes).to(weight.dtype)
+        return grad_x, grad_w, None, None
+
+
+_grouped_mm_kernel = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)  # torch >= 2.10, 2.9
+
+
+def _weight_gradient(grad: torch.Tensor, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    """[E, N, K]: grad[rows of e].T @ x[rows of e] for every expert e (rows past the groups left out)."""
+    if (
+        _grouped_mm_kernel is not None
+        and x.is_cuda
+        and x.dtype == torch.bfloat16
+        and grad.shape[1] % 8 == 0
+        and x.shape[1] % 8 == 0
+        and torch.cuda.get_device_capability(x.device) >= (8, 0)
+    ):
+        return _grouped_mm_kernel(grad.transpose(0, 1), x, offs=group_sizes.cumsum(0, dtype=torch.int32))
+    sizes = group_sizes.tolist()
+    *grads, _ = torch.split(grad, [*sizes, grad.shape[0] - sum(sizes)])
+    *pieces, _ = torch.split(x, [*sizes, x.shape[0] - sum(sizes)])
+    return torch.stack([g.transpose(0, 1) @ piece for g, piece in zip(grads, pieces)])
