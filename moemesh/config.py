@@ -451,10 +451,11 @@ def _check_report_to(names: list[str]) -> None:
 
 
 def _check_tp_sizes(model: ModelConfig, tp: int) -> None:
-    """Tensor parallelism splits heads, the vocabulary and the MLP widths into tp equal parts
+    """Tensor parallelism splits heads, the vocabulary and the MLP widths into tp equal parts, and
+    the key/value heads too unless tp is a multiple of them (each rank then keeps a copy of one)
     (`apply_tp` checks the same, but only after every process has started)."""
     layers = range(model.num_hidden_layers)
-    sizes = ["num_attention_heads", "num_key_value_heads", "vocab_size"]
+    sizes = ["num_attention_heads", "vocab_size"]
     if any(model.is_moe_layer(i) for i in layers):
         sizes.append("moe_intermediate_size")
     if not all(model.is_moe_layer(i) for i in layers):
@@ -462,6 +463,10 @@ def _check_tp_sizes(model: ModelConfig, tp: int) -> None:
     for name in sizes:
         if getattr(model, name) % tp:
             raise ConfigError(f"parallel.tp ({tp}) must divide model.{name} ({getattr(model, name)})")
+    for name in ("num_key_value_heads", "num_global_key_value_heads"):
+        heads = getattr(model, name)
+        if heads is not None and heads % tp and tp % heads:
+            raise ConfigError(f"parallel.tp ({tp}) must divide model.{name} ({heads}) or be a multiple of it")
 
 
 def _check_pipeline(config: RunConfig) -> None:

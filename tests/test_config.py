@@ -103,6 +103,10 @@ def test_a_key_outside_any_section_finds_its_section(tmp_path):
             "the layout parallel.dp_replicate × dp_shard × ep × tp × pp needs 2 processes, but 1 were launched",
         ),
         ("parallel.tp=3", "parallel.tp (3) must divide model.num_attention_heads (4)"),
+        (  # 4 ranks take 2 key/value heads (a copy each), not 6
+            "parallel.tp=4 model.num_attention_heads=12 model.num_key_value_heads=6",
+            "parallel.tp (4) must divide model.num_key_value_heads (6) or be a multiple of it",
+        ),
         ("parallel.tp=2 model.vocab_size=257", "parallel.tp (2) must divide model.vocab_size (257)"),
         (
             "parallel.pp=2",

@@ -110,7 +110,7 @@ GEMMA4 = ModelConfig(
 CONFIGS = {"gpt_oss": GPT_OSS, "deepseek_v3": DEEPSEEK_V3, "deepseek_v2": DEEPSEEK_V2, "gemma4": GEMMA4}
 # Gemma 4 26B-A4B's shape, tiny: the full layer's values are its keys (attention_k_eq_v, no
 # v_proj), with 2 key/value heads of their own size beside the sliding layers' 4 — TP=2 splits
-# them, TP=4 cannot.
+# them, TP=4 copies each on 2 ranks (the sliding layers' 4 split).
 GEMMA4_26B_A4B = GEMMA4.replace(attention_k_eq_v=True, num_global_key_value_heads=2)
 
 
@@ -175,22 +175,27 @@ def test_gpt_oss_down_bias_counted_once_with_one_reduce_per_block(pool):
     assert all(pool.run(check_gpt_oss_down_bias_counted_once))
 
 
-@pytest.mark.parametrize("dp, ep", [(2, 1), (1, 2)], ids=["dp2-tp2", "ep2-tp2"])
-def test_gemma4_26b_a4b_shape_under_tp2_equals_one_process(pool, dp, ep):
-    """Loss, logits and every gradient, the shared k/v projection's included."""
-    assert all(pool.run(check_matches_single_process, GEMMA4_26B_A4B, dp, ep, 2))
+@pytest.mark.parametrize("dp, ep, tp", [(2, 1, 2), (1, 2, 2), (1, 1, 4)], ids=["dp2-tp2", "ep2-tp2", "tp4"])
+def test_gemma4_26b_a4b_shape_equals_one_process(pool, dp, ep, tp):
+    """Loss, logits and every gradient, the shared k/v projection's included; under TP 4 the full
+    layer's 2 key/value heads are each copied on 2 ranks, their gradients (and the k norm's)
+    summed over the copies."""
+    assert all(pool.run(check_matches_single_process, GEMMA4_26B_A4B, dp, ep, tp))
 
 
-def check_gemma4_26b_a4b_decoding(rank):
-    """Greedy and sampled decoding of a batch under TP=2 (two replicas of 2 ranks) equals one
-    process; the MoE block reduces once, after the per-expert scales in the routing weights."""
+def check_gemma4_26b_a4b_decoding(rank, tp):
+    """Greedy and sampled decoding of a batch under TP=2 (two replicas of 2 ranks) or TP=4 (the
+    full layer's 2 key/value heads copied on 2 ranks each) equals one process; the MoE block
+    reduces once, after the per-expert scales in the routing weights. Each rank's KV cache holds
+    its attention's key/value heads: the full layer's one (copied or split), the sliding layers'
+    4 / tp."""
     from moemesh.data.tokenizer import ByteTokenizer
     from moemesh.inference.engine import DecodeEngine
     from moemesh.inference.generate import generate
     from moemesh.inference.request import SamplingParams
 
     config = GEMMA4_26B_A4B.replace(vocab_size=256)
-    one_reduce_block(config.replace(num_hidden_layers=1, layer_types=None), tp=2)
+    one_reduce_block(config.replace(num_hidden_layers=1, layer_types=None), tp=tp)
     prompts = [[0, 100, 101, 102], [0, 7], [0, *range(40, 49)]]
     params = [
         SamplingParams(max_tokens=10),
@@ -200,36 +205,45 @@ def check_gemma4_26b_a4b_decoding(rank):
     expected = generate(
         DecodeEngine(build_with_biases(config).eval(), max_batch=2, max_len=32), ByteTokenizer(), prompts, params
     )
-    mesh = init_mesh(ParallelDims(dp_replicate=2, tp=2))
+    mesh = init_mesh(ParallelDims(dp_replicate=WORLD // tp, tp=tp))
     engine = DecodeEngine(
         apply_tp(build_with_biases(config), mesh).eval(), max_batch=2, max_len=32, group=mesh.group("tp")
     )
-    assert engine.model.model.layers[1].self_attn.num_kv_heads == 1  # the full layer's 2 shared k/v heads, split
+    attention = [layer.self_attn for layer in engine.model.model.layers]
+    assert [a.num_kv_heads for a in attention] == [4 // tp, 1, 4 // tp]  # the full layer's 2: split, or copied
     if not engine.leader:
         engine.follow()
         return True
     results = generate(engine, ByteTokenizer(), prompts, params)
+    assert [engine.cache.keys[i].shape[1] for i in range(3)] == [a.num_kv_heads for a in attention]
     engine.close()
     assert [r.token_ids for r in results] == [e.token_ids for e in expected]
     return True
 
 
-def test_gemma4_26b_a4b_shape_decodes_under_tp2_as_one_process(pool):
-    assert all(pool.run(check_gemma4_26b_a4b_decoding))
+@pytest.mark.parametrize("tp", [2, 4])
+def test_gemma4_26b_a4b_shape_decodes_as_one_process(pool, tp):
+    assert all(pool.run(check_gemma4_26b_a4b_decoding, tp))
 
 
-def check_gemma4_26b_a4b_refuses_tp4(rank):
+def check_refuses_tp_that_neither_splits_nor_copies_the_heads(rank):
+    """3 key/value heads on the full layer over 4 ranks: neither split nor each copied on whole
+    ranks. The message names the count and the layer."""
     mesh = init_mesh(ParallelDims(tp=4))
-    with pytest.raises(ConfigError, match=r"parallel.tp=4 must divide the 2 key/value attention heads \(layer 1\)"):
-        apply_tp(build_with_biases(GEMMA4_26B_A4B), mesh)
+    config = GEMMA4_26B_A4B.replace(num_global_key_value_heads=3)
+    with pytest.raises(
+        ConfigError,
+        match=r"parallel.tp=4 must divide the 3 key/value attention heads or be a multiple of them \(layer 1\)",
+    ):
+        apply_tp(build_with_biases(config), mesh)
     return True
 
 
-def test_gemma4_26b_a4b_shape_refuses_tp4_naming_the_head_count(pool):
-    assert all(pool.run(check_gemma4_26b_a4b_refuses_tp4))
+def test_refuses_tp_that_neither_splits_nor_copies_the_key_value_heads(pool):
+    assert all(pool.run(check_refuses_tp_that_neither_splits_nor_copies_the_heads))
 
 
-def check_checkpoint_pieces(rank, family, layout: dict):
+def check_checkpoint_pieces(rank, config, layout: dict):
     """Every tensor, as a checkpoint stores it (`stored_state`), gathered whole from this layout's
     shards equals the one-process model's — so a checkpoint moves between layouts. Under FSDP too."""
     from torch.distributed.tensor import DTensor
@@ -238,7 +252,6 @@ def check_checkpoint_pieces(rank, family, layout: dict):
     from moemesh.parallel.stored import stored_state
     from test_parallel_fsdp import presented
 
-    config = CONFIGS[family]
     mesh = init_mesh(ParallelDims(**layout))
     model = apply_data_parallel(apply_tp(apply_ep(build_with_biases(config), mesh), mesh), mesh)
     apply_fsdp(model, mesh)
@@ -260,4 +273,15 @@ def check_checkpoint_pieces(rank, family, layout: dict):
     ids=["tp4", "ep2-tp2", "dp_shard2-tp2", "dp_shard2-ep2"],
 )
 def test_checkpoint_pieces_equal_one_process(pool, family, layout):
-    assert all(pool.run(check_checkpoint_pieces, family, layout))
+    assert all(pool.run(check_checkpoint_pieces, CONFIGS[family], layout))
+
+
+@pytest.mark.parametrize(
+    "config, layout",
+    [(GEMMA4_26B_A4B, dict(tp=4)), (GEMMA4_26B_A4B.replace(num_global_key_value_heads=1), dict(dp_shard=2, tp=2))],
+    ids=["gemma4_26b_a4b-tp4", "gemma4-1-kv-head-dp_shard2-tp2"],
+)
+def test_checkpoint_pieces_of_copied_key_value_heads(pool, config, layout):
+    """The full layer's key/value heads, fewer than the tp ranks: each rank's copy presented as
+    split over the heads and the same on the copies (under FSDP: a shard of it)."""
+    assert all(pool.run(check_checkpoint_pieces, config, layout))

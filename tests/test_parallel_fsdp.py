@@ -12,10 +12,12 @@ fp32, against one process:
 Tolerance 1e-5: the same fp32 terms summed in another order (reduce-scatter instead of one sum)."""
 
 import io
+import math
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from moemesh.checkpoint.load import load_model
@@ -120,6 +122,12 @@ def test_fsdp_gradients_and_storage_equal_one_process(pool, layout):
         assert kept_whole == []
 
 
+def test_fsdp_shards_copied_key_value_heads(pool):
+    """One key/value head over TP 2 × dp_shard 2: each TP rank keeps a copy, FSDP shards it, and the
+    gradients, summed over the dp_shard ranks and then over the copies, are one process's."""
+    pool.run(check_gradients_and_bytes, QWEN3.replace(num_key_value_heads=1), LAYOUTS["dp_shard2-tp2"])
+
+
 # ---- the trainer -----------------------------------------------------------------------------------
 
 STEPS = 5
@@ -204,6 +212,44 @@ def test_resume_in_another_layout(pool, reference, tmp_path):
     assert_records_match([single.train_step()], records[STEPS:])
 
 
+def test_copied_key_value_heads_train_save_and_resume(pool, reference, tmp_path):
+    """The tiny model's 2 key/value heads under TP 4: each rank keeps a copy of one. Five trainer
+    steps give one process's losses and gradient norms (each copy's gradient summed over its
+    copies, counted once in the norm); the checkpoint, each head written once, loads whole into one
+    process equal to the layout's own weights, and one process resumes from it with the
+    reference's step 6. The other way, TP 4 resumes from one process's step-5 checkpoint and takes
+    step 6 too (weights and AdamW moments read into each copy)."""
+    raw, records = reference
+    tp4 = {**raw, "parallel": {"tp": 4}, "train": {**raw["train"], "run_dir": str(tmp_path / "a")}}
+    ours = pool.run(train_and_gather, tp4, STEPS)
+    for rank_records, _ in ours:
+        assert_records_match(rank_records, records[:STEPS])
+    model, _ = load_model(tmp_path / "a")
+    loaded = {}
+    for name, tensor in model.named_parameters():
+        loaded.update(presented(name, tensor.detach()))
+    assert loaded.keys() == ours[0][1].keys()
+    for key, tensor in ours[0][1].items():
+        assert torch.equal(loaded[key], tensor), key
+    metadata = dcp.FileSystemReader(tmp_path / "a" / "checkpoints" / f"step_{STEPS}").read_metadata()
+    for key, stored in metadata.state_dict_metadata.items():  # no part written twice: the chunks tile it
+        if hasattr(stored, "chunks"):
+            assert sum(math.prod(chunk.sizes) for chunk in stored.chunks) == math.prod(stored.size), key
+    k_proj = metadata.state_dict_metadata["model.model.layers.0.self_attn.k_proj.weight"]
+    assert len(k_proj.chunks) == 2  # one per head, of 4 ranks
+
+    one_process = {**raw, "train": {**raw["train"], "run_dir": str(tmp_path / "b")}}
+    single = Trainer(config_from_dict(one_process), io.StringIO())
+    single.restore(tmp_path / "a" / "checkpoints" / f"step_{STEPS}")
+    assert_records_match([single.train_step()], records[STEPS:])
+
+    train_steps(0, {**raw, "train": {**raw["train"], "run_dir": str(tmp_path / "c")}}, STEPS)  # one process
+    saved = str(tmp_path / "c" / "checkpoints" / f"step_{STEPS}")
+    tp4 = {**tp4, "train": {**raw["train"], "run_dir": str(tmp_path / "d")}}
+    for rank_records in pool.run(train_steps, tp4, 1, saved):
+        assert_records_match(rank_records, records[STEPS:])
+
+
 # ---- LoRA ------------------------------------------------------------------------------------------
 
 
@@ -258,8 +304,6 @@ def test_lora_run_resumes_in_another_layout(pool, tmp_path):
     """A LoRA run (base from the seed, frozen) under FSDP × EP saves its adapters and their
     sharded AdamW state after 3 steps; FSDP × TP resumes from that checkpoint and takes one
     process's step 4. The checkpoint holds no base weight."""
-    import torch.distributed.checkpoint as dcp
-
     from moemesh.models.lora import is_adapter
 
     raw = tiny_raw(tmp_path / "single", write_corpus(tmp_path), global_batch=8, micro_batch=4)

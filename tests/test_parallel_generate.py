@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from moemesh.checkpoint.hf import save_pretrained
 from moemesh.cli import main
@@ -169,12 +170,71 @@ def test_tp_generation_with_the_decoding_kernels(monkeypatch):
         pool.close()
 
 
-@pytest.mark.parametrize("source, layout", [("checkpoint", "tp"), ("config", "tp"), ("checkpoint", "ep")])
-def test_generate_command_under_torchrun(tmp_path, capsys, source, layout):
+def check_copied_key_value_heads(rank, hf_dir, config_file):
+    """TP 4 over the tiny model's 2 key/value heads: each rank keeps a copy of the one its query
+    head reads. Read from a Hugging Face directory, each rank reads exactly the elements it keeps
+    and holds one process's values there; drawn from the seed (`drawn_for_generation`, as bench's
+    --tensor-parallel models are) likewise; the engine's KV cache holds one head a layer, and
+    greedy and sampled generation give one process's tokens."""
+    from moemesh.checkpoint import lazy
+    from moemesh.config import load_config
+    from moemesh.inference.generate import drawn_for_generation, load_for_generation
+    from moemesh.parallel.pieces import full_index
+
+    mesh = init_mesh(ParallelDims(tp=4))
+    read = []
+    box = lazy.Stored._box
+    lazy.Stored._box = lambda self, boxes: read.append(box(self, boxes).numel()) or box(self, boxes)
+    try:
+        model, _ = load_for_generation(hf_dir, "bytes", mesh=mesh)
+    finally:
+        lazy.Stored._box = box
+    assert sum(read) == sum({t.data_ptr(): t.numel() for t in model.state_dict().values()}.values())
+    run = load_config(config_file, launched=False)
+    drawn, _ = drawn_for_generation(config_file, mesh=mesh)
+    for laid_out, whole in [(model, build(CONFIG, seed=5)), (drawn, build(run.model, seed=run.train.seed))]:
+        expected = dict(whole.named_parameters())
+        for name, param in laid_out.named_parameters():
+            block = torch.meshgrid(*full_index(param), indexing="ij")
+            assert torch.equal(param.detach(), expected[name].detach()[block]), name
+    head_dim = CONFIG.attention_head_dim
+    assert model.model.layers[0].self_attn.k_proj.weight.shape[0] == head_dim  # one head, copied
+
+    tokenizer = ByteTokenizer()
+    reference = DecodeEngine(build(CONFIG, seed=5).eval(), max_batch=2, max_len=32)
+    expected = generate(reference, tokenizer, PROMPTS, PARAMS)
+    engine = DecodeEngine(model, max_batch=2, max_len=32, group=mesh.group("tp"))
+    if not engine.leader:
+        engine.follow()
+        return True
+    results = generate(engine, tokenizer, PROMPTS, PARAMS)
+    assert engine.cache.keys[0].shape[1:] == (1, head_dim)
+    engine.close()
+    assert [r.token_ids for r in results] == [e.token_ids for e in expected]
+    return True
+
+
+def test_copied_key_value_heads_read_drawn_and_generated_per_rank(tmp_path):
+    save_pretrained(build(CONFIG, seed=5), tmp_path / "hf")
+    model_keys = "\n".join(f"{key} = {json.dumps(value)}" for key, value in TINY_MODEL.items())
+    (tmp_path / "run.toml").write_text(f"[model]\n{model_keys}\n\n[train]\nseed = 7\nseq_len = 32\n")
+    pool = WorkerPool(4)
+    try:
+        pool.run(check_copied_key_value_heads, str(tmp_path / "hf"), str(tmp_path / "run.toml"))
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize(
+    "source, layout, ranks",
+    [("checkpoint", "tp", TP), ("config", "tp", TP), ("checkpoint", "ep", TP), ("checkpoint", "tp", 4)],
+    ids=["checkpoint-tp2", "config-tp2", "checkpoint-ep2", "checkpoint-tp4"],
+)
+def test_generate_command_under_torchrun(tmp_path, capsys, source, layout, ranks):
     """From a checkpoint every rank reads its shard; from a config (weights drawn from the seed,
     for measuring a model no checkpoint holds yet) every rank draws its shard; under --tp its
     heads, expert slices and vocabulary, under --ep its experts. Either way the text of one
-    process."""
+    process. --tp 4: the 2 key/value heads copied on 2 ranks each, read from a DCP checkpoint."""
     if source == "checkpoint":
         model = build(CONFIG, seed=5)
         save_pretrained(model, tmp_path / "hf")
@@ -198,12 +258,12 @@ def test_generate_command_under_torchrun(tmp_path, capsys, source, layout):
             "-m",
             "torch.distributed.run",
             "--nproc-per-node",
-            str(TP),
+            str(ranks),
             "-m",
             "moemesh",
             *args,
             "--set",
-            f"parallel.{layout}={TP}",
+            f"parallel.{layout}={ranks}",
         ],
         capture_output=True,
         text=True,

@@ -39,6 +39,8 @@ QWEN3 = ModelConfig(
 )
 # Mixtral: every layer MoE, no q/k norm; with the LM head tied to the embedding.
 MIXTRAL = QWEN3.replace(model_type="mixtral", tie_word_embeddings=True)
+# Fewer key/value heads than 4 ranks: under TP 4 each is copied on 2 ranks.
+QWEN3_KV2 = QWEN3.replace(num_key_value_heads=2)
 
 
 def micro_batch(seed=0, batch=4, seq=9):
@@ -62,9 +64,21 @@ def build_with_biases(config):
     return model
 
 
-def local_slice(name: str, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+def kv_heads(model, name: str) -> int | None:
+    """The key/value heads of the attention whose key or value projection (weight, bias, adapter)
+    `name` is, in the whole `model`; None for any other name."""
+    attention, _, rest = name.partition(".self_attn.")
+    if not rest.startswith(("k_proj.", "v_proj.")):
+        return None
+    return model.get_submodule(f"{attention}.self_attn").num_kv_heads
+
+
+def local_slice(name: str, full: torch.Tensor, rank: int, tp: int, heads: int | None = None) -> torch.Tensor:
     """This rank's part of a full parameter (or gradient), written out independently of the plans
-    (every family's: test_parallel_families.py uses it too)."""
+    (every family's: test_parallel_families.py uses it too). `heads`: a key/value projection's
+    (`kv_heads`); fewer than tp, each rank holds the one its query heads read, rank // (tp // heads)."""
+    if heads is not None and heads < tp and name.endswith(("_proj.weight", "_proj.bias", "_proj.lora_B")):
+        return full.chunk(heads, dim=0)[rank // (tp // heads)]
     if name.endswith(("experts.gate_up_proj", "experts.gate_up_proj_bias")):  # matching gate and up slices
         gate, up = full.chunk(2, dim=1)
         return torch.cat([gate.chunk(tp, dim=1)[rank], up.chunk(tp, dim=1)[rank]], dim=1)
@@ -137,25 +151,44 @@ def check_matches_single_process(rank, config, dp, ep, tp):
     assert rel_err(out.logits, local_slice("lm_head.weight", ref_logits, tp_rank, tp).movedim(0, -1)) <= RTOL
     ref_params = {name: expert_slice(name, p, mesh.rank("ep"), ep) for name, p in reference.named_parameters()}
     for name, param in model.named_parameters():
-        expected = local_slice(name, ref_params[name].grad, tp_rank, tp)
+        expected = local_slice(name, ref_params[name].grad, tp_rank, tp, kv_heads(reference, name))
         assert param.shape == expected.shape, name
         assert param.grad is not None and expected.norm() > 0, name
         assert rel_err(param.grad, expected) <= RTOL, name
 
     # Per rank: the sharded parameters' share, the replicated ones whole.
-    expected_bytes = sum(local_slice(name, p, tp_rank, tp).numel() * 4 for name, p in ref_params.items())
+    expected_bytes = sum(
+        local_slice(name, p, tp_rank, tp, kv_heads(reference, name)).numel() * 4 for name, p in ref_params.items()
+    )
     assert sum(p.numel() * p.element_size() for p in model.parameters()) == expected_bytes
     return True
 
 
 @pytest.mark.parametrize(
     "config, dp, ep, tp",
-    [(QWEN3, 1, 1, 4), (QWEN3, 2, 1, 2), (QWEN3, 1, 2, 2), (MIXTRAL, 1, 1, 4), (MIXTRAL, 2, 1, 2)],
-    ids=["qwen3-tp4", "qwen3-dp2-tp2", "qwen3-ep2-tp2", "mixtral-tied-tp4", "mixtral-tied-dp2-tp2"],
+    [
+        (QWEN3, 1, 1, 4),
+        (QWEN3, 2, 1, 2),
+        (QWEN3, 1, 2, 2),
+        (MIXTRAL, 1, 1, 4),
+        (MIXTRAL, 2, 1, 2),
+        (QWEN3_KV2, 1, 1, 4),
+        (MIXTRAL.replace(num_key_value_heads=1), 1, 1, 4),
+    ],
+    ids=[
+        "qwen3-tp4",
+        "qwen3-dp2-tp2",
+        "qwen3-ep2-tp2",
+        "mixtral-tied-tp4",
+        "mixtral-tied-dp2-tp2",
+        "qwen3-kv2-tp4",
+        "mixtral-kv1-tp4",
+    ],
 )
 def test_tp_equals_one_process(pool, config, dp, ep, tp):
     """ep2-tp2: each EP rank's experts split again over TP (apply_tp after apply_ep, wrapping the
-    all-to-all dispatcher)."""
+    all-to-all dispatcher). kv2-tp4, kv1-tp4: fewer key/value heads than ranks, each copied on
+    2 or 4 ranks, their gradients summed over the copies (k/v biases and the k norm too)."""
     assert all(pool.run(check_matches_single_process, config, dp, ep, tp))
 
 
@@ -202,6 +235,29 @@ def test_collective_counts_per_layer(pool):
     assert all(pool.run(check_collective_counts))
 
 
+def check_copied_heads_reduce_once(rank):
+    """2 key/value heads over 4 ranks: after backward one all-reduce of the q/k norms' gradients
+    over tp and one of the copied k/v projections' (weights and biases) over the 2 ranks holding
+    the same head — their size, not the whole projections'."""
+    mesh = init_mesh(ParallelDims(tp=WORLD))
+    model = apply_tp(build(QWEN3_KV2, seed=1), mesh)
+    input_ids, labels = micro_batch(seed=7, batch=2)
+    model(input_ids, labels=labels, return_logits=False).loss.backward()
+    comm.reset_counts()
+    reduce_gradients(model, mesh)
+    copied = [p for p in model.parameters() if getattr(p, "tp_copies", 1) == 2]
+    qk_norms = [p for n, p in model.named_parameters() if n.endswith(("q_norm.weight", "k_norm.weight"))]
+    assert len(copied) == 4 * QWEN3_KV2.num_hidden_layers  # k and v, weight and bias
+    assert all(p.shape[0] == QWEN3_KV2.attention_head_dim for p in copied)  # one head
+    assert dict(comm.calls) == {("grad_all_reduce", "step"): 2}
+    assert dict(comm.sent_bytes) == {("grad_all_reduce", "step"): sum(p.numel() * 4 for p in copied + qk_norms)}
+    return True
+
+
+def test_copied_heads_gradients_reduce_once_over_their_copies(pool):
+    assert all(pool.run(check_copied_heads_reduce_once))
+
+
 # ---- plan verification (before any collective, so in this process) --------------------------------
 
 PLAN = family("mixtral").tp_plan(MIXTRAL)
@@ -221,8 +277,12 @@ PLAN = family("mixtral").tp_plan(MIXTRAL)
             "no entry for model.layers.0.mlp.experts.gate_up_proj",
         ),
         ({**PLAN, "lm_head": "colwise_rep"}, 2, "unknown style 'colwise_rep'"),
-        (PLAN, 3, r"tp=3: model.embed_tokens \(vocab\) has 64 rows on dim 0"),
-        (PLAN, 8, "tp=8 must divide the 4 key/value attention heads"),
+        (
+            {**{k: v for k, v in PLAN.items() if "self_attn" not in k}, "model.layers.*.self_attn": "replicated"},
+            3,
+            r"tp=3: model.embed_tokens \(vocab\) has 64 rows on dim 0",
+        ),
+        (PLAN, 16, r"tp=16 must divide the 8 attention heads \(layer 0\)"),
         (
             {**PLAN, "model.layers.*.mlp.experts.gate_up_proj": "replicated"},
             2,
@@ -235,7 +295,7 @@ PLAN = family("mixtral").tp_plan(MIXTRAL)
         "experts-left-replicated",
         "unknown-style",
         "indivisible-vocab",
-        "indivisible-heads",
+        "indivisible-query-heads",
         "mixed-expert-styles",
         "mixed-qkv-styles",
     ],
@@ -246,6 +306,16 @@ def test_bad_plan_is_fatal_and_leaves_the_model_whole(plan, tp, message):
     with pytest.raises(ConfigError, match=message):
         apply_tp(model, Mesh(ParallelDims(tp=tp), None), plan)
     assert {name: p.shape for name, p in model.named_parameters()} == shapes
+
+
+def test_tp_neither_dividing_nor_a_multiple_of_the_key_value_heads_is_refused():
+    """12 query heads over 6 ranks, but 4 key/value heads: neither split nor copied whole."""
+    config = MIXTRAL.replace(num_attention_heads=12, num_key_value_heads=4, head_dim=4, tie_word_embeddings=False)
+    model = build(config, seed=1)
+    message = r"parallel.tp=6 must divide the 4 key/value attention heads or be a multiple of them \(layer 0\)"
+    with pytest.raises(ConfigError, match=message):
+        apply_tp(model, Mesh(ParallelDims(tp=6), None))
+    assert model.model.layers[0].self_attn.k_proj.weight.shape[0] == 16  # untouched
 
 
 @pytest.mark.parametrize(
@@ -326,7 +396,7 @@ def test_activation_checkpointing_under_ep_and_tp(pool, mode):
 # ---- LoRA adapters in the layouts --------------------------------------------------------------------
 
 
-def adapter_slice(name: str, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+def adapter_slice(name: str, full: torch.Tensor, rank: int, tp: int, heads: int | None = None) -> torch.Tensor:
     """This rank's part of a LoRA factor (or its gradient): B split by rows where its base is
     split by rows (colwise; the expert bank's gate and up halves alike), A by columns where its
     base is split by columns (rowwise); the other factor whole. A projection's follows its base's
@@ -339,6 +409,8 @@ def adapter_slice(name: str, full: torch.Tensor, rank: int, tp: int) -> torch.Te
     if name.endswith(("experts.gate_up_proj_lora_A", "experts.down_proj_lora_B")):
         return full
     module, _, factor = name.rpartition(".")
+    if factor == "lora_B" and heads is not None and heads < tp:  # a copied key/value head's rows
+        return local_slice(name, full, rank, tp, heads)
     probe = local_slice(f"{module}.weight", torch.zeros(2 * tp, 2 * tp), rank, tp)
     if factor == "lora_B" and probe.shape[0] < 2 * tp:
         return full.chunk(tp, dim=0)[rank]
@@ -389,9 +461,9 @@ def check_lora_matches_single_process(rank, config, targets, dp, ep, tp):
             continue
         full = ref_params[name].grad
         expected = (
-            adapter_slice(name, full, mesh.rank("tp"), tp)
+            adapter_slice(name, full, mesh.rank("tp"), tp, kv_heads(reference, name))
             if is_adapter(name)
-            else local_slice(name, full, mesh.rank("tp"), tp)
+            else local_slice(name, full, mesh.rank("tp"), tp, kv_heads(reference, name))
         )
         assert param.shape == expected.shape, name
         assert expected.norm() > 0 and rel_err(param.grad, expected) <= RTOL, name
@@ -400,18 +472,27 @@ def check_lora_matches_single_process(rank, config, targets, dp, ep, tp):
 
 @pytest.mark.parametrize(
     "family, dp, ep, tp",
-    [("qwen3", 1, 1, 4), ("qwen3", 2, 1, 2), ("qwen3", 1, 2, 2), ("qwen3", 1, 4, 1), ("deepseek_v3", 1, 2, 2)],
-    ids=["qwen3-tp4", "qwen3-dp2-tp2", "qwen3-ep2-tp2", "qwen3-ep4", "deepseek_v3-ep2-tp2"],
+    [
+        ("qwen3", 1, 1, 4),
+        ("qwen3", 2, 1, 2),
+        ("qwen3", 1, 2, 2),
+        ("qwen3", 1, 4, 1),
+        ("deepseek_v3", 1, 2, 2),
+        ("qwen3_kv2", 1, 1, 4),
+    ],
+    ids=["qwen3-tp4", "qwen3-dp2-tp2", "qwen3-ep2-tp2", "qwen3-ep4", "deepseek_v3-ep2-tp2", "qwen3-kv2-tp4"],
 )
 def test_lora_equals_one_process(pool, family, dp, ep, tp):
     """Adapters on attention, the dense layer's MLP and every expert (DeepSeek: latent attention,
     the shared experts, and the routers trained in full): under EP each expert's factors live with
     it, under TP they split with their base (B by rows under colwise and packed_colwise, A by
-    columns under rowwise), and every layout gives one process's gradients."""
+    columns under rowwise), and every layout gives one process's gradients. qwen3-kv2-tp4: the
+    B factors of copied key/value heads are copied with them, their gradients summed over the copies."""
     from test_activation_checkpointing import DEEPSEEK_V3
     from test_lora import DEEPSEEK_TARGETS, QWEN3_TARGETS
 
-    config, targets = (QWEN3, QWEN3_TARGETS) if family == "qwen3" else (DEEPSEEK_V3, DEEPSEEK_TARGETS)
+    configs = {"qwen3": (QWEN3, QWEN3_TARGETS), "qwen3_kv2": (QWEN3_KV2, QWEN3_TARGETS)}
+    config, targets = configs.get(family, (DEEPSEEK_V3, DEEPSEEK_TARGETS))
     assert all(pool.run(check_lora_matches_single_process, config, targets, dp, ep, tp))
 
 

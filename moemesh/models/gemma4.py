@@ -14,7 +14,8 @@ Not supported (ConfigError): per-layer input embeddings (hidden_size_per_layer_i
 key/value sharing across layers (num_kv_shared_layers > 0), bidirectional attention of text
 (use_bidirectional_attention "vision", images' own, is read: moemesh models text only). Under
 tensor parallelism the attention_k_eq_v layers split their shared k projection by heads like
-the others (tp must divide num_global_key_value_heads too).
+the others; where tp exceeds num_global_key_value_heads (26B-A4B's 2 at tp=4) each rank keeps a
+copy of the head its query heads read (`parallel/tensor.py`).
 
 transformers names the dense MLP `mlp` and the expert block's parts `router` / `experts` on the
 layer; moemesh keeps the expert block at `mlp` (a MoEBlock, as in every family) and the dense MLP

@@ -47,8 +47,9 @@ def is_fsdp_sharded(param: torch.Tensor) -> bool:
 
 def reduce_gradients(model: MoECausalLM, mesh: Mesh) -> None:
     """Sum every gradient over the ranks that computed a share of it: those FSDP did not already
-    reduce over the data-parallel ranks, and the partial ones (q/k norms under TP) over tp."""
-    dense, experts, partial_over_tp = [], [], []
+    reduce over the data-parallel ranks, the partial ones (q/k norms under TP) over tp, and those of
+    a key/value head that several tp ranks hold (`tp_copies`, parallel/tensor.py) over these ranks."""
+    dense, experts, partial_over_tp, copied = [], [], [], {}
     for name, param in model.named_parameters():
         if param.grad is None:
             continue
@@ -57,10 +58,14 @@ def reduce_gradients(model: MoECausalLM, mesh: Mesh) -> None:
             (experts if is_expert_parameter(name) else dense).append(grad)
         if getattr(param, "partial_grad_axis", None) == "tp":
             partial_over_tp.append(grad)
+        if (copies := getattr(param, "tp_copies", 1)) > 1:
+            copied.setdefault(copies, []).append(grad)
     comm.all_reduce_sum_(dense, mesh.group("batch"), kind="grad_all_reduce")
     for axis in ("dp_replicate", "dp_shard"):  # the ranks holding the same experts
         comm.all_reduce_sum_(experts, mesh.group(axis), kind="grad_all_reduce")
     comm.all_reduce_sum_(partial_over_tp, mesh.group("tp"), kind="grad_all_reduce")
+    for copies, grads in sorted(copied.items()):
+        comm.all_reduce_sum_(grads, mesh.tp_copies(copies)["tp_copies"].get_group(), kind="grad_all_reduce")
 
 
 def label_tokens(labels: torch.Tensor) -> int:
@@ -119,7 +124,8 @@ def clip_grad_norm_(model: MoECausalLM, max_norm: float, mesh: Mesh) -> torch.Te
     ]
     by_axes = {axes: [] for axes in combinations}
     for name, param, grad in grads:
-        by_axes[split_axes(name, param, mesh)].append(grad)
+        if mesh.rank("tp") % getattr(param, "tp_copies", 1) == 0:  # a key/value head copied on tp ranks: once
+            by_axes[split_axes(name, param, mesh)].append(grad)
     # One multi-tensor kernel per kind, accumulating in fp32 without an fp32 copy of a bf16 gradient.
     squares = {
         axes: torch.stack(torch._foreach_norm(group, 2, dtype=torch.float32)).square().sum()

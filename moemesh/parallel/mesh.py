@@ -67,6 +67,7 @@ class Mesh:
         # weights over the flattened dp_shard·ep axis, with dp_replicate as the HSDP replicas.
         self.fsdp_dense_mesh = fsdp_dense_mesh
         self._groups: dict[str, dist.ProcessGroup | None] = {axis: None for axis in (*AXES, "batch")}
+        self._tp_copies: dict[int, DeviceMesh] = {}
         if device_mesh is not None:
             for axis in AXES:
                 if getattr(dims, axis) > 1:
@@ -78,6 +79,20 @@ class Mesh:
         """Process group of one axis or of "batch" (dp_replicate × dp_shard × ep); None where it
         has one rank."""
         return self._groups[axis]
+
+    def tp_copies(self, copies: int) -> DeviceMesh | None:
+        """The device mesh with its tp axis split in two, (tp_heads, tp_copies): tp // copies blocks
+        of `copies` consecutive tp ranks, those that hold the same key/value head where tp exceeds
+        an attention's key/value heads (`parallel/tensor.py`). None without a device mesh. Made at
+        the first call for `copies` (torch's DeviceMesh._unflatten, as "batch" is `_flatten`'s) —
+        a collective that makes process groups: `apply_tp` makes it on every rank, in order."""
+        if self.device_mesh is None:
+            return None
+        if copies not in self._tp_copies:
+            self._tp_copies[copies] = self.device_mesh._unflatten(
+                "tp", (self.dims.tp // copies, copies), ("tp_heads", "tp_copies")
+            )
+        return self._tp_copies[copies]
 
     def rank(self, axis: str) -> int:
         if self.device_mesh is None:

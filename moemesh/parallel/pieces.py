@@ -6,6 +6,8 @@ parameter: `full_shape`, the whole tensor's shape, and `full_index`, per dim the
 whole tensor of the rows this rank holds. A model made on the meta device can then be initialised
 (`models/build.py: init_weights`) or read from a checkpoint piece by piece, each rank touching only
 its own part, with the values one process has there. A parameter without the record is whole.
+Pieces of different ranks may be the same rows (a key/value head copied on several tp ranks):
+each reads or draws them alike.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """How a model's (and its AdamW moments') tensors appear in a checkpoint, whatever the layout:
 each as the full tensor, of which this rank presents its part as a DTensor with plain `Shard`
 placements (experts on dim 0 over ep, a TP shard on its split dim over tp, an FSDP shard — a
-DTensor of the EP/TP shard — on its dim over dp_shard, and for dense weights over ep too).
+DTensor of the EP/TP shard — on its dim over dp_shard, and for dense weights over ep too). A
+key/value head that several tp ranks hold (`tp_copies`, `parallel/tensor.py`) is split over the
+heads and `Replicate` over its copies, on the mesh `Mesh.tp_copies` unflattens tp into.
 torch.distributed.checkpoint then writes every part once, under its place in the full tensor, and
 loads into any other layout, one process included.
 
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from moemesh.parallel.expert import is_expert_parameter
 from moemesh.parallel.mesh import AXES, Mesh
@@ -71,12 +73,18 @@ def _stored(key: str, tensor: torch.Tensor, name: str, param: torch.Tensor, mesh
     if hasattr(param, "tp_dim"):
         splits["tp"] = param.tp_dim
     axes = [axis for axis in AXES if axis in splits and mesh is not None and getattr(mesh.dims, axis) > 1]
+    placements = [Shard(splits[axis]) for axis in axes]
+    device_mesh = None if mesh is None else mesh.device_mesh
+    if "tp" in axes and (copies := getattr(param, "tp_copies", 1)) > 1:
+        # A key/value head that `copies` tp ranks hold: split over the heads, the same on the
+        # copies (DCP writes it once and reads it into each).
+        device_mesh, at = mesh.tp_copies(copies), axes.index("tp")
+        axes[at : at + 1], placements[at : at + 1] = ["tp_heads", "tp_copies"], [Shard(splits["tp"]), Replicate()]
 
     def full(part: torch.Tensor):
         if not axes:
             return part
-        placements = [Shard(splits[axis]) for axis in axes]
-        return DTensor.from_local(part, mesh.device_mesh[tuple(axes)], placements, run_check=False)
+        return DTensor.from_local(part, device_mesh[tuple(axes)], placements, run_check=False)
 
     if (dim := packed_dim(name)) is not None:
         return {f"{key}.{half}": full(part) for half, part in zip(HALVES, tensor.chunk(2, dim=dim))}

@@ -24,6 +24,24 @@ every rank, by the model family's plan (module or parameter path pattern -> styl
                      its gradient is a partial sum, tagged `partial_grad_axis = "tp"` and
                      summed over tp with the other gradients after backward (`reduce_gradients`)
 
+Attention splits by heads: each rank keeps num_heads / tp query heads and num_kv_heads / tp
+key/value heads. Where tp exceeds the key/value heads (Gemma-4 26B-A4B's full layers have 2, at tp=4)
+and is a multiple of them, each rank keeps instead a copy of the one key/value head that its query
+heads read — head rank // (tp // num_kv_heads), as vLLM, SGLang and Megatron do: its k_proj/v_proj
+rows (and their biases, their LoRA B rows) are that head's, the same on tp // num_kv_heads
+consecutive ranks, and the attention's num_kv_heads becomes 1, so that the KV cache (sized from the
+keys it is given) holds one head a layer. Such a copy's gradient on each rank is partial (only that
+rank's query heads read it); `reduce_gradients` sums it over the ranks holding the same head — a
+process group of its own (`Mesh.tp_copies`: tp unflattened into (tp_heads, tp_copies)), which is
+exact and moves only the head's gradient; an all-reduce over all of tp would add different heads
+together. A weight applied to every head alike (Gemma's and Qwen3's k_norm) stays
+replicated_with_grad_allreduce: the sum of every rank's partial is still its gradient. The gradient
+norm counts each copy once; a checkpoint presents the copies as split over tp_heads and replicated
+over tp_copies (`stored.py`), so DCP writes each head once and reads it into every copy, in any
+layout. A tp that divides the query heads but neither divides nor is a multiple of the key/value
+heads is a ConfigError. Limit: tp must divide the query heads, so a rank never needs two
+key/value heads.
+
 Megatron's f (identity forward, all-reduce backward) sits where a replicated tensor enters
 sharded compute: the attention / dense-MLP input, the experts' input tokens and the routing
 weights (they multiply partial expert outputs, so their gradient is partial too). g (all-reduce
@@ -62,19 +80,21 @@ def apply_tp(model: MoECausalLM, mesh: Mesh, plan: dict[str, str] | None = None)
     """Shard `model` in place over the tp axis by `plan` (default: its family's). The plan is
     checked whole before anything changes: an entry that matches nothing, an unknown style, a
     matrix that no entry covers, a region whose styles do not fit together (`place_reduce`), or a
-    size that tp does not divide is a ConfigError. Under expert parallelism call it after
-    `apply_ep`: it wraps the block's (all-to-all) dispatcher."""
+    size that tp does not divide (key/value heads: nor is a multiple of) is a ConfigError. Under
+    expert parallelism call it after `apply_ep`: it wraps the block's (all-to-all) dispatcher."""
     tp, group = mesh.dims.tp, mesh.group("tp")
     if tp == 1:
         return model
     if plan is None:
         plan = family(model.config.model_type).tp_plan(model.config)
     targets = _resolve(model, plan)
-    _check(model, targets, tp)
     # Regions (attention, dense MLP, MoE block) that the plan shards, i.e. that need a reduce.
     regions = [region for region, chain in _regions(model, dict(targets)) if _reduce_at(region, chain) is not None]
-    _check_heads(regions, tp)
-    shard = _Sharder(mesh.rank("tp"), tp)
+    kv_heads = _kv_heads(model, regions, tp)
+    _check(model, targets, tp, kv_heads)
+    for copies in sorted({tp // heads for heads in kv_heads.values()}):
+        mesh.tp_copies(copies)  # its groups, made on every rank in one order
+    shard = _Sharder(mesh.rank("tp"), tp, kv_heads)
     for name, style in targets:
         _APPLY[style](model, name, shard, group)
     for region in regions:
@@ -114,8 +134,8 @@ def _enter_sharded(region: nn.Module, group, tp: int) -> None:
         return
     if isinstance(region, (Attention, MLAttention)):
         region.num_heads //= tp
-    if isinstance(region, Attention):
-        region.num_kv_heads //= tp
+    if isinstance(region, Attention):  # fewer key/value heads than ranks: one copied head each
+        region.num_kv_heads = max(region.num_kv_heads // tp, 1)
     region.register_forward_pre_hook(functools.partial(_input_to_shards, group=group))
 
 
@@ -142,7 +162,7 @@ def _params_of(model: nn.Module, name: str) -> list[nn.Parameter]:
     return list(target.parameters()) if isinstance(target, nn.Module) else [target]
 
 
-def _check(model: MoECausalLM, targets: list[tuple[str, str]], tp: int) -> None:
+def _check(model: MoECausalLM, targets: list[tuple[str, str]], tp: int, kv_heads: dict[str, int]) -> None:
     covered = {id(p) for name, _ in targets for p in _params_of(model, name)}
     for name, param in model.named_parameters():
         # Vectors (norms, biases) may stay replicated unnoticed; a forgotten matrix may not: it
@@ -153,10 +173,11 @@ def _check(model: MoECausalLM, targets: list[tuple[str, str]], tp: int) -> None:
             )
     for name, style in targets:
         for param, dim, parts in _splits(model, name, style):
-            if param.shape[dim] % (parts * tp):
+            split = _heads_of(kv_heads, name) or tp  # copied key/value heads: split by head
+            if param.shape[dim] % (parts * split):
                 raise ConfigError(
                     f"parallel.tp={tp}: {name} ({style}) has {param.shape[dim]} rows on dim {dim}, "
-                    f"not divisible into {parts * tp}"
+                    f"not divisible into {parts * split}"
                 )
 
 
@@ -171,16 +192,36 @@ def _reduce_at(region: nn.Module, chain: list[Op]) -> int | None:
     return at
 
 
-def _check_heads(regions: list[nn.Module], tp: int) -> None:
+def _kv_heads(model: nn.Module, regions: list[nn.Module], tp: int) -> dict[str, int]:
+    """The key/value projections (their module names) of the sharded attentions with fewer
+    key/value heads than tp ranks, with their head count: each rank keeps a copy of the one head
+    its query heads read. ConfigError where tp does not divide the query heads, or neither divides
+    nor is a multiple of the key/value heads."""
+    paths = {id(module): path for path, module in model.named_modules()}
+    fewer = {}
     for attention in regions:
-        if isinstance(attention, (Attention, MLAttention)):
-            for heads in ("num_heads", "num_kv_heads") if isinstance(attention, Attention) else ("num_heads",):
-                if getattr(attention, heads) % tp:
-                    raise ConfigError(
-                        f"parallel.tp={tp} must divide the {getattr(attention, heads)} "
-                        f"{'key/value ' if heads == 'num_kv_heads' else ''}attention heads "
-                        f"(layer {attention.layer_idx})"
-                    )
+        if not isinstance(attention, (Attention, MLAttention)):
+            continue
+        if attention.num_heads % tp:
+            raise ConfigError(
+                f"parallel.tp={tp} must divide the {attention.num_heads} attention heads (layer {attention.layer_idx})"
+            )
+        heads = getattr(attention, "num_kv_heads", None)  # latent attention has none
+        if heads is None or heads % tp == 0:
+            continue
+        if tp % heads:
+            raise ConfigError(
+                f"parallel.tp={tp} must divide the {heads} key/value attention heads or be a multiple of "
+                f"them (layer {attention.layer_idx})"
+            )
+        path = paths[id(attention)]
+        fewer.update({f"{path}.k_proj": heads, f"{path}.v_proj": heads})
+    return fewer
+
+
+def _heads_of(kv_heads: dict[str, int], name: str) -> int | None:
+    """The copied key/value heads of a plan target: a projection, or one of its parameters."""
+    return kv_heads.get(name, kv_heads.get(name.rpartition(".")[0]))
 
 
 def _regions(model: nn.Module, styles: dict[str, str]) -> list[tuple[nn.Module, list[Op]]]:
@@ -275,16 +316,23 @@ class _Sharder:
     """Cuts this rank's slice of a full parameter, once per parameter, so that tied weights (the
     embedding and the LM head) stay one parameter."""
 
-    def __init__(self, rank: int, tp: int):
+    def __init__(self, rank: int, tp: int, kv_heads: dict[str, int] | None = None):
         self.rank, self.tp = rank, tp
+        self.kv_heads = kv_heads or {}  # `_kv_heads`
         self._done: dict[int, nn.Parameter] = {}
 
-    def __call__(self, param: nn.Parameter, dim: int, parts: int = 1) -> nn.Parameter:
+    def __call__(self, param: nn.Parameter, dim: int, parts: int = 1, heads: int | None = None) -> nn.Parameter:
+        """This rank's slice: its tp-th of dim (of each of `parts` pieces). With `heads` (fewer
+        than tp): the slice of head rank // (tp // heads), the same on tp // heads ranks, which
+        the parameter records as `tp_copies`."""
         if id(param) not in self._done:
-            pieces = [piece.chunk(self.tp, dim)[self.rank] for piece in param.detach().chunk(parts, dim)]
+            chunks, which = (self.tp, self.rank) if heads is None else (heads, self.rank * heads // self.tp)
+            pieces = [piece.chunk(chunks, dim)[which] for piece in param.detach().chunk(parts, dim)]
             sharded = nn.Parameter(torch.cat(pieces, dim).clone(), requires_grad=param.requires_grad)
             sharded.tp_dim = dim % param.dim()  # where checkpoints place it in the full tensor
-            rows = [piece.chunk(self.tp)[self.rank] for piece in torch.arange(param.shape[dim]).chunk(parts)]
+            if heads is not None:
+                sharded.tp_copies = self.tp // heads
+            rows = [piece.chunk(chunks)[which] for piece in torch.arange(param.shape[dim]).chunk(parts)]
             self._done[id(param)] = record_piece(sharded, param, dim, torch.cat(rows))
         return self._done[id(param)]
 
@@ -299,15 +347,16 @@ def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 def _colwise(model, name, shard, group):
     parent, leaf = _parent(model, name)
-    if isinstance(getattr(parent, leaf), nn.Parameter):  # per-head values (attention sinks)
-        setattr(parent, leaf, shard(getattr(parent, leaf), 0))
+    heads = _heads_of(shard.kv_heads, name)  # copied key/value heads
+    if isinstance(getattr(parent, leaf), nn.Parameter):  # per-head values (attention sinks), one parameter
+        setattr(parent, leaf, shard(getattr(parent, leaf), 0, heads=heads))
         return
     linear = model.get_submodule(name)
-    linear.weight = shard(linear.weight, 0)
+    linear.weight = shard(linear.weight, 0, heads=heads)
     if linear.bias is not None:
-        linear.bias = shard(linear.bias, 0)
+        linear.bias = shard(linear.bias, 0, heads=heads)
     if has_adapter(linear):  # B by rows like the weight; A whole, its gradient a partial sum
-        linear.lora_B = shard(linear.lora_B, 0)
+        linear.lora_B = shard(linear.lora_B, 0, heads=heads)
         linear.lora_A.partial_grad_axis = "tp"
 
 
