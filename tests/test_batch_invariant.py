@@ -23,8 +23,8 @@ SETTINGS = [(0.0, 0), (1.0, 1), (0.7, 2)]  # greedy, then seeded sampling at two
 
 def prompts() -> list[list[int]]:
     generator = torch.Generator().manual_seed(0)
-    first = [0, *torch.randint(1, 256, (17,), generator=generator).tolist()]
-    others = [[0, *torch.randint(1, 256, (n,), generator=generator).tolist()] for n in (6, 28, 11)]
+    first = [0, *torch.randint(1, 256, (17,), generator=generator, device="cpu").tolist()]
+    others = [[0, *torch.randint(1, 256, (n,), generator=generator, device="cpu").tolist()] for n in (6, 28, 11)]
     return [first, first[:13] + [5, 6, 7], *others]  # the second shares the first's prefix
 
 
@@ -338,7 +338,7 @@ def test_the_attention_kernel_gives_a_query_the_same_bits_in_any_step(triton_ker
     assert rel_err(whole, expected) <= 10 * kernel_tol(dtype)
     assert torch.equal(invariant.causal_attention(q[1:, :29], k[1:, :29], v[1:, :29], scale)[0], whole[1, :29])
 
-    cache = PagedKVCache(num_blocks=2 * 18 + 1, block_size=4, rows=2, max_len=72)
+    cache = PagedKVCache(num_blocks=2 * 18 + 1, block_size=4, rows=2, max_len=72, device=q.device)
     cache.block_tables[:2] = (torch.randperm(2 * 18) + 1).view(2, 18).int()  # block 0 is the null block
     every = torch.arange(length)
     cache.set_step(torch.tensor([0, 1]).repeat_interleave(length), every.repeat(2), length, packed=True)

@@ -89,8 +89,9 @@ class Mesh:
         if self.device_mesh is None:
             return None
         if copies not in self._tp_copies:
+            # The axis by its index: torch 2.11's _unflatten refuses a name it has (inverted check).
             self._tp_copies[copies] = self.device_mesh._unflatten(
-                "tp", (self.dims.tp // copies, copies), ("tp_heads", "tp_copies")
+                self.device_mesh.mesh_dim_names.index("tp"), (self.dims.tp // copies, copies), ("tp_heads", "tp_copies")
             )
         return self._tp_copies[copies]
 
