@@ -385,30 +385,31 @@ def test_with_the_kernels_the_engine_and_the_trainer_agree_bit_for_bit(triton_ke
             return original(*args)
 
         monkeypatch.setattr(invariant, name, counted)
-    model = build(CONFIG, seed=1).eval()
-    first, shares_its_prefix, _, longest, _ = prompts()
-    requests = [
-        (p, SamplingParams(max_tokens=6, temperature=t, seed=s, logprobs=0))
-        for p, (t, s) in zip((first, shares_its_prefix, longest), SETTINGS)
-    ]
-    together, scheduler = generated(
-        model, requests, record_routing=True, max_batch=3, max_num_batched_tokens=11, block_size=4, num_blocks=17
-    )
-    scheduler.routing.stop()
-    assert scheduler.cached_tokens > 0
-    assert all(launches.values()), launches
-    for request, sequence in zip(requests, together):
-        (alone,), _ = generated(model, [request], max_batch=1, max_num_batched_tokens=64, block_size=16)
-        assert sequence.token_ids == alone.token_ids
-        assert torch.equal(logprobs(sequence), logprobs(alone))
-        scored = completion_logprobs(
-            model,
-            [sequence.prompt_ids],
-            [sequence.token_ids],
-            request[1].temperature,
-            routing=True,
-            batch_invariant=True,
+    model = build(CONFIG, seed=1).to(torch.get_default_device()).eval()  # the fixture's device
+    with torch.device("cpu"):  # the engine's host-side tensors on the host (the fixture makes the GPU the default)
+        first, shares_its_prefix, _, longest, _ = prompts()
+        requests = [
+            (p, SamplingParams(max_tokens=6, temperature=t, seed=s, logprobs=0))
+            for p, (t, s) in zip((first, shares_its_prefix, longest), SETTINGS)
+        ]
+        together, scheduler = generated(
+            model, requests, record_routing=True, max_batch=3, max_num_batched_tokens=11, block_size=4, num_blocks=17
         )
-        assert torch.equal(scored.logprobs[0], logprobs(sequence))
-        for position, chosen in sequence.routing.items():
-            assert torch.equal(chosen, scored.routing[0][position])
+        scheduler.routing.stop()
+        assert scheduler.cached_tokens > 0
+        assert all(launches.values()), launches
+        for request, sequence in zip(requests, together):
+            (alone,), _ = generated(model, [request], max_batch=1, max_num_batched_tokens=64, block_size=16)
+            assert sequence.token_ids == alone.token_ids
+            assert torch.equal(logprobs(sequence), logprobs(alone))
+            scored = completion_logprobs(
+                model,
+                [sequence.prompt_ids],
+                [sequence.token_ids],
+                request[1].temperature,
+                routing=True,
+                batch_invariant=True,
+            )
+            assert torch.equal(scored.logprobs[0].cpu(), logprobs(sequence))
+            for position, chosen in sequence.routing.items():
+                assert torch.equal(chosen.cpu(), scored.routing[0][position].cpu())
