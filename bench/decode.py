@@ -28,15 +28,17 @@ beside the default, and its claim checked in bf16:
 
     PYTHONPATH=. python3 bench/decode.py --layers 48 --batch-invariant --batches 1,64
 
-For each batch, the engine's decode step alone (ms/step, as "engine ms/step" above) as shipped
-and in the mode, and their ratio. Then the check, at the largest batch: that many prompts (a few
-sharing half of the first one's), --check-tokens greedy tokens each with log-probabilities, in
-the mode through one scheduler — prompts prefilled in chunks at odd split points, prefixes reused,
-a KV pool too small for all (preemption) — and then: (1) --alone of them generated alone (batch
+For each batch, the engine's decode step alone (ms/step, as "engine ms/step" above) as shipped,
+in the mode (eager, its default) and in the mode with its steps as CUDA graphs, and the ratios.
+Then the check, at the largest batch: that many prompts (a few sharing half of the first one's),
+--check-tokens greedy tokens each with log-probabilities, in the mode through one scheduler —
+prompts prefilled in chunks at odd split points, prefixes reused, a KV pool too small for all
+(preemption) — and then: (1) --alone of them generated alone (batch
 1, whole-prompt prefill, another block size): tokens and log-probabilities compared; (2) every
 sequence scored by the trainer's forward (`completion_logprobs`, gradients on, in the mode, a few
 sequences a forward): log-probabilities and the experts chosen at every position the engine
-computed compared. Counts of what differs are printed (0 is the claim).
+computed compared. Counts of what differs are printed (0 is the claim). --invariant-graphs runs the
+check's batched engine with CUDA graphs.
 
 Under torchrun, tensor parallelism over the ranks launched (issue 49):
 
@@ -190,15 +192,24 @@ def engine_step_ms(engine: DecodeEngine, prompts: list[list[int]], steps: int) -
     return elapsed / (steps - 1) * 1e3
 
 
+# --batch-invariant's engines: (name, batch_invariant, cuda_graphs; None: the engine's default).
+INVARIANT_WAYS = [("default", False, None), ("batch-invariant", True, None), ("batch-invariant, graphs", True, True)]
+
+
 def batch_invariant_rows(config, args, device, dtype, prompts) -> tuple[list[dict], list[dict]]:
     """--batch-invariant: (the decode step's timing rows, the check's rows); see the docstring."""
     model = built(config, device, dtype)
     timing = []
     for batch in args.batches:
         row = {"batch": batch}
-        for name, invariant in (("default", False), ("batch-invariant", True)):
+        ways = INVARIANT_WAYS if device.type == "cuda" else INVARIANT_WAYS[:2]  # graphs: a GPU's
+        for name, invariant, graphs in ways:
             engine = DecodeEngine(
-                model, max_batch=batch, max_len=args.prompt_len + args.new_tokens + 1, batch_invariant=invariant
+                model,
+                max_batch=batch,
+                max_len=args.prompt_len + args.new_tokens + 1,
+                batch_invariant=invariant,
+                cuda_graphs=graphs,
             )
             engine_step_ms(engine, prompts[:batch], 3)  # warm-up: compiles (and tunes) the kernels, captures the graphs
             ms = min(engine_step_ms(engine, prompts[:batch], args.new_tokens - 1) for _ in range(2))
@@ -206,7 +217,8 @@ def batch_invariant_rows(config, args, device, dtype, prompts) -> tuple[list[dic
             row[f"{name} tokens/s"] = f"{batch * 1e3 / ms:,.0f}"
             del engine
             free()
-        row["ratio"] = f"{float(row['batch-invariant ms/step']) / float(row['default ms/step']):.2f}"
+        for name, _, _ in ways[1:]:
+            row[f"{name} / default"] = f"{float(row[f'{name} ms/step']) / float(row['default ms/step']):.2f}"
         timing.append(row)
         print_table(timing, "decode step, the engine alone: as shipped and in batch-invariant mode")
     return timing, invariant_check(model, args, prompts)
@@ -231,6 +243,7 @@ def invariant_check(model, args, prompts) -> list[dict]:
         max_batch=batch,
         max_len=max_len,
         batch_invariant=True,
+        cuda_graphs=args.invariant_graphs or None,
         max_num_batched_tokens=args.prompt_len * 3 // 2 + 7,  # prompts cut at odd places
         num_blocks=max(per_sequence + 1, batch * per_sequence * 7 // 10),  # too few for all: preemption
     )
@@ -553,6 +566,9 @@ def main():
         "--batch-invariant",
         action="store_true",
         help="the engine's step in batch-invariant mode beside the default, and the mode's bit-equality checked",
+    )
+    parser.add_argument(
+        "--invariant-graphs", action="store_true", help="--batch-invariant: the check's batched engine in CUDA graphs"
     )
     parser.add_argument("--check-tokens", type=int, default=160, help="--batch-invariant: new tokens a sequence")
     parser.add_argument("--alone", type=int, default=4, help="--batch-invariant: sequences generated alone too")

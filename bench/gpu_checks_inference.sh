@@ -102,7 +102,7 @@ invariant)
     timeout 90 python3 -m pytest -q tests/test_batch_invariant.py -k kernel > "$LOGS/invariant_tests.txt" 2>&1
     echo "== GPU tests"; grep -E "passed|failed|Error" "$LOGS/invariant_tests.txt" | tail -5
     timeout 440 python3 bench/decode.py --layers 48 --batch-invariant --batches 1,64 --prompt-len 256 \
-        --new-tokens 32 --check-tokens 160 2>&1 | quiet | grep -v "^$" | tail -${ROWS:-24}
+        --new-tokens 32 --check-tokens 160 ${GRAPHS:+--invariant-graphs} 2>&1 | quiet | grep -v "^$" | tail -${ROWS:-24}
     ;;
 decode6)
     timeout 560 python3 bench/decode.py --layers 6 2>&1 | quiet | tail -20
