@@ -37,8 +37,10 @@ prompts prefilled in chunks at odd split points, prefixes reused, a KV pool too 
 1, whole-prompt prefill, another block size): tokens and log-probabilities compared; (2) every
 sequence scored by the trainer's forward (`completion_logprobs`, gradients on, in the mode, a few
 sequences a forward): log-probabilities and the experts chosen at every position the engine
-computed compared. Counts of what differs are printed (0 is the claim). --invariant-graphs runs the
-check's batched engine with CUDA graphs.
+computed compared. Counts of what differs are printed (0 is the claim). Last, an RL training
+step's model part for --score-batch of them (the trainer's forward with gradients and the backward
+into the weights), as shipped and in the mode. --invariant-graphs runs the check's batched engine
+with CUDA graphs.
 
 Under torchrun, tensor parallelism over the ranks launched (issue 49):
 
@@ -66,7 +68,15 @@ import time
 
 import torch
 
-from bench.common import add_model_arguments, bench_model_config, print_table, sync, tensor_parallel_model, timed
+from bench.common import (
+    add_model_arguments,
+    bench_model_config,
+    median_ms,
+    print_table,
+    sync,
+    tensor_parallel_model,
+    timed,
+)
 from bench.e2e import free, transformers_model
 from moemesh.data.tokenizer import ByteTokenizer
 from moemesh.inference.engine import Chunk, DecodeEngine, Sampling
@@ -305,6 +315,7 @@ def invariant_check(model, args, prompts) -> list[dict]:
                 decisions += same.numel()
                 routing_differing += int((~same).sum())
         del scored
+    print_table(scoring_rows(model, together[: args.score_batch], args), "the trainer's forward and backward")
     rows.append(
         {
             "comparison": f"engine (batch {batch}) vs the trainer's forward, {batch} sequences",
@@ -317,6 +328,36 @@ def invariant_check(model, args, prompts) -> list[dict]:
         }
     )
     return rows
+
+
+def scoring_rows(model, sequences, args) -> list[dict]:
+    """An RL training step's model part, as shipped and in the mode: `completion_logprobs` of
+    `sequences` (forward with gradients) and the backward of their summed log-probabilities into
+    the weights; ms (median of 3 after a warm-up), tokens/s, and the mode's ratio."""
+    from moemesh.train.logprobs import completion_logprobs
+
+    def step(invariant: bool) -> None:
+        with torch.enable_grad():
+            scored = completion_logprobs(
+                model, [s.prompt_ids for s in sequences], [s.token_ids for s in sequences], 0.0, False, invariant
+            )
+            torch.cat(list(scored.logprobs)).sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    tokens = sum(len(s.prompt_ids) + len(s.token_ids) for s in sequences)
+    row = {"sequences": len(sequences), "tokens": tokens}
+    for name, invariant in (("default", False), ("batch-invariant", True)):
+        try:
+            ms = median_ms(lambda invariant=invariant: step(invariant), warmup=1, repeat=3)
+        except torch.OutOfMemoryError:
+            row[f"{name} ms"] = "out of memory"
+            model.zero_grad(set_to_none=True)
+            free()
+            return [row]
+        row[f"{name} ms"] = f"{ms:.1f}"
+        row[f"{name} tokens/s"] = f"{tokens * 1e3 / ms:,.0f}"
+    row["batch-invariant / default"] = f"{float(row['batch-invariant ms']) / float(row['default ms']):.2f}"
+    return [row]
 
 
 def generate_sequences(engine: DecodeEngine, tokenizer, prompts: list[list[int]], params) -> list:
