@@ -128,18 +128,18 @@ class Attention(nn.Module):
         cos, sin = rope
         q, k = rotary(q.transpose(1, 2), cos, sin).transpose(1, 2), rotary(k.transpose(1, 2), cos, sin).transpose(1, 2)
         scale = self.head_dim**-0.5
+        rows = batch * seq
+        if cache is not None:
+            cache.write(self.layer_idx, k.reshape(rows, -1, self.head_dim), v.reshape(rows, -1, self.head_dim))
         if invariant.kernels(x):  # one kernel for whole sequences and the engine's steps
             if cache is None:
                 out = invariant.causal_attention(q, k, v, scale)
             else:
-                rows = batch * seq
-                cache.write(self.layer_idx, k.reshape(rows, -1, self.head_dim), v.reshape(rows, -1, self.head_dim))
-                keys, values = cache.keys[self.layer_idx], cache.values[self.layer_idx]
                 starts, lengths, count, _ = cache.tiles(invariant.tile_tokens(q.shape[2] // k.shape[2]))
                 out = invariant.paged_attention(
                     q.reshape(rows, -1, self.head_dim),
-                    keys,
-                    values,
+                    cache.keys[self.layer_idx],
+                    cache.values[self.layer_idx],
                     cache.block_tables,
                     cache.block_size,
                     cache.token_rows,
@@ -157,18 +157,12 @@ class Attention(nn.Module):
                 for t in range(seq)
             ]
         else:
-            cache.write(
-                self.layer_idx, k.reshape(batch * seq, -1, self.head_dim), v.reshape(batch * seq, -1, self.head_dim)
-            )
             out = []
             for i, (row, position) in enumerate(zip(cache.token_rows.tolist(), cache.positions.tolist())):
                 keys, values = cache.gather(self.layer_idx, row, position + 1)
                 out.append(
                     invariant.attend(
-                        q.view(batch * seq, *q.shape[2:])[i],
-                        keys[0, :, : position + 1],
-                        values[0, :, : position + 1],
-                        scale,
+                        q.view(rows, *q.shape[2:])[i], keys[0, :, : position + 1], values[0, :, : position + 1], scale
                     )
                 )
         return self.o_proj(torch.stack(out).view(batch, seq, -1))

@@ -21,7 +21,6 @@ import torch.nn.functional as F
 
 from moemesh.ops import recompute, weight_grad
 from moemesh.ops.backend import autocast_inputs
-from moemesh.ops.linear import send_gradients
 
 # torch >= 2.10 exposes the public name; 2.9 only the private one.
 _grouped_mm_kernel = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -69,8 +68,9 @@ def _sizes_and_rest(group_sizes: torch.Tensor, rows: int) -> list[int]:
     return [*sizes, rows - sum(sizes)]
 
 
-def _weight_gradient(grad: torch.Tensor, x: torch.Tensor, group_sizes: torch.Tensor, offsets) -> torch.Tensor:
-    """[E, O, K]: grad[rows of e].T @ x[rows of e] for every group e."""
+def weight_gradient(grad: torch.Tensor, x: torch.Tensor, group_sizes: torch.Tensor, offsets) -> torch.Tensor:
+    """[E, O, K]: grad[rows of e].T @ x[rows of e] for every group e (rows past the groups left
+    out); `offsets`: `group_offsets`'."""
     if offsets is not None and _fits(grad.shape[-1], x.shape[-1]):
         return _grouped_mm_kernel(grad.transpose(0, 1), x, offs=offsets)
     sizes = _sizes_and_rest(group_sizes, len(x))
@@ -122,14 +122,14 @@ class _GroupedMM(torch.autograd.Function):
 
         def weight_gradients() -> list[torch.Tensor | None]:
             return [
-                _weight_gradient(grad, x, *groups).to(weight.dtype) if needs_weight else None,
-                _weight_gradient(grad_low_rank, x_r, *groups) if needs_a else None,
-                _weight_gradient(grad, low_rank, *groups) if needs_b else None,
+                weight_gradient(grad, x, *groups).to(weight.dtype) if needs_weight else None,
+                weight_gradient(grad_low_rank, x_r, *groups) if needs_a else None,
+                weight_gradient(grad, low_rank, *groups) if needs_b else None,
             ]
 
         # Deferred (a zero-bubble pipeline's backward, `weight_grad.py`): the queued job sends the
         # gradients into the weights' graphs, as returning them here would have.
-        if weight_grad.put(lambda: send_gradients(weight_gradients(), (weight, a, b))):
+        if weight_grad.put(lambda: weight_grad.send_gradients(weight_gradients(), (weight, a, b))):
             return grad_x, None, None, None, grad_x_r, *nothing
         return grad_x, *weight_gradients(), grad_x_r, *nothing
 

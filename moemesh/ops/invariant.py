@@ -69,6 +69,7 @@ import torch
 import torch.nn.functional as F
 
 from moemesh.ops.backend import HAVE_TRITON, tl, triton, use_triton
+from moemesh.ops.grouped_mm import group_offsets, weight_gradient
 
 TILE = 16  # rows a GEMM call of the CPU reference computes, whatever the batch
 _on = False
@@ -533,8 +534,8 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, tiles: torch.Tensor) -
 
 class _GroupedMatmul(torch.autograd.Function):
     """`grouped_matmul` forward; backward: the input's gradient by the same kernel (each expert's
-    rows times its weight untransposed), the weight's by torch's grouped GEMM where it runs
-    (CUDA, bf16), else a loop over the experts."""
+    rows times its weight untransposed), the weight's by `grouped_mm.weight_gradient` (torch's
+    grouped GEMM where it runs, else a loop over the experts)."""
 
     @staticmethod
     def forward(ctx, x, weight, group_sizes, tiles):
@@ -549,25 +550,5 @@ class _GroupedMatmul(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = grouped_matmul(grad, weight.transpose(-2, -1), tiles)
         if ctx.needs_input_grad[1]:
-            grad_w = _weight_gradient(grad, x, group_sizes).to(weight.dtype)
+            grad_w = weight_gradient(grad, x, group_sizes, group_offsets(x, group_sizes)).to(weight.dtype)
         return grad_x, grad_w, None, None
-
-
-_grouped_mm_kernel = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)  # torch >= 2.10, 2.9
-
-
-def _weight_gradient(grad: torch.Tensor, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-    """[E, N, K]: grad[rows of e].T @ x[rows of e] for every expert e (rows past the groups left out)."""
-    if (
-        _grouped_mm_kernel is not None
-        and x.is_cuda
-        and x.dtype == torch.bfloat16
-        and grad.shape[1] % 8 == 0
-        and x.shape[1] % 8 == 0
-        and torch.cuda.get_device_capability(x.device) >= (8, 0)
-    ):
-        return _grouped_mm_kernel(grad.transpose(0, 1), x, offs=group_sizes.cumsum(0, dtype=torch.int32))
-    sizes = group_sizes.tolist()
-    *grads, _ = torch.split(grad, [*sizes, grad.shape[0] - sum(sizes)])
-    *pieces, _ = torch.split(x, [*sizes, x.shape[0] - sum(sizes)])
-    return torch.stack([g.transpose(0, 1) @ piece for g, piece in zip(grads, pieces)])

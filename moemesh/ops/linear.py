@@ -87,7 +87,7 @@ class _Linear(torch.autograd.Function):
 
         # Deferred: the queued job sends the gradients into the weights' own graphs (an autocast
         # cast, LoRA's cast factors, or the parameters themselves), as returning them would have.
-        if weight_grad.put(lambda: send_gradients(weight_gradients(), (weight, a, b))):
+        if weight_grad.put(lambda: weight_grad.send_gradients(weight_gradients(), (weight, a, b))):
             return grad_x, None, None, None, grad_x_r
         return grad_x, *weight_gradients(), grad_x_r
 
@@ -144,7 +144,7 @@ class _SharedInputLinears(torch.autograd.Function):
         nothing = [None] * (1 + 2 * len(weights))
         if not any(needs[1:]):
             return grad_x, *nothing
-        if weight_grad.put(lambda: send_gradients(weight_gradients(), (a, *weights, *bs))):
+        if weight_grad.put(lambda: weight_grad.send_gradients(weight_gradients(), (a, *weights, *bs))):
             return grad_x, *nothing
         return grad_x, *weight_gradients()
 
@@ -159,12 +159,6 @@ def linears(
         raise ValueError("batch-invariant mode does not cover LoRA adapters: merge them first")
     (x,) = autocast_inputs(x)
     return list(_SharedInputLinears.apply(x, a, *weights, *bs))
-
-
-def send_gradients(grads: list[torch.Tensor | None], tensors: tuple[torch.Tensor | None, ...]) -> None:
-    """Backward from each tensor given a gradient (a deferred weight-gradient job)."""
-    pairs = [(t, g) for t, g in zip(tensors, grads) if g is not None]
-    torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
 
 
 def linear(

@@ -13,6 +13,8 @@ import contextlib
 from collections import deque
 from collections.abc import Callable
 
+import torch
+
 _current: list[Callable[[], None]] | None = None  # the entry being filled, while deferring
 
 
@@ -55,3 +57,9 @@ class WeightGradStore:
 
     def __len__(self) -> int:
         return len(self._queue)
+
+
+def send_gradients(grads: list[torch.Tensor | None], tensors: tuple[torch.Tensor | None, ...]) -> None:
+    """Backward from each tensor given a gradient (a deferred weight-gradient job)."""
+    pairs = [(t, g) for t, g in zip(tensors, grads) if g is not None]
+    torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
