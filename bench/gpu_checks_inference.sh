@@ -35,6 +35,10 @@
 #       shipped and in the mode, and the mode's bit-equality in bf16 — 64 sequences of 160 tokens
 #       together (chunked, cached, preempted) against 4 alone and against the trainer's forward
 #       (bench/decode.py --batch-invariant)
+#   bash bench/gpu_checks_inference.sh invariant-cost  the same mode's price, on 3 GPUs side by side:
+#       GPU 0 the `invariant` case with the check on CUDA graphs; GPU 1 the matmul kernel's tiles
+#       (bench/kernels.py --invariant-tiles); GPU 2 the offline workload of 64 prompts on the
+#       48-layer shape as shipped and in the mode (bench/serve_offline.py --batch-invariant)
 # On a machine with 4 GPUs (issue 49), tensor parallelism:
 #   bash bench/gpu_checks_inference.sh tp       the all-reduce alone on 2 (and 4) GPUs, each way and
 #       size (bench/decode.py --all-reduce); the 48-layer shape's decode step at batch 1 and 64 on
@@ -59,7 +63,7 @@ tp_decode() {  # GPUs, log name, decode.py options...: the engine's step under t
     CUDA_VISIBLE_DEVICES=$gpus timeout 400 torchrun --standalone --nproc-per-node $(($(tr -cd , <<< "$gpus" | wc -c) + 1)) \
         bench/decode.py --tensor-parallel --prompt-len 128 --new-tokens 64 --batches 1,64 "$@" > "$LOGS/$name.txt" 2>&1
 }
-LOGS=${LOGS:-/tmp/moemesh_gpu_checks}
+export LOGS=${LOGS:-/tmp/moemesh_gpu_checks}
 mkdir -p "$LOGS"
 quiet() { grep -v "^W1\|UserWarning\|_warn_once\|warnings.warn"; }
 case "${1:-setup}" in
@@ -103,6 +107,16 @@ invariant)
     echo "== GPU tests"; grep -E "passed|failed|Error" "$LOGS/invariant_tests.txt" | tail -5
     timeout 440 python3 bench/decode.py --layers 48 --batch-invariant --batches 1,64 --prompt-len 256 \
         --new-tokens 32 --check-tokens 160 ${GRAPHS:+--invariant-graphs} 2>&1 | quiet | grep -v "^$" | tail -${ROWS:-24}
+    ;;
+invariant-cost)
+    CUDA_VISIBLE_DEVICES=1 timeout 500 python3 bench/kernels.py --invariant-tiles > "$LOGS/tiles.txt" 2>&1 &
+    CUDA_VISIBLE_DEVICES=2 timeout 500 python3 bench/serve_offline.py --layers 48 --prompts 64 --new-tokens 128 \
+        --batch-invariant --invariant-graphs on --no-transformers --prefill-len 0 --prefix-len 0 \
+        > "$LOGS/offline_invariant.txt" 2>&1 &
+    CUDA_VISIBLE_DEVICES=0 GRAPHS=1 ROWS=40 bash "$0" invariant
+    wait
+    echo "== tiles"; grep -v "^$" "$LOGS/tiles.txt" | tail -40
+    echo "== offline"; quiet < "$LOGS/offline_invariant.txt" | grep "|" | tail -8
     ;;
 decode6)
     timeout 560 python3 bench/decode.py --layers 6 2>&1 | quiet | tail -20

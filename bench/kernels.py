@@ -3,6 +3,7 @@
     PYTHONPATH=. python3 bench/kernels.py            # H100/H200, bf16, well under 3 minutes
     PYTHONPATH=. python3 bench/kernels.py --smoke    # tiny sizes on CPU under TRITON_INTERPRET=1:
                                                      # checks the script runs; timings meaningless
+    PYTHONPATH=. python3 bench/kernels.py --invariant-tiles   # only: batch-invariant matmul tiles
 
 Prints: effective bandwidth of permute / combine / swiglu (forward and backward) as a fraction of
 a measured device copy, against the plain PyTorch index path; expert_gemv (decoding's MoE path,
@@ -319,6 +320,118 @@ def int64_index_checks(k, hidden, min_elements):
     return results
 
 
+# ---- batch-invariant matmul tiles (issue 50) ------------------------------------------------------
+# The 48-layer Qwen3-30B-A3B shape's weights on one GPU: (what, N, K, experts or 0).
+INVARIANT_WEIGHTS = [
+    ("q_proj", 4096, 2048, 0),
+    ("k_proj, v_proj", 512, 2048, 0),
+    ("o_proj", 2048, 4096, 0),
+    ("router", 128, 2048, 0),
+    ("lm_head", 151936, 2048, 0),
+    ("experts gate_up", 1536, 2048, 128),
+    ("experts down", 2048, 768, 128),
+]
+INVARIANT_ROWS = (1, 64, 8192)  # tokens: a decode step alone, at batch 64, a training micro-batch
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
+INVARIANT_CONFIGS = [
+    (bm, bn, bk, 4 if bm * bn <= 64 * 64 else 8, stages)
+    for bm in (16, 64, 128)
+    for bn in (32, 64, 128)
+    for bk in (64, 128)
+    for stages in (3, 4)
+]
+
+
+def _invariant_launch(x, weight, tiles, config, kernel=None):
+    """One launch of ops/invariant.py's matmul kernel (or `kernel`, a variant of it) with tiles
+    `config`; grouped when `tiles`."""
+    from moemesh.ops import invariant
+
+    block_m, block_n, block_k, warps, stages = config
+    n, k = weight.shape[-2:]
+    out = x.new_zeros(x.shape[0], n)
+    grouped = tiles is not None
+    m_tiles = tiles.shape[1] if grouped else -(-x.shape[0] // block_m)
+    (kernel or invariant._matmul_kernel)[(m_tiles, -(-n // block_n))](
+        x, weight, out, tiles if grouped else x, m_tiles, x.shape[0], n, k, x.stride(0), x.stride(1),
+        *(weight.stride() if grouped else (0, *weight.stride())), out.stride(0),
+        GROUPED=grouped, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION="tf32",
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
+def invariant_tile_rows():
+    """For each weight of the shape and each row count: the batch-invariant matmul kernel under
+    every config of INVARIANT_CONFIGS against the one config it ran before tiles were picked by
+    the row count (BLOCK_M 64, BLOCK_K 64, BLOCK_N by the width, 4 warps, 3 stages), cuBLAS /
+    torch's grouped GEMM, and what `invariant.matmul` / `invariant.experts`' launch picks now
+    (`_tiles`): microseconds, and whether a config's output has the same bits as the old one's.
+    Then the picked config compiled with the strides unspecialised (no vectorised loads; the
+    kernel as shipped specialises them on their alignment): microseconds and the same bits or not."""
+    import triton
+
+    from moemesh.ops import invariant
+
+    varying = ["m_tiles", "rows", "stride_xm", "stride_xk", "stride_om"]
+    unaligned = triton.jit(
+        invariant._matmul_kernel.fn, do_not_specialize=varying, do_not_specialize_on_alignment=varying
+    )
+    k_top, row_counts = 8, (1, 5) if SMOKE else INVARIANT_ROWS
+    configs = INVARIANT_CONFIGS[:2] if SMOKE else INVARIANT_CONFIGS
+    report("batch-invariant matmul: configs (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) against the old one")
+    report(
+        f"{'weight':<16}{'rows':>6}{'cuBLAS us':>10}{'old us':>8}{'best equal':>24}{'us':>8}{'best any':>24}{'us':>8}"
+        f"{'picked':>24}{'us':>8}{'unaligned us':>13}{'same':>6}"
+    )
+    equal_everywhere = dict.fromkeys(configs, True)
+    for what, n, k, experts in INVARIANT_WEIGHTS:
+        if SMOKE:
+            n, k, experts = min(n, 96), min(k, 80), min(experts, 4)
+        weight = torch.randn(*((experts,) if experts else ()), n, k, dtype=DTYPE, device=DEVICE) / k**0.5
+        for rows in row_counts:
+            pairs = rows * k_top if experts else rows
+            x = torch.randn(pairs, k, dtype=DTYPE, device=DEVICE)
+            if experts:
+                ids = torch.stack([torch.randperm(experts, device=DEVICE)[:k_top] for _ in range(rows)]).flatten()
+                sizes = torch.bincount(ids, minlength=experts)
+                cublas = bench_ms(lambda: grouped_mm(x, weight, sizes), rep=25)
+            else:
+                sizes = None
+                cublas = bench_ms(lambda: x @ weight.T, rep=25)
+
+            def run(config, kernel=None):
+                tiles = invariant.expert_tiles(sizes, pairs, config[0])[0] if experts else None
+                out = _invariant_launch(x, weight, tiles, config, kernel)
+                return bench_ms(lambda: _invariant_launch(x, weight, tiles, config, kernel), rep=25), out
+
+            old_bits = 32 if n <= 4096 else 64 if n < 65536 else 128
+            old, old_out = run((64, old_bits, 64, 4, 3))
+            times = {}
+            for config in configs:
+                try:
+                    ms, out = run(config)
+                    times[config] = (ms, torch.equal(out, old_out))
+                except Exception as error:  # a config past the GPU's shared memory
+                    times[config] = (float("inf"), False)
+                    report(f"  {config}: {type(error).__name__}")
+                equal_everywhere[config] &= times[config][1]
+            picked = invariant._tiles(pairs // experts if experts else pairs, n, DTYPE)
+            picked_ms, picked_out = run(picked)
+            unaligned_ms, unaligned_out = run(picked, unaligned)
+            equal = [c for c in times if times[c][1]]
+            best_equal = min(equal, key=lambda c: times[c][0]) if equal else None
+            best_any = min(times, key=lambda c: times[c][0])
+            report(
+                f"{what:<16}{rows:>6}{cublas * 1e3:>10.1f}{old * 1e3:>8.1f}{str(best_equal):>24}"
+                f"{times[best_equal][0] * 1e3 if best_equal else float('nan'):>8.1f}{str(best_any):>24}"
+                f"{times[best_any][0] * 1e3:>8.1f}{str(picked):>24}{picked_ms * 1e3:>8.1f}{unaligned_ms * 1e3:>13.1f}"
+                f"{str(torch.equal(picked_out, old_out) and torch.equal(unaligned_out, old_out)):>6}"
+            )
+    same = [c for c in configs if equal_everywhere[c]]
+    report(f"configs with the old bits for every weight and row count: {len(same)} of {len(configs)}")
+
+
 def main():
     if not SMOKE and not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA GPU (or --smoke for a CPU dry run)")
@@ -327,6 +440,9 @@ def main():
     import triton
 
     report(f"moemesh kernel benchmark on {device_name}; torch {torch.__version__}, triton {triton.__version__}")
+    if "--invariant-tiles" in sys.argv:
+        invariant_tile_rows()
+        return 0
     copy_gbps = copy_bandwidth()
     report(f"device copy bandwidth (dst.copy_(src), {SIZES['copy_bytes'] / 2**20:.0f} MiB): {copy_gbps:.0f} GB/s")
     report()

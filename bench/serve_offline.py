@@ -16,7 +16,9 @@ Random weights, greedy, no early stop (every request makes --new-tokens tokens).
               and the agreement of --check requests' tokens with each prompt generated alone
               (bf16: sequences batched differently round differently; a near-tie can flip).
               transformers: `generate_batch` (paged cache, continuous batching) of the same
-              prompts, after a warm-up call, unless --no-transformers.
+              prompts, after a warm-up call, unless --no-transformers. With --batch-invariant
+              the workload runs again on an engine in that mode (issue 50): its warm seconds
+              against the default's, and its requests must equal each prompt alone, bit for bit.
   prefill     one --prefill-len prompt, and a batch of short prompts (--prefill-len tokens in all)
               in one packed step: milliseconds and tokens/s (the engine's step, after a warm-up).
   prefix      time to first token of a request whose first --prefix-len tokens another request
@@ -68,11 +70,25 @@ def run_scheduler(engine, tokenizer, prompts, params) -> tuple[float, Scheduler,
 
 
 def offline_rows(model, args, prompts, tokenizer) -> list[dict]:
+    """The workload on the default engine; with --batch-invariant on one in that mode as well,
+    its warm seconds against the default's."""
+    rows = engine_offline_rows(model, args, prompts, tokenizer, "moemesh")
+    if args.batch_invariant:
+        graphs = {"on": True, "off": False}.get(args.invariant_graphs)  # auto: the engine's default
+        mode = engine_offline_rows(
+            model, args, prompts, tokenizer, "batch-invariant", batch_invariant=True, cuda_graphs=graphs
+        )
+        mode[1]["vs default"] = f"{float(mode[1]['seconds']) / float(rows[1]['seconds']):.2f}×"
+        rows += mode
+    return rows
+
+
+def engine_offline_rows(model, args, prompts, tokenizer, side: str, **engine_options) -> list[dict]:
     params = SamplingParams(max_tokens=args.new_tokens)
-    engine = make_engine(model, args, max(map(len, prompts)) + args.new_tokens + 1)
+    engine = make_engine(model, args, max(map(len, prompts)) + args.new_tokens + 1, **engine_options)
     warm_up_s = engine.warm_up()
     rows = []
-    for name in ("moemesh, cold", "moemesh, warm"):
+    for name in (f"{side}, cold", f"{side}, warm"):
         seconds, scheduler, sequences = run_scheduler(engine, tokenizer, prompts, params)
         out = sum(len(s.token_ids) for s in sequences)
         rows.append(
@@ -103,7 +119,7 @@ def offline_rows(model, args, prompts, tokenizer) -> list[dict]:
     return rows
 
 
-def make_engine(model, args, max_len: int, tokens: int | None = None) -> DecodeEngine:
+def make_engine(model, args, max_len: int, tokens: int | None = None, **options) -> DecodeEngine:
     """The offline table's engine sizes its cache from free memory, as `serve` does; the others
     hold `tokens` (sizing from memory again would count what the allocator still caches)."""
     return DecodeEngine(
@@ -115,6 +131,7 @@ def make_engine(model, args, max_len: int, tokens: int | None = None) -> DecodeE
         block_size=args.block_size,
         num_blocks=None if tokens is None else 2 + math.ceil(tokens / args.block_size) + args.max_batch,
         gpu_memory_fraction=args.gpu_memory_fraction,
+        **options,
     )
 
 
@@ -327,6 +344,12 @@ def main():
         choices=["bfloat16", "float32"],
         help="moemesh's weights (default bf16 on a GPU): float32 "
         "shows whether a disagreement with the prompt alone is bf16's rounding",
+    )
+    parser.add_argument(
+        "--batch-invariant", action="store_true", help="the offline workload also in batch-invariant mode, its ratio"
+    )
+    parser.add_argument(
+        "--invariant-graphs", choices=["auto", "on", "off"], default="auto", help="that engine's CUDA graphs"
     )
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--no-moemesh", action="store_true", help="transformers alone (a run of its own for 48 layers)")

@@ -225,7 +225,7 @@ def _model_arguments(command: argparse.ArgumentParser) -> None:
         "--batch-invariant",
         action="store_true",
         help="each sequence's tokens and log-probabilities the same bits whatever else runs with it, and equal "
-        "to the trainer's forward in that mode (eager; on an H200 4.9-25x a default decode step)",
+        "to the trainer's forward in that mode (CUDA graphs on a GPU; its price in docs/benchmarks.md)",
     )
     command.add_argument(
         "--ep",

@@ -102,6 +102,21 @@ def test_without_the_mode_the_numbers_differ_in_the_last_bits():
     assert differ > 0
 
 
+def test_every_forward_of_an_engine_in_the_mode_runs_in_the_mode():
+    """Warm-up too: on a GPU it captures the CUDA graphs the steps then replay, so a warm-up out of
+    the mode would have every later step replay the default kernels (as it once did)."""
+    from moemesh.ops import invariant
+
+    model = build(CONFIG, seed=1).eval()
+    seen = []
+    model.model.layers[0].register_forward_pre_hook(lambda *_: seen.append(invariant.on()))
+    engine = DecodeEngine(model, max_batch=2, max_len=32, batch_invariant=True)
+    engine.warm_up()
+    sequences, _ = generated(model, sampled_requests(3)[:2], max_batch=2)
+    assert len(sequences) == 2 and len(seen) > 4 and all(seen)
+    assert not invariant.on()  # and only there
+
+
 def test_what_the_mode_does_not_cover_is_refused():
     model = build(CONFIG, seed=1).eval()
     with pytest.raises(ValueError, match="CPU reference runs eagerly"):
@@ -287,8 +302,9 @@ def test_the_grouped_kernel_computes_each_row_as_the_matmul_kernel_alone(triton_
     rows = int(sizes.sum())
     x = torch.randn(rows + 4, 24).to(dtype)
     gate_up, down = torch.randn(5, 40, 24).to(dtype), torch.randn(5, 24, 20).to(dtype)
-    tiles, _ = invariant.expert_tiles(sizes, x.shape[0])
-    h = invariant.grouped_matmul(x, gate_up, tiles)
+    per_expert = x.shape[0] // 5
+    tiles, _ = invariant.expert_tiles(sizes, x.shape[0], invariant._tiles(per_expert, 0, dtype)[0])
+    h = invariant.grouped_matmul(x, gate_up, tiles, per_expert)
     experts = torch.repeat_interleave(torch.arange(5), sizes)
     for i in (0, 2, 3, 40, 72, 73, rows - 1):
         assert torch.equal(h[i], invariant.matmul(x[i : i + 1], gate_up[experts[i]])[0])

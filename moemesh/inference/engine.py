@@ -39,8 +39,9 @@ on a CPU max_batch rows of max_len entries (the static cache's capacity).
 
 With `batch_invariant` every step runs in batch-invariant mode (`ops/invariant.py`): a sequence's
 tokens and log-probabilities are then the same bits whatever else its steps hold, and equal to the
-trainer's forward in that mode. Eagerly by default (on an H200 4.9× the default step at batch 64,
-25× at batch 1: the host's launches); `cuda_graphs=True` captures its steps as well.
+trainer's forward in that mode. Its steps are CUDA graphs on a GPU as the default's are (on an
+H200 with the 48-layer Qwen3-30B-A3B shape, docs/benchmarks.md: eager, the host's launches made a
+step 5-26× the default's); `cuda_graphs=False` runs them eagerly, as recording the routing needs.
 
 A step keeps the logits it sampled from (`last_logits`: [sampling chunks, V], read before the
 next step), so that requests with penalties, biases, grammars or log-probabilities can be
@@ -114,9 +115,8 @@ class DecodeEngine:
         batch_invariant: bool = False,
     ):
         self.model = model
-        # Each sequence's numbers independent of the rest of its step (ops/invariant.py): eager
-        # unless cuda_graphs=True on a GPU (its kernels need no host sync; the price with graphs
-        # is not measured yet, so eager stays the default).
+        # Each sequence's numbers independent of the rest of its step (ops/invariant.py); its
+        # kernels need no host sync, so its steps are captured too.
         self.batch_invariant = batch_invariant
         self.device = next(model.parameters()).device
         if batch_invariant and cuda_graphs and self.device.type != "cuda":
@@ -138,7 +138,7 @@ class DecodeEngine:
         self.block_size = block_size
         self.group = group
         self.leader = group is None or dist.get_rank(group) == 0
-        self.cuda_graphs = self.device.type == "cuda" and not batch_invariant if cuda_graphs is None else cuda_graphs
+        self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor], comm.Issued]] = {}
         self._pool = None
         # Packed steps padded to a bucket (captured when cuda_graphs): 16, 24, ... 256, 384, 512, ...
@@ -230,17 +230,20 @@ class DecodeEngine:
         (seconds on a GPU) before the first requests rather than inside them. Returns the
         seconds it took."""
         start = time.perf_counter()
-        # The largest packed step first (eager when it is larger than every bucket); the cache's
-        # pools are allocated at its first write.
-        tokens = min(self.max_num_batched_tokens, self.max_len)
-        self._packed_step([Chunk(self.cache.scratch_row, [0] * tokens, 0, True)])
-        for bucket in self.packed_buckets:  # runs of at most max_len tokens of the scratch row, sampling nothing
-            pieces = [min(self.max_len, bucket - first) for first in range(0, bucket, self.max_len)]
-            self._packed_step([Chunk(self.cache.scratch_row, [0] * n, 0, sample=False) for n in pieces])
-        kv_len = self.kv_lens[0]
-        for batch in self.batch_sizes:  # padding: token 0 at position 0 of the scratch row, greedy
-            self._send_decode([[0, 0, self.cache.scratch_row, 0, 0]] * batch, [[0.0, 1.0]] * batch, kv_len, "greedy")
-            self._run(batch, kv_len, "greedy")
+        # In the engine's mode: the graphs captured here are those its steps replay.
+        with invariant.batch_invariant(self.batch_invariant):
+            # The largest packed step first (eager when it is larger than every bucket); the
+            # cache's pools are allocated at its first write.
+            tokens = min(self.max_num_batched_tokens, self.max_len)
+            self._packed_step([Chunk(self.cache.scratch_row, [0] * tokens, 0, True)])
+            for bucket in self.packed_buckets:  # runs of at most max_len tokens of the scratch row, sampling nothing
+                pieces = [min(self.max_len, bucket - first) for first in range(0, bucket, self.max_len)]
+                self._packed_step([Chunk(self.cache.scratch_row, [0] * n, 0, sample=False) for n in pieces])
+            kv_len = self.kv_lens[0]
+            for batch in self.batch_sizes:  # padding: token 0 at position 0 of the scratch row, greedy
+                row = [0, 0, self.cache.scratch_row, 0, 0]
+                self._send_decode([row] * batch, [[0.0, 1.0]] * batch, kv_len, "greedy")
+                self._run(batch, kv_len, "greedy")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - start

@@ -48,8 +48,9 @@ def _fits(*widths: int) -> bool:
     return all(width % 8 == 0 for width in widths)
 
 
-def _forward(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor, offsets) -> torch.Tensor:
-    """out[rows of group e] = x[rows of group e] @ weight[e].T, for weight [E, O, K]."""
+def product(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor, offsets) -> torch.Tensor:
+    """out[rows of group e] = x[rows of group e] @ weight[e].T, for weight [E, O, K], without
+    autograd (rows past the last group: 0 on the CPU loop, unwritten by the kernel)."""
     if offsets is not None and _fits(*weight.shape[1:]):
         return _grouped_mm_kernel(x, weight.transpose(-2, -1), offs=offsets)
     *pieces, rest = torch.split(x, _sizes_and_rest(group_sizes, len(x)))
@@ -94,10 +95,10 @@ class _GroupedMM(torch.autograd.Function):
         groups = (group_sizes, offsets)
         if a is None:
             ctx.save_for_backward(x, group_sizes, offsets)
-            return recompute.kept(lambda: _forward(x, weight.to(x.dtype), *groups))
-        low_rank = recompute.kept(lambda: _forward(x if x_low_rank is None else x_low_rank, a, *groups))
+            return recompute.kept(lambda: product(x, weight.to(x.dtype), *groups))
+        low_rank = recompute.kept(lambda: product(x if x_low_rank is None else x_low_rank, a, *groups))
         ctx.save_for_backward(x, group_sizes, offsets, low_rank, x_low_rank)
-        return recompute.kept(lambda: _forward(x, weight.to(x.dtype), *groups).add_(_forward(low_rank, b, *groups)))
+        return recompute.kept(lambda: product(x, weight.to(x.dtype), *groups).add_(product(low_rank, b, *groups)))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -105,17 +106,17 @@ class _GroupedMM(torch.autograd.Function):
         weight, a, b, groups = ctx.weight, ctx.a, ctx.b, (group_sizes, offsets)
         needs_x, needs_weight, needs_a, needs_b, needs_x_r = ctx.needs_input_grad[:5]
         grad = grad.contiguous()
-        grad_x = _forward(grad, weight.to(x.dtype).transpose(-2, -1), *groups) if needs_x else None
+        grad_x = product(grad, weight.to(x.dtype).transpose(-2, -1), *groups) if needs_x else None
         grad_x_r = grad_low_rank = None
         if a is not None:
             low_rank, x_low_rank = rest
             x_r = x if x_low_rank is None else x_low_rank
             if needs_x or needs_x_r or needs_a:
-                grad_low_rank = _forward(grad, b.transpose(-2, -1), *groups)
+                grad_low_rank = product(grad, b.transpose(-2, -1), *groups)
             if needs_x_r:  # LoRA's dropout: the update's input is not x
-                grad_x_r = _forward(grad_low_rank, a.transpose(-2, -1), *groups)
+                grad_x_r = product(grad_low_rank, a.transpose(-2, -1), *groups)
             elif needs_x and x_low_rank is None:
-                grad_x.add_(_forward(grad_low_rank, a.transpose(-2, -1), *groups))
+                grad_x.add_(product(grad_low_rank, a.transpose(-2, -1), *groups))
         nothing = (None, None)
         if not (needs_weight or needs_a or needs_b):
             return grad_x, None, None, None, grad_x_r, *nothing

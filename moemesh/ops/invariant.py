@@ -17,11 +17,15 @@ or MOEMESH_KERNELS=triton under Triton's interpreter):
 
   * `linear` — CPU reference: rows in tiles of TILE (the last padded), one GEMM call a tile, so
     each row is computed by a call of the same shape wherever it sits. GPU: `matmul`, a Triton
-    kernel of fixed tiles: BLOCK_M rows × BLOCK_N columns a program, K in blocks of BLOCK_K added
-    in order from 0 into an fp32 accumulator, no split-K; BLOCK_N a function of the weight's width
-    alone. Every row of a given weight then runs the same compiled kernel and the same sequence
-    of tl.dot steps, whether alone or among 10,000 rows, at any place in its tile (a tensor-core
-    MMA computes an output element from its row and column only; rows past the end load zeros).
+    kernel: BLOCK_M rows × BLOCK_N columns a program, K in blocks of BLOCK_K added in order from 0
+    into an fp32 accumulator, no split-K — so a row's products are summed in the order its own
+    row and column fix, whatever else is in its tile (a tensor-core MMA computes an output element
+    from its row and column only; rows past the end load zeros). The tiles themselves follow the
+    row count (`_tiles`: small for a decode step, larger for training's thousands of rows) — in
+    bf16 that changes no bit, which is measured, not proven: on an H200 every one of 36 configs
+    gave every weight of the Qwen3-30B-A3B shape the same bits at 1, 64 and 8,192 rows
+    (`bench/kernels.py --invariant-tiles`; the GPU tests below compare 1 row with 130). fp32 (the
+    CPU tests' interpreter, whose tl.dot is numpy's) keeps one config whatever the rows.
     Backward is the ordinary one (autograd.Function): only forward values must agree.
   * `attend` — CPU reference: one query at a time over exactly its keys, in fp32. GPU:
     `paged_attention`, one kernel for the engine's steps (decode tokens, prompt chunks, against
@@ -50,11 +54,10 @@ Exactness is tested on CPUs (tests/test_batch_invariant.py): the reference in fp
 kernels under Triton's interpreter in fp32 (its bf16 tl.dot is wrong), the tiny model's engine and
 trainer through them included. On a GPU in bf16 the claim is measured, not proven by a test here:
 `bench/gpu_checks_inference.sh invariant` (bench/decode.py --batch-invariant) counts what differs
-over 10k tokens of the 48-layer Qwen3-30B-A3B shape. Limits: the kernels' tiles are not tuned (one
-config per weight width, the same for decoding's few rows and training's many), so the price is
-the GPU run's to say; an eager engine (no CUDA graphs); decode at batch 1 has only a program per
-key/value head in attention (no split: a split would have to be fixed per key position, and the
-trainer would have to take it too). Not covered: attention sinks and sliding windows, latent
+over 10k tokens of the 48-layer Qwen3-30B-A3B shape. Limits: decode at batch 1 has only a
+program per key/value head in attention (no split: a split would have to be fixed per key position, and the
+trainer would have to take it too); the matmul stays 2-5× slower than cuBLAS at training's row
+counts (docs/benchmarks.md). Not covered: attention sinks and sliding windows, latent
 attention, LoRA adapters (merge them first), packed documents in a training row. Under tensor
 parallelism, and expert parallelism for decoding, the engine and the trainer agree bit for bit on
 two ranks (a sum of two partials has one order); over more ranks the all-reduces' order may
@@ -69,15 +72,15 @@ import torch
 import torch.nn.functional as F
 
 from moemesh.ops.backend import HAVE_TRITON, tl, triton, use_triton
-from moemesh.ops.grouped_mm import group_offsets, weight_gradient
+from moemesh.ops.grouped_mm import group_offsets, product, weight_gradient
 
 TILE = 16  # rows a GEMM call of the CPU reference computes, whatever the batch
 _on = False
 
-# The kernels' tiles. None depends on the number of rows: BLOCK_M and BLOCK_K are constants and
-# BLOCK_N a function of the weight's output width alone (`_block_n`), so a weight always runs
-# one compiled kernel, whatever the batch.
-BLOCK_M, BLOCK_K = 64, 64
+# The fp32 kernels' tiles (the CPU tests' interpreter, whose tl.dot is numpy's and whose sums
+# follow its shape): one config whatever the rows. bf16 and fp16 on a GPU pick theirs by the row
+# count (`_tiles`).
+BLOCK_M, BLOCK_K = 64, 32
 # Attention: the query rows of a program (its tokens × the query heads of one key/value head) and
 # the keys of a block of the key loop (blocks start at key 0, 64, 128, ... for every query).
 ATTENTION_ROWS, ATTENTION_KEYS = 64, 64
@@ -134,24 +137,33 @@ def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows, width = x.shape
     out = x.new_empty(rows, weight.shape[0])
     if rows and weight.shape[0]:
-        _launch_matmul(x, weight, out, None, triton.cdiv(rows, BLOCK_M), rows)
+        _launch_matmul(x, weight, out, None, rows, _tiles(rows, weight.shape[0], x.dtype))
     return out
 
 
-def _block_n(n: int) -> int:
-    """Output columns of a program, from the weight's width alone: narrow weights (a decode step's
-    projections, one tile of rows) need many programs, the vocabulary few wide ones."""
-    return 32 if n <= 4096 else 64 if n < 65536 else 128
+def _tiles(rows: int, n: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of a launch over `rows` rows (a grouped launch:
+    its mean rows an expert) of a weight `n` wide. fp32: one config (see BLOCK_M). bf16 and fp16:
+    small tiles for a decode step's few rows, larger ones for training's many — which gives the
+    same bits, measured: on an H200 (triton 3.6), 36 configs (BLOCK_M 16-128, BLOCK_N 32-128,
+    BLOCK_K 64 or 128, 4 or 8 warps, 3 or 4 stages) computed every weight of the Qwen3-30B-A3B
+    shape at 1, 64 and 8,192 rows to the same bits (`bench/kernels.py --invariant-tiles`): the
+    tensor cores add a row's products k-block by k-block in one order whatever the tile."""
+    if dtype == torch.float32:
+        return BLOCK_M, 32 if n <= 4096 else 64 if n < 65536 else 128, BLOCK_K, 4, 3
+    if rows <= 64:
+        return 16, 32 if rows <= 16 and n <= 4096 else 64 if n <= 4096 else 128, 128, 4, 3
+    return 64, 64, 64, 4, 3
 
 
-def _launch_matmul(x, weight, out, tiles, m_tiles: int, rows: int) -> None:
-    """One launch of `_matmul_kernel`: plain (tiles None) or grouped (tiles: each M tile's expert,
-    first and end row, int32 [3, m_tiles]; weight [E, N, K])."""
+def _launch_matmul(x, weight, out, tiles, rows: int, config) -> None:
+    """One launch of `_matmul_kernel` with `config` (`_tiles`): plain (tiles None) or grouped
+    (tiles: each M tile's expert, first and end row, int32 [3, m_tiles]; weight [E, N, K])."""
     n, k = weight.shape[-2:]
-    block_n = _block_n(n)
+    block_m, block_n, block_k, warps, stages = config
     grouped = tiles is not None
+    m_tiles = tiles.shape[1] if grouped else triton.cdiv(rows, block_m)
     w_strides = weight.stride() if grouped else (0, *weight.stride())
-    fp32 = x.dtype == torch.float32
     _matmul_kernel[(m_tiles, triton.cdiv(n, block_n))](
         x,
         weight,
@@ -166,12 +178,12 @@ def _launch_matmul(x, weight, out, tiles, m_tiles: int, rows: int) -> None:
         *w_strides,
         out.stride(0),
         GROUPED=grouped,
-        BLOCK_M=BLOCK_M,
+        BLOCK_M=block_m,
         BLOCK_N=block_n,
-        BLOCK_K=32 if fp32 else BLOCK_K,
-        PRECISION="ieee" if fp32 else "tf32",
-        num_warps=4,
-        num_stages=3,
+        BLOCK_K=block_k,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=warps,
+        num_stages=stages,
     )
 
 
@@ -191,7 +203,10 @@ class _Matmul(torch.autograd.Function):
         return grad_x, grad_w
 
 
-@_jit("m_tiles", "rows", "stride_xm", "stride_xk", "stride_om")
+# The row count is not specialised (a step of one row runs the program of many); the strides are,
+# on their alignment as triton does by default: vectorised loads, 2-4× faster, the same bits
+# (measured with the tiles, `_tiles`).
+@_jit("m_tiles", "rows")
 def _matmul_kernel(
     x_ptr,
     w_ptr,
@@ -479,11 +494,12 @@ def experts(
     past the last group (served elsewhere) are zeros. On the kernels' device each projection is
     one `grouped_matmul` launch; else a loop over the experts' `linear`s. Differentiable."""
     if kernels(grouped):
-        tiles, row_experts = expert_tiles(group_sizes, grouped.shape[0])
-        h = _GroupedMatmul.apply(grouped, gate_up, group_sizes, tiles)
+        per_expert = grouped.shape[0] // max(1, group_sizes.shape[0])  # the tiles' choice, known on the host
+        tiles, row_experts = expert_tiles(group_sizes, grouped.shape[0], _tiles(per_expert, 0, grouped.dtype)[0])
+        h = _GroupedMatmul.apply(grouped, gate_up, group_sizes, tiles, per_expert)
         if gate_up_bias is not None:
             h = h + _per_row(gate_up_bias, row_experts).to(h.dtype)
-        out = _GroupedMatmul.apply(activation(h), down, group_sizes, tiles)
+        out = _GroupedMatmul.apply(activation(h), down, group_sizes, tiles, per_expert)
         if down_bias is not None:
             out = out + _per_row(down_bias, row_experts).to(out.dtype)
         return out
@@ -501,54 +517,56 @@ def _per_row(bias: torch.Tensor, row_experts: torch.Tensor) -> torch.Tensor:
     return F.pad(bias, (0, 0, 0, 1))[row_experts]
 
 
-def expert_tiles(group_sizes: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The grouped launch's M tiles, on the device (no host sync): int32 [3, cdiv(rows, BLOCK_M) +
-    E] — each tile's expert, first row and end row, BLOCK_M rows of one expert from its group's
+def expert_tiles(group_sizes: torch.Tensor, rows: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grouped launch's M tiles, on the device (no host sync): int32 [3, cdiv(rows, block_m) +
+    E] — each tile's expert, first row and end row, block_m rows of one expert from its group's
     first (the tiles past the step's have first == end) — and each row's expert [rows] (E past
     the last group)."""
     device, count = group_sizes.device, group_sizes.shape[0]
     sizes = group_sizes.long()
     ends = sizes.cumsum(0)
-    per_expert = (sizes + BLOCK_M - 1) // BLOCK_M
+    per_expert = (sizes + block_m - 1) // block_m
     tile_ends = per_expert.cumsum(0)
-    index = torch.arange(triton.cdiv(rows, BLOCK_M) + count, device=device)
+    index = torch.arange(triton.cdiv(rows, block_m) + count, device=device)
     expert = torch.searchsorted(tile_ends, index, right=True)
     used = expert < count
     e = expert.clamp(max=count - 1)
-    first = ends[e] - sizes[e] + (index - (tile_ends[e] - per_expert[e])) * BLOCK_M
-    end = torch.minimum(first + BLOCK_M, ends[e])
+    first = ends[e] - sizes[e] + (index - (tile_ends[e] - per_expert[e])) * block_m
+    end = torch.minimum(first + block_m, ends[e])
     first, end = torch.where(used, first, 0), torch.where(used, end, 0)
     row_experts = torch.searchsorted(ends, torch.arange(rows, device=device), right=True)
     return torch.stack([e, first, end]).int().contiguous(), row_experts
 
 
-def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
+def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, tiles: torch.Tensor, per_expert: int) -> torch.Tensor:
     """out[rows of expert e] = x[rows] @ weight[e].T for weight [E, N, K] and `expert_tiles`'
-    tiles; rows in no tile are 0. Each row's bits as `matmul`'s kernel computes a row: the same
-    tiles and order, whatever the other rows of its expert."""
+    tiles, made with the BLOCK_M that `_tiles` gives `per_expert` rows; rows in no tile are 0.
+    Each row's bits as `matmul`'s kernel computes a row, whatever the other rows of its expert."""
     out = x.new_zeros(x.shape[0], weight.shape[1])
     if x.shape[0] and weight.shape[1]:
-        _launch_matmul(x, weight, out, tiles, tiles.shape[1], x.shape[0])
+        _launch_matmul(x, weight, out, tiles, x.shape[0], _tiles(per_expert, weight.shape[1], x.dtype))
     return out
 
 
 class _GroupedMatmul(torch.autograd.Function):
-    """`grouped_matmul` forward; backward: the input's gradient by the same kernel (each expert's
-    rows times its weight untransposed), the weight's by `grouped_mm.weight_gradient` (torch's
-    grouped GEMM where it runs, else a loop over the experts)."""
+    """`grouped_matmul` forward; backward (only forward values must agree) as the default path's:
+    torch's grouped GEMM where it runs (`grouped_mm.product`, `weight_gradient`), else a loop
+    over the experts."""
 
     @staticmethod
-    def forward(ctx, x, weight, group_sizes, tiles):
+    def forward(ctx, x, weight, group_sizes, tiles, per_expert):
         ctx.save_for_backward(x, weight, group_sizes, tiles)
-        return grouped_matmul(x, weight, tiles)
+        ctx.per_expert = per_expert
+        return grouped_matmul(x, weight, tiles, per_expert)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight, group_sizes, tiles = ctx.saved_tensors
         grad = grad.contiguous()
         grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_x = grouped_matmul(grad, weight.transpose(-2, -1), tiles)
+        offsets = group_offsets(x, group_sizes)
+        if ctx.needs_input_grad[0]:  # the rows past the groups feed nothing: their gradient is never read
+            grad_x = product(grad, weight.to(grad.dtype).transpose(-2, -1), group_sizes, offsets)
         if ctx.needs_input_grad[1]:
-            grad_w = weight_gradient(grad, x, group_sizes, group_offsets(x, group_sizes)).to(weight.dtype)
-        return grad_x, grad_w, None, None
+            grad_w = weight_gradient(grad, x, group_sizes, offsets).to(weight.dtype)
+        return grad_x, grad_w, None, None, None
