@@ -18,8 +18,14 @@
 With `--hand-over N` instead (issue 50): a training run's weights into an engine in place, the
 N-layer shape — two models on the GPU (the policy being trained and the engine's), the engine made
 over the second, then `engine.load_weights(policy)`: seconds (best of 3) and GB/s of weights.
+With `--ipc` also from another process on the same GPU: a spawned process builds the policy and
+sends it three times (`models/weights.send_weights`: CUDA IPC handles, no copy on the way); this
+one's engine takes it (`receive_weights(connection, engine.load_weights)`, timed from the sender's
+go to the reply: the sender's sharing, the receiver's mapping, the copy, the synchronisation).
+The rows run one after the other, so the GPU holds two models at a time.
 
-    PYTHONPATH=. python3 bench/load.py --hand-over 48
+    PYTHONPATH=. python3 bench/load.py --hand-over 48 [--ipc]
+    PYTHONPATH=. python3 bench/load.py --device cpu --config configs/tiny.toml --hand-over 2 --ipc   (a dry run)
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import zlib
 from pathlib import Path
 
 import torch
+import torch.multiprocessing as mp
 
 from bench.common import drop_page_cache, print_table, qwen3_30b_a3b, timed
 from moemesh.checkpoint.hf import write_pretrained
@@ -40,6 +47,7 @@ from moemesh.config import load_config
 from moemesh.inference.engine import DecodeEngine
 from moemesh.inference.generate import load_for_generation
 from moemesh.models.build import meta_model
+from moemesh.models.weights import receive_weights, send_weights
 from moemesh.parallel.parallelize import materialize
 from moemesh.train.trainer import Trainer
 
@@ -149,15 +157,24 @@ def load_row(directory: Path, layers: int, model_bytes: int) -> dict:
     }
 
 
-def hand_over_row(layers: int) -> dict:
-    """Two bf16 models of the shape on the device, an engine over the second; the first's weights
-    into it, timed."""
+def hand_over_setup(layers: int) -> tuple:
     config = load_config(CONFIG, launched=False).model.replace(num_hidden_layers=layers)
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
-    policy = materialize(meta_model(config, dtype), DEVICE, seed=0)
     engine = DecodeEngine(
         materialize(meta_model(config, dtype), DEVICE, seed=1).eval(), max_batch=1, max_len=64, num_blocks=8
     )
+    return config, dtype, engine
+
+
+def checksum(model: torch.nn.Module) -> float:
+    return sum(t.float().sum().item() for t in model.state_dict().values())
+
+
+def hand_over_row(layers: int) -> dict:
+    """Two bf16 models of the shape on the device, an engine over the second; the first's weights
+    into it, timed."""
+    config, dtype, engine = hand_over_setup(layers)
+    policy = materialize(meta_model(config, dtype), DEVICE, seed=0)
     seconds = min(timed(lambda: engine.load_weights(policy))[0] for _ in range(3))
     assert torch.equal(engine.model.lm_head.weight, policy.lm_head.weight)
     weights = sum(t.numel() * t.element_size() for t in policy.state_dict().values())
@@ -165,6 +182,49 @@ def hand_over_row(layers: int) -> dict:
         "what": f"a training run's weights into an engine in place ({layers} layers, load_weights)",
         "s": f"{seconds:.3f}",
         "GB/s": f"{weights / seconds / 1e9:,.0f}",
+        "weights GB": f"{weights / 1e9:.1f}",
+    }
+
+
+def send_policy(connection, config, dtype, device: str, times: int) -> None:
+    """In the spawned process: build the policy, say so (its checksum), then send it `times` times,
+    each at the receiver's go."""
+    policy = materialize(meta_model(config, dtype), device, seed=0)
+    connection.send(checksum(policy))
+    for _ in range(times):
+        connection.recv()
+        send_weights(connection, policy, timeout=600)
+
+
+def ipc_hand_over_row(layers: int, times: int = 3) -> dict:
+    """The engine here, the policy in a spawned process on the same device: its weights over a
+    pipe (CUDA IPC handles; shared memory on CPU), timed from the go to the reply."""
+    config, dtype, engine = hand_over_setup(layers)
+    context = mp.get_context("spawn")
+    mine, theirs = context.Pipe()
+    sender = context.Process(target=send_policy, args=(theirs, config, dtype, DEVICE, times), daemon=True)
+    sender.start()
+    theirs.close()
+    try:
+        assert mine.poll(600), "the sending process built no policy in 10 minutes"
+        expected, seconds = mine.recv(), []
+        for _ in range(times):
+            start = time.perf_counter()
+            mine.send("go")
+            count = receive_weights(mine, engine.load_weights, timeout=600)
+            seconds.append(time.perf_counter() - start)
+        sender.join(60)
+        assert sender.exitcode == 0, f"the sending process exited with {sender.exitcode}"
+    finally:
+        if sender.is_alive():
+            sender.kill()
+    assert count == len(engine.model.state_dict()) and checksum(engine.model) == expected
+    weights = sum(t.numel() * t.element_size() for t in engine.model.state_dict().values())
+    return {
+        "what": f"the same from another process, over {'CUDA IPC' if DEVICE == 'cuda' else 'shared memory'} "
+        f"({layers} layers, send_weights / receive_weights)",
+        "s": f"{min(seconds):.3f}",
+        "GB/s": f"{weights / min(seconds) / 1e9:,.0f}",
         "weights GB": f"{weights / 1e9:.1f}",
     }
 
@@ -179,11 +239,16 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--config", default=str(CONFIG), help="the shape (its layer count is replaced)")
     parser.add_argument("--hand-over", type=int, metavar="N", help="only: weights into an engine, N layers")
+    parser.add_argument("--ipc", action="store_true", help="with --hand-over: also from another process")
     args = parser.parse_args()
     DEVICE, CONFIG = args.device, Path(args.config)
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     if args.hand_over:
-        return print_table([hand_over_row(args.hand_over)], f"hand-over on {name}")
+        rows = [hand_over_row(args.hand_over)]
+        release()
+        if args.ipc:
+            rows.append(ipc_hand_over_row(args.hand_over))
+        return print_table(rows, f"hand-over on {name}")
     rows = [] if args.skip_build else build_rows([int(n) for n in args.layers.split(",")])
     print_table(rows, f"setup on {name}")
     directory = Path(args.dir)

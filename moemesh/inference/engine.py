@@ -248,14 +248,15 @@ class DecodeEngine:
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
 
-    def load_weights(self, source) -> None:
+    def load_weights(self, source) -> int:
         """New weights in place, from a model (LoRA adapters merged) or a state dict of the same
         layout (`models/weights.py`; under tensor parallelism every rank its own shard), between
         generations: RuntimeError while sequences hold blocks, ValueError when names or shapes do
         not fit, either before anything changes. The prefix cache is emptied (its blocks hold keys
-        and values of the old weights); captured CUDA graphs stay valid (same tensors)."""
+        and values of the old weights); captured CUDA graphs stay valid (same tensors). Returns the
+        tensors copied. From another process: `models/weights.receive_weights(connection, engine.load_weights)`."""
         self.blocks.reset_prefix_cache()
-        copy_weights(self.model, source)
+        return copy_weights(self.model, source)
 
     def keep_alive(self) -> None:
         """Tell the followers the leader is alive though idle: their wait for the next step
