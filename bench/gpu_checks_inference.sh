@@ -35,10 +35,12 @@
 #       shipped and in the mode, and the mode's bit-equality in bf16 — 64 sequences of 160 tokens
 #       together (chunked, cached, preempted) against 4 alone and against the trainer's forward
 #       (bench/decode.py --batch-invariant)
-#   bash bench/gpu_checks_inference.sh invariant-cost  the same mode's price, on 3 GPUs side by side:
-#       GPU 0 the `invariant` case with the check on CUDA graphs; GPU 1 the matmul kernel's tiles
-#       (bench/kernels.py --invariant-tiles); GPU 2 the offline workload of 64 prompts on the
-#       48-layer shape as shipped and in the mode (bench/serve_offline.py --batch-invariant)
+#   bash bench/gpu_checks_inference.sh invariant-cost  the same mode's price, on 4 GPUs side by side:
+#       GPU 0 the `invariant` case; GPU 1 the matmul kernel's tiles (bench/kernels.py
+#       --invariant-tiles); GPU 2 the offline workload of 64 prompts on the 48-layer shape as
+#       shipped and in the mode (bench/serve_offline.py --batch-invariant); GPU 3 the 48-layer
+#       weights handed to an engine in place and from another process (bench/load.py --hand-over
+#       48 --ipc; two models on one GPU: 122 GB, an H200)
 # On a machine with 4 GPUs (issue 49), tensor parallelism:
 #   bash bench/gpu_checks_inference.sh tp       the all-reduce alone on 2 (and 4) GPUs, each way and
 #       size (bench/decode.py --all-reduce); the 48-layer shape's decode step at batch 1 and 64 on
@@ -113,8 +115,10 @@ invariant-cost)
     CUDA_VISIBLE_DEVICES=2 timeout 500 python3 bench/serve_offline.py --layers 48 --prompts 64 --new-tokens 128 \
         --batch-invariant --invariant-graphs on --no-transformers --prefill-len 0 --prefix-len 0 \
         > "$LOGS/offline_invariant.txt" 2>&1 &
-    CUDA_VISIBLE_DEVICES=0 GRAPHS=1 ROWS=40 bash "$0" invariant
+    CUDA_VISIBLE_DEVICES=3 timeout 500 python3 bench/load.py --hand-over 48 --ipc > "$LOGS/hand_over.txt" 2>&1 &
+    CUDA_VISIBLE_DEVICES=0 ROWS=40 bash "$0" invariant
     wait
+    echo "== hand-over"; quiet < "$LOGS/hand_over.txt" | grep -v "^$" | tail -8
     echo "== tiles"; grep -v "^$" "$LOGS/tiles.txt" | tail -40
     echo "== offline"; quiet < "$LOGS/offline_invariant.txt" | grep "|" | tail -8
     ;;
