@@ -144,16 +144,18 @@ def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def _tiles(rows: int, n: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of a launch over `rows` rows (a grouped launch:
     its mean rows an expert) of a weight `n` wide. fp32: one config (see BLOCK_M). bf16 and fp16:
-    small tiles for a decode step's few rows, larger ones for training's many — which gives the
-    same bits, measured: on an H200 (triton 3.6), 36 configs (BLOCK_M 16-128, BLOCK_N 32-128,
-    BLOCK_K 64 or 128, 4 or 8 warps, 3 or 4 stages) computed every weight of the Qwen3-30B-A3B
-    shape at 1, 64 and 8,192 rows to the same bits (`bench/kernels.py --invariant-tiles`): the
-    tensor cores add a row's products k-block by k-block in one order whatever the tile."""
+    narrow tiles for a decode step's few rows, 128 × 128 for training's many — the fastest of the
+    configs below on an H200 (`bench/kernels.py --invariant-tiles`), which all give the same bits:
+    there 36 configs (BLOCK_M 16-128, BLOCK_N 32-128, BLOCK_K 64 or 128, 4 warps up to 64 × 64
+    tiles and 8 above, 3 or 4 stages) computed every weight of the Qwen3-30B-A3B shape at 1, 64
+    and 8,192 rows to the same bits: the tensor cores add a row's products k-block by k-block in
+    one order whatever the tile."""
     if dtype == torch.float32:
         return BLOCK_M, 32 if n <= 4096 else 64 if n < 65536 else 128, BLOCK_K, 4, 3
-    if rows <= 64:
-        return 16, 32 if rows <= 16 and n <= 4096 else 64 if n <= 4096 else 128, 128, 4, 3
-    return 64, 64, 64, 4, 3
+    if rows > 64:
+        return 128, 128, 64, 8, 3
+    block_m, block_n = 16 if rows <= 16 else 64, 32 if n <= 2048 else 64 if n <= 4096 else 128
+    return block_m, block_n, 128, 4 if block_m * block_n <= 64 * 64 else 8, 4
 
 
 def _launch_matmul(x, weight, out, tiles, rows: int, config) -> None:
