@@ -35,8 +35,8 @@
 #       shipped and in the mode, and the mode's bit-equality in bf16 — 64 sequences of 160 tokens
 #       together (chunked, cached, preempted) against 4 alone and against the trainer's forward
 #       (bench/decode.py --batch-invariant)
-#   bash bench/gpu_checks_inference.sh invariant-cost  the same mode's price, on 4 GPUs side by side:
-#       GPU 0 the `invariant` case; GPU 1 the matmul kernel's tiles (bench/kernels.py
+#   bash bench/gpu_checks_inference.sh invariant-cost  the same mode's price on 4 GPUs: GPU 0 the
+#       `invariant` case alone, then side by side: GPU 1 the matmul kernel's tiles (bench/kernels.py
 #       --invariant-tiles); GPU 2 the offline workload of 64 prompts on the 48-layer shape as
 #       shipped and in the mode (bench/serve_offline.py --batch-invariant); GPU 3 the 48-layer
 #       weights handed to an engine in place and from another process (bench/load.py --hand-over
@@ -110,13 +110,13 @@ invariant)
     timeout 440 python3 bench/decode.py --layers 48 --batch-invariant --batches 1,64 --prompt-len 256 \
         --new-tokens 32 --check-tokens 160 ${GRAPHS:+--invariant-graphs} 2>&1 | quiet | grep -v "^$" | tail -${ROWS:-24}
     ;;
-invariant-cost)
+invariant-cost)  # the `invariant` case first, alone on the host (its small steps feel the others' host load)
+    CUDA_VISIBLE_DEVICES=0 ROWS=40 bash "$0" invariant
     CUDA_VISIBLE_DEVICES=1 timeout 500 python3 bench/kernels.py --invariant-tiles > "$LOGS/tiles.txt" 2>&1 &
     CUDA_VISIBLE_DEVICES=2 timeout 500 python3 bench/serve_offline.py --layers 48 --prompts 64 --new-tokens 128 \
         --batch-invariant --invariant-graphs on --no-transformers --prefill-len 0 --prefix-len 0 \
         > "$LOGS/offline_invariant.txt" 2>&1 &
     CUDA_VISIBLE_DEVICES=3 timeout 500 python3 bench/load.py --hand-over 48 --ipc > "$LOGS/hand_over.txt" 2>&1 &
-    CUDA_VISIBLE_DEVICES=0 ROWS=40 bash "$0" invariant
     wait
     echo "== hand-over"; quiet < "$LOGS/hand_over.txt" | grep -v "^$" | tail -8
     echo "== tiles"; grep -v "^$" "$LOGS/tiles.txt" | tail -40

@@ -497,13 +497,16 @@ def experts(
     one `grouped_matmul` launch; else a loop over the experts' `linear`s. Differentiable."""
     if kernels(grouped):
         per_expert = grouped.shape[0] // max(1, group_sizes.shape[0])  # the tiles' choice, known on the host
-        tiles, row_experts = expert_tiles(group_sizes, grouped.shape[0], _tiles(per_expert, 0, grouped.dtype)[0])
+        tiles = expert_tiles(group_sizes, grouped.shape[0], _tiles(per_expert, 0, grouped.dtype)[0])
+        experts_of = (
+            row_experts(group_sizes, grouped.shape[0]) if gate_up_bias is not None or down_bias is not None else None
+        )
         h = _GroupedMatmul.apply(grouped, gate_up, group_sizes, tiles, per_expert)
         if gate_up_bias is not None:
-            h = h + _per_row(gate_up_bias, row_experts).to(h.dtype)
+            h = h + _per_row(gate_up_bias, experts_of).to(h.dtype)
         out = _GroupedMatmul.apply(activation(h), down, group_sizes, tiles, per_expert)
         if down_bias is not None:
-            out = out + _per_row(down_bias, row_experts).to(out.dtype)
+            out = out + _per_row(down_bias, experts_of).to(out.dtype)
         return out
     pieces, start = [], 0
     for expert, size in enumerate(group_sizes.tolist()):
@@ -519,11 +522,23 @@ def _per_row(bias: torch.Tensor, row_experts: torch.Tensor) -> torch.Tensor:
     return F.pad(bias, (0, 0, 0, 1))[row_experts]
 
 
-def expert_tiles(group_sizes: torch.Tensor, rows: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def expert_tiles(group_sizes: torch.Tensor, rows: int, block_m: int) -> torch.Tensor:
     """The grouped launch's M tiles, on the device (no host sync): int32 [3, cdiv(rows, block_m) +
     E] — each tile's expert, first row and end row, block_m rows of one expert from its group's
-    first (the tiles past the step's have first == end) — and each row's expert [rows] (E past
-    the last group)."""
+    first (the tiles past the step's have first == end == 0, expert E - 1). One launch of
+    `_expert_tiles_kernel` (a decode step's MoE layer is short: the ~18 small torch ops of
+    `expert_tiles_reference` cost it more than its two GEMMs' difference to the default path)."""
+    count = group_sizes.shape[0]
+    width = triton.cdiv(rows, block_m) + count
+    tiles = torch.empty(3, width, dtype=torch.int32, device=group_sizes.device)
+    _expert_tiles_kernel[(1,)](
+        group_sizes, tiles, count, width, BLOCK_M=block_m, EXPERTS=triton.next_power_of_2(count), TILES=64
+    )
+    return tiles
+
+
+def expert_tiles_reference(group_sizes: torch.Tensor, rows: int, block_m: int) -> torch.Tensor:
+    """`expert_tiles` in torch ops."""
     device, count = group_sizes.device, group_sizes.shape[0]
     sizes = group_sizes.long()
     ends = sizes.cumsum(0)
@@ -536,8 +551,44 @@ def expert_tiles(group_sizes: torch.Tensor, rows: int, block_m: int) -> tuple[to
     first = ends[e] - sizes[e] + (index - (tile_ends[e] - per_expert[e])) * block_m
     end = torch.minimum(first + block_m, ends[e])
     first, end = torch.where(used, first, 0), torch.where(used, end, 0)
-    row_experts = torch.searchsorted(ends, torch.arange(rows, device=device), right=True)
-    return torch.stack([e, first, end]).int().contiguous(), row_experts
+    return torch.stack([e, first, end]).int().contiguous()
+
+
+def row_experts(group_sizes: torch.Tensor, rows: int) -> torch.Tensor:
+    """Each row's expert [rows] (E past the last group)."""
+    ends = group_sizes.long().cumsum(0)
+    return torch.searchsorted(ends, torch.arange(rows, device=group_sizes.device), right=True)
+
+
+@_jit("count", "width")
+def _expert_tiles_kernel(
+    sizes_ptr, tiles_ptr, count, width, BLOCK_M: tl.constexpr, EXPERTS: tl.constexpr, TILES: tl.constexpr
+):
+    """One program: the experts' tile counts and row ends (cumulative sums over EXPERTS ≥ count
+    lanes), then the tiles TILES at a time, each finding its expert by counting the tile ends at
+    or below it (`torch.searchsorted(..., right=True)`)."""
+    lane = tl.arange(0, EXPERTS)
+    sizes = tl.load(sizes_ptr + lane, mask=lane < count, other=0).to(tl.int64)
+    per_expert = (sizes + BLOCK_M - 1) // BLOCK_M
+    tile_ends = tl.cumsum(per_expert, 0)
+    ends = tl.cumsum(sizes, 0)
+    big = tl.full([EXPERTS], 1 << 62, tl.int64)
+    for start in range(0, width, TILES):
+        index = start + tl.arange(0, TILES)
+        found = tl.sum((tl.where(lane < count, tile_ends, big)[None, :] <= index[:, None]).to(tl.int64), 1)
+        used = found < count
+        e = tl.minimum(found, count - 1)
+        pick = lane[None, :] == e[:, None]  # [TILES, EXPERTS]: each tile's expert
+        e_sizes = tl.sum(tl.where(pick, sizes[None, :], 0), 1)
+        e_ends = tl.sum(tl.where(pick, ends[None, :], 0), 1)
+        e_tiles = tl.sum(tl.where(pick, per_expert[None, :], 0), 1)
+        e_tile_ends = tl.sum(tl.where(pick, tile_ends[None, :], 0), 1)
+        first = e_ends - e_sizes + (index - (e_tile_ends - e_tiles)) * BLOCK_M
+        end = tl.minimum(first + BLOCK_M, e_ends)
+        inside = index < width
+        tl.store(tiles_ptr + index, e.to(tl.int32), mask=inside)
+        tl.store(tiles_ptr + width + index, tl.where(used, first, 0).to(tl.int32), mask=inside)
+        tl.store(tiles_ptr + 2 * width + index, tl.where(used, end, 0).to(tl.int32), mask=inside)
 
 
 def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, tiles: torch.Tensor, per_expert: int) -> torch.Tensor:
