@@ -289,24 +289,6 @@ def test_the_matmul_kernel_computes_a_row_alike_wherever_it_sits(triton_kernels,
         assert rel_err(ours.grad, reference.grad) <= kernel_tol(dtype)
 
 
-def test_the_tile_table_kernel_equals_its_torch_reference(triton_kernels):
-    """`expert_tiles` (one launch) against `expert_tiles_reference` (torch ops): empty experts, a
-    group of several tiles, rows past the groups, expert counts off a power of two, more tiles
-    than a block of the kernel's loop."""
-    from moemesh.ops import invariant
-
-    generator = torch.Generator().manual_seed(3)
-    for experts, rows, block_m in [(5, 83, 16), (128, 512, 16), (7, 300, 64), (3, 0, 16), (60, 5000, 128)]:
-        sizes = torch.randint(0, 2 * max(1, rows // experts) + 1, (experts,), generator=generator)
-        sizes[0] = 0
-        while int(sizes.sum()) > rows:  # at most `rows` rows in the groups, the rest past them
-            sizes = sizes // 2
-        sizes = sizes.to(torch.get_default_device())
-        want = invariant.expert_tiles_reference(sizes, rows, block_m)
-        assert torch.equal(invariant.expert_tiles(sizes, rows, block_m), want), (experts, rows, block_m)
-        assert torch.equal(invariant.expert_tiles(sizes.int(), rows, block_m), want)
-
-
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 def test_the_grouped_kernel_computes_each_row_as_the_matmul_kernel_alone(triton_kernels, dtype):
     """Rows sorted by expert (an empty expert, one of 70 rows: two tiles, rows past the last group):

@@ -144,16 +144,16 @@ def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def _tiles(rows: int, n: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of a launch over `rows` rows (a grouped launch:
     its mean rows an expert) of a weight `n` wide. fp32: one config (see BLOCK_M). bf16 and fp16:
-    narrow tiles for a decode step's few rows, 128 × 128 for training's many — the fastest of the
+    narrow tiles for a decode step's few rows, 128 × 256 for training's many — the fastest of the
     configs below on an H200 (`bench/kernels.py --invariant-tiles`), which all give the same bits:
-    there 36 configs (BLOCK_M 16-128, BLOCK_N 32-128, BLOCK_K 64 or 128, 4 warps up to 64 × 64
+    there 38 configs (BLOCK_M 16-128, BLOCK_N 32-256, BLOCK_K 64 or 128, 4 warps up to 64 × 64
     tiles and 8 above, 3 or 4 stages) computed every weight of the Qwen3-30B-A3B shape at 1, 64
     and 8,192 rows to the same bits: the tensor cores add a row's products k-block by k-block in
     one order whatever the tile."""
     if dtype == torch.float32:
         return BLOCK_M, 32 if n <= 4096 else 64 if n < 65536 else 128, BLOCK_K, 4, 3
-    if rows > 64:
-        return 128, 128, 64, 8, 3
+    if rows > 64:  # 128 × 256 for the wide weights (3 stages: 144 KB of shared memory)
+        return (128, 256, 64, 8, 3) if n >= 512 else (64, 128, 128, 8, 4)
     block_m, block_n = 16 if rows <= 16 else 64, 32 if n <= 2048 else 64 if n <= 4096 else 128
     return block_m, block_n, 128, 4 if block_m * block_n <= 64 * 64 else 8, 4
 
@@ -525,20 +525,8 @@ def _per_row(bias: torch.Tensor, row_experts: torch.Tensor) -> torch.Tensor:
 def expert_tiles(group_sizes: torch.Tensor, rows: int, block_m: int) -> torch.Tensor:
     """The grouped launch's M tiles, on the device (no host sync): int32 [3, cdiv(rows, block_m) +
     E] — each tile's expert, first row and end row, block_m rows of one expert from its group's
-    first (the tiles past the step's have first == end == 0, expert E - 1). One launch of
-    `_expert_tiles_kernel` (a decode step's MoE layer is short: the ~18 small torch ops of
-    `expert_tiles_reference` cost it more than its two GEMMs' difference to the default path)."""
-    count = group_sizes.shape[0]
-    width = triton.cdiv(rows, block_m) + count
-    tiles = torch.empty(3, width, dtype=torch.int32, device=group_sizes.device)
-    _expert_tiles_kernel[(1,)](
-        group_sizes, tiles, count, width, BLOCK_M=block_m, EXPERTS=triton.next_power_of_2(count), TILES=64
-    )
-    return tiles
-
-
-def expert_tiles_reference(group_sizes: torch.Tensor, rows: int, block_m: int) -> torch.Tensor:
-    """`expert_tiles` in torch ops."""
+    first (the tiles past the step's have first == end == 0). Torch ops: one Triton program
+    computing the table was slower still in a decode step (docs/benchmarks.md)."""
     device, count = group_sizes.device, group_sizes.shape[0]
     sizes = group_sizes.long()
     ends = sizes.cumsum(0)
@@ -558,37 +546,6 @@ def row_experts(group_sizes: torch.Tensor, rows: int) -> torch.Tensor:
     """Each row's expert [rows] (E past the last group)."""
     ends = group_sizes.long().cumsum(0)
     return torch.searchsorted(ends, torch.arange(rows, device=group_sizes.device), right=True)
-
-
-@_jit("count", "width")
-def _expert_tiles_kernel(
-    sizes_ptr, tiles_ptr, count, width, BLOCK_M: tl.constexpr, EXPERTS: tl.constexpr, TILES: tl.constexpr
-):
-    """One program: the experts' tile counts and row ends (cumulative sums over EXPERTS ≥ count
-    lanes), then the tiles TILES at a time, each finding its expert by counting the tile ends at
-    or below it (`torch.searchsorted(..., right=True)`)."""
-    lane = tl.arange(0, EXPERTS)
-    sizes = tl.load(sizes_ptr + lane, mask=lane < count, other=0).to(tl.int64)
-    per_expert = (sizes + BLOCK_M - 1) // BLOCK_M
-    tile_ends = tl.cumsum(per_expert, 0)
-    ends = tl.cumsum(sizes, 0)
-    big = tl.full([EXPERTS], 1 << 62, tl.int64)
-    for start in range(0, width, TILES):
-        index = start + tl.arange(0, TILES)
-        found = tl.sum((tl.where(lane < count, tile_ends, big)[None, :] <= index[:, None]).to(tl.int64), 1)
-        used = found < count
-        e = tl.minimum(found, count - 1)
-        pick = lane[None, :] == e[:, None]  # [TILES, EXPERTS]: each tile's expert
-        e_sizes = tl.sum(tl.where(pick, sizes[None, :], 0), 1)
-        e_ends = tl.sum(tl.where(pick, ends[None, :], 0), 1)
-        e_tiles = tl.sum(tl.where(pick, per_expert[None, :], 0), 1)
-        e_tile_ends = tl.sum(tl.where(pick, tile_ends[None, :], 0), 1)
-        first = e_ends - e_sizes + (index - (e_tile_ends - e_tiles)) * BLOCK_M
-        end = tl.minimum(first + BLOCK_M, e_ends)
-        inside = index < width
-        tl.store(tiles_ptr + index, e.to(tl.int32), mask=inside)
-        tl.store(tiles_ptr + width + index, tl.where(used, first, 0).to(tl.int32), mask=inside)
-        tl.store(tiles_ptr + 2 * width + index, tl.where(used, end, 0).to(tl.int32), mask=inside)
 
 
 def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, tiles: torch.Tensor, per_expert: int) -> torch.Tensor:
