@@ -22,7 +22,7 @@ or MOEMESH_KERNELS=triton under Triton's interpreter):
     row and column fix, whatever else is in its tile (a tensor-core MMA computes an output element
     from its row and column only; rows past the end load zeros). The tiles themselves follow the
     row count (`_tiles`: small for a decode step, larger for training's thousands of rows) — in
-    bf16 that changes no bit, which is measured, not proven: on an H200 every one of 36 configs
+    bf16 that changes no bit, which is measured, not proven: on an H200 every one of 38 configs
     gave every weight of the Qwen3-30B-A3B shape the same bits at 1, 64 and 8,192 rows
     (`bench/kernels.py --invariant-tiles`; the GPU tests below compare 1 row with 130). fp32 (the
     CPU tests' interpreter, whose tl.dot is numpy's) keeps one config whatever the rows.
@@ -55,9 +55,9 @@ kernels under Triton's interpreter in fp32 (its bf16 tl.dot is wrong), the tiny 
 trainer through them included. On a GPU in bf16 the claim is measured, not proven by a test here:
 `bench/gpu_checks_inference.sh invariant` (bench/decode.py --batch-invariant) counts what differs
 over 10k tokens of the 48-layer Qwen3-30B-A3B shape. Limits: decode at batch 1 has only a
-program per key/value head in attention (no split: a split would have to be fixed per key position, and the
-trainer would have to take it too); the matmul stays 2-5× slower than cuBLAS at training's row
-counts (docs/benchmarks.md). Not covered: attention sinks and sliding windows, latent
+program per key/value head in attention (no split: a split would have to be fixed per key
+position, and the trainer would have to take it too); the matmul stays 1.3-1.5× cuBLAS's time at
+training's row counts (docs/benchmarks.md). Not covered: attention sinks and sliding windows, latent
 attention, LoRA adapters (merge them first), packed documents in a training row. Under tensor
 parallelism, and expert parallelism for decoding, the engine and the trainer agree bit for bit on
 two ranks (a sum of two partials has one order); over more ranks the all-reduces' order may
@@ -206,8 +206,8 @@ class _Matmul(torch.autograd.Function):
 
 
 # The row count is not specialised (a step of one row runs the program of many); the strides are,
-# on their alignment as triton does by default: vectorised loads, 2-4× faster, the same bits
-# (measured with the tiles, `_tiles`).
+# on their alignment as triton does by default: vectorised loads, several times faster at 64 rows
+# and more, the same bits (measured with the tiles, `_tiles`).
 @_jit("m_tiles", "rows")
 def _matmul_kernel(
     x_ptr,
