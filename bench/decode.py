@@ -40,7 +40,7 @@ sequences a forward): log-probabilities and the experts chosen at every position
 computed compared. Counts of what differs are printed (0 is the claim). Last, an RL training
 step's model part for --score-batch of them (the trainer's forward with gradients and the backward
 into the weights), as shipped and in the mode. --invariant-graphs runs the check's batched engine
-with CUDA graphs.
+with CUDA graphs. With --profile-steps instead of all that: the kernels of the mode's decode step.
 
 Under torchrun, tensor parallelism over the ranks launched (issue 49):
 
@@ -503,15 +503,13 @@ def all_reduce_rows(args) -> list[dict]:
 
 
 def profile_rows(config, args, device, prompts) -> list[dict]:
-    """The GPU kernels of --profile-steps decode steps of the engine at batch --profile-batch,
-    by name: calls and microseconds per step, the busiest first (the kernels of the graphs'
-    replays; the prompts' prefill not included)."""
+    """The GPU kernels of --profile-steps decode steps of the engine (in batch-invariant mode with
+    --batch-invariant) at batch --profile-batch, by name: calls and microseconds per step, the
+    busiest first (the kernels of the graphs' replays; the prompts' prefill not included)."""
     model = build(config, seed=0, device=device).eval()
-    return kernel_rows(
-        DecodeEngine(model, max_batch=args.profile_batch, max_len=args.prompt_len + args.profile_steps + 2),
-        args,
-        prompts,
-    )
+    max_len = args.prompt_len + args.profile_steps + 2
+    engine = DecodeEngine(model, max_batch=args.profile_batch, max_len=max_len, batch_invariant=args.batch_invariant)
+    return kernel_rows(engine, args, prompts)
 
 
 def kernel_rows(engine: DecodeEngine, args, prompts) -> list[dict]:
@@ -659,17 +657,18 @@ def main():
         rows = tensor_parallel_rows(config, args, prompts)
         what = "kernels per decode step (rank 0)" if args.profile_steps else "tensor-parallel engine steps"
         return print_table(rows, f"{title}, {os.environ.get('WORLD_SIZE', '1')} GPUs: {what}") if rank0 else None
+    if args.profile_steps:
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        mode = " in batch-invariant mode" if args.batch_invariant else ""
+        try:
+            return print_table(profile_rows(config, args, device, prompts), f"{title}: kernels per decode step{mode}")
+        finally:
+            torch.set_default_dtype(previous)
     if args.batch_invariant:
         timing, check = batch_invariant_rows(config, args, device, dtype, prompts)
         print_table(timing, f"{title}: the engine's decode step, as shipped and in batch-invariant mode")
         return print_table(check, f"{title}: batch-invariant mode, bit-equality (0 differing is the claim)")
-    if args.profile_steps:
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            return print_table(profile_rows(config, args, device, prompts), title + ": kernels per decode step")
-        finally:
-            torch.set_default_dtype(previous)
     rows, _ = moemesh_rows(config, args, device, dtype, prompts)
     print_table(rows, title)  # printed at once: the other side may run out of time or memory
     if not args.no_transformers:

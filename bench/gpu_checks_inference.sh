@@ -41,6 +41,8 @@
 #       shipped and in the mode (bench/serve_offline.py --batch-invariant); GPU 3 the 48-layer
 #       weights handed to an engine in place and from another process (bench/load.py --hand-over
 #       48 --ipc; two models on one GPU: 122 GB, an H200)
+#   bash bench/gpu_checks_inference.sh invariant-profile  the kernels of a 48-layer decode step at
+#       batch 64, as shipped and in the mode (bench/decode.py --profile-steps --batch-invariant)
 # On a machine with 4 GPUs (issue 49), tensor parallelism:
 #   bash bench/gpu_checks_inference.sh tp       the all-reduce alone on 2 (and 4) GPUs, each way and
 #       size (bench/decode.py --all-reduce); the 48-layer shape's decode step at batch 1 and 64 on
@@ -121,6 +123,12 @@ invariant-cost)  # the `invariant` case first, alone on the host (its small step
     echo "== hand-over"; quiet < "$LOGS/hand_over.txt" | grep -v "^$" | tail -8
     echo "== tiles"; grep -v "^$" "$LOGS/tiles.txt" | tail -40
     echo "== offline"; quiet < "$LOGS/offline_invariant.txt" | grep "|" | tail -8
+    ;;
+invariant-profile)  # where the mode's decode step goes: the kernels of a step at batch 64, both ways
+    for mode in "" --batch-invariant; do
+        timeout 280 python3 bench/decode.py --layers 48 --prompt-len 256 --profile-steps 16 --profile-batch 64 \
+            $mode 2>&1 | quiet | grep "|" | head -24
+    done
     ;;
 decode6)
     timeout 560 python3 bench/decode.py --layers 6 2>&1 | quiet | tail -20
