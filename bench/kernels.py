@@ -342,47 +342,20 @@ INVARIANT_CONFIGS = [
 ] + [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4)]
 
 
-def _invariant_launch(x, weight, tiles, config, kernel=None):
-    """One launch of ops/invariant.py's matmul kernel (or `kernel`, a variant of it) with tiles
-    `config`; grouped when `tiles`."""
-    from moemesh.ops import invariant
-
-    block_m, block_n, block_k, warps, stages = config
-    n, k = weight.shape[-2:]
-    out = x.new_zeros(x.shape[0], n)
-    grouped = tiles is not None
-    m_tiles = tiles.shape[1] if grouped else -(-x.shape[0] // block_m)
-    (kernel or invariant._matmul_kernel)[(m_tiles, -(-n // block_n))](
-        x, weight, out, tiles if grouped else x, m_tiles, x.shape[0], n, k, x.stride(0), x.stride(1),
-        *(weight.stride() if grouped else (0, *weight.stride())), out.stride(0),
-        GROUPED=grouped, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION="tf32",
-        num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-    return out
-
-
 def invariant_tile_rows():
     """For each weight of the shape and each row count: the batch-invariant matmul kernel under
     every config of INVARIANT_CONFIGS against the one config it ran before tiles were picked by
     the row count (BLOCK_M 64, BLOCK_K 64, BLOCK_N by the width, 4 warps, 3 stages), cuBLAS /
     torch's grouped GEMM, and what `invariant.matmul` / `invariant.experts`' launch picks now
-    (`_tiles`): microseconds, and whether a config's output has the same bits as the old one's.
-    Then the picked config compiled with the strides unspecialised (no vectorised loads; the
-    kernel as shipped specialises them on their alignment): microseconds and the same bits or not."""
-    import triton
-
+    (`_tiles`): microseconds, and whether a config's output has the same bits as the old one's."""
     from moemesh.ops import invariant
 
-    varying = ["m_tiles", "rows", "stride_xm", "stride_xk", "stride_om"]
-    unaligned = triton.jit(
-        invariant._matmul_kernel.fn, do_not_specialize=varying, do_not_specialize_on_alignment=varying
-    )
     k_top, row_counts = 8, (1, 5) if SMOKE else INVARIANT_ROWS
     configs = INVARIANT_CONFIGS[:2] if SMOKE else INVARIANT_CONFIGS
     report("batch-invariant matmul: configs (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) against the old one")
     report(
         f"{'weight':<16}{'rows':>6}{'cuBLAS us':>10}{'old us':>8}{'best equal':>24}{'us':>8}{'best any':>24}{'us':>8}"
-        f"{'picked':>24}{'us':>8}{'unaligned us':>13}{'same':>6}"
+        f"{'picked':>24}{'us':>8}{'same':>6}"
     )
     equal_everywhere = dict.fromkeys(configs, True)
     for what, n, k, experts in INVARIANT_WEIGHTS:
@@ -400,10 +373,15 @@ def invariant_tile_rows():
                 sizes = None
                 cublas = bench_ms(lambda: x @ weight.T, rep=25)
 
-            def run(config, kernel=None):
+            def run(config):
                 tiles = invariant.expert_tiles(sizes, pairs, config[0]) if experts else None
-                out = _invariant_launch(x, weight, tiles, config, kernel)
-                return bench_ms(lambda: _invariant_launch(x, weight, tiles, config, kernel), rep=25), out
+                out = x.new_zeros(pairs, n)  # rows in no tile stay 0
+
+                def launch():
+                    invariant._launch_matmul(x, weight, out, tiles, pairs, config)
+
+                launch()
+                return bench_ms(launch, rep=25), out.clone()
 
             old_bits = 32 if n <= 4096 else 64 if n < 65536 else 128
             old, old_out = run((64, old_bits, 64, 4, 3))
@@ -418,15 +396,14 @@ def invariant_tile_rows():
                 equal_everywhere[config] &= times[config][1]
             picked = invariant._tiles(pairs // experts if experts else pairs, n, DTYPE)
             picked_ms, picked_out = run(picked)
-            unaligned_ms, unaligned_out = run(picked, unaligned)
             equal = [c for c in times if times[c][1]]
             best_equal = min(equal, key=lambda c: times[c][0]) if equal else None
             best_any = min(times, key=lambda c: times[c][0])
             report(
                 f"{what:<16}{rows:>6}{cublas * 1e3:>10.1f}{old * 1e3:>8.1f}{str(best_equal):>24}"
                 f"{times[best_equal][0] * 1e3 if best_equal else float('nan'):>8.1f}{str(best_any):>24}"
-                f"{times[best_any][0] * 1e3:>8.1f}{str(picked):>24}{picked_ms * 1e3:>8.1f}{unaligned_ms * 1e3:>13.1f}"
-                f"{str(torch.equal(picked_out, old_out) and torch.equal(unaligned_out, old_out)):>6}"
+                f"{times[best_any][0] * 1e3:>8.1f}{str(picked):>24}{picked_ms * 1e3:>8.1f}"
+                f"{str(torch.equal(picked_out, old_out)):>6}"
             )
     same = [c for c in configs if equal_everywhere[c]]
     report(f"configs with the old bits for every weight and row count: {len(same)} of {len(configs)}")

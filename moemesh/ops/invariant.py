@@ -496,15 +496,14 @@ def experts(
     past the last group (served elsewhere) are zeros. On the kernels' device each projection is
     one `grouped_matmul` launch; else a loop over the experts' `linear`s. Differentiable."""
     if kernels(grouped):
-        per_expert = grouped.shape[0] // max(1, group_sizes.shape[0])  # the tiles' choice, known on the host
-        tiles = expert_tiles(group_sizes, grouped.shape[0], _tiles(per_expert, 0, grouped.dtype)[0])
+        tiles = expert_tiles(group_sizes, grouped.shape[0], expert_block_m(grouped, gate_up))
         experts_of = (
             row_experts(group_sizes, grouped.shape[0]) if gate_up_bias is not None or down_bias is not None else None
         )
-        h = _GroupedMatmul.apply(grouped, gate_up, group_sizes, tiles, per_expert)
+        h = _GroupedMatmul.apply(grouped, gate_up, group_sizes, tiles)
         if gate_up_bias is not None:
             h = h + _per_row(gate_up_bias, experts_of).to(h.dtype)
-        out = _GroupedMatmul.apply(activation(h), down, group_sizes, tiles, per_expert)
+        out = _GroupedMatmul.apply(activation(h), down, group_sizes, tiles)
         if down_bias is not None:
             out = out + _per_row(down_bias, experts_of).to(out.dtype)
         return out
@@ -520,6 +519,12 @@ def experts(
 def _per_row(bias: torch.Tensor, row_experts: torch.Tensor) -> torch.Tensor:
     """bias [E, n] of each row's expert (zeros past the last group: their expert is E)."""
     return F.pad(bias, (0, 0, 0, 1))[row_experts]
+
+
+def expert_block_m(x: torch.Tensor, weight: torch.Tensor) -> int:
+    """The BLOCK_M of a grouped launch over the rows x [N, K] and the bank weight [E, ., K]: what
+    `_tiles` gives their mean rows an expert (known on the host; it does not depend on the width)."""
+    return _tiles(x.shape[0] // weight.shape[0], 0, x.dtype)[0]
 
 
 def expert_tiles(group_sizes: torch.Tensor, rows: int, block_m: int) -> torch.Tensor:
@@ -548,13 +553,15 @@ def row_experts(group_sizes: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.searchsorted(ends, torch.arange(rows, device=group_sizes.device), right=True)
 
 
-def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, tiles: torch.Tensor, per_expert: int) -> torch.Tensor:
+def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
     """out[rows of expert e] = x[rows] @ weight[e].T for weight [E, N, K] and `expert_tiles`'
-    tiles, made with the BLOCK_M that `_tiles` gives `per_expert` rows; rows in no tile are 0.
-    Each row's bits as `matmul`'s kernel computes a row, whatever the other rows of its expert."""
+    tiles, made with `expert_block_m(x, weight)`; rows in no tile are 0. Each row's bits as
+    `matmul`'s kernel computes a row, whatever the other rows of its expert."""
     out = x.new_zeros(x.shape[0], weight.shape[1])
     if x.shape[0] and weight.shape[1]:
-        _launch_matmul(x, weight, out, tiles, x.shape[0], _tiles(per_expert, weight.shape[1], x.dtype))
+        _launch_matmul(
+            x, weight, out, tiles, x.shape[0], _tiles(x.shape[0] // weight.shape[0], weight.shape[1], x.dtype)
+        )
     return out
 
 
@@ -564,14 +571,13 @@ class _GroupedMatmul(torch.autograd.Function):
     over the experts."""
 
     @staticmethod
-    def forward(ctx, x, weight, group_sizes, tiles, per_expert):
-        ctx.save_for_backward(x, weight, group_sizes, tiles)
-        ctx.per_expert = per_expert
-        return grouped_matmul(x, weight, tiles, per_expert)
+    def forward(ctx, x, weight, group_sizes, tiles):
+        ctx.save_for_backward(x, weight, group_sizes)
+        return grouped_matmul(x, weight, tiles)
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight, group_sizes, tiles = ctx.saved_tensors
+        x, weight, group_sizes = ctx.saved_tensors
         grad = grad.contiguous()
         grad_x = grad_w = None
         offsets = group_offsets(x, group_sizes)
@@ -579,4 +585,4 @@ class _GroupedMatmul(torch.autograd.Function):
             grad_x = product(grad, weight.to(grad.dtype).transpose(-2, -1), group_sizes, offsets)
         if ctx.needs_input_grad[1]:
             grad_w = weight_gradient(grad, x, group_sizes, offsets).to(weight.dtype)
-        return grad_x, grad_w, None, None, None
+        return grad_x, grad_w, None, None
