@@ -10,7 +10,8 @@ their products:
     PYTHONPATH=. torchrun --nproc-per-node 2 bench/pipeline.py --config configs/tiny.toml --seq 128  (CPU smoke)
 
 Variants (`VARIANTS`): DualPipeV and 1F1B over all ranks, expert parallelism over all ranks (the
-gathering dispatcher, and exact all-to-all splits), FSDP over all ranks, and on 4 ranks their
+gathering dispatcher, exact all-to-all splits, and the gathering one with each micro-batch's
+forward paired with the previous one's backward, their chunks overlapped), FSDP over all ranks, and on 4 ranks their
 products; each with --micro-batches micro-batches of --micro sequences a step. For each: step time,
 tokens/s per GPU and MFU (the trainer's FLOP count); on GPUs also each rank's peak memory against
 the analytical estimate (`moemesh estimate`: parameter state + the activations of the micro-batches
@@ -55,6 +56,11 @@ VARIANTS = {
     "1f1b": [*ONE, "parallel.pp_schedule=1f1b", f"parallel.pp={WORLD}"],
     "ep": [*ONE, f"parallel.ep={WORLD}"],
     "ep-all_to_all": [*ONE, f"parallel.ep={WORLD}", "parallel.ep_dispatch=all_to_all"],
+    # the next micro-batch's forward overlapping this one's backward (`schedule.paired`)
+    "ep-paired": [*ONE, f"parallel.ep={WORLD}", "parallel.pp_overlap=true"],
+    # ... the step as one CUDA graph (train.cuda_graphs), without and with the pairs
+    "ep-graphs": [*ONE, f"parallel.ep={WORLD}", "train.cuda_graphs=true"],
+    "ep-paired-graphs": [*ONE, f"parallel.ep={WORLD}", "parallel.pp_overlap=true", "train.cuda_graphs=true"],
     "dp_shard": [*ONE, f"parallel.dp_shard={WORLD}"],
 }
 if WORLD >= 4 and WORLD % 2 == 0:  # pp × ep=2: DualPipeV's paired chunks overlapped (EP collectives hidden) or not
@@ -231,14 +237,15 @@ def run_variant(name: str, overrides: list[str], args) -> tuple[dict, list[tuple
             else None
         )
         peaks[1][dist.get_rank()], peaks[2][dist.get_rank()], top = step_profile(trainer, trace)
-        if trainer.pipeline is not None:
+        timed_ops = trainer.pipeline is not None and trainer.captured is None  # a replay runs no Python op
+        if timed_ops:
             peaks[3][dist.get_rank()] = bubble_share(trainer)
         for t in peaks:
             dist.all_reduce(t)
         row["peak GiB per rank"] = " / ".join(f"{p:.1f}" for p in peaks[0].tolist())
         row["GPU idle per rank"] = " / ".join(f"{p:.0%}" for p in peaks[1].tolist())
         row["only NCCL per rank"] = " / ".join(f"{p:.0%}" for p in peaks[2].tolist())
-        if trainer.pipeline is not None:
+        if timed_ops:
             row["measured bubble per rank"] = " / ".join(f"{p:.0%}" for p in peaks[3].tolist())
             timeline = simulate(schedule, f=1.0, b=1.0, w=1.0)  # backward = input + weight gradient = 2F
             row["simulated bubble per rank"] = " / ".join(f"{b / timeline.makespan:.0%}" for b in timeline.bubble)
@@ -248,6 +255,7 @@ def run_variant(name: str, overrides: list[str], args) -> tuple[dict, list[tuple
             row["simulated with stage FLOPs"] = " / ".join(f"{b / timeline.makespan:.0%}" for b in timeline.bubble)
             if args.trace_dir:
                 save_trace(trainer, name, args.trace_dir)
+    trainer.close()
     return row, top
 
 

@@ -55,7 +55,8 @@ class TrainConfig:
     # attention's softmax run again). The gradients are the same bit for bit.
     activation_checkpointing: str = "none"
     # A micro-batch's forward and backward as one CUDA graph, captured at the first step
-    # (train/cuda_graph.py): the host's kernel launches go. One GPU, bf16, no LoRA dropout.
+    # (train/cuda_graph.py): the host's kernel launches go. One GPU, or expert parallelism alone
+    # (then the whole step is one graph, collectives included); bf16, no LoRA dropout.
     cuda_graphs: bool = False
     device: str = "auto"  # auto: cuda when available, else cpu
     resume: bool = False
@@ -82,6 +83,7 @@ class TrainConfig:
             self.dtype,
             self.param_dtype,
             self.activation_checkpointing,
+            whole_step=self.cuda_graphs,
         )
 
 
@@ -416,9 +418,18 @@ def _validate(config: RunConfig) -> None:
     )
     config.lora.check()
     if train.cuda_graphs:
-        split = [f"parallel.{name} = {getattr(config.parallel, name)}" for name in PARALLEL_AXES]
+        split = [f"parallel.{name} = {getattr(config.parallel, name)}" for name in PARALLEL_AXES if name != "ep"]
         split = [axis for axis in split if not axis.endswith(" = 1")]
-        need(not split, f"train.cuda_graphs captures the step of one process; not with {', '.join(split)}")
+        need(
+            not split,
+            f"train.cuda_graphs captures the step of one process or of expert parallelism alone; not with "
+            f"{', '.join(split)}",
+        )
+        need(
+            config.parallel.ep == 1 or config.parallel.ep_dispatch == "gather",
+            'train.cuda_graphs under expert parallelism needs parallel.ep_dispatch = "gather": "all_to_all" '
+            "waits for the host once a layer",
+        )
         need(
             not (config.lora.enabled and config.lora.dropout > 0),
             f"train.cuda_graphs replays the same random numbers every step: set lora.dropout = 0 "

@@ -18,7 +18,7 @@ from moemesh.parallel.pipeline.memory import (
     state_bytes_per_param,
 )
 from moemesh.parallel.pipeline.partition import describe, rank_memory
-from moemesh.parallel.pipeline.schedule import build_schedule, peak_in_flight
+from moemesh.parallel.pipeline.schedule import build_schedule, peak_in_flight, run_schedule
 
 
 def estimate_run(
@@ -29,8 +29,14 @@ def estimate_run(
     config = resolve_device(config)
     train, parallel = config.train, config.parallel
     pp = parallel.pp if pp is None else pp
-    schedule_name = schedule_name or (parallel.pp_schedule if pp > 1 else "1f1b")  # pp 1: one stage
-    schedule = build_schedule(schedule_name, pp, train.global_batch // train.micro_batch)
+    num_micro = train.global_batch // train.micro_batch
+    if schedule_name:
+        schedule = build_schedule(schedule_name, pp, num_micro)
+    else:  # the run's own; without a pipeline, one stage
+        schedule = run_schedule(
+            pp, parallel.pp_schedule, parallel.pp_overlap, parallel.ep, parallel.dp_shard, num_micro, train.cuda_graphs
+        ) or build_schedule("1f1b", 1, num_micro)
+    schedule_name = schedule.name
     in_flight = peak_in_flight(schedule)
     step = config.step_shape
     tokens = rank_tokens(parallel, step)

@@ -118,7 +118,12 @@ def test_a_key_outside_any_section_finds_its_section(tmp_path):
         ("data.val_fraction=1.5", "data.val_fraction must be in (0, 1)"),
         (
             "train.cuda_graphs=true parallel.ep=2 parallel.tp=2",
-            "train.cuda_graphs captures the step of one process; not with parallel.ep = 2, parallel.tp = 2",
+            "train.cuda_graphs captures the step of one process or of expert parallelism alone; not with "
+            "parallel.tp = 2",
+        ),
+        (
+            "train.cuda_graphs=true parallel.ep=2 parallel.ep_dispatch=all_to_all",
+            'train.cuda_graphs under expert parallelism needs parallel.ep_dispatch = "gather"',
         ),
         (
             "train.cuda_graphs=true lora.rank=4",

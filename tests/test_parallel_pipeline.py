@@ -46,6 +46,7 @@ LAYOUTS = {
     "pp2-dp_shard2": dict(pp=2, dp_shard=2),
     "pp4": dict(pp=4),
     "pp2-ep2-1f1b": dict(pp=2, ep=2, pp_schedule="1f1b"),
+    "ep2-tp2-paired": dict(ep=2, tp=2, pp_overlap=True),  # no pipeline: F(m+1) overlaps B(m) (`schedule.paired`)
 }
 
 
@@ -83,7 +84,7 @@ def first_step_gradients(rank, raw: dict):
     return ce.item(), aux.item(), grads
 
 
-@pytest.mark.parametrize("layout", ["pp2-ep2", "pp2-tp2", "pp2-dp2", "pp2-dp_shard2", "pp4"])
+@pytest.mark.parametrize("layout", ["pp2-ep2", "pp2-tp2", "pp2-dp2", "pp2-dp_shard2", "pp4", "ep2-tp2-paired"])
 def test_pipeline_gradients_equal_one_process(pool, reference, layout):
     directory, (ref_ce, ref_aux, ref_grads), _, _ = reference
     results = pool.run(first_step_gradients, run_config(directory, LAYOUTS[layout], layout))
@@ -196,14 +197,15 @@ def test_pipeline_config_errors(override, message):
 
 
 def traced_step(rank, raw: dict, overlap: bool):
-    """One step's forwards and backwards with parallel.pp_overlap = `overlap`: (ce, aux, this rank's
+    """One step's forwards and backwards with the FB ops' chunks overlapped or not: (ce, aux, this rank's
     gradients, the FB ops' pieces in order). A piece is ("launch" | "wait", "forward" | "backward")
     of an all-to-all of tokens, or ("compute", "forward" | "backward") when a decoder layer's
     attention or experts start their forward or backward; ("FB", op index) opens each FB op."""
     # A buffer with room for every (token, expert) pair: no step is computed again, one run is traced.
-    parallel = {**raw["parallel"], "pp_overlap": overlap, "ep_capacity": float(raw["parallel"]["ep"])}
+    parallel = {**raw["parallel"], "pp_overlap": True, "ep_capacity": float(raw["parallel"]["ep"])}
     trainer = Trainer(config_from_dict({**raw, "parallel": parallel}), io.StringIO())
     runner = trainer.pipeline
+    runner.overlap = overlap  # the same schedule, its FB ops' chunks one after the other or not
     batch = trainer.dataset.train_sequences(0, trainer.train_config.global_batch)
     micro = [trainer._micro_batch(m) for m in batch.split(trainer.train_config.micro_batch)]
     pieces, in_fb, phase = [], [False], [None]
@@ -269,12 +271,14 @@ def traced_step(rank, raw: dict, overlap: bool):
     return ce.item(), aux.item(), grads, pieces
 
 
-def test_pipeline_overlap_interleaves_chunks_exactly(pool, reference):
-    """PP 2 × EP 2, DualPipeV, 8 micro-batches: in each overlapped FB op, the forward chunk's
-    compute runs between a backward all-to-all's launch and its wait, and the backward runs on
-    while a forward all-to-all is in flight; the gradients, loss and load-balancing loss are
-    exactly those of the same step with each FB op's chunks run one after the other."""
-    raw = run_config(reference[0], LAYOUTS["pp2-ep2"], "overlap")
+@pytest.mark.parametrize("layout", ["pp2-ep2", "ep2-tp2-paired"])
+def test_pipeline_overlap_interleaves_chunks_exactly(pool, reference, layout):
+    """PP 2 × EP 2 under DualPipeV, and EP 2 × TP 2 without a pipeline (paired forwards and backwards),
+    8 micro-batches: in each overlapped FB op, the forward chunk's compute runs between a backward
+    all-to-all's launch and its wait, and the backward runs on while a forward all-to-all is in
+    flight; the gradients, loss and load-balancing loss are exactly those of the same step with
+    each FB op's chunks run one after the other."""
+    raw = run_config(reference[0], LAYOUTS[layout], f"overlap-{layout}")
     sequential = pool.run(traced_step, raw, False)
     overlapped = pool.run(traced_step, raw, True)
     for (ce, aux, grads, pieces), (ce_o, aux_o, grads_o, pieces_o) in zip(sequential, overlapped):

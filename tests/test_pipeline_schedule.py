@@ -11,8 +11,10 @@ from moemesh.parallel.pipeline.schedule import (
     messages,
     min_micro_batches,
     one_f_one_b,
+    paired,
     parts,
     peak_in_flight,
+    run_schedule,
     simulate,
 )
 
@@ -230,3 +232,23 @@ def test_simulate_with_uneven_stage_times():
     assert even.bubble[0] == pytest.approx(even.bubble[1])
     assert uneven.makespan > even.makespan and uneven.bubble[0] > uneven.bubble[1]
     assert uneven.busy == (pytest.approx(8 * 3.0), pytest.approx(8 * 6.0))  # F + B + W per micro-batch, scaled
+
+
+def test_paired_overlaps_each_forward_with_the_previous_backward_on_one_rank():
+    """Without a pipeline, under EP with parallel.pp_overlap: F0, (F1, B0), (F2, B1), ..., B3 —
+    every forward and backward once, two micro-batches in flight; otherwise no schedule, but for
+    a step captured whole as a CUDA graph."""
+    s = run_schedule(pp=1, name="dualpipev", overlap=True, ep=2, dp_shard=1, num_micro=4)
+    assert s.name == "paired" and s.num_ranks == 1 and s.num_stages == 1
+    assert s.ops[0] == (Op("F", 0, 0), Op("FB", 0, 1, 0, 0), Op("FB", 0, 2, 0, 1), Op("FB", 0, 3, 0, 2), Op("B", 0, 3))
+    assert peak_in_flight(s) == [2]
+    assert simulate(s, 1.0, 2.0, 0.0).makespan == 12.0  # nothing waits on one rank
+    for overlap, ep, dp_shard, n in ((False, 2, 1, 4), (True, 1, 1, 4), (True, 2, 2, 4), (True, 2, 1, 1)):
+        assert run_schedule(1, "dualpipev", overlap, ep, dp_shard, n) is None
+    assert run_schedule(2, "1f1b", True, 2, 1, 4).name == "1f1b"
+    # A step captured as one CUDA graph under EP goes through one rank's 1F1B when it pairs nothing.
+    assert run_schedule(1, "dualpipev", False, 2, 1, 4, whole_step=True).name == "1f1b"
+    assert run_schedule(1, "dualpipev", True, 2, 1, 1, whole_step=True).name == "1f1b"
+    assert run_schedule(1, "dualpipev", False, 1, 1, 4, whole_step=True) is None  # one process: per micro-batch
+    with pytest.raises(ConfigError, match="at least 2 micro-batches"):
+        paired(1)

@@ -24,9 +24,11 @@ class ParallelConfig:
     # more is computed again with a larger buffer (`expert.fit_capacity`), never with tokens dropped.
     ep_capacity: float = 1.25
     pp_schedule: str = "dualpipev"  # or "1f1b"; train.global_batch / train.micro_batch micro-batches
-    # DualPipeV under EP: a forward's compute hides a backward's EP collectives, and vice versa. Off
-    # by default: on 4 H200s (pp=2 × ep=2, 2026-11-27) it took 905 ms a step against 392 ms
-    # sequential on the 6-layer Qwen3-30B-A3B shape, 4,107 against 3,624 ms on the full one.
+    # Under EP, a forward's compute hides a backward's EP collectives, and vice versa: DualPipeV's
+    # paired chunks, or without a pipeline each next micro-batch's forward beside this one's
+    # backward (pipeline/schedule.paired). Off by default: on H200s (6-layer Qwen3-30B-A3B shape,
+    # 2026-11-27) 1.14× faster under DualPipeV (pp=2 × ep=2), 1.03-1.04× with train.cuda_graphs
+    # under ep=2 and ep=4, 0.94-1.16× without them (docs/benchmarks.md).
     pp_overlap: bool = False
     fsdp_reshard_after_forward: bool = True  # free gathered weights after forward (less memory)
     fsdp_prefetch: bool = True  # gather the next block's weights during this block's compute
@@ -59,3 +61,4 @@ class StepShape:
     param_dtype: str = "float32"
     activation_checkpointing: str = "none"  # "full" or "selective" (ops/recompute.py)
     frozen_base: bool = False  # LoRA: the base keeps its weight alone (no gradient, no AdamW state)
+    whole_step: bool = False  # train.cuda_graphs: the step is captured as one CUDA graph

@@ -65,7 +65,7 @@ class GatherDispatcher:
         self.num_local_experts = num_local_experts
         self.capacity_factor: float | None = None  # None: room for every possible pair
         # Since the last `fit_capacity`: the largest rows / (T·k) a dispatch needed, and the most
-        # pairs it dropped (device scalars, read there).
+        # pairs it dropped (fp32 device scalars, read and zeroed there).
         self.needed: torch.Tensor | None = None
         self.dropped: torch.Tensor | None = None
 
@@ -87,9 +87,12 @@ class GatherDispatcher:
         position, _, starts, _ = routing_layout(x_all, local_ids, local + 1, 1)
         rows = self.capacity(num_tokens, top_k)
         if num_tokens:
-            need, dropped = starts[local].float() / (num_tokens * top_k), (starts[local] - rows).clamp(min=0)
-            self.needed = need if self.needed is None else torch.maximum(self.needed, need)
-            self.dropped = dropped if self.dropped is None else torch.maximum(self.dropped, dropped)
+            need, dropped = starts[local].float() / (num_tokens * top_k), (starts[local] - rows).clamp(min=0).float()
+            if self.needed is None:
+                self.needed, self.dropped = need, dropped
+            else:  # in place: a step captured as a CUDA graph updates the tensors it was captured with
+                torch.maximum(self.needed, need, out=self.needed)
+                torch.maximum(self.dropped, dropped, out=self.dropped)
         # Pairs served elsewhere, and any past the capacity, read no row (-1).
         position = torch.where(position < starts[local].clamp(max=rows), position, -1)
         grouped = permute_rows(x_all, position, rows)
@@ -256,8 +259,9 @@ def fit_capacity(model: MoECausalLM, group) -> list[str]:
     needs = torch.zeros(2, model.config.num_hidden_layers, device=device)  # per layer: the need, pairs dropped
     for i, dispatcher in held.items():
         if dispatcher.needed is not None:
-            needs[0, i], needs[1, i] = dispatcher.needed, dispatcher.dropped.float()
-        dispatcher.needed = dispatcher.dropped = None
+            needs[0, i], needs[1, i] = dispatcher.needed, dispatcher.dropped
+            dispatcher.needed.zero_()  # in place (see `dispatch`): 0 is below any need
+            dispatcher.dropped.zero_()
     if group is not None:
         needs = comm.all_reduce_max(needs, group)
     overflowed = []

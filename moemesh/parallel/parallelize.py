@@ -23,7 +23,7 @@ from moemesh.parallel.fsdp import apply_fsdp
 from moemesh.parallel.mesh import Mesh
 from moemesh.parallel.pieces import local_view, records_kept
 from moemesh.parallel.pipeline.memory import run_costs, stage_ranges
-from moemesh.parallel.pipeline.schedule import Schedule, build_schedule
+from moemesh.parallel.pipeline.schedule import Schedule, run_schedule
 from moemesh.parallel.pipeline.stage import RankStages, cut_model
 from moemesh.parallel.tensor import apply_tp
 
@@ -41,9 +41,17 @@ def parallelize(model: MoECausalLM, mesh: Mesh, parallel: ParallelConfig, step: 
     """Lay `model` out in place for `mesh` and `parallel`; `step` says how many micro-batches the
     pipeline schedules and what they cost (with parallel.pp > 1), and the dtype FSDP gathers in."""
     apply_data_parallel(apply_tp(apply_ep(model, mesh, parallel.ep_dispatch), mesh), mesh)  # TP ranks share their data
-    schedule = stages = None
-    if parallel.pp > 1:  # this rank keeps its stages only, partitioned by estimated memory and time
-        schedule = build_schedule(parallel.pp_schedule, parallel.pp, step.micro_batches)
+    stages = None
+    schedule = run_schedule(
+        parallel.pp,
+        parallel.pp_schedule,
+        parallel.pp_overlap,
+        parallel.ep,
+        parallel.dp_shard,
+        step.micro_batches,
+        step.whole_step,
+    )
+    if schedule is not None:  # this rank keeps its stages only, partitioned by estimated memory and time
         ranges = stage_ranges(schedule, run_costs(model.config, parallel, step))
         stages = RankStages(model, cut_model(model, ranges, list(schedule.stage_rank), mesh.rank("pp")))
     kept_whole = apply_fsdp(

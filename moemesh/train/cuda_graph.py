@@ -58,7 +58,9 @@ class CapturedStep:
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(self.graph):
+            # Threads other than this one (autograd's, an overlapped pipeline's forward thread, NCCL's
+            # watchdog) may make calls that capture forbids process-wide: only this thread's are checked.
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
                 self.outputs = fn(*self.inputs)
         except torch.OutOfMemoryError:
             raise  # not a path that waits for the host: the step does not fit
@@ -70,6 +72,12 @@ class CapturedStep:
             ) from error
         self.zero_grad()  # the warm-up's gradients
         torch.cuda.empty_cache()  # the warm-up's cached blocks: the graph's own pool holds what it needs
+
+    def close(self) -> None:
+        """Free the graph now. Before the process group is destroyed: NCCL's teardown waits forever
+        while a graph that captured its collectives exists (pytorch/pytorch#115388)."""
+        self.graph.reset()
+        self.outputs = ()
 
     def zero_grad(self) -> None:
         torch._foreach_zero_([p.grad for p in self.params])

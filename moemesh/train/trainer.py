@@ -5,8 +5,10 @@ whatever the layout; each data-parallel rank runs its contiguous slice of every 
 accumulates gradients. A rank's loss is its share of the micro-batch loss (`rank_loss`) divided by
 the number of micro-batches, so the gradients, summed over micro-batches here and over ranks by
 `reduce_gradients`, are those of the global batch's mean loss in one process. With
-`train.cuda_graphs` (one process) each micro-batch's forward and backward replay one CUDA graph,
-captured at the first step (`cuda_graph.py`).
+`train.cuda_graphs` each micro-batch's forward and backward replay one CUDA graph in one process;
+under expert parallelism the whole step's schedule (one rank's 1F1B, or its paired forwards and
+backwards with `parallel.pp_overlap`) replays one graph, collectives included, so the host
+launches a step, not each of its thousands of kernels. Captured at the first step (`cuda_graph.py`).
 
 Under the gathering expert-parallel dispatcher (`parallel/expert.py`) each forward is checked
 before its backward (a pipeline's step, an evaluation: as a whole): one whose expert buffer was
@@ -212,11 +214,18 @@ class Trainer:
         self.val_batches = val[: len(val) // self.ranks * self.ranks].split(train.micro_batch)
         self.peak_flops = peak_flops(self.device)
         self.captured: CapturedStep | None = None  # train.cuda_graphs: made at the first step
+        self.captured_counts: list[tuple[int, int]] = []  # the label counts a schedule's graph scales by
         if train.cuda_graphs and (self.device.type != "cuda" or self.autocast_dtype != torch.bfloat16):
             raise ConfigError(
                 f"train.cuda_graphs needs a GPU and train.dtype bfloat16 (the experts' grouped GEMMs "
                 f"wait for the host otherwise); this run has {self.device} and {train.dtype}"
             )
+
+    def close(self) -> None:
+        """Free the step's CUDA graph, if any: before the process group goes (`CapturedStep.close`)."""
+        if self.captured is not None:
+            self.captured.close()
+            self.captured = None
 
     # ---- one step ---------------------------------------------------------------------------
     def _autocast(self):
@@ -268,9 +277,8 @@ class Trainer:
         rank's share of the mean cross-entropy and the mean load-balancing loss."""
         if self.pipeline is not None:  # forwards and backwards interleave: the step is what runs again
             batches = [self._micro_batch(batch) for batch in micro_batches]
-            ce_sum, aux_sum = self._within_capacity(
-                lambda: self.pipeline.train(batches), f"step {self.step + 1}", ran_backward=True
-            )
+            train = self._replayed_schedule if self.train_config.cuda_graphs else self.pipeline.train
+            ce_sum, aux_sum = self._within_capacity(lambda: train(batches), f"step {self.step + 1}", ran_backward=True)
             return ce_sum, aux_sum if self.config.model.output_router_logits else None
         if self.train_config.cuda_graphs:
             return self._replayed_forward_backward(micro_batches)
@@ -293,8 +301,28 @@ class Trainer:
             self.notes.append(f"{what} computed again: an expert-parallel buffer was full ({'; '.join(overflowed)})")
             if ran_backward:
                 self.optimizer.zero_grad(set_to_none=True)
+            self.close()  # a graph's buffers have the old capacity: captured again
             _restore_expert_loads(self.model, loads)
             _set_rng_state(rng, self.device)
+
+    def _replayed_schedule(self, batches: list[MicroBatch]) -> list[torch.Tensor]:
+        """The schedule's step (`self.pipeline.train`: expert parallelism without a pipeline) as the
+        replay of one CUDA graph, captured at the first call and again when the micro-batches'
+        label counts (constants of the loss's scale in the graph) or the expert buffers change;
+        the gradients added into the parameters' `.grad` (train/cuda_graph.py)."""
+        tokens = torch.stack([batch.tokens for batch in batches])
+        counts = [(batch.local_label_tokens, batch.label_tokens) for batch in batches]
+        if self.captured is None or self.captured_counts != counts:
+
+            def step(tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                return tuple(self.pipeline.train([MicroBatch(t, *c) for t, c in zip(tokens.unbind(0), counts)]))
+
+            trained = [p for p in self.model.parameters() if p.requires_grad]
+            self.close()  # the old graph's pool goes first
+            self.captured_counts = counts
+            self.captured = CapturedStep(step, [tokens], trained)
+            update_router_bias(self.model, 0.0, None)  # forget the warm-up's expert loads
+        return list(self.captured(tokens))
 
     def _micro_batch(self, micro_batch: torch.Tensor) -> MicroBatch:
         local, tokens = self._local(micro_batch)
@@ -618,8 +646,12 @@ def _non_finite(record: dict) -> str:
 
 
 def train(config: RunConfig, stream: TextIO | None = None) -> TrainResult:
+    trainer = None
     try:
-        return Trainer(config, stream).run()
+        trainer = Trainer(config, stream)
+        return trainer.run()
     finally:
+        if trainer is not None:
+            trainer.close()
         if dist.is_initialized():  # launched by torchrun: leave the process group cleanly
             dist.destroy_process_group()

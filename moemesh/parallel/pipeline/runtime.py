@@ -43,11 +43,17 @@ with no stepwise twins of them — keeping its own grad mode, autocast, device a
 are per thread (autograd runs backward functions with grad mode off, on a thread of its own). A
 hand-over costs the host some 15 µs.
 
-Limits. Measured on four H200s (pp=2 × ep=2, docs/benchmarks.md, 2026-11-27), overlapped FB ops
-are slower than sequential ones — 2.3× on the 6-layer Qwen3-30B-A3B shape, 1.13× on the full one —
-also with the dispatcher that never waits for the host (`expert.py`), so `parallel.pp_overlap` is
-off by default: an unbalanced router keeps the EP ranks waiting for the busiest one, which a
-hand-over to the other chunk cannot hide, and every hand-over costs the host. With the
+The forward chunks run on one thread for the runner's life (`_Worker`): torch keeps cuDNN's
+attention graphs and cuBLAS handles per thread, and a thread per op built them again at every op
+— ~50 ms of idle GPU each, which had made overlapped FB ops 2.3× slower than sequential ones. On
+four H200s (docs/benchmarks.md, 2026-11-27) they are now 1.14× faster under DualPipeV (pp=2 ×
+ep=2, 6-layer Qwen3-30B-A3B shape). Without a pipeline, under EP, `schedule.paired` runs one
+rank's micro-batches as F0, (F1, B0), (F2, B1), ..., B(n-1) through this runner, and with
+`train.cuda_graphs` the trainer captures the whole schedule as one CUDA graph (the host launches
+a step, not its thousands of kernels); with both, the EP step's GPUs idled 7–10% on two H200s.
+
+Limits. `parallel.pp_overlap` stays off by default: on the 6-layer shape its gain is 1.03–1.16×
+where the step is not host-bound, 0.94× on two GPUs without CUDA graphs. With the
 `all_to_all` dispatcher the forward's dispatch also copies its split sizes to the host, once per
 MoE layer, blocking the CPU until everything queued before it has run. The chunks share one
 compute stream: compute overlaps communication, never other compute. When the two stages hold
@@ -59,7 +65,9 @@ middle of a backward: the backward's end reshards every module) FB ops run forwa
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -85,7 +93,8 @@ class MicroBatch:
 class _Saved:
     inputs: torch.Tensor | None  # the received hidden states (a leaf whose gradient goes back)
     output: torch.Tensor  # hidden states sent on, or the last stage's scaled loss
-    prob_sums: torch.Tensor | None  # [layers, E]: the stage's MoE layers' summed router probabilities
+    prob_sums: torch.Tensor | None  # [layers, E]: the stage's MoE layers' summed router probabilities, this rank's
+    prob_totals: torch.Tensor | None  # ... summed over the data-parallel ranks (detached)
     num_tokens: int  # tokens per MoE layer in the micro-batch (all data-parallel ranks)
 
 
@@ -115,6 +124,7 @@ class PipelineRunner:
         self.aux = config.output_router_logits  # train the load-balancing loss
         self.aux_coef = config.router_aux_loss_coef
         self.weight_grads = WeightGradStore()
+        self.worker: _Worker | None = None  # the thread of overlapped FB ops' forwards, made at the first
         self.op_times: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
         # What each peer sends this rank, in its order (training; evaluation goes stage by stage).
         self.expected = {src: sent for (src, dst), (sent, _) in messages(schedule).items() if dst == self.rank}
@@ -203,7 +213,9 @@ class PipelineRunner:
         tokens, message = micro.tokens, None
         positions = torch.arange(tokens.shape[1], device=self.device)
         with self.autocast():
-            out, layer_counts, prob_sums, num_tokens = self.module(s, x, positions, tokens, reduce_stats=train)
+            out, layer_counts, prob_sums, prob_totals, num_tokens = self.module(
+                s, x, positions, tokens, reduce_stats=train
+            )
             if layer_counts is not None:
                 counts = counts + layer_counts.sum(0).float()
             if stage.last:
@@ -216,7 +228,7 @@ class PipelineRunner:
                 output = out
                 message = (("act", s, m), s + 1, [out.detach().float(), counts])
         if train:
-            self.saved[(s, m)] = _Saved(x if not stage.first else None, output, prob_sums, num_tokens)
+            self.saved[(s, m)] = _Saved(x if not stage.first else None, output, prob_sums, prob_totals, num_tokens)
         return message
 
     def _backward(self, s: int, m: int, defer_weight: bool, op_index: int) -> None:
@@ -241,9 +253,10 @@ class PipelineRunner:
             defer_weight = False
         outputs, grads = [saved.output], [None if grad is None else grad.to(saved.output.dtype)]
         if saved.prob_sums is not None and self.aux:
-            share = self._aux_share(saved, counts)
-            self.aux_sum += share.detach() / len(self.micro)
-            outputs.append(self.aux_coef * share / self.data_ranks / len(self.micro))
+            self.aux_sum += self._aux_share(saved.prob_totals, saved.num_tokens, counts) / len(self.micro)
+            # Each data-parallel rank's share of the stage's share: they add up to it, and their
+            # gradients are those of the sum (it is linear in the probabilities).
+            outputs.append(self.aux_coef * self._aux_share(saved.prob_sums, saved.num_tokens, counts) / len(self.micro))
             grads.append(None)
         with self.weight_grads.deferring(defer_weight):
             torch.autograd.backward(outputs, grads)
@@ -274,16 +287,17 @@ class PipelineRunner:
             finally:
                 overlap.finish("F")
 
-        worker = threading.Thread(target=forward, name="moemesh-pp-forward", daemon=True)
-        overlap.forward_thread = worker
+        if self.worker is None:
+            self.worker = _Worker(owner=self)
+        overlap.forward_thread = self.worker.thread
         with self._busy(), comm.while_in_flight(overlap.switch):
-            worker.start()
+            done = self.worker.submit(forward)
             try:
                 overlap.wait_turn("B")
                 b_message = self._backward_compute(op.b_stage, op.b_micro, *b_input, op.defer_weight, op_index)
             finally:
                 overlap.finish("B")  # the forward runs to its end
-                worker.join()
+                done.wait()
         if isinstance(f_result[0], BaseException):
             raise f_result[0]
         for message in (f_result[0], b_message):
@@ -310,11 +324,11 @@ class PipelineRunner:
         end.record()
         self.op_times.append((start, end))
 
-    def _aux_share(self, saved: _Saved, counts: torch.Tensor) -> torch.Tensor:
-        """This stage's part of the load-balancing loss, given all layers' token counts."""
-        pooled = float(saved.num_tokens * self.moe_layers)
-        prob_sum = saved.prob_sums.sum(0).float()
-        return self.num_experts * torch.sum(counts / pooled * prob_sum / pooled)
+    def _aux_share(self, prob_sums: torch.Tensor, num_tokens: int, counts: torch.Tensor) -> torch.Tensor:
+        """The part of the load-balancing loss of the probabilities `prob_sums` [layers, E] (a
+        stage's, or one rank's share of them), given all layers' token counts."""
+        pooled = float(num_tokens * self.moe_layers)
+        return self.num_experts * torch.sum(counts / pooled * prob_sums.sum(0).float() / pooled)
 
     # ---- a step -----------------------------------------------------------------------------------
     def _reset(self, micro_batches: list[MicroBatch], training: bool) -> None:
@@ -412,6 +426,36 @@ class _Overlap:
             self.done.add(me)
             self.turn = "B" if me == "F" else "F"
             self.changed.notify_all()
+
+
+class _Worker:
+    """One thread that runs the overlapped FB ops' forward chunks, one after another, for the
+    runner's life. Not a thread per op: torch keeps caches per thread — cuDNN's attention graphs,
+    cuBLAS handles — and a new thread builds them again. On four H200s a fresh thread per op cost
+    ~50 ms of an idle GPU at each op's first attention (docs/benchmarks.md)."""
+
+    def __init__(self, owner: object):
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=_Worker._run, args=(self.jobs,), name="moemesh-pp-forward", daemon=True)
+        self.thread.start()
+        weakref.finalize(owner, self.jobs.put, None)  # the thread ends with its runner
+
+    def submit(self, job: Callable[[], None]) -> threading.Event:
+        """Run job() on the thread (it must catch its own errors); the event is set once it returned."""
+        done = threading.Event()
+        self.jobs.put((job, done))
+        return done
+
+    @staticmethod
+    def _run(jobs: queue.SimpleQueue) -> None:
+        # Holds nothing between jobs: a finished job's closure (the runner, its model) can go.
+        while (item := jobs.get()) is not None:
+            job, done = item
+            try:
+                job()
+            finally:
+                done.set()
+                del job, done, item
 
 
 def _directed_links(mesh: Mesh) -> dict[tuple[int, int], dist.ProcessGroup]:

@@ -188,6 +188,21 @@ def one_f_one_b(num_ranks: int, num_micro: int) -> Schedule:
     return Schedule("1f1b", num_ranks, num_micro, num_ranks, tuple(range(num_ranks)), tuple(rank_ops))
 
 
+def paired(num_micro: int) -> Schedule:
+    """One rank holding the whole model as one stage: the first forward, then each next forward
+    paired with the previous micro-batch's backward in an FB op, then the last backward — so that
+    under expert parallelism one micro-batch's compute hides the other's all-to-alls (`runtime.py`),
+    at the price of two micro-batches' activations in flight instead of one."""
+    if num_micro < 2:
+        raise ConfigError(f"paired forwards and backwards need at least 2 micro-batches, got {num_micro}")
+    ops = _RankOps()
+    ops.f(0)
+    for _ in range(num_micro - 1):
+        ops.fb(0, 0)
+    ops.b(0)
+    return Schedule("paired", 1, num_micro, 1, (0,), (tuple(ops.ops),))
+
+
 SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"dualpipev": dualpipev, "1f1b": one_f_one_b}
 
 
@@ -195,6 +210,23 @@ def build_schedule(name: str, num_ranks: int, num_micro: int) -> Schedule:
     if name not in SCHEDULES:
         raise ConfigError(f"unknown pipeline schedule {name!r}; known: {', '.join(SCHEDULES)}")
     return SCHEDULES[name](num_ranks, num_micro)
+
+
+def run_schedule(
+    pp: int, name: str, overlap: bool, ep: int, dp_shard: int, num_micro: int, whole_step: bool = False
+) -> Schedule | None:
+    """The schedule a training run's step follows: `name` over pp > 1 ranks. Without a pipeline
+    (pp = 1), under expert parallelism and without FSDP: `paired` with `overlap`
+    (`parallel.pp_overlap`) and two micro-batches or more, else 1F1B on one rank where the step is
+    captured as one CUDA graph (`whole_step`, `train.cuda_graphs`). Else None: each micro-batch's
+    forward, then its backward, with no schedule."""
+    if pp > 1:
+        return build_schedule(name, pp, num_micro)
+    if ep == 1 or dp_shard > 1:
+        return None
+    if overlap and num_micro >= 2:
+        return paired(num_micro)
+    return one_f_one_b(1, num_micro) if whole_step else None
 
 
 # ---- analysis ------------------------------------------------------------------------------------

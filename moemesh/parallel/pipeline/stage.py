@@ -74,16 +74,27 @@ class RankStages(nn.Module):
         self, index: int, x: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor, reduce_stats: bool = True
     ):
         """-> (hidden states, or the last stage's mean cross-entropy; the MoE layers' token counts
-        and summed router probabilities [layers, E], reduced over the data-parallel ranks, or None
-        without MoE layers; tokens per layer)."""
+        [layers, E] and summed router probabilities, this rank's (differentiable) and their sum
+        over the data-parallel ranks (with `reduce_stats`; detached), or None without MoE layers;
+        tokens per layer, over those ranks).
+
+        The sum is taken outside autograd: its backward would be a collective that autograd
+        schedules by its own order, which under overlapped chunks (`runtime.py`, two threads'
+        graph nodes in one backward) may differ from rank to rank — two ranks each waiting in a
+        different collective. The load-balancing loss is linear in the probabilities, so each
+        rank differentiates its own share instead (`PipelineRunner._aux_share`)."""
         stage = self.stages[index]
         h, stats = stage_forward(self.model, stage, x, positions)
-        counts = prob_sums = None
-        if stats:
-            if reduce_stats:
-                stats = self.model.reduce_router_stats(stats)
-            counts, prob_sums = torch.stack([st.counts for st in stats]), torch.stack([st.prob_sum for st in stats])
+        counts = prob_sums = prob_totals = None
         num_tokens = stats[0].num_tokens if stats else 0
+        if stats:
+            prob_sums = torch.stack([st.prob_sum for st in stats])
+            if reduce_stats:
+                stats = self.model.reduce_router_stats(
+                    [RouterStats(st.counts.detach(), st.prob_sum.detach(), st.num_tokens) for st in stats]
+                )
+                num_tokens = stats[0].num_tokens
+            counts, prob_totals = torch.stack([st.counts for st in stats]), torch.stack([st.prob_sum for st in stats])
         if stage.last:
             h = self.model.head(self.model.model.norm(h), labels, return_logits=False)[1]
-        return h, counts, prob_sums, num_tokens
+        return h, counts, prob_sums, prob_totals, num_tokens
