@@ -332,6 +332,100 @@ def test_the_grouped_kernel_computes_each_row_as_the_matmul_kernel_alone(triton_
         ) <= 10 * kernel_tol(dtype)
 
 
+@pytest.mark.parametrize(
+    "kernels, dtype",
+    [
+        ("triton", torch.float32),
+        pytest.param("triton", torch.bfloat16, marks=KERNEL_DTYPES[1].marks),
+        ("torch", torch.float32),
+        ("torch", torch.bfloat16),
+    ],
+)
+@pytest.mark.parametrize("tokens", [70, 1])
+def test_the_selected_kernel_computes_each_pair_as_the_grouped_path(request, monkeypatch, kernels, dtype, tokens):
+    """A decode step's experts without the dispatch (`selected_experts`), against the grouped
+    path (`experts` over `permute`'s dispatch of the same routing): every (token, slot) row the
+    same bits, biases and all, for fresh random routing over 6 experts — expert 0 in one slot of
+    every token (70 pairs: two blocks of the fp32 BLOCK_M), 1 to 3 in the other, 4 and 5 chosen
+    by none — and for one token; within tolerance of float64. The kernels (interpreted on a CPU)
+    and the CPU reference."""
+    from moemesh.ops import invariant, permute
+    from moemesh.ops.swiglu import swiglu
+    from numerics import rel_err
+
+    if kernels == "triton":
+        request.getfixturevalue("triton_kernels")
+    monkeypatch.setenv("MOEMESH_KERNELS", kernels)
+    k, count, hidden, inner = 2, 6, 45, 36  # K past one BLOCK_K of 32 and not a multiple; 2I past one BLOCK_N
+    ids = torch.stack([torch.zeros(tokens, dtype=torch.long), torch.randint(1, 4, (tokens,))], dim=1)
+    ids = torch.where(torch.rand(tokens, 1) < 0.5, ids, ids.flip(1))  # expert 0 in either slot
+    assert tokens == 1 or (ids == 0).sum() > invariant.BLOCK_M
+    x = torch.randn(tokens, hidden).to(dtype)
+    gate_up, down = torch.randn(count, 2 * inner, hidden).to(dtype), torch.randn(count, hidden, inner).to(dtype)
+    biases = torch.randn(count, 2 * inner).to(dtype), torch.randn(count, hidden).to(dtype)
+    with torch.no_grad():
+        selected = invariant.selected_experts(x, ids, gate_up, down, swiglu, *biases)
+        dispatched = permute(x, ids, count)
+        grouped = invariant.experts(dispatched.grouped, dispatched.offsets.diff(), gate_up, down, swiglu, *biases)
+    assert selected.shape == (tokens * k, hidden)
+    assert torch.equal(selected, grouped[dispatched.position.flatten()])
+    xs = x.double().repeat_interleave(k, 0)
+    want = torch.stack(
+        [
+            swiglu((gate_up[e].double() @ row + biases[0][e].double())[None])[0] @ down[e].double().T
+            + biases[1][e].double()
+            for e, row in zip(ids.flatten().tolist(), xs)
+        ]
+    )
+    assert rel_err(selected, want) <= 10 * kernel_tol(dtype)
+    if kernels == "triton":  # no autograd through the kernel: refused rather than silently no gradient
+        with pytest.raises(ValueError, match="no gradients"):
+            invariant.selected_experts(x, ids, gate_up.clone().requires_grad_(), down, swiglu)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("tokens", [7, 1])
+def test_a_decode_step_s_experts_skip_the_dispatch_with_the_same_bits(triton_kernels, monkeypatch, family, tokens):
+    """The MoE block in the mode for a decode step's tokens: through `selected_experts` and the
+    combine at identity positions, its output is the dispatched (grouped) path's bit for bit —
+    plain SwiGLU experts, GPT-OSS's expert biases, DeepSeek-V3's shared experts and routed
+    scaling — and the block's own numbers (the default path's within 1e-5). GPT-OSS here with
+    the plain SwiGLU (a Triton kernel): its clamped SwiGLU is torch ops, which on a CPU give an
+    element other bits at a tensor's end (the vectorised loop's scalar tail; not so on a GPU),
+    and the two paths put a pair's row at other places."""
+    from moemesh.models import moe
+    from moemesh.ops import invariant
+    from numerics import rel_err
+    from test_models_decoding import FAMILIES
+
+    calls = {"selected_experts": 0, "grouped_matmul": 0}
+    for name in calls:
+        original = getattr(invariant, name)
+
+        def counted(*args, name=name, original=original):
+            calls[name] += 1
+            return original(*args)
+
+        monkeypatch.setattr(invariant, name, counted)
+    config = FAMILIES[family].replace(swiglu_limit=None, swiglu_alpha=None) if family == "gpt_oss" else FAMILIES[family]
+    model = build(config, seed=2).to(torch.get_default_device()).eval()
+    block = model.model.layers[-1].mlp
+    assert (block.experts.down_proj_bias is not None) == (family == "gpt_oss")
+    x = torch.randn(tokens, model.config.hidden_size)
+    with torch.no_grad():
+        routing = block.route(x, stats=False)
+        with invariant.batch_invariant():
+            selected = block.invariant(x, routing)
+            assert calls == {"selected_experts": 1, "grouped_matmul": 0}
+            monkeypatch.setattr(moe, "SELECTED_EXPERT_ROWS", 0)  # the dispatched path
+            grouped = block.invariant(x, routing)
+            assert calls == {"selected_experts": 1, "grouped_matmul": 2}
+        dispatched = block.dispatch(x, routing)
+        default = block.combine(block.compute_experts(dispatched), dispatched, routing, tokens)
+    assert torch.equal(selected, grouped)
+    assert rel_err(selected, default) <= 1e-5
+
+
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("head_dim", [8, 32])
 def test_the_attention_kernel_gives_a_query_the_same_bits_in_any_step(triton_kernels, dtype, head_dim):
@@ -387,11 +481,12 @@ def test_with_the_kernels_the_engine_and_the_trainer_agree_bit_for_bit(triton_ke
     """The tiny model through the kernels (interpreted on CPU, fp32; bf16 on a GPU: bench/decode.py
     --batch-invariant): generated together (prompts in chunks at other split points, a prefix
     reused) each sequence's tokens and log-probabilities are those it gets alone, and equal the
-    trainer's, with its routing. (Preemption only prefills again: the CPU reference's tests
-    above cover it; the interpreter is slow.)"""
+    trainer's, with its routing — the engine's experts by `selected_experts` (no gradients, few
+    pairs), the trainer's through the dispatch. (Preemption only prefills again: the CPU
+    reference's tests above cover it; the interpreter is slow.)"""
     from moemesh.ops import invariant
 
-    launches = {"matmul": 0, "paged_attention": 0, "grouped_matmul": 0}
+    launches = {"matmul": 0, "paged_attention": 0, "grouped_matmul": 0, "selected_experts": 0}
     for name in launches:
         original = getattr(invariant, name)
 
@@ -419,7 +514,9 @@ def test_with_the_kernels_the_engine_and_the_trainer_agree_bit_for_bit(triton_ke
         )
         scheduler.routing.stop()
         assert scheduler.cached_tokens > 0
-        assert all(launches.values()), launches
+        # The engine's steps (no gradients, few pairs) skip the dispatch; the trainer's forward
+        # below dispatches (grouped_matmul): their bits must still agree.
+        assert launches["grouped_matmul"] == 0 and all(launches[n] for n in launches if n != "grouped_matmul"), launches
         for request, sequence in zip(requests, together):
             (alone,), _ = generated(model, [request], max_batch=1, max_num_batched_tokens=64, block_size=16)
             assert sequence.token_ids == alone.token_ids
@@ -435,3 +532,4 @@ def test_with_the_kernels_the_engine_and_the_trainer_agree_bit_for_bit(triton_ke
             assert torch.equal(scored.logprobs[0].cpu(), logprobs(sequence))
             for position, chosen in sequence.routing.items():
                 assert torch.equal(chosen.cpu(), scored.routing[0][position].cpu())
+        assert launches["grouped_matmul"] > 0

@@ -48,3 +48,37 @@ def test_bf16_logits_track_fp32(model_type, tmp_path):
     assert torch.isfinite(ours_bf16).all()
     assert ours_err <= 2e-2
     assert ours_err <= 1.25 * theirs_err + 1e-3
+
+
+@pytest.mark.parametrize(
+    "tokens, experts, k",
+    [(1, 128, 8), (64, 128, 8), (128, 128, 8), (512, 8, 2)],
+)  # Qwen3-30B-A3B's experts at 1, 64 and 128 tokens; and 128 pairs an expert (the grouped
+# launch's 128-row blocks over 64-row tiles), as Mixtral's 8 experts at 512 tokens
+def test_bf16_selected_experts_equal_the_grouped_path_bit_for_bit(monkeypatch, tokens, experts, k):
+    """Batch-invariant mode's decode path (ops/invariant.py's `selected_experts`: no dispatch)
+    against its grouped path (`experts` over `permute`'s dispatch) on the Qwen3-30B-A3B expert
+    shapes (H 2048, I 768) in bf16, compiled: every (token, slot) row the same bits; within
+    bf16's rounding of an fp32 evaluation (relative 1e-2)."""
+    from moemesh.ops import invariant, permute
+    from moemesh.ops.swiglu import swiglu
+
+    monkeypatch.setenv("MOEMESH_KERNELS", "triton")
+    torch.manual_seed(tokens)
+    hidden, inner = 2048, 768
+    x = torch.randn(tokens, hidden, device="cuda").bfloat16()
+    gate_up = (torch.randn(experts, 2 * inner, hidden, device="cuda") * hidden**-0.5).bfloat16()
+    down = (torch.randn(experts, hidden, inner, device="cuda") * inner**-0.5).bfloat16()
+    ids = torch.randn(tokens, experts, device="cuda").topk(k, dim=-1).indices  # fresh routing, as a router's
+    with torch.no_grad():
+        selected = invariant.selected_experts(x, ids, gate_up, down, swiglu)
+        dispatched = permute(x, ids, experts)
+        grouped = invariant.experts(dispatched.grouped, dispatched.offsets.diff(), gate_up, down, swiglu)
+    assert selected.shape == (tokens * k, hidden) and selected.dtype == torch.bfloat16
+    assert torch.equal(selected, grouped[dispatched.position.flatten()])
+    flat, rows = ids.flatten(), x.float().repeat_interleave(k, 0)
+    expected = torch.empty(tokens * k, hidden, device="cuda")
+    for e in flat.unique().tolist():
+        chosen = flat == e
+        expected[chosen] = swiglu(rows[chosen] @ gate_up[e].float().T) @ down[e].float().T
+    assert rel_err(selected, expected) <= 1e-2
