@@ -395,7 +395,7 @@ class MoEBlock(nn.Module):
         dispatch's and the tile table's small kernels, about 40 a layer: with them, at batch 64
         of the 48-layer Qwen3-30B-A3B shape on an H200, the mode ran 3,243 kernels a step
         against the default path's 891 and took 1.33× its time, its matmul as fast as the
-        default's (not yet measured without them)."""
+        default's; without them 1.20× (docs/benchmarks.md, 2026-11-27)."""
         if self.experts.has_adapters:
             raise ValueError("batch-invariant mode does not cover LoRA adapters: merge them first")
         e = self.experts
