@@ -231,3 +231,16 @@ def test_lora_keeps_the_frozen_base_alone():
     lora = _costs(load_config(None, [*overrides, "lora.rank=8"], launched=False))
     for a, b in zip(full, lora):
         assert b.param_bytes == a.param_bytes / 4 and b.activation_bytes == a.activation_bytes
+
+
+def test_estimate_counts_the_pairs_of_an_overlapped_ep_step(capsys):
+    """Under EP without a pipeline, parallel.pp_overlap pairs each forward with the previous
+    micro-batch's backward: two micro-batches' activations in flight, which the estimate charges."""
+    base = ["estimate", "--config", "configs/tiny.toml", "--set", "parallel.ep=2", "train.micro_batch=2"]
+    assert main(base) == 0
+    alone = capsys.readouterr().out
+    assert main([*base, "parallel.pp_overlap=true"]) == 0
+    paired = capsys.readouterr().out
+    assert "stages (1f1b, pp=1" in alone and "stages (paired, pp=1" in paired
+    memory = [float(out.split("pipeline rank 0:")[1].split()[0]) for out in (alone, paired)]
+    assert memory[1] > memory[0]

@@ -313,6 +313,11 @@ class Trainer:
         tokens = torch.stack([batch.tokens for batch in batches])
         counts = [(batch.local_label_tokens, batch.label_tokens) for batch in batches]
         if self.captured is None or self.captured_counts != counts:
+            if self.captured is not None:
+                self.notes.append(
+                    f"step {self.step + 1} captured again: its micro-batches' labelled tokens differ from the "
+                    "captured step's (constants of the graph's loss scale; sequences of one length keep them)"
+                )
 
             def step(tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
                 return tuple(self.pipeline.train([MicroBatch(t, *c) for t, c in zip(tokens.unbind(0), counts)]))
