@@ -695,13 +695,12 @@ def selected_experts(
 def _selected_matmul(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, per_x: int) -> torch.Tensor:
     """out[pair] = x[pair // per_x] @ weight[ids[pair]].T for the pairs of ids (flattened, T·k of
     them; weight [E, N, K]) -> [T·k, N], with the grouped launch's config for these pairs: the
-    tiles `grouped_matmul` takes for T·k rows of E experts, stepping through an expert's pairs by
-    `expert_block_m`'s rows as `expert_tiles` does."""
+    tiles `grouped_matmul` takes for T·k rows of E experts, whose BLOCK_M is `expert_tiles`' tile
+    height (`expert_block_m`)."""
     pairs = ids.numel()
     experts_count, n, k = weight.shape
     out = x.new_empty(pairs, n)
     if pairs and n:
-        step_m = _tiles(pairs // experts_count, 0, x.dtype)[0]  # expert_block_m of the grouped launch's T·k rows
         block_m, block_n, block_k, warps, stages = _tiles(pairs // experts_count, n, x.dtype)
         _selected_matmul_kernel[(experts_count, triton.cdiv(n, block_n))](
             x,
@@ -716,7 +715,6 @@ def _selected_matmul(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, p
             *weight.stride(),
             out.stride(0),
             PAIRS_PER_X=per_x,
-            STEP_M=step_m,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
@@ -745,7 +743,6 @@ def _selected_matmul_kernel(
     stride_wk,
     stride_om,
     PAIRS_PER_X: tl.constexpr,
-    STEP_M: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -753,9 +750,9 @@ def _selected_matmul_kernel(
     SCAN: tl.constexpr = 256,
 ):
     """out[pair] = x[pair // PAIRS_PER_X] @ w[expert].T for the pairs that chose this program's
-    expert, one N tile. It counts them by scanning the ids, then takes them STEP_M at a time in
-    (token, slot) order — a block of BLOCK_M rows, those past STEP_M or past the last pair masked
-    — exactly the rows, in the same places, of the grouped launch's tiles of this expert (its
+    expert, one N tile. It counts them by scanning the ids, then takes them BLOCK_M at a time in
+    (token, slot) order, those past the last pair masked — exactly the rows, in the same places,
+    of the grouped launch's tiles of this expert (its
     rows are the same pairs sorted stably by expert); each block through `_row_block_product`,
     stored at out[pair]. An expert no pair chose costs a scan."""
     expert = tl.program_id(0)
@@ -767,8 +764,8 @@ def _selected_matmul_kernel(
     in_cols = c < n
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     m = tl.arange(0, BLOCK_M)
-    for first in range(0, count, STEP_M):
-        # The pairs of rank first .. first + STEP_M - 1 among this expert's, in order.
+    for first in range(0, count, BLOCK_M):
+        # The pairs of rank first .. first + BLOCK_M - 1 among this expert's, in order.
         pair = tl.zeros([BLOCK_M], dtype=tl.int32)
         seen = tl.full([], 0, tl.int32)
         for s in range(0, pairs, SCAN):
@@ -778,7 +775,7 @@ def _selected_matmul_kernel(
             pick = (hit[None, :] == 1) & (rank[None, :] == first + m[:, None])
             pair += tl.sum(tl.where(pick, js[None, :], 0), axis=1)
             seen += tl.sum(hit, axis=0)
-        in_rows = (m < STEP_M) & (first + m < count)
+        in_rows = first + m < count
         acc = _row_block_product(
             x_ptr,
             (pair // PAIRS_PER_X).to(tl.int64),
