@@ -52,8 +52,8 @@ rank's micro-batches as F0, (F1, B0), (F2, B1), ..., B(n-1) through this runner,
 `train.cuda_graphs` the trainer captures the whole schedule as one CUDA graph (the host launches
 a step, not its thousands of kernels); with both, the EP step's GPUs idled 7–10% on two H200s.
 
-Limits. `parallel.pp_overlap` stays off by default: on the 6-layer shape its gain is 1.03–1.16×
-where the step is not host-bound, 0.94× on two GPUs without CUDA graphs. With the
+Limits. `parallel.pp_overlap` stays off by default: on the 6-layer shape, without a pipeline, it
+gains 1.03–1.04× under CUDA graphs and 0.94–1.16× without them (two and four GPUs). With the
 `all_to_all` dispatcher the forward's dispatch also copies its split sizes to the host, once per
 MoE layer, blocking the CPU until everything queued before it has run. The chunks share one
 compute stream: compute overlaps communication, never other compute. When the two stages hold
