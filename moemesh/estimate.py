@@ -4,10 +4,13 @@ memory at its peak. The cost model and the profiler live in `parallel/pipeline/m
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from moemesh.config import RunConfig, resolve_device
 from moemesh.models import build
+from moemesh.parallel.parallelize import step_schedule
 from moemesh.parallel.pipeline.memory import (
     profile_costs,
     profile_layers,
@@ -18,7 +21,7 @@ from moemesh.parallel.pipeline.memory import (
     state_bytes_per_param,
 )
 from moemesh.parallel.pipeline.partition import describe, rank_memory
-from moemesh.parallel.pipeline.schedule import build_schedule, peak_in_flight, run_schedule
+from moemesh.parallel.pipeline.schedule import build_schedule, peak_in_flight
 
 
 def estimate_run(
@@ -29,16 +32,15 @@ def estimate_run(
     config = resolve_device(config)
     train, parallel = config.train, config.parallel
     pp = parallel.pp if pp is None else pp
-    num_micro = train.global_batch // train.micro_batch
+    step = config.step_shape
     if schedule_name:
-        schedule = build_schedule(schedule_name, pp, num_micro)
+        schedule = build_schedule(schedule_name, pp, step.micro_batches)
     else:  # the run's own; without a pipeline, one stage
-        schedule = run_schedule(
-            pp, parallel.pp_schedule, parallel.pp_overlap, parallel.ep, parallel.dp_shard, num_micro, train.cuda_graphs
-        ) or build_schedule("1f1b", 1, num_micro)
+        schedule = step_schedule(dataclasses.replace(parallel, pp=pp), step) or build_schedule(
+            "1f1b", 1, step.micro_batches
+        )
     schedule_name = schedule.name
     in_flight = peak_in_flight(schedule)
-    step = config.step_shape
     tokens = rank_tokens(parallel, step)
     if profile:
         device = torch.device(train.device)
@@ -75,7 +77,7 @@ def estimate_run(
     ]
     lines += [
         "",
-        (f"stages ({schedule_name}, pp={pp}, {train.global_batch // train.micro_batch} micro-batches):"),
+        (f"stages ({schedule_name}, pp={pp}, {step.micro_batches} micro-batches):"),
         f"  {'stage':>5} {'rank':>4}  {'layers':<22} {'in flight':>9} {'memory':>12} {'time ' + time_unit:>12}",
     ]
     lines += [

@@ -332,30 +332,33 @@ def test_the_grouped_kernel_computes_each_row_as_the_matmul_kernel_alone(triton_
         ) <= 10 * kernel_tol(dtype)
 
 
-@pytest.mark.parametrize(
-    "kernels, dtype",
-    [
-        ("triton", torch.float32),
-        pytest.param("triton", torch.bfloat16, marks=KERNEL_DTYPES[1].marks),
-        ("torch", torch.float32),
-        ("torch", torch.bfloat16),
-    ],
-)
+def counted_calls(monkeypatch, module, names: list[str]) -> dict[str, int]:
+    """Wrap module's functions `names` to count their calls; returns the live counts."""
+    counts = dict.fromkeys(names, 0)
+    for name in names:
+        original = getattr(module, name)
+
+        def counted(*args, name=name, original=original):
+            counts[name] += 1
+            return original(*args)
+
+        monkeypatch.setattr(module, name, counted)
+    return counts
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("tokens", [70, 1])
-def test_the_selected_kernel_computes_each_pair_as_the_grouped_path(request, monkeypatch, kernels, dtype, tokens):
+def test_the_selected_kernel_computes_each_pair_as_the_grouped_path(triton_kernels, monkeypatch, dtype, tokens):
     """A decode step's experts without the dispatch (`selected_experts`), against the grouped
     path (`experts` over `permute`'s dispatch of the same routing): every (token, slot) row the
     same bits, biases and all, for fresh random routing over 6 experts — expert 0 in one slot of
     every token (70 pairs: two blocks of the fp32 BLOCK_M), 1 to 3 in the other, 4 and 5 chosen
-    by none — and for one token; within tolerance of float64. The kernels (interpreted on a CPU)
-    and the CPU reference."""
+    by none — and for one token; within tolerance of float64. The kernels (interpreted on a CPU
+    in fp32); the CPU reference refuses it (it dispatches)."""
     from moemesh.ops import invariant, permute
     from moemesh.ops.swiglu import swiglu
     from numerics import rel_err
 
-    if kernels == "triton":
-        request.getfixturevalue("triton_kernels")
-    monkeypatch.setenv("MOEMESH_KERNELS", kernels)
     k, count, hidden, inner = 2, 6, 45, 36  # K past one BLOCK_K of 32 and not a multiple; 2I past one BLOCK_N
     ids = torch.stack([torch.zeros(tokens, dtype=torch.long), torch.randint(1, 4, (tokens,))], dim=1)
     ids = torch.where(torch.rand(tokens, 1) < 0.5, ids, ids.flip(1))  # expert 0 in either slot
@@ -378,9 +381,11 @@ def test_the_selected_kernel_computes_each_pair_as_the_grouped_path(request, mon
         ]
     )
     assert rel_err(selected, want) <= 10 * kernel_tol(dtype)
-    if kernels == "triton":  # no autograd through the kernel: refused rather than silently no gradient
-        with pytest.raises(ValueError, match="no gradients"):
-            invariant.selected_experts(x, ids, gate_up.clone().requires_grad_(), down, swiglu)
+    with pytest.raises(ValueError, match="no gradients"):  # refused rather than silently no gradient
+        invariant.selected_experts(x, ids, gate_up.clone().requires_grad_(), down, swiglu)
+    monkeypatch.setenv("MOEMESH_KERNELS", "torch")
+    with pytest.raises(ValueError, match="kernels' device"):
+        invariant.selected_experts(x, ids, gate_up, down, swiglu)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
@@ -398,15 +403,7 @@ def test_a_decode_step_s_experts_skip_the_dispatch_with_the_same_bits(triton_ker
     from numerics import rel_err
     from test_models_decoding import FAMILIES
 
-    calls = {"selected_experts": 0, "grouped_matmul": 0}
-    for name in calls:
-        original = getattr(invariant, name)
-
-        def counted(*args, name=name, original=original):
-            calls[name] += 1
-            return original(*args)
-
-        monkeypatch.setattr(invariant, name, counted)
+    calls = counted_calls(monkeypatch, invariant, ["selected_experts", "grouped_matmul"])
     config = FAMILIES[family].replace(swiglu_limit=None, swiglu_alpha=None) if family == "gpt_oss" else FAMILIES[family]
     model = build(config, seed=2).to(torch.get_default_device()).eval()
     block = model.model.layers[-1].mlp
@@ -486,15 +483,9 @@ def test_with_the_kernels_the_engine_and_the_trainer_agree_bit_for_bit(triton_ke
     reference's tests above cover it; the interpreter is slow.)"""
     from moemesh.ops import invariant
 
-    launches = {"matmul": 0, "paged_attention": 0, "grouped_matmul": 0, "selected_experts": 0}
-    for name in launches:
-        original = getattr(invariant, name)
-
-        def counted(*args, name=name, original=original):
-            launches[name] += 1
-            return original(*args)
-
-        monkeypatch.setattr(invariant, name, counted)
+    launches = counted_calls(
+        monkeypatch, invariant, ["matmul", "paged_attention", "grouped_matmul", "selected_experts"]
+    )
     model = build(CONFIG, seed=1).to(torch.get_default_device()).eval()  # the fixture's device
     with torch.device("cpu"):  # the engine's host-side tensors on the host (the fixture makes the GPU the default)
         first, shares_its_prefix, _, longest, _ = prompts()

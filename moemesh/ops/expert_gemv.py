@@ -97,6 +97,34 @@ def expert_gemv_triton(
     return out
 
 
+@triton.jit
+def count_expert_pairs(ids_ptr, pairs, expert, SCAN: tl.constexpr):
+    """How many of the `pairs` ids at ids_ptr are `expert` (read SCAN at a time)."""
+    count = tl.full([], 0, tl.int32)
+    for s in range(0, pairs, SCAN):
+        js = s + tl.arange(0, SCAN)
+        count += tl.sum((tl.load(ids_ptr + js, mask=js < pairs, other=-1) == expert).to(tl.int32), axis=0)
+    return count
+
+
+@triton.jit
+def expert_pair_block(ids_ptr, pairs, expert, first, ROWS: tl.constexpr, SCAN: tl.constexpr):
+    """[ROWS] int32: the indices of the pairs of rank first .. first + ROWS - 1 among those whose
+    id is `expert`, in order (0 past its last pair). A kernel a program an expert finds its rows
+    with this and `count_expert_pairs` (here and in ops/invariant.py), with no sort."""
+    m = tl.arange(0, ROWS)
+    pair = tl.zeros([ROWS], dtype=tl.int32)
+    seen = tl.full([], 0, tl.int32)
+    for s in range(0, pairs, SCAN):
+        js = s + tl.arange(0, SCAN)
+        hit = (tl.load(ids_ptr + js, mask=js < pairs, other=-1) == expert).to(tl.int32)
+        rank = seen + tl.cumsum(hit, axis=0) - 1
+        pick = (hit[None, :] == 1) & (rank[None, :] == first + m[:, None])
+        pair += tl.sum(tl.where(pick, js[None, :], 0), axis=1)
+        seen += tl.sum(hit, axis=0)
+    return pair
+
+
 @tuned(BY_EXPERT_CONFIGS, key=["size_class", "inner", "out_features", "PAIRS_PER_X", "GLU"])
 @triton.jit
 def _by_expert_kernel(
@@ -121,24 +149,12 @@ def _by_expert_kernel(
     # them (tl.dot pads to 16 rows): an expert no pair chose costs a scan and no weight read.
     expert = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
-    count = tl.full([], 0, tl.int32)
-    for s in range(0, pairs, SCAN):
-        js = s + tl.arange(0, SCAN)
-        count += tl.sum((tl.load(ids_ptr + js, mask=js < pairs, other=-1) == expert).to(tl.int32), axis=0)
+    count = count_expert_pairs(ids_ptr, pairs, expert, SCAN)
     rows_per_expert = 2 * out_features if GLU else out_features
     matrix = weight_ptr + expert.to(tl.int64) * rows_per_expert * inner + cols[None, :].to(tl.int64) * inner
     m = tl.arange(0, ROWS)
     for first in range(0, count, ROWS):
-        # The pairs of rank first .. first + ROWS - 1 among this expert's, in order.
-        pair = tl.zeros([ROWS], dtype=tl.int32)
-        seen = tl.full([], 0, tl.int32)
-        for s in range(0, pairs, SCAN):
-            js = s + tl.arange(0, SCAN)
-            hit = (tl.load(ids_ptr + js, mask=js < pairs, other=-1) == expert).to(tl.int32)
-            rank = seen + tl.cumsum(hit, axis=0) - 1
-            pick = (hit[None, :] == 1) & (rank[None, :] == first + m[:, None])
-            pair += tl.sum(tl.where(pick, js[None, :], 0), axis=1)
-            seen += tl.sum(hit, axis=0)
+        pair = expert_pair_block(ids_ptr, pairs, expert, first, ROWS, SCAN)
         valid = first + m < count
         x_rows = x_ptr + (pair // PAIRS_PER_X).to(tl.int64)[:, None] * inner
         acc = tl.zeros([ROWS, BLOCK_OUT], dtype=tl.float32)

@@ -47,7 +47,8 @@ or MOEMESH_KERNELS=triton under Triton's interpreter):
     A decode step's few pairs skip the dispatch (models/moe.py: up to SELECTED_EXPERT_ROWS
     pairs, no gradients, every expert on the rank, no adapters): `selected_experts` computes
     them in (token, slot) order by `_selected_matmul_kernel`, a program an (expert, N tile) that
-    finds its expert's pairs by scanning the ids (as ops/expert_gemv.py's kernel does) and takes
+    finds its expert's pairs by scanning the ids (ops/expert_gemv.py's `expert_pair_block`, as the
+    default path's kernel does) and takes
     them in the grouped launch's blocks, in the same order, with its config; each block through
     the K loop `_matmul_kernel` runs (`_row_block_product`, one function for both), so a pair's
     row is the grouped path's by construction, and `combine` at the identity positions sums the
@@ -90,6 +91,7 @@ import torch
 import torch.nn.functional as F
 
 from moemesh.ops.backend import HAVE_TRITON, tl, triton, use_triton
+from moemesh.ops.expert_gemv import count_expert_pairs, expert_pair_block
 from moemesh.ops.grouped_mm import group_offsets, product, weight_gradient
 
 TILE = 16  # rows a GEMM call of the CPU reference computes, whatever the batch
@@ -668,16 +670,11 @@ def selected_experts(
     On the kernels' device: two launches of `_selected_matmul_kernel` (gate_up from the token rows
     pair // k, down from the pair rows) with `activation` (elementwise) and the biases between, in
     the ops and dtypes of `experts`; no sort, tile table, row copy or fill. Forward only (a
-    decode step: no autograd through the kernel). Else the CPU reference: `experts` over the pairs
-    sorted by expert, put back in (token, slot) order."""
-    tokens, k = expert_ids.shape
+    decode step: no autograd through the kernel), on the kernels' device only (`kernels`: the
+    CPU reference dispatches, models/moe.py)."""
+    k = expert_ids.shape[1]
     if not kernels(x):
-        flat = expert_ids.flatten()
-        order = torch.argsort(flat, stable=True)
-        sizes = torch.bincount(flat, minlength=gate_up.shape[0])
-        out = x.new_empty(tokens * k, down.shape[1])
-        out[order] = experts(x[order // k], sizes, gate_up, down, activation, gate_up_bias, down_bias)
-        return out
+        raise ValueError("invariant.selected_experts runs on the kernels' device; the CPU reference dispatches")
     if torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, gate_up, down, gate_up_bias, down_bias)
     ):
@@ -756,25 +753,13 @@ def _selected_matmul_kernel(
     rows are the same pairs sorted stably by expert); each block through `_row_block_product`,
     stored at out[pair]. An expert no pair chose costs a scan."""
     expert = tl.program_id(0)
-    count = tl.full([], 0, tl.int32)
-    for s in range(0, pairs, SCAN):
-        js = s + tl.arange(0, SCAN)
-        count += tl.sum((tl.load(ids_ptr + js, mask=js < pairs, other=-1) == expert).to(tl.int32), axis=0)
+    count = count_expert_pairs(ids_ptr, pairs, expert, SCAN)
     c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_cols = c < n
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     m = tl.arange(0, BLOCK_M)
     for first in range(0, count, BLOCK_M):
-        # The pairs of rank first .. first + BLOCK_M - 1 among this expert's, in order.
-        pair = tl.zeros([BLOCK_M], dtype=tl.int32)
-        seen = tl.full([], 0, tl.int32)
-        for s in range(0, pairs, SCAN):
-            js = s + tl.arange(0, SCAN)
-            hit = (tl.load(ids_ptr + js, mask=js < pairs, other=-1) == expert).to(tl.int32)
-            rank = seen + tl.cumsum(hit, axis=0) - 1
-            pick = (hit[None, :] == 1) & (rank[None, :] == first + m[:, None])
-            pair += tl.sum(tl.where(pick, js[None, :], 0), axis=1)
-            seen += tl.sum(hit, axis=0)
+        pair = expert_pair_block(ids_ptr, pairs, expert, first, BLOCK_M, SCAN)
         in_rows = first + m < count
         acc = _row_block_product(
             x_ptr,

@@ -37,12 +37,9 @@ class Layout:
     kept_whole: list[str]  # parameters FSDP could not shard evenly
 
 
-def parallelize(model: MoECausalLM, mesh: Mesh, parallel: ParallelConfig, step: StepShape) -> Layout:
-    """Lay `model` out in place for `mesh` and `parallel`; `step` says how many micro-batches the
-    pipeline schedules and what they cost (with parallel.pp > 1), and the dtype FSDP gathers in."""
-    apply_data_parallel(apply_tp(apply_ep(model, mesh, parallel.ep_dispatch), mesh), mesh)  # TP ranks share their data
-    stages = None
-    schedule = run_schedule(
+def step_schedule(parallel: ParallelConfig, step: StepShape) -> Schedule | None:
+    """The schedule a training step of this layout follows (`schedule.run_schedule`), or None."""
+    return run_schedule(
         parallel.pp,
         parallel.pp_schedule,
         parallel.pp_overlap,
@@ -51,6 +48,14 @@ def parallelize(model: MoECausalLM, mesh: Mesh, parallel: ParallelConfig, step: 
         step.micro_batches,
         step.whole_step,
     )
+
+
+def parallelize(model: MoECausalLM, mesh: Mesh, parallel: ParallelConfig, step: StepShape) -> Layout:
+    """Lay `model` out in place for `mesh` and `parallel`; `step` says how many micro-batches the
+    pipeline schedules and what they cost (with parallel.pp > 1), and the dtype FSDP gathers in."""
+    apply_data_parallel(apply_tp(apply_ep(model, mesh, parallel.ep_dispatch), mesh), mesh)  # TP ranks share their data
+    stages = None
+    schedule = step_schedule(parallel, step)
     if schedule is not None:  # this rank keeps its stages only, partitioned by estimated memory and time
         ranges = stage_ranges(schedule, run_costs(model.config, parallel, step))
         stages = RankStages(model, cut_model(model, ranges, list(schedule.stage_rank), mesh.rank("pp")))
