@@ -22,6 +22,10 @@
 #   bash bench/gpu_checks_parallel.sh balance   the 6-layer shape's trainer step under ep=2 (GPUs
 #       2-3) and ep=4, with the model's router and with spread (balanced) routing: the GPUs' idle
 #       share from the mechanism alone and from the router's imbalance (bench/pipeline.py --routing)
+#   bash bench/gpu_checks_parallel.sh graphs    the EP step as one CUDA graph with paired
+#       micro-batches: the batch-invariant kernels' GPU tests on GPU 0 beside the benchmark model
+#       under `moemesh train` on GPU 1 and with ep=2 on GPUs 2-3, then ep=4 (the same tokens per
+#       GPU); then the trainer's step with 8 micro-batches of one sequence a GPU, ep=2 and ep=4.
 #   bash bench/gpu_checks_parallel.sh long STEPS [KEY=VALUE ...]   the full shape under `moemesh
 #       train` for STEPS steps (the loss falling; tokens/s per GPU, MFU, memory from metrics.jsonl).
 set -u
@@ -131,6 +135,31 @@ full)
     echo "== the full Qwen3-30B-A3B shape, 4 GPUs: $variants"
     timeout 540 torchrun --standalone --nproc-per-node 4 bench/pipeline.py --config configs/qwen3_30b_a3b.toml \
         --seq 4096 --steps 4 --warmup 2 --variants "$variants" "${@:3}" 2>&1 | tee "$LOGS/full_$variants.txt" | quiet | tail -40
+    ;;
+graphs)
+    Q6=configs/qwen3_30b_a3b_6l.toml
+    GRAPHS="parallel.pp_overlap=true train.cuda_graphs=true"
+    (CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m pytest -q tests/test_batch_invariant.py tests/test_gpu_bf16.py \
+         tests/test_ops_expert_gemv.py -k "kernel or selected or invariant or gemv or expert" > "$LOGS/gpu_tests.txt" 2>&1) &
+    six() {  # GPUs, name, overrides: 4 sequences of 4096 tokens per GPU a step, micro-batches of one a GPU
+        local n
+        n=$(count "$1")
+        run "$1" "$2" $Q6 train.steps=12 train.eval_every=0 train.global_batch=$((4 * n)) "${@:3}"
+    }
+    six 1 q6_gpus1 train.micro_batch=4 & six 2,3 q6_ep2_graphs train.micro_batch=2 parallel.ep=2 $GRAPHS & wait
+    six 0,1,2,3 q6_ep4_graphs train.micro_batch=4 parallel.ep=4 $GRAPHS
+    echo "== GPU tests"; tail -2 "$LOGS/gpu_tests.txt"
+    echo "== the benchmark model, 4 sequences of 4096 tokens a GPU, the EP step as one graph with pairs"
+    declare -x GPUS_q6_ep2_graphs=2 GPUS_q6_ep4_graphs=4
+    summary q6_gpus1 q6_ep2_graphs q6_ep4_graphs
+    for name in q6_gpus1 q6_ep2_graphs q6_ep4_graphs; do quiet < "$LOGS/$name.txt" | grep -i "error\|computed again\|captur" | head -4; done
+    for gpus in 2,3 0,1,2,3; do
+        n=$(count $gpus)
+        echo "== the trainer's step, ep=$n, 8 micro-batches of one sequence a GPU"
+        CUDA_VISIBLE_DEVICES=$gpus timeout 240 torchrun --standalone --nproc-per-node "$n" bench/pipeline.py \
+            --config $Q6 --seq 4096 --micro "$n" --micro-batches 8 --steps 4 --warmup 2 \
+            --variants ep-graphs,ep-paired-graphs 2>&1 | tee "$LOGS/graphs8_$n.txt" | quiet | grep "|\|Error"
+    done
     ;;
 balance)
     six() {  # GPUs, micro-batches, sequences a micro-batch
