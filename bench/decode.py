@@ -62,6 +62,7 @@ every rank got the same bits.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import statistics
@@ -399,7 +400,8 @@ def tensor_parallel_rows(config, args, prompts) -> list[dict]:
             model, max_batch=args.profile_batch, max_len=args.prompt_len + args.profile_steps + 2, group=group
         )
         return led(engine, lambda e: kernel_rows(e, args, prompts)) or []
-    for way in args.ways if world > 1 else ["nccl"]:
+    shipped_rows = gemv.MAX_ROWS
+    for way, gemv.MAX_ROWS in itertools.product(args.ways if world > 1 else ["nccl"], args.gemv_rows):
         comm.PEER_ALL_REDUCE.update(WAYS[way])
         for batch in args.batches:
             engine = DecodeEngine(model, max_batch=batch, max_len=args.prompt_len + args.new_tokens + 1, group=group)
@@ -408,6 +410,7 @@ def tensor_parallel_rows(config, args, prompts) -> list[dict]:
             del engine  # its KV cache took what the weights left: gone before the next engine sizes its own
             free()
     comm.PEER_ALL_REDUCE.update(WAYS["shipped"])
+    gemv.MAX_ROWS = shipped_rows
     if dist.is_initialized():
         dist.barrier()
     return rows
@@ -438,6 +441,7 @@ def tensor_parallel_row(engine: DecodeEngine, args, prompts: list[list[int]], wo
     return {
         "GPUs": f"{world} ({args.layout.upper()})" if world > 1 else "1",
         "all-reduce": way if world > 1 else "",
+        "gemv rows": gemv.MAX_ROWS,
         "batch": batch,
         "engine ms/step": f"{ms:.2f}",
         "tokens/s": f"{batch * 1e3 / ms:,.0f}",
@@ -624,6 +628,12 @@ def main():
     parser.add_argument("--score-batch", type=int, default=4, help="--batch-invariant: sequences a trainer forward")
     parser.add_argument("--all-reduce", action="store_true", help="under torchrun: the all-reduce alone, by size")
     parser.add_argument("--ways", default="nccl,one-shot,two-shot,shipped", help=f"of {', '.join(WAYS)}")
+    parser.add_argument(
+        "--gemv-rows",
+        default=str(gemv.MAX_ROWS),
+        help="with --tensor-parallel: comma-separated values of ops/gemv.py's MAX_ROWS to compare (the projections "
+        "of up to that many rows by its kernel, more by cuBLAS)",
+    )
     parser.add_argument("--all-reduce-sizes", default="4,8,16,32,64,128,256,512,1024,4096", help="KB")
     args = parser.parse_args()
     args.ways = args.ways.split(",")
@@ -632,6 +642,7 @@ def main():
     if args.new_tokens < 3:
         parser.error("--new-tokens must be at least 3 (the first two steps are not timed)")
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.gemv_rows = [int(n) for n in args.gemv_rows.split(",")]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = bench_model_config(args)

@@ -55,13 +55,14 @@ def test_topk_softmax_refuses_a_k_beyond_the_experts():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 5, 16])
-def test_gemv_of_up_to_three_weights(triton_kernels, dtype, rows):
+@pytest.mark.parametrize("rows, most", [(1, 16), (5, 16), (16, 16), (40, 64)])  # 40: a tile of 64 rows
+def test_gemv_of_up_to_three_weights(triton_kernels, monkeypatch, dtype, rows, most):
+    monkeypatch.setattr(gemv, "MAX_ROWS", most)
     x = torch.randn(rows, 300).to(dtype)
     weights = [torch.randn(n, 300).to(dtype) for n in (70, 5, 33)]
     assert gemv.fits(x, *weights) is False  # gradients on: the autograd path
     with torch.no_grad():
-        assert gemv.fits(x, *weights) and not gemv.fits(torch.randn(17, 300).to(dtype), weights[0])
+        assert gemv.fits(x, *weights) and not gemv.fits(torch.randn(most + 1, 300).to(dtype), weights[0])
         for count in (1, 3):
             for out, w in zip(gemv.gemv(x, weights[:count]), weights):
                 assert out.shape == (rows, w.shape[0]) and out.dtype == dtype

@@ -1,28 +1,33 @@
 """Linear layers for a few rows (decoding): up to three weights in one launch, each read once.
 
-    gemv(x, [w_0, w_1, ...]) = [x @ w_0ᵀ, x @ w_1ᵀ, ...]        x [M, K], w_i [N_i, K], M <= 16
+    gemv(x, [w_0, w_1, ...]) = [x @ w_0ᵀ, x @ w_1ᵀ, ...]        x [M, K], w_i [N_i, K], M <= 64
 
 A decode step multiplies one row per sequence by every projection. cuBLAS measured at a quarter of
 the memory bandwidth on the attention projections of one row (docs/benchmarks.md), and three
 launches for q, k and v; here one program per block of output features of any of the weights
-streams that block of its weight once, for all M rows at a time (the rows padded to 16 for
-`tl.dot`), accumulating in fp32. Several weights share one launch without being concatenated in
-memory: a program finds its weight from its index.
+streams that block of its weight once, for all M rows at a time (the rows padded to the next
+power of two, at least 16, for `tl.dot`), accumulating in fp32. Several weights share one launch
+without being concatenated in memory: a program finds its weight from its index.
 
-Limits: forward only (the training path keeps `ops/linear.py`'s autograd), M <= 16, weights of
-x's dtype, three at most, no bias (the caller adds it).
+Up to 64 rows, not 16: at 17-64 rows cuBLAS ran q, k, v and the router as four small GEMMs of
+~5 µs each that do not shrink under tensor parallelism; this kernel made a decode step of 32 or
+64 rows 1.02-1.04x faster on one H200 and 1.07-1.10x under TP=4 (docs/benchmarks.md, issue 49).
+Past 64 rows a step reads the weights at cuBLAS's pace anyway.
+
+Limits: forward only (the training path keeps `ops/linear.py`'s autograd), M <= MAX_ROWS, weights
+of x's dtype, three at most, no bias (the caller adds it).
 """
 
 import torch
 
 from moemesh.ops.backend import tl, triton, tuned, use_triton
 
-MAX_ROWS = 16
+MAX_ROWS = 64
 # Tiles tried at a shape's first launch (backend.tuned): wider ones keep more bytes in flight, narrower
-# ones make more programs for the GPU's SMs.
+# ones make more programs for the GPU's SMs; shorter K blocks keep a tile of 64 rows in registers.
 CONFIGS = [
     triton.Config({"BLOCK_OUT": o, "BLOCK_K": k}, num_warps=w)
-    for o, k, w in ((16, 256, 4), (16, 512, 4), (32, 256, 4), (32, 512, 8), (64, 128, 4))
+    for o, k, w in ((16, 256, 4), (16, 512, 4), (32, 256, 4), (32, 512, 8), (64, 128, 4), (16, 128, 4), (32, 128, 4))
 ]
 
 
@@ -64,7 +69,7 @@ def gemv(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
         rows,
         inner,
         triton.next_power_of_2(rows),
-        ROWS=MAX_ROWS,
+        ROWS=max(16, triton.next_power_of_2(rows)),  # tl.dot's least; a tile per size class
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
     )
     return outs
