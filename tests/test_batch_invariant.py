@@ -195,14 +195,16 @@ def scored_bit_equal(model, sequences) -> torch.Tensor:
     return total
 
 
-def check_engine_and_trainer_bit_equal_under_ep(rank):
+def check_engine_and_trainer_bit_equal_under_ep(rank, config=CONFIG):
     """Expert parallelism for decoding (each rank its experts' share of every token): the engine
     samples in the mode and the trainer scores in the same layout, bit-equal too."""
+    import torch.distributed as dist
+
     from moemesh.parallel.expert import apply_ep_for_decoding
     from moemesh.parallel.mesh import ParallelDims, init_mesh
 
-    mesh = init_mesh(ParallelDims(ep=WORLD))
-    model = apply_ep_for_decoding(build(CONFIG, seed=1), mesh).eval()
+    mesh = init_mesh(ParallelDims(ep=dist.get_world_size()))
+    model = apply_ep_for_decoding(build(config, seed=1), mesh).eval()
     sequences = sampled_over(model, mesh.group("ep"))
     scored_bit_equal(model, sequences)
     return sum(len(tokens) for _, tokens, *_ in sequences)
@@ -212,31 +214,36 @@ def test_under_expert_parallelism_for_decoding_the_trainer_s_logprobs_equal_the_
     assert min(pool.run(check_engine_and_trainer_bit_equal_under_ep)) > 100
 
 
-def check_engine_and_trainer_bit_equal_under_tp(rank):
-    """The engine over 2 tensor-parallel ranks samples in the mode; both ranks score the leader's
-    sequences with the trainer's forward in the mode, the logits gathered whole as the engine's:
-    every log-probability and routing decision bit-equal (a sum of two partial sums has one
-    order), and the gradients of their sum each rank's share of one process's (the parallel
-    layouts' tolerance: within 1.2e-6 of float64 here)."""
+def check_engine_and_trainer_bit_equal_under_tp(rank, config=CONFIG):
+    """The engine over the tensor-parallel ranks samples in the mode; every rank scores the
+    leader's sequences with the trainer's forward in the mode, the logits gathered whole as the
+    engine's: every log-probability and routing decision bit-equal (the mode adds the ranks'
+    partial sums in rank order, whatever their size: `comm._summed_in_rank_order`), and the
+    gradients of their sum each rank's share of one process's (the parallel layouts' tolerance:
+    within 1.2e-6 of float64 here)."""
+    import torch.distributed as dist
+
     from moemesh.parallel.data import reduce_gradients
     from moemesh.parallel.mesh import ParallelDims, init_mesh
     from moemesh.parallel.tensor import apply_tp
     from numerics import rel_err
-    from test_parallel_tensor import local_slice
+    from test_parallel_tensor import kv_heads, local_slice
 
-    mesh = init_mesh(ParallelDims(tp=WORLD))
-    model = apply_tp(build(CONFIG, seed=1), mesh).eval()
+    world = dist.get_world_size()
+    mesh = init_mesh(ParallelDims(tp=world))
+    model = apply_tp(build(config, seed=1), mesh).eval()
     sequences = sampled_over(model, mesh.group("tp"))
     scored_bit_equal(model, sequences).backward()
     reduce_gradients(model, mesh)
-    reference = build(CONFIG, seed=1).double()  # one process, float64, the default mode
+    reference = build(config, seed=1).double()  # one process, float64, the default mode
     sum(
         completion_logprobs(reference, [prompt], [tokens], temperature).logprobs[0].sum()
         for prompt, tokens, temperature, _, _ in sequences
     ).backward()
     expected = dict(reference.named_parameters())
     for name, param in model.named_parameters():
-        assert rel_err(param.grad, local_slice(name, expected[name].grad, rank, WORLD)) <= 1e-5, name
+        full = expected[name].grad
+        assert rel_err(param.grad, local_slice(name, full, rank, world, kv_heads(reference, name))) <= 1e-5, name
     return sum(len(tokens) for _, tokens, *_ in sequences)
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moemesh.ops import recompute
+from moemesh.ops import invariant, recompute
 
 calls: Counter[tuple[str, str]] = Counter()  # (kind, "forward" | "backward") -> number of calls
 sent_bytes: Counter[tuple[str, str]] = Counter()  # the same key -> bytes this rank sent
@@ -251,12 +251,31 @@ def _summed(x: torch.Tensor, group, phase: str) -> torch.Tensor:
 
 def _summed_now(x: torch.Tensor, group, phase: str) -> torch.Tensor:
     _count("all_reduce", phase, x.numel() * x.element_size())
+    if phase == "forward" and invariant.on():
+        return _summed_in_rank_order(x, group)
     peer = _peer_buffers.get(group)
     if peer is not None and (y := peer.summed(x)) is not None:
         return y
     y = x.contiguous().clone()
     dist.all_reduce(y, group=group)
     return y
+
+
+def _summed_in_rank_order(x: torch.Tensor, group) -> torch.Tensor:
+    """Batch-invariant mode's sum over the ranks: every rank's x gathered, then added in rank order
+    in fp32 (or x's wider dtype) and rounded once. NCCL's ring and gloo split a sum by its size,
+    so over three ranks or more an engine's step and the trainer's forward (other sizes) would
+    add the same partial sums in other orders; this order is the same for any size, any layout,
+    engine or trainer. (Two ranks' sum has one order: a + b = b + a.) The price is a gather of
+    ranks × x instead of an all-reduce."""
+    flat = x.contiguous().view(-1)
+    gathered = flat.new_empty(dist.get_world_size(group) * flat.numel())
+    dist.all_gather_into_tensor(gathered, flat, group=group)
+    parts = gathered.view(-1, flat.numel())
+    total = parts[0].to(torch.promote_types(x.dtype, torch.float32))
+    for part in parts[1:]:
+        total = total + part
+    return total.to(x.dtype).view_as(x)
 
 
 class _AllReduceSum(torch.autograd.Function):
