@@ -4,6 +4,7 @@
     PYTHONPATH=. python3 bench/kernels.py --smoke    # tiny sizes on CPU under TRITON_INTERPRET=1:
                                                      # checks the script runs; timings meaningless
     PYTHONPATH=. python3 bench/kernels.py --invariant-tiles   # only: batch-invariant matmul tiles
+    PYTHONPATH=. python3 bench/kernels.py --expert-tiles      # only: decoding's per-expert kernel's tiles
 
 Prints: effective bandwidth of permute / combine / swiglu (forward and backward) as a fraction of
 a measured device copy, against the plain PyTorch index path; expert_gemv (decoding's MoE path,
@@ -15,6 +16,7 @@ Writes nothing, except, when $OUT is set, the printed report to $OUT/kernels.txt
 cache goes to a folder under $OUT, removed at exit).
 """
 
+import functools
 import os
 import shutil
 import sys
@@ -409,6 +411,73 @@ def invariant_tile_rows():
     report(f"configs with the old bits for every weight and row count: {len(same)} of {len(configs)}")
 
 
+# Decoding's per-expert kernel (`expert_gemv._by_expert_kernel`) at the Qwen3-30B-A3B expert bank
+# and a tensor-parallel rank's slice of it (intermediate 768 / tp): at TP=4 the kernel took 35% of
+# one GPU's time at batch 64 where a quarter would be 25% (docs/benchmarks.md, issue 49).
+EXPERT_TP = (1, 2, 4)
+EXPERT_TOKENS = (32, 64)
+# (BLOCK_OUT, BLOCK_K, num_warps, num_stages): the shipped list, then wider blocks of shorter K.
+EXPERT_EXTRA_CONFIGS = [(128, 64, 4, 3), (256, 64, 8, 3), (256, 128, 8, 3), (128, 32, 4, 4)]
+
+
+def expert_tile_rows(copy_gbps):
+    """For gate/up (SwiGLU fused) and down, at one GPU's expert bank and TP=2 and 4 ranks' slices:
+    the kernel under each config of BY_EXPERT_CONFIGS and EXPERT_EXTRA_CONFIGS, and as shipped
+    (its autotuner's pick): microseconds and GB/s over the chosen experts' bytes of the slice."""
+    import triton
+
+    from moemesh.ops import expert_gemv as module
+
+    kernel = module._by_expert_kernel
+    jit = getattr(kernel, "fn", None) or kernel.kernel  # triton's autotuner, or the CPU's first config
+    shipped = [
+        (c.kwargs["BLOCK_OUT"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages) for c in module.BY_EXPERT_CONFIGS
+    ]
+    configs = (shipped + EXPERT_EXTRA_CONFIGS)[: 2 if SMOKE else None]
+    k, hidden, experts, inner = (SIZES[n] for n in ("k", "hidden", "experts", "inner"))
+    e = torch.finfo(DTYPE).bits // 8
+    report(f"decoding's per-expert kernel: configs (BLOCK_OUT, BLOCK_K, warps, stages), E={experts}, top-{k}")
+    report(
+        f"{'projection':<22}{'tokens':>7}{'shipped us':>11}{'GB/s':>7}{'best config':>22}{'us':>8}{'GB/s':>7}"
+        f"{'%copy':>7}"
+    )
+    for tp in EXPERT_TP:
+        part = inner // tp
+        for name, out_features, width, glu in (("gate/up", part, hidden, True), ("down", hidden, part, False)):
+            rows_per_expert = 2 * out_features if glu else out_features
+            weight = torch.randn(experts, rows_per_expert, width, dtype=DTYPE, device=DEVICE) / width**0.5
+            for tokens in (2, 3) if SMOKE else EXPERT_TOKENS:
+                x = torch.randn(tokens, width, dtype=DTYPE, device=DEVICE)
+                ids = torch.stack([torch.randperm(experts, device=DEVICE)[:k] for _ in range(tokens)]).contiguous()
+                nbytes = int(ids.unique().numel()) * rows_per_expert * width * e
+                out = x.new_empty(tokens * k, out_features)
+
+                def run(config):
+                    block_out, block_k, warps, stages = config
+                    grid = (experts, triton.cdiv(out_features, block_out))
+                    launch = functools.partial(
+                        jit[grid], x, weight, ids, out, tokens * k, width, out_features,
+                        triton.next_power_of_2(tokens * k), PAIRS_PER_X=k, GLU=glu, PRECISION="tf32",
+                        BLOCK_OUT=block_out, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+                    )  # fmt: skip
+                    return bench_ms(launch, rep=25)
+
+                times = {}
+                for config in configs:
+                    try:
+                        times[config] = run(config)
+                    except Exception as error:  # a config past the GPU's registers or shared memory
+                        times[config] = float("inf")
+                        report(f"  {config}: {type(error).__name__}")
+                as_shipped = bench_ms(lambda: module.expert_gemv_triton(x, weight, ids, glu=glu), rep=25)
+                best = min(times, key=times.get)
+                report(
+                    f"{f'{name}, tp={tp} [{rows_per_expert}x{width}]':<22}{tokens:>7}{as_shipped * 1e3:>11.1f}"
+                    f"{nbytes / as_shipped / 1e6:>7.0f}{str(best):>22}{times[best] * 1e3:>8.1f}"
+                    f"{nbytes / times[best] / 1e6:>7.0f}{nbytes / times[best] / 1e6 / copy_gbps:>7.0%}"
+                )
+
+
 def main():
     if not SMOKE and not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA GPU (or --smoke for a CPU dry run)")
@@ -421,6 +490,9 @@ def main():
         invariant_tile_rows()
         return 0
     copy_gbps = copy_bandwidth()
+    if "--expert-tiles" in sys.argv:
+        expert_tile_rows(copy_gbps)
+        return 0
     report(f"device copy bandwidth (dst.copy_(src), {SIZES['copy_bytes'] / 2**20:.0f} MiB): {copy_gbps:.0f} GB/s")
     report()
     bandwidth_rows(copy_gbps)
