@@ -195,7 +195,7 @@ def scored_bit_equal(model, sequences) -> torch.Tensor:
     return total
 
 
-def check_engine_and_trainer_bit_equal_under_ep(rank, config=CONFIG):
+def check_engine_and_trainer_bit_equal_under_ep(rank):
     """Expert parallelism for decoding (each rank its experts' share of every token): the engine
     samples in the mode and the trainer scores in the same layout, bit-equal too."""
     import torch.distributed as dist
@@ -204,7 +204,7 @@ def check_engine_and_trainer_bit_equal_under_ep(rank, config=CONFIG):
     from moemesh.parallel.mesh import ParallelDims, init_mesh
 
     mesh = init_mesh(ParallelDims(ep=dist.get_world_size()))
-    model = apply_ep_for_decoding(build(config, seed=1), mesh).eval()
+    model = apply_ep_for_decoding(build(CONFIG, seed=1), mesh).eval()
     sequences = sampled_over(model, mesh.group("ep"))
     scored_bit_equal(model, sequences)
     return sum(len(tokens) for _, tokens, *_ in sequences)
@@ -214,7 +214,7 @@ def test_under_expert_parallelism_for_decoding_the_trainer_s_logprobs_equal_the_
     assert min(pool.run(check_engine_and_trainer_bit_equal_under_ep)) > 100
 
 
-def check_engine_and_trainer_bit_equal_under_tp(rank, config=CONFIG):
+def check_engine_and_trainer_bit_equal_under_tp(rank):
     """The engine over the tensor-parallel ranks samples in the mode; every rank scores the
     leader's sequences with the trainer's forward in the mode, the logits gathered whole as the
     engine's: every log-probability and routing decision bit-equal (the mode adds the ranks'
@@ -231,11 +231,11 @@ def check_engine_and_trainer_bit_equal_under_tp(rank, config=CONFIG):
 
     world = dist.get_world_size()
     mesh = init_mesh(ParallelDims(tp=world))
-    model = apply_tp(build(config, seed=1), mesh).eval()
+    model = apply_tp(build(CONFIG, seed=1), mesh).eval()
     sequences = sampled_over(model, mesh.group("tp"))
     scored_bit_equal(model, sequences).backward()
     reduce_gradients(model, mesh)
-    reference = build(config, seed=1).double()  # one process, float64, the default mode
+    reference = build(CONFIG, seed=1).double()  # one process, float64, the default mode
     sum(
         completion_logprobs(reference, [prompt], [tokens], temperature).logprobs[0].sum()
         for prompt, tokens, temperature, _, _ in sequences

@@ -9,10 +9,10 @@ streams that block of its weight once, for all M rows at a time (the rows padded
 power of two, at least 16, for `tl.dot`), accumulating in fp32. Several weights share one launch
 without being concatenated in memory: a program finds its weight from its index.
 
-Up to 64 rows, not 16: at 17-64 rows cuBLAS ran q, k, v and the router as four small GEMMs of
-~5 µs each that do not shrink under tensor parallelism; this kernel made a decode step of 32 or
-64 rows 1.02-1.04x faster on one H200 and 1.07-1.10x under TP=4 (docs/benchmarks.md, issue 49).
-Past 64 rows a step reads the weights at cuBLAS's pace anyway.
+Up to 64 rows, not 16: at 17-64 rows cuBLAS ran q, k, v and the router as four GEMMs, three of
+them ~5 µs kernels that do not shrink under tensor parallelism; this kernel made a decode step of
+32 or 64 rows 1.01-1.04x faster on one H200 and 1.07-1.10x under TP=4 (docs/benchmarks.md, issue
+49). Larger tiles of rows were not measured.
 
 Limits: forward only (the training path keeps `ops/linear.py`'s autograd), M <= MAX_ROWS, weights
 of x's dtype, three at most, no bias (the caller adds it).
