@@ -23,9 +23,9 @@
 #       2-3) and ep=4, with the model's router and with spread (balanced) routing: the GPUs' idle
 #       share from the mechanism alone and from the router's imbalance (bench/pipeline.py --routing)
 #   bash bench/gpu_checks_parallel.sh graphs    the EP step as one CUDA graph with paired
-#       micro-batches: the batch-invariant kernels' GPU tests on GPU 0 beside the benchmark model
-#       under `moemesh train` on GPU 1 and with ep=2 on GPUs 2-3, then ep=4 (the same tokens per
-#       GPU); then the trainer's step with 8 micro-batches of one sequence a GPU, ep=2 and ep=4.
+#       micro-batches: the benchmark model under `moemesh train` on GPU 1 and with ep=2 on GPUs
+#       2-3 side by side, then ep=4 (the same tokens per GPU); then the trainer's step with 8
+#       micro-batches of one sequence a GPU, ep=2 and ep=4.
 #   bash bench/gpu_checks_parallel.sh long STEPS [KEY=VALUE ...]   the full shape under `moemesh
 #       train` for STEPS steps (the loss falling; tokens/s per GPU, MFU, memory from metrics.jsonl).
 set -u
@@ -139,8 +139,6 @@ full)
 graphs)
     Q6=configs/qwen3_30b_a3b_6l.toml
     GRAPHS="parallel.pp_overlap=true train.cuda_graphs=true"
-    (CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m pytest -q tests/test_batch_invariant.py tests/test_gpu_bf16.py \
-         tests/test_ops_expert_gemv.py -k "kernel or selected or invariant or gemv or expert" > "$LOGS/gpu_tests.txt" 2>&1) &
     six() {  # GPUs, name, overrides: 4 sequences of 4096 tokens per GPU a step, micro-batches of one a GPU
         local n
         n=$(count "$1")
@@ -148,7 +146,6 @@ graphs)
     }
     six 1 q6_gpus1 train.micro_batch=4 & six 2,3 q6_ep2_graphs train.micro_batch=2 parallel.ep=2 $GRAPHS & wait
     six 0,1,2,3 q6_ep4_graphs train.micro_batch=4 parallel.ep=4 $GRAPHS
-    echo "== GPU tests"; tail -2 "$LOGS/gpu_tests.txt"
     echo "== the benchmark model, 4 sequences of 4096 tokens a GPU, the EP step as one graph with pairs"
     declare -x GPUS_q6_ep2_graphs=2 GPUS_q6_ep4_graphs=4
     summary q6_gpus1 q6_ep2_graphs q6_ep4_graphs
