@@ -184,7 +184,7 @@ def _launch_matmul(x, weight, out, tiles, rows: int, config) -> None:
     """One launch of `_matmul_kernel` with `config` (`_tiles`): plain (tiles None) or grouped
     (tiles: each M tile's expert, first and end row, int32 [3, m_tiles]; weight [E, N, K])."""
     n, k = weight.shape[-2:]
-    block_m, block_n, block_k, warps, stages = config
+    block_m, block_n = config[:2]
     grouped = tiles is not None
     m_tiles = tiles.shape[1] if grouped else triton.cdiv(rows, block_m)
     w_strides = weight.stride() if grouped else (0, *weight.stride())
@@ -202,10 +202,19 @@ def _launch_matmul(x, weight, out, tiles, rows: int, config) -> None:
         *w_strides,
         out.stride(0),
         GROUPED=grouped,
+        **_launch_meta(x.dtype, config),
+    )
+
+
+def _launch_meta(dtype: torch.dtype, config) -> dict:
+    """The meta-parameters of a launch of `_matmul_kernel` or `_selected_matmul_kernel` with
+    `config` (`_tiles`): the same for both, so that a row's arithmetic is too."""
+    block_m, block_n, block_k, warps, stages = config
+    return dict(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if dtype == torch.float32 else "tf32",
         num_warps=warps,
         num_stages=stages,
     )
@@ -698,8 +707,8 @@ def _selected_matmul(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, p
     experts_count, n, k = weight.shape
     out = x.new_empty(pairs, n)
     if pairs and n:
-        block_m, block_n, block_k, warps, stages = _tiles(pairs // experts_count, n, x.dtype)
-        _selected_matmul_kernel[(experts_count, triton.cdiv(n, block_n))](
+        config = _tiles(pairs // experts_count, n, x.dtype)
+        _selected_matmul_kernel[(experts_count, triton.cdiv(n, config[1]))](
             x,
             weight,
             ids,
@@ -712,12 +721,7 @@ def _selected_matmul(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, p
             *weight.stride(),
             out.stride(0),
             PAIRS_PER_X=per_x,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            BLOCK_K=block_k,
-            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            num_warps=warps,
-            num_stages=stages,
+            **_launch_meta(x.dtype, config),
         )
     return out
 
