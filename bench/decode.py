@@ -54,6 +54,9 @@ above) for each way of summing the model's all-reduces (--ways: NCCL; the peer b
 its two-shot; as shipped, `comm.PEER_ALL_REDUCE`), with the collectives of a step counted (those
 inside the captured graphs included) and whether its greedy tokens equal the first way's. With
 N = 1 it gives the one-GPU row; with --profile-steps, rank 0's kernels of a step instead.
+--step-variants shipped,before (or plain-launch, no-prefetch, unfused-adds) also times the step
+with the kernels launched plainly, the GEMV's weights read after its wait, the residual adds apart
+from the norms, or all three.
 --all-reduce: one all-reduce of bf16 [--all-reduce-sizes KB] in microseconds, 32 of them captured
 in a CUDA graph and replayed, each way, with the largest difference from an fp32 sum and whether
 every rank got the same bits.
@@ -86,7 +89,8 @@ from moemesh.inference.generate import generate
 from moemesh.inference.request import SamplingParams
 from moemesh.inference.scheduler import Scheduler
 from moemesh.models import build, moe
-from moemesh.ops import gemv
+from moemesh.models.transformer import DecoderLayer
+from moemesh.ops import backend, gemv
 from moemesh.parallel import comm
 
 
@@ -401,19 +405,42 @@ def tensor_parallel_rows(config, args, prompts) -> list[dict]:
         )
         return led(engine, lambda e: kernel_rows(e, args, prompts)) or []
     shipped_rows = gemv.MAX_ROWS
-    for way, gemv.MAX_ROWS in itertools.product(args.ways if world > 1 else ["nccl"], args.gemv_rows):
+    ways = args.ways if world > 1 else ["nccl"]
+    for way, gemv.MAX_ROWS, variant in itertools.product(ways, args.gemv_rows, args.step_variants):
         comm.PEER_ALL_REDUCE.update(WAYS[way])
+        step_variant(variant)
         for batch in args.batches:
             engine = DecodeEngine(model, max_batch=batch, max_len=args.prompt_len + args.new_tokens + 1, group=group)
             row = led(engine, lambda e: tensor_parallel_row(e, args, prompts[:batch], world, way, first))
-            rows += [row] if row else []
+            rows += [{**row, "variant": variant} if len(args.step_variants) > 1 else row] if row else []
             del engine  # its KV cache took what the weights left: gone before the next engine sizes its own
             free()
     comm.PEER_ALL_REDUCE.update(WAYS["shipped"])
     gemv.MAX_ROWS = shipped_rows
+    step_variant("shipped")
     if dist.is_initialized():
         dist.barrier()
     return rows
+
+
+# --step-variants: the decode step as shipped, and with what made it faster turned off (issue 49):
+# kernels launched plainly rather than as programmatic dependent launches (ops/backend.py); the
+# GEMV's first weights read after its wait rather than before (ops/gemv.py); the residual adds
+# apart from the norms (DecoderLayer.infer); or all of them (the step before any).
+STEP_VARIANTS = {
+    "shipped": (),
+    "plain-launch": ("dependent launch",),
+    "no-prefetch": ("prefetch",),
+    "unfused-adds": ("fused adds",),
+    "before": ("dependent launch", "prefetch", "fused adds"),
+}
+
+
+def step_variant(name: str) -> None:
+    off = STEP_VARIANTS[name]
+    backend.DEPENDENT_LAUNCH = "dependent launch" not in off
+    gemv.PREFETCH_WEIGHTS = "prefetch" not in off
+    DecoderLayer.fuses_residual_adds = "fused adds" not in off
 
 
 def led(engine: DecodeEngine, work):
@@ -634,6 +661,11 @@ def main():
         help="with --tensor-parallel: comma-separated values of ops/gemv.py's MAX_ROWS to compare (the projections "
         "of up to that many rows by its kernel, more by cuBLAS)",
     )
+    parser.add_argument(
+        "--step-variants",
+        default="shipped",
+        help=f"with --tensor-parallel: comma-separated, of {', '.join(STEP_VARIANTS)} (what each turns off)",
+    )
     parser.add_argument("--all-reduce-sizes", default="4,8,16,32,64,128,256,512,1024,4096", help="KB")
     args = parser.parse_args()
     args.ways = args.ways.split(",")
@@ -643,6 +675,9 @@ def main():
         parser.error("--new-tokens must be at least 3 (the first two steps are not timed)")
     args.batches = [int(b) for b in args.batches.split(",")]
     args.gemv_rows = [int(n) for n in args.gemv_rows.split(",")]
+    args.step_variants = args.step_variants.split(",")
+    if unknown := set(args.step_variants) - set(STEP_VARIANTS):
+        parser.error(f"--step-variants: unknown {sorted(unknown)}; known: {', '.join(STEP_VARIANTS)}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = bench_model_config(args)

@@ -48,6 +48,11 @@
 #       size (bench/decode.py --all-reduce); the 48-layer shape's decode step at batch 1 and 64 on
 #       1, 2 (and 4) GPUs, each way of summing (--tensor-parallel); the same for
 #       configs/gemma4_26b_a4b.toml on 1, 2 (and 4) GPUs
+#   bash bench/gpu_checks_inference.sh launches  the decode step of the 48-layer shape at batch 1
+#       and 64 as shipped and as before its dependent launches and fused residual adds
+#       (--step-variants shipped,before) on 1 GPU, beside the GPU tests of those kernels and the
+#       per-expert kernel's tiles (bench/kernels.py --expert-tiles) on another; then on 2 GPUs
+#       (and 4, on a 4-GPU host)
 #   bash bench/gpu_checks_inference.sh ep4      on 4 GPUs, the 48-layer step at batch 1, 64 and 256
 #       with the experts split over 4 (--layout ep) and with tp=4
 #   bash bench/gpu_checks_inference.sh serve-tp N MODEL...   `moemesh serve` over N GPUs of a
@@ -194,6 +199,21 @@ tp)  # on 2 GPUs: 1 then 2; on 4: 1 and 2 side by side, then 4
         tp_decode 0 gemma1 --config configs/gemma4_26b_a4b.toml
         tp_decode 0,1 gemma2 --config configs/gemma4_26b_a4b.toml --ways nccl,shipped; shown gemma1 gemma2
     fi
+    ;;
+launches)
+    variants="--ways shipped --step-variants ${VARIANTS:-shipped,before} ${DECODE_ARGS:-}"
+    (CUDA_VISIBLE_DEVICES=1 timeout ${TEST_S:-200} python3 -m pytest -q ${TESTS:-tests/test_ops_rms_norm.py \
+        tests/test_ops_decode_kernels.py tests/test_models_decoding.py} > "$LOGS/launch_tests.txt" 2>&1
+     [ -z "${NO_TILES:-}" ] && CUDA_VISIBLE_DEVICES=1 timeout 150 python3 bench/kernels.py --expert-tiles \
+        > "$LOGS/expert_tiles.txt" 2>&1) &
+    tp_decode 0 step1 --layers 48 $variants
+    wait
+    echo "== GPU tests"; grep -E "passed|failed|Error" "$LOGS/launch_tests.txt" | tail -5
+    [ -z "${NO_TILES:-}" ] && { echo "== the per-expert kernel's tiles"; grep -v "^$" "$LOGS/expert_tiles.txt" | tail -16; }
+    echo "== 1 GPU"; quiet < "$LOGS/step1.txt" | grep "|\|Error"
+    tp_decode 0,1 step2 --layers 48 $variants
+    [ "$(nvidia-smi -L | wc -l)" -ge 4 ] && tp_decode 0,1,2,3 step4 --layers 48 $variants
+    for n in 2 4; do [ -f "$LOGS/step$n.txt" ] && { echo "== $n GPUs"; quiet < "$LOGS/step$n.txt" | grep "|\|Error"; }; done
     ;;
 ep4)  # on 4 GPUs: experts split over 4 (attention whole on each) against tp=4, batch 1, 64 and 256
     for layout in ep tp; do

@@ -457,7 +457,7 @@ def expert_tile_rows(copy_gbps):
                     grid = (experts, triton.cdiv(out_features, block_out))
                     launch = functools.partial(
                         jit[grid], x, weight, ids, out, tokens * k, width, out_features,
-                        triton.next_power_of_2(tokens * k), PAIRS_PER_X=k, GLU=glu, PRECISION="tf32",
+                        triton.next_power_of_2(tokens * k), PAIRS_PER_X=k, GLU=glu, PRECISION="tf32", GDC=False,
                         BLOCK_OUT=block_out, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
                     )  # fmt: skip
                     return bench_ms(launch, rep=25)

@@ -109,7 +109,7 @@ def test_every_forward_of_an_engine_in_the_mode_runs_in_the_mode():
 
     model = build(CONFIG, seed=1).eval()
     seen = []
-    model.model.layers[0].register_forward_pre_hook(lambda *_: seen.append(invariant.on()))
+    model.model.layers[0].self_attn.register_forward_pre_hook(lambda *_: seen.append(invariant.on()))
     engine = DecodeEngine(model, max_batch=2, max_len=32, batch_invariant=True)
     engine.warm_up()
     sequences, _ = generated(model, sampled_requests(3)[:2], max_batch=2)

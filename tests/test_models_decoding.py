@@ -87,6 +87,31 @@ def test_cached_decoding_of_rows_at_different_positions_equals_the_full_forward(
     assert rel_err(stepwise, full) <= RTOL, family
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_the_residual_adds_fused_into_the_norms_change_no_bit(family, kernels, monkeypatch):
+    """DecoderLayer.infer (the engine's layers: each residual add inside the norm after it, the
+    last left to the next layer) against the layers' forward, bit for bit: the same roundings in
+    the same order (deepseek_v3: a dense first layer before the MoE ones). "triton": the kernels
+    (Triton's interpreter on CPU), the fused add and norm among them."""
+    from moemesh.models.transformer import DecoderLayer
+    from moemesh.ops.backend import HAVE_TRITON, INTERPRETED
+
+    if kernels == "triton" and not (HAVE_TRITON and (INTERPRETED or torch.cuda.is_available())):
+        pytest.skip("the Triton kernels need a GPU or TRITON_INTERPRET=1")
+    monkeypatch.setenv("MOEMESH_KERNELS", kernels)
+    device = "cuda" if kernels == "triton" and torch.cuda.is_available() else "cpu"
+    config = FAMILIES[family]
+    model = build(config, seed=1, device=device).eval()
+    input_ids = torch.randint(0, config.vocab_size, (2, 7), device=device)
+    logits = {}
+    for fused in (True, False):
+        monkeypatch.setattr(DecoderLayer, "fuses_residual_adds", fused)
+        with torch.no_grad():
+            logits[fused] = decode_stepwise(model, input_ids, prefill=[3, 5])
+    assert torch.equal(logits[True], logits[False])
+
+
 def test_the_cache_refuses_entries_it_does_not_have():
     cache = PagedKVCache(num_blocks=5, block_size=4, rows=2, max_len=8)
     with pytest.raises(ValueError, match="9 entries do not fit a cache of rows of 8"):

@@ -39,6 +39,16 @@ def test_block_size():
     assert [backend.block_size(n) for n in (0, 1, 16, 17, 130, 1000, 5000)] == [16, 16, 16, 32, 256, 1024, 1024]
 
 
+def test_dependent_launch_only_where_a_gpu_compiles(monkeypatch):
+    """CPU tensors (Triton's interpreter, or the references) launch plainly: GDC=False compiles the
+    kernels' wait out, and `launch_pdl` is not passed to a launcher that has none. Turned off, a
+    GPU's launches are plain too."""
+    assert backend.dependent_launch(torch.zeros(1)) == {"GDC": False}
+    monkeypatch.setattr(backend, "DEPENDENT_LAUNCH", False)
+    if torch.cuda.is_available():
+        assert backend.dependent_launch(torch.zeros(1, device="cuda")) == {"GDC": False}
+
+
 def test_ops_work_without_triton():
     """With `import triton` failing, the references run and forcing Triton names the problem."""
     script = """

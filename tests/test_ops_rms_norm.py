@@ -105,3 +105,40 @@ def test_frozen_weight_takes_no_gradient(triton_kernels):
 def test_weight_shape_is_a_clear_error():
     with pytest.raises(ValueError, match="last dimension"):
         rms_norm(torch.zeros(2, 5), torch.ones(4), EPS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 130), (9, 130), (2, 5, 128), (0, 130)])
+def test_add_rms_norm_is_the_add_then_the_norm(triton_kernels, shape, dtype):
+    """The fused residual add and norm (inference) against the two ops: the sum exactly (one
+    rounding of the fp32 sum either way) and the norm as the kernel's own (`rms_norm`) — bit for
+    bit where compiled (a GPU: both round to nearest even); Triton's CPU interpreter truncates
+    fp32 -> bf16 where torch's add rounds, so there the bf16 sum may differ by an ulp (2**-7
+    relative) and the norm with it."""
+    from moemesh.ops.rms_norm import add_rms_norm
+
+    h, delta = torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype)
+    weight = torch.randn(shape[-1], dtype=dtype)
+    with torch.no_grad():
+        total, out = add_rms_norm(h, delta, weight, EPS)
+        want_total = h + delta
+        want_out = rms_norm(want_total, weight, EPS)
+    assert total.shape == out.shape == h.shape and total.dtype == out.dtype == dtype
+    if dtype == torch.float32 or torch.cuda.is_available():
+        assert torch.equal(total, want_total)
+        assert torch.equal(out, want_out)
+    else:
+        assert ((total.float() - want_total.float()).abs() <= 2**-7 * want_total.float().abs()).all()
+        assert rel_err(out, want_out) <= 1e-2
+
+
+def test_add_rms_norm_without_a_delta_or_with_gradients(triton_kernels):
+    """No delta: h itself and its norm. Gradients wanted: the two ops (autograd runs through them)."""
+    from moemesh.ops.rms_norm import add_rms_norm
+
+    h, delta, weight = torch.randn(3, 130), torch.randn(3, 130), torch.randn(130, requires_grad=True)
+    same, out = add_rms_norm(h, None, weight, EPS)
+    assert same is h and torch.equal(out, rms_norm(h, weight, EPS))
+    total, out = add_rms_norm(h, delta, weight, EPS)
+    assert out.grad_fn is not None and torch.equal(total, h + delta)
+    assert torch.autograd.grad(out.sum(), weight)[0].shape == weight.shape

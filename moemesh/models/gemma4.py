@@ -174,6 +174,8 @@ class Gemma4Router(nn.Module):
 
 
 class Gemma4DecoderLayer(DecoderLayer):
+    fuses_residual_adds = False  # its adds meet norms of their own (and a scalar), not the next layer's
+
     def __init__(self, config: ModelConfig, layer_idx: int):
         nn.Module.__init__(self)
         self.is_moe = True

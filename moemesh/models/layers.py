@@ -16,7 +16,7 @@ from moemesh.models.kv_cache import PagedKVCache
 from moemesh.ops import decode_attention, gemv, invariant
 from moemesh.ops.backend import use_triton
 from moemesh.ops.linear import Linear
-from moemesh.ops.rms_norm import rms_norm
+from moemesh.ops.rms_norm import add_rms_norm, rms_norm
 from moemesh.ops.rotary import rotary
 
 
@@ -29,6 +29,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalised in fp32, cast back before the scale, as transformers does (ops/rms_norm.py).
         return rms_norm(x, self.weight, self.eps)
+
+    def after_add(self, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + delta, the norm of that) in one kernel where it can (`ops/rms_norm.add_rms_norm`)."""
+        return add_rms_norm(h, delta, self.weight, self.eps)
 
 
 def attention_mask(q_positions: torch.Tensor, kv_len: int, sliding_window: int | None) -> torch.Tensor:

@@ -10,6 +10,7 @@ files decorate their kernels with `triton.jit` at import time, so where Triton i
 stand-in `triton`/`tl` (the same trick torch._inductor uses) lets those definitions load unused.
 """
 
+import functools
 import os
 
 import torch
@@ -97,6 +98,41 @@ class _FirstConfig:
             return self.kernel[grid(meta) if callable(grid) else grid](*args, **meta)
 
         return launch
+
+
+# Programmatic dependent launch (compute capability 9.0 and newer): a kernel launched with it may
+# start while the kernel before it in the stream is still running, and must wait (`wait_for_inputs`)
+# before it reads or writes what that kernel touches. A decode step is some 700 kernels of a few
+# microseconds each, run back to back from a CUDA graph; this lets each one's launch overlap the
+# tail of the one before. False: every kernel launched plainly (for measuring the difference).
+DEPENDENT_LAUNCH = True
+
+
+def dependent_launch(tensor: torch.Tensor) -> dict:
+    """Launch arguments for a kernel whose first statement is `wait_for_inputs(GDC)`: where the
+    GPU and Triton support it, launched as a programmatic dependent launch; elsewhere (the CPU's
+    interpreter, older GPUs) plainly, the wait compiled out."""
+    if DEPENDENT_LAUNCH and tensor.is_cuda and not INTERPRETED and _dependent_launch_supported(tensor.device.index):
+        return {"GDC": True, "launch_pdl": True}
+    return {"GDC": False}
+
+
+@functools.cache
+def _dependent_launch_supported(device_index: int | None) -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:  # not NVIDIA's backend
+        return False
+    return "launch_pdl" in CUDAOptions.__dataclass_fields__ and torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+@triton.jit
+def wait_for_inputs(GDC: tl.constexpr):
+    """A kernel's first statement (see `dependent_launch`): under a dependent launch, wait until
+    the kernel before it has finished and its writes are visible, then let the next one launch."""
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def block_size(n: int, smallest: int = 16, largest: int = 1024) -> int:

@@ -37,7 +37,7 @@ rounds after each bf16 operation, so in bf16 the two differ by a rounding or two
 
 import torch
 
-from moemesh.ops.backend import tl, triton
+from moemesh.ops.backend import dependent_launch, tl, triton, wait_for_inputs
 
 # Keys a block of the key loop: packed steps', decode steps'.
 BLOCK_KEYS, DECODE_BLOCK_KEYS = 64, 32
@@ -112,6 +112,7 @@ def rope_to_cache(
             HALF=head_dim // 2,
             HAS_NORM=has_norm,
             BLOCK_T=block,
+            **dependent_launch(q),
         )
     return out
 
@@ -174,9 +175,10 @@ def paged_attention(
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=4 if rows <= 64 else 8,
             num_stages=DECODE_STAGES if decoding else PACKED_STAGES,
+            **dependent_launch(q),
         )
         if splits > 1:
-            _merge_splits_kernel[(tokens * heads,)](partial, out, SPLITS=splits, D=head_dim)
+            _merge_splits_kernel[(tokens * heads,)](partial, out, SPLITS=splits, D=head_dim, **dependent_launch(q))
     return out
 
 
@@ -214,9 +216,11 @@ def _rope_to_cache_kernel(
     HALF: tl.constexpr,
     HAS_NORM: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    GDC: tl.constexpr,
 ):
     """BLOCK_T tokens' one head: a query head (normed, rotated, into out), a key head (normed,
     rotated, into the cache) or a value head (into the cache)."""
+    wait_for_inputs(GDC)
     token = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(1)
     valid = token < tokens
@@ -290,7 +294,9 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
+    GDC: tl.constexpr,
 ):
+    wait_for_inputs(GDC)
     kv_head = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2).to(tl.int64)
     tile = tl.program_id(0)
@@ -342,9 +348,10 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _merge_splits_kernel(partial_ptr, out_ptr, SPLITS: tl.constexpr, D: tl.constexpr):
+def _merge_splits_kernel(partial_ptr, out_ptr, SPLITS: tl.constexpr, D: tl.constexpr, GDC: tl.constexpr):
     """One (token, head): the splits' sums rescaled to their common maximum (a split without keys
     has maximum -inf and weighs nothing)."""
+    wait_for_inputs(GDC)
     token_head = tl.program_id(0).to(tl.int64)
     splits = tl.arange(0, SPLITS)
     d = tl.arange(0, D)

@@ -29,7 +29,7 @@ Limits: forward only (inference: no autograd); SwiGLU is the only activation fus
 
 import torch
 
-from moemesh.ops.backend import tl, triton, tuned, use_triton
+from moemesh.ops.backend import dependent_launch, tl, triton, tuned, use_triton, wait_for_inputs
 from moemesh.ops.swiglu import swiglu
 
 
@@ -93,6 +93,7 @@ def expert_gemv_triton(
             PAIRS_PER_X=k,
             GLU=glu,
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            **dependent_launch(x),
         )
     return out
 
@@ -139,11 +140,13 @@ def _by_expert_kernel(
     PAIRS_PER_X: tl.constexpr,
     GLU: tl.constexpr,
     PRECISION: tl.constexpr,
+    GDC: tl.constexpr,
     BLOCK_OUT: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ROWS: tl.constexpr = 16,
     SCAN: tl.constexpr = 256,
 ):
+    wait_for_inputs(GDC)
     # One program per (expert, block of outputs). It finds the (token, slot) pairs that chose its
     # expert by scanning the ids, then streams its block of the expert's weight once per 16 of
     # them (tl.dot pads to 16 rows): an expert no pair chose costs a scan and no weight read.
@@ -200,7 +203,15 @@ def expert_swiglu_gemv(x: torch.Tensor, gate_up: torch.Tensor, expert_ids: torch
     out = x.new_empty(tokens * k, inner)
     if tokens:
         _expert_swiglu_gemv_kernel[lambda meta: (tokens * k, triton.cdiv(inner, meta["BLOCK_OUT"]))](
-            x, gate_up, expert_ids.contiguous(), out, triton.next_power_of_2(tokens), x.shape[1], inner, K=k
+            x,
+            gate_up,
+            expert_ids.contiguous(),
+            out,
+            triton.next_power_of_2(tokens),
+            x.shape[1],
+            inner,
+            K=k,
+            **dependent_launch(x),
         )
     return out
 
@@ -226,6 +237,7 @@ def expert_gemv_combine(
             hidden,
             K=k,
             K_PAD=triton.next_power_of_2(k),
+            **dependent_launch(a),
         )
     return out
 
@@ -241,9 +253,11 @@ def _expert_swiglu_gemv_kernel(
     hidden,
     inner,
     K: tl.constexpr,
+    GDC: tl.constexpr,
     BLOCK_OUT: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    wait_for_inputs(GDC)
     row = tl.program_id(0).to(tl.int64)  # token row // K, its (row % K)-th expert
     cols = tl.program_id(1) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
     expert = tl.load(ids_ptr + row).to(tl.int64)
@@ -277,9 +291,11 @@ def _expert_gemv_combine_kernel(
     hidden,
     K: tl.constexpr,
     K_PAD: tl.constexpr,
+    GDC: tl.constexpr,
     BLOCK_OUT: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    wait_for_inputs(GDC)
     # The token's K experts at once, a [K, BLOCK_OUT, BLOCK_K] tile of their weights a step: more
     # bytes in flight than one expert after another.
     token = tl.program_id(0).to(tl.int64)

@@ -14,15 +14,20 @@ them ~5 µs kernels that do not shrink under tensor parallelism; this kernel mad
 32 or 64 rows 1.01-1.04x faster on one H200 and 1.07-1.10x under TP=4 (docs/benchmarks.md, issue
 49). Larger tiles of rows were not measured.
 
+Under a dependent launch (ops/backend.py) each program reads its first block of weights before
+it waits for the kernel before it: no kernel writes the weights, so that read overlaps the
+previous kernel's tail (PREFETCH_WEIGHTS = False reads it after, for measuring the difference).
+
 Limits: forward only (the training path keeps `ops/linear.py`'s autograd), M <= MAX_ROWS, weights
 of x's dtype, three at most, no bias (the caller adds it).
 """
 
 import torch
 
-from moemesh.ops.backend import tl, triton, tuned, use_triton
+from moemesh.ops.backend import dependent_launch, tl, triton, tuned, use_triton, wait_for_inputs
 
 MAX_ROWS = 64
+PREFETCH_WEIGHTS = True
 # Tiles tried at a shape's first launch (backend.tuned): wider ones keep more bytes in flight, narrower
 # ones make more programs for the GPU's SMs; shorter K blocks keep a tile of 64 rows in registers.
 CONFIGS = [
@@ -71,6 +76,8 @@ def gemv(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
         triton.next_power_of_2(rows),
         ROWS=max(16, triton.next_power_of_2(rows)),  # tl.dot's least; a tile per size class
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        PREFETCH=PREFETCH_WEIGHTS,
+        **dependent_launch(x),
     )
     return outs
 
@@ -93,9 +100,13 @@ def _gemv_kernel(
     size_class,
     ROWS: tl.constexpr,
     PRECISION: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    GDC: tl.constexpr,
     BLOCK_OUT: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    if not PREFETCH:
+        wait_for_inputs(GDC)
     block = tl.program_id(0)
     first1 = tl.cdiv(n0, BLOCK_OUT)  # the first block of weight 1, then of weight 2
     first2 = first1 + tl.cdiv(n1, BLOCK_OUT)
@@ -109,17 +120,18 @@ def _gemv_kernel(
     start = tl.where(block < first1, 0, tl.where(block < first2, first1, first2))
     cols = (block - start) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
     m = tl.arange(0, ROWS)
-    acc = tl.zeros([ROWS, BLOCK_OUT], dtype=tl.float32)
-    for k0 in range(0, inner, BLOCK_K):
+    x_rows = x_ptr + m[:, None] * inner
+    w_rows = w_ptr + cols[None, :].to(tl.int64) * inner  # [BLOCK_K, BLOCK_OUT] tiles of the weight
+    ks = tl.arange(0, BLOCK_K)  # the first block of K, then the rest in a loop
+    w = tl.load(w_rows + ks[:, None], mask=(cols[None, :] < n) & (ks[:, None] < inner), other=0.0)
+    if PREFETCH:  # that block of weights read, now the input
+        wait_for_inputs(GDC)
+    xs = tl.load(x_rows + ks[None, :], mask=(m[:, None] < rows) & (ks[None, :] < inner), other=0.0)
+    acc = tl.dot(xs, w, tl.zeros([ROWS, BLOCK_OUT], dtype=tl.float32), input_precision=PRECISION)
+    for k0 in range(BLOCK_K, inner, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        xs = tl.load(
-            x_ptr + m[:, None] * inner + ks[None, :], mask=(m[:, None] < rows) & (ks[None, :] < inner), other=0.0
-        )
-        w = tl.load(
-            w_ptr + cols[None, :].to(tl.int64) * inner + ks[:, None],
-            mask=(cols[None, :] < n) & (ks[:, None] < inner),
-            other=0.0,
-        )  # [BLOCK_K, BLOCK_OUT]
+        xs = tl.load(x_rows + ks[None, :], mask=(m[:, None] < rows) & (ks[None, :] < inner), other=0.0)
+        w = tl.load(w_rows + ks[:, None], mask=(cols[None, :] < n) & (ks[:, None] < inner), other=0.0)
         acc += tl.dot(xs, w, input_precision=PRECISION)
     tl.store(
         out_ptr + m[:, None] * n + cols[None, :],

@@ -9,11 +9,16 @@ the backward the autograd Function keeps only x as given (in its dtype), that rs
 weight -- never a normalised copy: h is recomputed. One backward kernel writes the gradient of x
 and, per program, an fp32 partial sum over its rows of the weight gradient; torch sums the
 partials (a fixed number for a given row count, whatever the device: deterministic).
+
+`add_rms_norm` is a decoder layer's residual add and the norm after it in one launch (inference:
+no autograd): the sum rounded to the inputs' dtype, as the add alone rounds it, then normalised —
+the same bits as the two ops, one kernel fewer twice a layer of a decode step (where a kernel is a
+few microseconds of launch and latency around a few kilobytes of work).
 """
 
 import torch
 
-from moemesh.ops.backend import block_size, tl, triton, use_triton
+from moemesh.ops.backend import block_size, dependent_launch, tl, triton, use_triton, wait_for_inputs
 
 TILE = 4096  # elements per program and step: rows of one block x the row width (a power of two)
 PARTIAL_SUMS = 512  # at most this many backward programs, each one partial weight-gradient row
@@ -28,6 +33,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if use_triton(x):
         return _RMSNorm.apply(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
+
+
+def add_rms_norm(
+    h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + delta, rms_norm(h + delta, weight, eps)); with delta None, (h, rms_norm(h, ...)). One
+    kernel where Triton runs and nothing needs a gradient; else the two ops."""
+    if delta is None:
+        return h, rms_norm(h, weight, eps)
+    fused = (
+        use_triton(h)
+        and delta.shape == h.shape
+        and delta.dtype == h.dtype
+        and weight.shape == h.shape[-1:]
+        and not (torch.is_grad_enabled() and (h.requires_grad or delta.requires_grad or weight.requires_grad))
+    )
+    if not fused:
+        total = h + delta
+        return total, rms_norm(total, weight, eps)
+    rows = h.contiguous().view(-1, h.shape[-1])
+    total = torch.empty_like(rows)
+    out, _ = rms_norm_triton(rows, weight, eps, delta=delta.contiguous().view_as(rows), total=total)
+    return total.view(h.shape), out.view(h.shape)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -61,16 +89,25 @@ def _blocks(width: int) -> tuple[int, int, int]:
     return block_rows, block_w, min(16, max(4, block_rows * block_w // 512))
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`x [n, w]` contiguous -> (output [n, w], fp32 rsqrt per row [n])."""
+def rms_norm_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    delta: torch.Tensor | None = None,
+    total: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x [n, w]` contiguous -> (output [n, w], fp32 rsqrt per row [n]); with `delta` (like x), of
+    x + delta instead, that sum written into `total` (like x)."""
     n, width = x.shape
     out = x.new_empty(n, width, dtype=torch.promote_types(weight.dtype, x.dtype))
     rstd = x.new_empty(n, dtype=torch.float32)
     if n:
         block_rows, block_w, warps = _blocks(width)
         _rms_norm_kernel[(triton.cdiv(n, block_rows),)](
-            x, weight.contiguous(), out, rstd, n, width, eps, BLOCK_ROWS=block_rows, BLOCK_W=block_w, num_warps=warps
-        )
+            x, x if delta is None else delta, x if total is None else total, weight.contiguous(), out, rstd, n, width,
+            eps, HAS_DELTA=delta is not None, BLOCK_ROWS=block_rows, BLOCK_W=block_w, num_warps=warps,
+            **dependent_launch(x),
+        )  # fmt: skip
     return out, rstd
 
 
@@ -93,14 +130,20 @@ def rms_norm_backward_triton(grad_out, x, weight, rstd, weight_grad: bool = True
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, rstd_ptr, n, width, eps,
-                     BLOCK_ROWS: tl.constexpr, BLOCK_W: tl.constexpr):  # fmt: skip
+def _rms_norm_kernel(x_ptr, delta_ptr, total_ptr, weight_ptr, out_ptr, rstd_ptr, n, width, eps,
+                     HAS_DELTA: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_W: tl.constexpr,
+                     GDC: tl.constexpr):  # fmt: skip
+    wait_for_inputs(GDC)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # 64-bit: rows * width
     cols = tl.arange(0, BLOCK_W)
     row_mask = rows < n
     mask = row_mask[:, None] & (cols < width)[None, :]
     offsets = rows[:, None] * width + cols[None, :]
-    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0)
+    if HAS_DELTA:  # the residual add, rounded to x's dtype as the add alone would be
+        x = (x.to(tl.float32) + tl.load(delta_ptr + offsets, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+        tl.store(total_ptr + offsets, x, mask=mask)
+    x = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / width + eps)
     h = (x * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)  # rounded to x's dtype first
     weight = tl.load(weight_ptr + cols, mask=cols < width, other=0.0).to(tl.float32)

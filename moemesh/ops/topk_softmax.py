@@ -23,7 +23,7 @@ statistics (the load-balancing loss is not needed while decoding).
 
 import torch
 
-from moemesh.ops.backend import block_size, tl, triton, use_triton
+from moemesh.ops.backend import block_size, dependent_launch, tl, triton, use_triton, wait_for_inputs
 
 
 def topk_softmax(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,6 +141,7 @@ def topk_softmax_triton(
             probs_ptr=weights if probs is None else probs,  # not written without
             counts_ptr=weights if counts is None else counts,
             TRAINING=probs is not None,
+            **dependent_launch(logits),
         )
     return weights, ids
 
@@ -158,7 +159,9 @@ def _topk_softmax_kernel(
     probs_ptr,  # training: also the probabilities and the choices per expert
     counts_ptr,
     TRAINING: tl.constexpr,
+    GDC: tl.constexpr,
 ):
+    wait_for_inputs(GDC)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
     x = tl.load(logits_ptr + token * experts + cols, mask=cols < experts, other=float("-inf")).to(tl.float32)
