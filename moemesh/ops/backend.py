@@ -119,6 +119,8 @@ def dependent_launch(tensor: torch.Tensor) -> dict:
 
 @functools.cache
 def _dependent_launch_supported(device_index: int | None) -> bool:
+    if torch.version.hip is not None:  # ROCm reports its own capabilities: no such launch there
+        return False
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
     except ImportError:  # not NVIDIA's backend
