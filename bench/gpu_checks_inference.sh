@@ -57,7 +57,8 @@
 #       with the experts split over 4 (--layout ep) and with tp=4
 #   bash bench/gpu_checks_inference.sh serve-tp N MODEL...   `moemesh serve` over N GPUs of a
 #       random-weight MODEL (a config; default the 48-layer Qwen3-30B-A3B shape) under 1 and 64
-#       openai clients, beside the engine alone (serve_load.py --tp N)
+#       openai clients, beside the engine alone (serve_load.py --tp N; more of its options in
+#       SERVE_LOAD_ARGS, e.g. "--reply-windows 10,25")
 #   bash bench/gpu_checks_inference.sh serve235   Qwen3-235B-A22B (configs/qwen3_235b_a22b.toml,
 #       weights drawn from the seed on each rank) served by `torchrun -m moemesh serve --tp 4`:
 #       the openai client's answer, batch-1 ms a token, 64 clients' tokens/s, the server's log
@@ -224,7 +225,7 @@ ep4)  # on 4 GPUs: experts split over 4 (attention whole on each) against tp=4, 
 serve-tp)
     model=${3:+--config $3}
     timeout 560 python3 bench/serve_load.py ${model:---layers 48} --clients 1,64 --tp "$2" --long-prompt 0 \
-        2>&1 | quiet | tail -12
+        ${SERVE_LOAD_ARGS:-} 2>&1 | quiet | tail -12
     ;;
 serve235)  # [CONFIG N]: another config over N processes (a CPU dry run: configs/tiny.toml 2)
     CONFIG=${2:-configs/qwen3_235b_a22b.toml} GPUS=${3:-4} python3 - <<'PY' 2>&1 | quiet | tail -30
