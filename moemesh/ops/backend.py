@@ -105,7 +105,7 @@ class _FirstConfig:
 # before it reads or writes what that kernel touches. A decode step is some 700 kernels of a few
 # microseconds each, run back to back from a CUDA graph; this lets each one's launch overlap the
 # tail of the one before. With the residual adds fused into the norms (a torch kernel between two
-# Triton ones ends the chain), a decode step of the 48-layer shape took 1.06-1.07x less time on
+# Triton ones ends the chain), a decode step of the 48-layer shape ran 1.06-1.07x faster on
 # one H200 and 1.07-1.18x at TP=2 (docs/benchmarks.md, 2026-11-28). False: every kernel launched
 # plainly (for measuring the difference).
 DEPENDENT_LAUNCH = True
