@@ -421,13 +421,16 @@ def adapter_slice(name: str, full: torch.Tensor, rank: int, tp: int, heads: int 
 
 def check_lora_matches_single_process(rank, config, targets, dp, ep, tp):
     """Loss and every trained tensor's gradient (adapters; a router named in the targets) of a
-    LoRA model laid out for dp × ep × tp, against one process, sliced to this rank's part."""
+    LoRA model laid out for dp × ep × tp, against one process in float64 (as
+    check_matches_single_process: an fp32 one was 1.04e-5 from qwen3-kv2-tp4's fp32 q_proj.lora_B
+    gradient on an AVX-512 CPU, a small gradient summed over the copied heads' ranks), sliced to
+    this rank's part."""
     from moemesh.models.lora import LoraConfig, is_adapter
     from test_lora import lora_model
 
     lora = LoraConfig(rank=4, alpha=8.0, targets=targets)
     input_ids, labels = micro_batch(seed=11 + tp, batch=4 * dp * ep)
-    reference = lora_model(config, lora)
+    reference = lora_model(config, lora).double()
     ref_out = reference(input_ids, labels=labels)
     ref_out.loss.backward()
 
