@@ -412,7 +412,9 @@ def tensor_parallel_rows(config, args, prompts) -> list[dict]:
         for batch in args.batches:
             engine = DecodeEngine(model, max_batch=batch, max_len=args.prompt_len + args.new_tokens + 1, group=group)
             row = led(engine, lambda e: tensor_parallel_row(e, args, prompts[:batch], world, way, first))
-            rows += [{**row, "variant": variant} if len(args.step_variants) > 1 else row] if row else []
+            if row and len(args.step_variants) > 1:
+                row["variant"] = variant
+            rows += [row] if row else []
             del engine  # its KV cache took what the weights left: gone before the next engine sizes its own
             free()
     comm.PEER_ALL_REDUCE.update(WAYS["shipped"])

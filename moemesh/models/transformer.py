@@ -228,9 +228,9 @@ class MoECausalLM(nn.Module):
             if pending is not None:
                 h, pending = h + pending, None
             if recompute_mode == "none":
-                h, stats = self.model.layers[i](h, rope, positions, cache)
+                h, stats = layer(h, rope, positions, cache)
             else:
-                h, stats = recompute.checkpointed(self.model.layers[i], recompute_mode, h, rope, positions)
+                h, stats = recompute.checkpointed(layer, recompute_mode, h, rope, positions)
             if stats is not None:  # a MoE layer outside decoding
                 router_stats.append(stats)
         return h if pending is None else h + pending, router_stats

@@ -97,7 +97,9 @@ def rms_norm_triton(
     total: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`x [n, w]` contiguous -> (output [n, w], fp32 rsqrt per row [n]); with `delta` (like x), of
-    x + delta instead, that sum written into `total` (like x)."""
+    x + delta instead, that sum written into `total` (like x, required with delta)."""
+    if (delta is None) != (total is None):
+        raise ValueError("rms_norm_triton: delta and total go together (the sum is written into total)")
     n, width = x.shape
     out = x.new_empty(n, width, dtype=torch.promote_types(weight.dtype, x.dtype))
     rstd = x.new_empty(n, dtype=torch.float32)
