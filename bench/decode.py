@@ -54,12 +54,14 @@ above) for each way of summing the model's all-reduces (--ways: NCCL; the peer b
 its two-shot; as shipped, `comm.PEER_ALL_REDUCE`), with the collectives of a step counted (those
 inside the captured graphs included) and whether its greedy tokens equal the first way's. With
 N = 1 it gives the one-GPU row; with --profile-steps, rank 0's kernels of a step instead.
---step-variants shipped,before (or plain-launch, no-prefetch, unfused-adds) also times the step
-with the kernels launched plainly, the GEMV's weights read after its wait, the residual adds apart
-from the norms, or all three.
+--step-variants shipped,before (or plain-launch, no-prefetch, unfused-adds, sums-apart) also times
+the step with the kernels launched plainly, the GEMV's weights read after its wait, the residual
+adds apart from the norms, the all-reduces apart from the norms (ops/summed_norm.py), or all four.
 --all-reduce: one all-reduce of bf16 [--all-reduce-sizes KB] in microseconds, 32 of them captured
 in a CUDA graph and replayed, each way, with the largest difference from an fp32 sum and whether
-every rank got the same bits.
+every rank got the same bits; then the sum with the residual add and RMSNorm after it, as the
+all-reduce and `add_rms_norm` against the one kernel of `ops/summed_norm.py` (checked bit for bit
+against the fp32 sum rounded once, on every rank).
 """
 
 from __future__ import annotations
@@ -428,13 +430,15 @@ def tensor_parallel_rows(config, args, prompts) -> list[dict]:
 # --step-variants: the decode step as shipped, and with what made it faster turned off (issue 49):
 # kernels launched plainly rather than as programmatic dependent launches (ops/backend.py); the
 # GEMV's first weights read after its wait rather than before (ops/gemv.py); the residual adds
-# apart from the norms (DecoderLayer.infer); or all of them (the step before any).
+# apart from the norms (DecoderLayer.infer); the all-reduces apart from the norms, by the peer
+# buffer's one-shot kernel (ops/summed_norm.py); or all of them (the step before any).
 STEP_VARIANTS = {
     "shipped": (),
     "plain-launch": ("dependent launch",),
     "no-prefetch": ("prefetch",),
     "unfused-adds": ("fused adds",),
-    "before": ("dependent launch", "prefetch", "fused adds"),
+    "sums-apart": ("sums in norms",),
+    "before": ("dependent launch", "prefetch", "fused adds", "sums in norms"),
 }
 
 
@@ -443,6 +447,7 @@ def step_variant(name: str) -> None:
     backend.DEPENDENT_LAUNCH = "dependent launch" not in off
     gemv.PREFETCH_WEIGHTS = "prefetch" not in off
     DecoderLayer.fuses_residual_adds = "fused adds" not in off
+    comm.SUMS_IN_NORMS = "sums in norms" not in off
 
 
 def led(engine: DecodeEngine, work):
@@ -530,9 +535,51 @@ def all_reduce_rows(args) -> list[dict]:
             row[f"{way} µs"] = f"{microseconds:.1f}"
             row[f"{way} err / same"] = f"{error:.2g} / {'yes' if same else 'NO'}"
             del graph, outs
+        row.update(sum_in_norm_columns(x, exact, group))
         rows.append(row)
     comm.PEER_ALL_REDUCE.update(WAYS["shipped"])
     return rows
+
+
+def sum_in_norm_columns(x, exact, group) -> dict:
+    """x [rows of 2048] summed over the ranks, added to a residual and normalised: the shipped
+    all-reduce then `add_rms_norm` (two kernels) against `summed_norm`'s one kernel, each 32 times
+    in a CUDA graph; and whether the kernel's result is, on every rank, `add_rms_norm` of the
+    fp32 sum rounded once, bit for bit."""
+    import torch.distributed as dist
+
+    from moemesh.ops.rms_norm import add_rms_norm
+    from moemesh.ops.summed_norm import summed_add_rms_norm_triton
+
+    comm.PEER_ALL_REDUCE.update(WAYS["shipped"])
+    peers = comm._peer_buffers[group].memory
+    x = x.view(-1, 2048)
+    h = torch.randn(x.shape, generator=torch.Generator(device=x.device).manual_seed(7), device=x.device).to(x.dtype)
+    weight = torch.rand(2048, device=x.device, dtype=x.dtype) + 0.5
+    ways = {
+        "all-reduce + add & norm µs": lambda: add_rms_norm(h, comm.all_reduce_sum(x, group), weight, 1e-6),
+        "sum in the norm µs": lambda: summed_add_rms_norm_triton(h, x, weight, 1e-6, peers),
+    }
+    columns = {}
+    with torch.no_grad():
+        for name, way in ways.items():
+            out = way()  # eager first: the kernels compiled
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outs = [way() for _ in range(32)]
+            graph.replay()
+            sync()
+            start = time.perf_counter()
+            for _ in range(10):
+                graph.replay()
+            sync()
+            columns[name] = f"{(time.perf_counter() - start) / 320 * 1e6:.1f}"
+            del graph, outs
+        want = add_rms_norm(h, exact.view_as(x).to(x.dtype), weight, 1e-6)
+        equal = torch.tensor(float(all(torch.equal(a, b) for a, b in zip(out, want))), device=x.device)
+    dist.all_reduce(equal, op=dist.ReduceOp.MIN, group=group)
+    columns["sum in the norm = fp32 sum's, every rank"] = "yes" if equal.item() == 1 else "NO"
+    return columns
 
 
 def profile_rows(config, args, device, prompts) -> list[dict]:

@@ -53,6 +53,10 @@
 #       (--step-variants shipped,before) on 1 GPU, beside the GPU tests of those kernels and the
 #       per-expert kernel's tiles (bench/kernels.py --expert-tiles) on another; then on 2 GPUs
 #       (and 4, on a 4-GPU host)
+#   bash bench/gpu_checks_inference.sh sums     on 4 GPUs: the GPU tests of the norm kernels; the
+#       all-reduce alone and inside the residual add and norm (bench/decode.py --all-reduce) on 2
+#       and 4; the 48-layer step at batch 1 and 64 with the sums in the norms and apart
+#       (--step-variants shipped,sums-apart) on 1 and 2 GPUs side by side, then on 4
 #   bash bench/gpu_checks_inference.sh ep4      on 4 GPUs, the 48-layer step at batch 1, 64 and 256
 #       with the experts split over 4 (--layout ep) and with tp=4
 #   bash bench/gpu_checks_inference.sh serve-tp N MODEL...   `moemesh serve` over N GPUs of a
@@ -215,6 +219,21 @@ launches)
     tp_decode 0,1 step2 --layers 48 $variants
     [ "$(nvidia-smi -L | wc -l)" -ge 4 ] && tp_decode 0,1,2,3 step4 --layers 48 $variants
     for n in 2 4; do [ -f "$LOGS/step$n.txt" ] && { echo "== $n GPUs"; quiet < "$LOGS/step$n.txt" | grep "|\|Error"; }; done
+    ;;
+sums)  # the all-reduce inside the norm (ops/summed_norm.py), on a 4-GPU host
+    CUDA_VISIBLE_DEVICES=1 timeout 240 python3 -m pytest -q tests/test_ops_summed_norm.py tests/test_ops_rms_norm.py \
+        tests/test_models_decoding.py > "$LOGS/sums_tests.txt" 2>&1 &
+    CUDA_VISIBLE_DEVICES=2,3 timeout 200 torchrun --standalone --nproc-per-node 2 bench/decode.py --all-reduce \
+        --all-reduce-sizes 4,16,64,256,512 --ways nccl,shipped > "$LOGS/sums_all_reduce2.txt" 2>&1
+    wait
+    echo "== GPU tests"; grep -E "passed|failed|Error" "$LOGS/sums_tests.txt" | tail -5
+    timeout 200 torchrun --standalone --nproc-per-node 4 bench/decode.py --all-reduce \
+        --all-reduce-sizes 4,16,64,256,512 --ways nccl,shipped > "$LOGS/sums_all_reduce4.txt" 2>&1
+    for n in 2 4; do echo "== the all-reduce alone and in the norm, $n GPUs"; quiet < "$LOGS/sums_all_reduce$n.txt" | grep "|\|Error"; done
+    variants="--layers 48 --ways shipped --step-variants ${VARIANTS:-shipped,sums-apart} ${DECODE_ARGS:---new-tokens 40}"
+    tp_decode 0 sums1 $variants & tp_decode 2,3 sums2 $variants & wait
+    tp_decode 0,1,2,3 sums4 $variants
+    for n in 1 2 4; do echo "== $n GPUs"; quiet < "$LOGS/sums$n.txt" | grep "|\|Error"; done
     ;;
 ep4)  # on 4 GPUs: experts split over 4 (attention whole on each) against tp=4, batch 1, 64 and 256
     for layout in ep tp; do

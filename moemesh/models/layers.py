@@ -13,10 +13,10 @@ from torch import nn
 from moemesh.models.adapted import projections
 from moemesh.models.config import ModelConfig
 from moemesh.models.kv_cache import PagedKVCache
-from moemesh.ops import decode_attention, gemv, invariant
+from moemesh.ops import decode_attention, gemv, invariant, summed_norm
 from moemesh.ops.backend import use_triton
 from moemesh.ops.linear import Linear
-from moemesh.ops.rms_norm import add_rms_norm, rms_norm
+from moemesh.ops.rms_norm import rms_norm
 from moemesh.ops.rotary import rotary
 
 
@@ -31,8 +31,10 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
     def after_add(self, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h + delta, the norm of that) in one kernel where it can (`ops/rms_norm.add_rms_norm`)."""
-        return add_rms_norm(h, delta, self.weight, self.eps)
+        """(h + delta, the norm of that) in one kernel where it can (`ops/rms_norm.add_rms_norm`);
+        a delta that tensor parallelism left partial summed over the ranks first, in the same
+        kernel where they map a buffer for it (`ops/summed_norm.py`)."""
+        return summed_norm.add_summed_rms_norm(h, delta, self.weight, self.eps)
 
 
 def attention_mask(q_positions: torch.Tensor, kv_len: int, sliding_window: int | None) -> torch.Tensor:

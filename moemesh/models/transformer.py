@@ -23,7 +23,7 @@ from moemesh.models.family import family
 from moemesh.models.layers import Attention, DenseMLP, PagedKVCache, RMSNorm
 from moemesh.models.moe import Dispatched, MoEBlock, RouterStats, Routing, load_balancing_loss
 from moemesh.models.rope import RotaryEmbedding
-from moemesh.ops import invariant, linear_cross_entropy, recompute
+from moemesh.ops import invariant, linear_cross_entropy, recompute, summed_norm
 from moemesh.ops.backend import autocast_inputs
 
 
@@ -217,23 +217,25 @@ class MoECausalLM(nn.Module):
         with the router statistics of the MoE layers among them. Under activation checkpointing
         each layer is one checkpointed region (training only: with gradients, without a cache)."""
         rope = self.rotary(positions, h.dtype)
+        chosen = [self.model.layers[i] for i in (range(len(self.model.layers)) if layers is None else layers)]
+        if cache is not None and not torch.is_grad_enabled() and all(layer.fuses_residual_adds for layer in chosen):
+            # The engine's steps: each residual add inside the norm after it, and under tensor
+            # parallelism each layer's partial sums over the ranks too (ops/summed_norm.py).
+            pending = None  # a residual add that `infer` left to the next layer
+            with summed_norm.sums_left_to_norms():
+                for layer in chosen:
+                    h, pending = layer.infer(h, pending, rope, positions, cache)
+                return h if pending is None else h + summed_norm.settled(pending), []
         router_stats = []
         recompute_mode = self.activation_checkpointing if cache is None and torch.is_grad_enabled() else "none"
-        pending = None  # a residual add that `infer` left to the next layer
-        for i in range(len(self.model.layers)) if layers is None else layers:
-            layer = self.model.layers[i]
-            if cache is not None and not torch.is_grad_enabled() and layer.fuses_residual_adds:
-                h, pending = layer.infer(h, pending, rope, positions, cache)
-                continue
-            if pending is not None:
-                h, pending = h + pending, None
+        for layer in chosen:
             if recompute_mode == "none":
                 h, stats = layer(h, rope, positions, cache)
             else:
                 h, stats = recompute.checkpointed(layer, recompute_mode, h, rope, positions)
             if stats is not None:  # a MoE layer outside decoding
                 router_stats.append(stats)
-        return h if pending is None else h + pending, router_stats
+        return h, router_stats
 
     def head(
         self, h: torch.Tensor, labels: torch.Tensor | None = None, return_logits: bool = True

@@ -82,7 +82,7 @@ class _RMSNorm(torch.autograd.Function):
         return grad_x.view(grad_out.shape), grad_weight, None
 
 
-def _blocks(width: int) -> tuple[int, int, int]:
+def rms_norm_blocks(width: int) -> tuple[int, int, int]:
     """(rows per block, tile width, warps): whole rows in a tile of about TILE elements."""
     block_w = block_size(width, largest=1 << 20)
     block_rows = max(1, TILE // block_w)
@@ -104,7 +104,7 @@ def rms_norm_triton(
     out = x.new_empty(n, width, dtype=torch.promote_types(weight.dtype, x.dtype))
     rstd = x.new_empty(n, dtype=torch.float32)
     if n:
-        block_rows, block_w, warps = _blocks(width)
+        block_rows, block_w, warps = rms_norm_blocks(width)
         _rms_norm_kernel[(triton.cdiv(n, block_rows),)](
             x, x if delta is None else delta, x if total is None else total, weight.contiguous(), out, rstd, n, width,
             eps, HAS_DELTA=delta is not None, BLOCK_ROWS=block_rows, BLOCK_W=block_w, num_warps=warps,
@@ -120,7 +120,7 @@ def rms_norm_backward_triton(grad_out, x, weight, rstd, weight_grad: bool = True
     grad_x = torch.empty_like(x)
     if n == 0:
         return grad_x, torch.zeros_like(weight) if weight_grad else None
-    block_rows, block_w, warps = _blocks(width)
+    block_rows, block_w, warps = rms_norm_blocks(width)
     rows_per_program = triton.cdiv(triton.cdiv(n, block_rows), PARTIAL_SUMS) * block_rows
     programs = triton.cdiv(n, rows_per_program)
     partials = x.new_empty(programs, width, dtype=torch.float32)
@@ -145,12 +145,20 @@ def _rms_norm_kernel(x_ptr, delta_ptr, total_ptr, weight_ptr, out_ptr, rstd_ptr,
     if HAS_DELTA:  # the residual add, rounded to x's dtype as the add alone would be
         x = (x.to(tl.float32) + tl.load(delta_ptr + offsets, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
         tl.store(total_ptr + offsets, x, mask=mask)
-    x = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / width + eps)
-    h = (x * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)  # rounded to x's dtype first
+    rstd = normalised_rows(x, cols, mask, offsets, width, eps, weight_ptr, out_ptr)
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def normalised_rows(x, cols, mask, offsets, width, eps, weight_ptr, out_ptr):
+    """weight * RMSNorm of the rows of x (a block of whole rows, in the input's dtype) stored at
+    out_ptr + offsets; -> each row's fp32 rsqrt."""
+    x32 = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x32 * x32, axis=1) / width + eps)
+    h = (x32 * rstd[:, None]).to(x.dtype).to(tl.float32)  # rounded to x's dtype first
     weight = tl.load(weight_ptr + cols, mask=cols < width, other=0.0).to(tl.float32)
     tl.store(out_ptr + offsets, (weight[None, :] * h).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+    return rstd
 
 
 @triton.jit

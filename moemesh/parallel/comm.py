@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moemesh.ops import invariant, recompute
+from moemesh.ops import invariant, recompute, summed_norm
 
 calls: Counter[tuple[str, str]] = Counter()  # (kind, "forward" | "backward") -> number of calls
 sent_bytes: Counter[tuple[str, str]] = Counter()  # the same key -> bytes this rank sent
@@ -251,6 +251,10 @@ def _summed(x: torch.Tensor, group, phase: str) -> torch.Tensor:
 
 def _summed_now(x: torch.Tensor, group, phase: str) -> torch.Tensor:
     _count("all_reduce", phase, x.numel() * x.element_size())
+    return _sum_of(x, group, phase)
+
+
+def _sum_of(x: torch.Tensor, group, phase: str) -> torch.Tensor:
     if phase == "forward" and invariant.on():
         return _summed_in_rank_order(x, group)
     peer = _peer_buffers.get(group)
@@ -319,18 +323,28 @@ class _PeerBuffer:
         from torch.distributed import _symmetric_memory as symmetric_memory
 
         self.buffer = symmetric_memory.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
-        symmetric_memory.rendezvous(self.buffer, group)
+        handle = symmetric_memory.rendezvous(self.buffer, group)
         self.group_name = group.group_name
         self.ranks = dist.get_world_size(group)
+        # What `ops/summed_norm.py`'s kernel reads: the same buffer, its own one-shot sum.
+        pointers = handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev
+        self.memory = summed_norm.PeerMemory(*pointers, handle.rank, handle.world_size, self.buffer.numel(), dtype)
+
+    def _fits(self, x: torch.Tensor) -> bool:
+        nbytes = x.numel() * x.element_size()
+        return x.dtype == self.buffer.dtype and nbytes % 16 == 0 and 0 < x.numel() <= self.buffer.numel()
+
+    def one_shot(self, x: torch.Tensor) -> bool:
+        return self._fits(x) and x.numel() * x.element_size() <= PEER_ALL_REDUCE["one_shot"] * 2 // self.ranks
 
     def summed(self, x: torch.Tensor) -> torch.Tensor | None:
         """The sum of x over the group, or None when x is not for this buffer (its dtype, a
         size past the thresholds or the buffer, or not a multiple of 16 bytes)."""
-        n, nbytes = x.numel(), x.numel() * x.element_size()
-        if x.dtype != self.buffer.dtype or nbytes % 16 or n > self.buffer.numel() or nbytes == 0:
+        if not self._fits(x):
             return None
+        n, nbytes = x.numel(), x.numel() * x.element_size()
         flat, into = x.contiguous().view(-1), self.buffer[:n]
-        if nbytes <= PEER_ALL_REDUCE["one_shot"] * 2 // self.ranks:
+        if self.one_shot(x):
             return torch.ops.symm_mem.one_shot_all_reduce_copy(into, flat, "sum", self.group_name).view_as(x)
         if nbytes <= PEER_ALL_REDUCE["two_shot"]:
             into.copy_(flat)
@@ -388,10 +402,32 @@ def to_shards(x: torch.Tensor, group) -> torch.Tensor:
     return x if group is None else _ToShards.apply(x, group)
 
 
+# Whether a sum left to the norm after it (`ops/summed_norm.py`) is taken in the norm's kernel where
+# a peer buffer serves one-shot sums; False: by the all-reduce as ever, then the add and norm's
+# kernel (for measuring the difference).
+SUMS_IN_NORMS = True
+
+
 def from_partial(x: torch.Tensor, group) -> torch.Tensor:
     """g: each rank holds a partial sum of x; every rank then uses the full x alike, so each
-    partial's gradient is the full gradient: all-reduce forward, identity backward."""
-    return x if group is None else _FromPartial.apply(x, group)
+    partial's gradient is the full gradient: all-reduce forward, identity backward. In the
+    engine's layers (`summed_norm.sums_left_to_norms`) the sum is left to the residual add and
+    norm that follow it: x itself comes back, handed over (`summed_norm.leave`)."""
+    if group is None:
+        return x
+    if summed_norm.leaving():
+        _count("all_reduce", "forward", x.numel() * x.element_size())
+        return summed_norm.leave(x, lambda: _sum_of(x, group, "forward"), _norm_peers(x, group))
+    return _FromPartial.apply(x, group)
+
+
+def _norm_peers(x: torch.Tensor, group) -> summed_norm.PeerMemory | None:
+    """The peer buffer in which the norm's kernel can sum x, if any (never in batch-invariant
+    mode: its sum is `_summed_in_rank_order`'s)."""
+    peer = _peer_buffers.get(group)
+    if not SUMS_IN_NORMS or invariant.on() or peer is None or not peer.one_shot(x):
+        return None
+    return peer.memory
 
 
 def all_reduce_max(x: torch.Tensor, group) -> torch.Tensor:

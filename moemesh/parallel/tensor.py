@@ -68,6 +68,7 @@ from moemesh.models.lora import is_adapter
 from moemesh.models.moe import MoEBlock
 from moemesh.models.registry import family
 from moemesh.models.transformer import MoECausalLM, shift_labels
+from moemesh.ops import summed_norm
 from moemesh.ops.linear import linear
 from moemesh.parallel import comm
 from moemesh.parallel.mesh import Mesh
@@ -442,7 +443,7 @@ class RowwiseLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = adapted_linear(self, x) if has_adapter(self) else linear(x, self.weight)
         out = comm.from_partial(out, self.group)
-        return out if self.bias is None else out + self.bias
+        return out if self.bias is None else summed_norm.settled(out) + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
