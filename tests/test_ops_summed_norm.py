@@ -3,8 +3,8 @@
 The kernel is checked here on one rank (interpreted on CPU, compiled on a GPU): its buffer table,
 its meetings at the signal pad and its sum of one rank's rows are all there, and one rank's sum is
 the partial itself, so the result must be `add_rms_norm`'s kernel's bit for bit, in fp32 and bf16
-(the same conversions in the same order); the flags must be down again after each launch (what
-lets a CUDA graph replay it). Several ranks need GPUs that map each other's memory:
+(the same conversions in the same order); each launch must count one meeting a program and write
+the rows into the half of the buffer of that count's parity. Several ranks need GPUs that map each other's memory:
 `bench/decode.py --all-reduce` checks the kernel there against the all-reduce followed by
 `add_rms_norm`, bit for bit. The hand-over itself runs on CPU under gloo in every tensor-parallel
 generation test (tests/test_parallel_generate.py, test_parallel_serve.py), where each left sum is
@@ -15,37 +15,45 @@ import pytest
 import torch
 
 from moemesh.ops import summed_norm
-from moemesh.ops.rms_norm import add_rms_norm
+from moemesh.ops.rms_norm import add_rms_norm, rms_norm_blocks
 
 EPS = 1e-6
 
 
-def _one_rank(dtype: torch.dtype, numel: int):
-    """A PeerMemory of one rank over a buffer and a signal pad of this process (kept alive by
-    the returned tuple)."""
+def _one_rank(dtype: torch.dtype, capacity: int):
+    """A PeerMemory of one rank over a buffer and flags of this process (kept alive by the
+    returned tuple)."""
     device = torch.get_default_device()
-    buffer = torch.zeros(numel, dtype=dtype, device=device)
-    pad = torch.zeros(1024, dtype=torch.int32, device=device)
-    tables = torch.tensor([[buffer.data_ptr()], [pad.data_ptr()]], dtype=torch.int64, device=device)
-    peers = summed_norm.PeerMemory(tables[0].data_ptr(), tables[1].data_ptr(), 0, 1, numel, dtype)
-    return peers, (buffer, pad, tables)
+    buffer = torch.zeros(summed_norm.PeerMemory.buffer_numel(1, capacity), dtype=dtype, device=device)
+    flags = torch.zeros(summed_norm.PeerMemory.flags_numel(1), dtype=torch.int32, device=device)
+    tables = torch.tensor([[buffer.data_ptr()], [flags.data_ptr()]], dtype=torch.int64, device=device)
+    peers = summed_norm.PeerMemory(tables[0].data_ptr(), tables[1].data_ptr(), 0, 1, capacity, dtype)
+    return peers, (buffer, flags, tables)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(1, 2048), (5, 130), (300, 64)])
-def test_the_kernel_on_one_rank_is_the_add_and_norm(triton_kernels, shape, dtype, monkeypatch):
-    monkeypatch.setattr(summed_norm, "MAX_PROGRAMS", 2)  # 300 rows of 64: 5 blocks of 64 rows, 2 programs
-    peers, keep = _one_rank(dtype, 300 * 2048)
-    pad = keep[1]
+@pytest.mark.parametrize("shape", [(1, 2048), (5, 130), (300, 64), (600, 1024)])
+def test_the_kernel_on_one_rank_is_the_add_and_norm(triton_kernels, shape, dtype):
+    capacity = 300 * 2048
+    peers, (buffer, flags, _) = _one_rank(dtype, capacity)
     h, partial = torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype)
     weight = torch.randn(shape[-1], dtype=dtype)
+    assert peers.holds(partial)
+    programs = -(-shape[0] // rms_norm_blocks(shape[-1])[0])  # a block of rows each
     with torch.no_grad():
         want_total, want_out = add_rms_norm(h, partial, weight, EPS)
-        for _ in range(2):  # the flags are down after a launch: the next one meets again
+        for meeting in (1, 2, 3):  # one half of the buffer, then the other, then the first again
             total, out = summed_norm.summed_add_rms_norm_triton(h, partial, weight, EPS, peers)
             assert torch.equal(total, want_total) and torch.equal(out, want_out)
-            assert not pad.any()
-    assert torch.equal(keep[0][: partial.numel()].view(shape), partial)  # this rank's rows, as sent
+            # Each program's flag at this (the one) rank counts its meetings, as does its count.
+            meetings = summed_norm.MAX_PROGRAMS
+            assert (flags[:programs] == meeting).all() and (flags[meetings : meetings + programs] == meeting).all()
+            assert not flags[programs:meetings].any() and not flags[meetings + programs :].any()
+            half = buffer.view(2, capacity)[meeting % 2, : partial.numel()]
+            assert torch.equal(half.view(shape), partial)  # this rank's rows, in that meeting's half
+    assert not peers.holds(torch.zeros(capacity + 1, 1, dtype=dtype))  # more than the buffer holds
+    assert not peers.holds(torch.zeros(2 * summed_norm.MAX_PROGRAMS + 1, 2048, dtype=dtype))  # more blocks than flags
+    assert not peers.holds(torch.zeros(1, 8, dtype=torch.float16 if dtype == torch.float32 else torch.float32))
 
 
 class _Summed:

@@ -7,21 +7,23 @@ residual add and an RMSNorm (`rms_norm.add_rms_norm`). So the engine's layers (`
 `sums_left_to_norms`) leave each such sum to the norm that follows it: `comm` hands the partial
 over (`leave`) instead of summing it, and `add_summed_rms_norm` takes it.
 
-Where the ranks map a common buffer (PyTorch's symmetric memory, without NVLink multicast), the
-sum is in the norm's kernel: each program copies its rows of the partial into this rank's buffer,
-meets the programs of the same index on the other ranks at a barrier of flags in that memory
-(compare-and-swap at system scope; each flag is reset by the one that waits on it, so a CUDA graph
-can replay it), reads every rank's rows, adds them in rank order in fp32 and rounds once -- every
-rank gets the same bits -- then adds the residual and normalises as `add_rms_norm` does, and meets
-its peers once more so that no rank writes its buffer again before all have read it. That is the
-one-shot all-reduce's exchange, inside the norm's kernel and inside the chain of dependent
-launches (`ops/backend.py`), which PyTorch's all-reduce kernel ends twice a layer. Elsewhere (a
-CPU, gloo, a partial too large for the buffer) the left sum is the all-reduce as before, then
-`add_rms_norm`: the same ops in the same order.
+Where the ranks map common memory (PyTorch's symmetric memory, without NVLink multicast), the
+sum is in the norm's kernel, a program a block of rows: each program writes its rows of the
+partial into every rank's buffer (its own slot there), raises its flag at every rank and waits for
+every rank's flag at its own (atomics at system scope, all ranks at once, a thread each), then
+reads every rank's rows from its own memory, adds them in rank order in fp32 and rounds once --
+every rank gets the same bits -- and adds the residual and normalises as `add_rms_norm` does. The
+flags are counters, and each program keeps the count of its meetings: nothing is reset, so a CUDA
+graph replays it. The buffer has two halves, by the parity of that count, so one meeting a launch
+is enough: a rank writes a half again only after every rank has begun the launch that follows the
+one that read it. That is a one-shot all-reduce inside the norm's kernel and inside the chain of
+dependent launches (`ops/backend.py`), which PyTorch's all-reduce kernel ends twice a layer.
+Elsewhere (a CPU, gloo, rows past what the buffer holds) the left sum is the all-reduce as before,
+then `add_rms_norm`: the same ops in the same order.
 
-Limits: the whole row in one tile; at most MAX_PROGRAMS programs (each holds a flag per rank in
-every rank's signal pad); an add that no norm follows takes the sum plainly (`settled`). A left
-sum that nothing takes is an error, raised when the context closes.
+Limits: the whole row in one tile; at most MAX_PROGRAMS blocks of rows (`PeerMemory.holds`); an
+add that no norm follows takes the sum plainly (`settled`). A left sum that nothing takes is an
+error, raised when the context closes.
 """
 
 from __future__ import annotations
@@ -35,21 +37,36 @@ import torch
 from moemesh.ops.backend import dependent_launch, tl, triton, use_triton, wait_for_inputs
 from moemesh.ops.rms_norm import add_rms_norm, normalised_rows, rms_norm_blocks
 
-MAX_PROGRAMS = 128
+MAX_PROGRAMS = 256  # blocks of rows (of 2 rows at a width of 2048: 512 rows), a flag each
 
 
 @dataclass(frozen=True)
 class PeerMemory:
-    """What the kernel needs of a buffer every rank of a group maps: device addresses of tables
-    (one entry a rank, in rank order) of the ranks' buffers and of their signal pads, this rank's
-    index, the rank count, and the buffer's size and dtype."""
+    """What the kernel needs of the memory every rank of a group maps: device addresses of tables
+    (one entry a rank, in rank order) of the ranks' buffers ([2, world, capacity] each, of
+    `dtype`) and of their flags (`flags_numel(world)` int32 zeros, at first), this rank's index
+    and the rank count."""
 
     buffer_ptrs: int
-    signal_pad_ptrs: int
+    flag_ptrs: int
     rank: int
     world: int
-    numel: int
+    capacity: int
     dtype: torch.dtype
+
+    @staticmethod
+    def buffer_numel(world: int, capacity: int) -> int:
+        return 2 * world * capacity
+
+    @staticmethod
+    def flags_numel(world: int) -> int:
+        return MAX_PROGRAMS * (world + 1)  # a flag a (program, rank), and each program's meetings
+
+    def holds(self, rows: torch.Tensor) -> bool:
+        """Whether the kernel can sum these rows [..., width] here."""
+        width = rows.shape[-1]
+        blocks = triton.cdiv(rows.numel() // max(width, 1), rms_norm_blocks(width)[0])
+        return rows.dtype == self.dtype and 0 < rows.numel() <= self.capacity and blocks <= MAX_PROGRAMS
 
 
 @dataclass
@@ -123,8 +140,7 @@ def add_summed_rms_norm(
         or not use_triton(h)
         or delta.shape != h.shape
         or delta.dtype != h.dtype
-        or delta.dtype != peers.dtype
-        or delta.numel() > peers.numel
+        or not peers.holds(delta)
         or weight.shape != h.shape[-1:]
     ):
         return add_rms_norm(h, left.summed().view_as(delta), weight, eps)
@@ -134,67 +150,68 @@ def add_summed_rms_norm(
 def summed_add_rms_norm_triton(
     h: torch.Tensor, partial: torch.Tensor, weight: torch.Tensor, eps: float, peers: PeerMemory
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h + Σ_ranks partial, its RMSNorm) in one kernel over `peers` (every rank calls it)."""
+    """(h + Σ_ranks partial, its RMSNorm) in one kernel over `peers` (every rank calls it, with
+    rows that `peers.holds`)."""
     rows = h.contiguous().view(-1, h.shape[-1])
     n, width = rows.shape
     total, out = torch.empty_like(rows), rows.new_empty(n, width, dtype=torch.promote_types(weight.dtype, h.dtype))
     block_rows, block_w, warps = rms_norm_blocks(width)
-    programs = min(triton.cdiv(n, block_rows), MAX_PROGRAMS)
     if n:
-        _summed_add_rms_norm_kernel[(programs,)](
+        _summed_add_rms_norm_kernel[(triton.cdiv(n, block_rows),)](
             partial.contiguous().view_as(rows), rows, total, weight.contiguous(), out, n, width, eps,
-            peers.buffer_ptrs, peers.signal_pad_ptrs, peers.rank, WORLD=peers.world,
-            BLOCK_ROWS=block_rows, BLOCK_W=block_w, num_warps=warps, **dependent_launch(h),
+            peers.buffer_ptrs, peers.flag_ptrs, peers.rank, peers.capacity, WORLD=peers.world,
+            MEETINGS=MAX_PROGRAMS * peers.world, BLOCK_ROWS=block_rows, BLOCK_W=block_w, num_warps=warps,
+            **dependent_launch(h),
         )  # fmt: skip
     return total.view(h.shape), out.view(h.shape)
 
 
 @triton.jit
-def _meet_peers(signal_pad_ptrs, slot, rank, WORLD: tl.constexpr):
-    """This program and those of the same index on every rank wait for each other: each raises
-    its flag (slot, rank) in every rank's signal pad (release: its writes before it), then takes
-    down the flag of every rank in its own (acquire: their writes after it). A flag still up
-    from the last meeting is waited out, so meetings may follow each other back to back."""
-    pads = signal_pad_ptrs.to(tl.pointer_type(tl.uint64))
-    tl.debug_barrier()  # every thread's writes done before the flag goes up
-    for peer in tl.static_range(WORLD):
-        flag = tl.load(pads + peer).to(tl.pointer_type(tl.int32)) + slot * WORLD + rank
-        while tl.atomic_cas(flag, 0, 1, sem="release", scope="sys") != 0:
-            pass
-    own = tl.load(pads + rank).to(tl.pointer_type(tl.int32)) + slot * WORLD
-    for peer in tl.static_range(WORLD):
-        while tl.atomic_cas(own + peer, 1, 0, sem="acquire", scope="sys") != 1:
-            pass
+def _meet_peers(flag_ptrs, program, rank, meeting, WORLD: tl.constexpr):
+    """This program and those of the same index on every rank wait for each other, for the
+    `meeting`-th time: each adds one to its flag (program, rank) at every rank (release: its
+    writes before it), then waits until the flag of every rank at its own reads `meeting`
+    (acquire: their writes after it)."""
+    ranks = tl.arange(0, WORLD)
+    tables = flag_ptrs.to(tl.pointer_type(tl.uint64))
+    theirs = tl.load(tables + ranks).to(tl.pointer_type(tl.int32)) + program * WORLD + rank
+    mine = tl.load(tables + rank).to(tl.pointer_type(tl.int32)) + program * WORLD + ranks
+    tl.debug_barrier()  # every thread's writes done before the flags go up
+    tl.atomic_add(theirs, 1, sem="release", scope="sys")
+    arrived = tl.atomic_add(mine, 0, sem="acquire", scope="sys")
+    while tl.min(arrived - meeting) < 0:  # a difference: right across the counters' wrap
+        arrived = tl.atomic_add(mine, 0, sem="acquire", scope="sys")
     tl.debug_barrier()
 
 
 @triton.jit
 def _summed_add_rms_norm_kernel(partial_ptr, h_ptr, total_ptr, weight_ptr, out_ptr, n, width, eps,
-                                buffer_ptrs, signal_pad_ptrs, rank, WORLD: tl.constexpr,
-                                BLOCK_ROWS: tl.constexpr, BLOCK_W: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
+                                buffer_ptrs, flag_ptrs, rank, capacity, WORLD: tl.constexpr,
+                                MEETINGS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_W: tl.constexpr,
+                                GDC: tl.constexpr):  # fmt: skip
     wait_for_inputs(GDC)
-    program, programs = tl.program_id(0), tl.num_programs(0)
-    buffers = buffer_ptrs.to(tl.pointer_type(tl.uint64))
+    program = tl.program_id(0)
+    rows = program * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS).to(tl.int64)  # 64-bit: rows * width
     cols = tl.arange(0, BLOCK_W)
-    blocks = tl.cdiv(n, BLOCK_ROWS)
-    own = tl.load(buffers + rank).to(tl.pointer_type(partial_ptr.dtype.element_ty))
-    for block in range(program, blocks, programs):  # this rank's partial rows into its buffer
-        rows = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS).to(tl.int64)  # 64-bit: rows * width
-        mask = (rows < n)[:, None] & (cols < width)[None, :]
-        offsets = rows[:, None] * width + cols[None, :]
-        tl.store(own + offsets, tl.load(partial_ptr + offsets, mask=mask), mask=mask)
-    _meet_peers(signal_pad_ptrs, program, rank, WORLD)
-    for block in range(program, blocks, programs):
-        rows = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS).to(tl.int64)  # 64-bit: rows * width
-        mask = (rows < n)[:, None] & (cols < width)[None, :]
-        offsets = rows[:, None] * width + cols[None, :]
-        summed = tl.zeros([BLOCK_ROWS, BLOCK_W], dtype=tl.float32)
-        for peer in tl.static_range(WORLD):  # in rank order: the same bits on every rank
-            buffer = tl.load(buffers + peer).to(tl.pointer_type(partial_ptr.dtype.element_ty))
-            summed += tl.load(buffer + offsets, mask=mask, other=0.0).to(tl.float32)
-        # Rounded as the all-reduce's result is, then the residual add, rounded as the add alone is.
-        x = tl.load(h_ptr + offsets, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + summed.to(x.dtype).to(tl.float32)).to(x.dtype)
-        tl.store(total_ptr + offsets, x, mask=mask)
-        normalised_rows(x, cols, mask, offsets, width, eps, weight_ptr, out_ptr)
-    _meet_peers(signal_pad_ptrs, program, rank, WORLD)  # every rank has read the buffers
+    mask = (rows < n)[:, None] & (cols < width)[None, :]
+    offsets = rows[:, None] * width + cols[None, :]
+    # This program's meetings so far, kept after the flags in this rank's own table.
+    count = tl.load(flag_ptrs.to(tl.pointer_type(tl.uint64)) + rank).to(tl.pointer_type(tl.int32)) + MEETINGS + program
+    meeting = tl.load(count) + 1
+    buffers = buffer_ptrs.to(tl.pointer_type(tl.uint64))
+    half = (meeting & 1).to(tl.int64) * WORLD * capacity
+    partial = tl.load(partial_ptr + offsets, mask=mask)
+    for peer in tl.static_range(WORLD):  # this rank's rows into its slot of every rank's buffer
+        buffer = tl.load(buffers + peer).to(tl.pointer_type(partial_ptr.dtype.element_ty))
+        tl.store(buffer + half + rank * capacity + offsets, partial, mask=mask)
+    _meet_peers(flag_ptrs, program, rank, meeting, WORLD)
+    own = tl.load(buffers + rank).to(tl.pointer_type(partial_ptr.dtype.element_ty)) + half
+    summed = tl.zeros([BLOCK_ROWS, BLOCK_W], dtype=tl.float32)
+    for peer in tl.static_range(WORLD):  # in rank order: the same bits on every rank
+        summed += tl.load(own + peer * capacity + offsets, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    # Rounded as the all-reduce's result is, then the residual add, rounded as the add alone is.
+    x = tl.load(h_ptr + offsets, mask=mask, other=0.0)
+    x = (x.to(tl.float32) + summed.to(x.dtype).to(tl.float32)).to(x.dtype)
+    tl.store(total_ptr + offsets, x, mask=mask)
+    normalised_rows(x, cols, mask, offsets, width, eps, weight_ptr, out_ptr)
+    tl.store(count, meeting)

@@ -323,12 +323,25 @@ class _PeerBuffer:
         from torch.distributed import _symmetric_memory as symmetric_memory
 
         self.buffer = symmetric_memory.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
-        handle = symmetric_memory.rendezvous(self.buffer, group)
+        symmetric_memory.rendezvous(self.buffer, group)
         self.group_name = group.group_name
         self.ranks = dist.get_world_size(group)
-        # What `ops/summed_norm.py`'s kernel reads: the same buffer, its own one-shot sum.
-        pointers = handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev
-        self.memory = summed_norm.PeerMemory(*pointers, handle.rank, handle.world_size, self.buffer.numel(), dtype)
+        # And the buffer and flags of the sums in the norms' kernel (`ops/summed_norm.py`), of the
+        # tensors one-shot sums.
+        capacity = min(max_bytes, PEER_ALL_REDUCE["one_shot"] * 2 // self.ranks) // dtype.itemsize
+        pushed = symmetric_memory.empty(
+            summed_norm.PeerMemory.buffer_numel(self.ranks, capacity), dtype=dtype, device=device
+        )
+        flags = symmetric_memory.empty(summed_norm.PeerMemory.flags_numel(self.ranks), dtype=torch.int32, device=device)
+        flags.zero_()
+        pushed_handle, flags_handle = (symmetric_memory.rendezvous(t, group) for t in (pushed, flags))
+        torch.cuda.synchronize(device)
+        dist.barrier(group)  # every rank's flags zero before any rank's kernel counts on them
+        self.kept = pushed, flags
+        self.memory = summed_norm.PeerMemory(
+            pushed_handle.buffer_ptrs_dev, flags_handle.buffer_ptrs_dev, pushed_handle.rank,
+            self.ranks, capacity, dtype,
+        )  # fmt: skip
 
     def _fits(self, x: torch.Tensor) -> bool:
         nbytes = x.numel() * x.element_size()
@@ -425,7 +438,7 @@ def _norm_peers(x: torch.Tensor, group) -> summed_norm.PeerMemory | None:
     """The peer buffer in which the norm's kernel can sum x, if any (never in batch-invariant
     mode: its sum is `_summed_in_rank_order`'s)."""
     peer = _peer_buffers.get(group)
-    if not SUMS_IN_NORMS or invariant.on() or peer is None or not peer.one_shot(x):
+    if not SUMS_IN_NORMS or invariant.on() or peer is None or not peer.one_shot(x) or not peer.memory.holds(x):
         return None
     return peer.memory
 
