@@ -56,6 +56,8 @@ class PeerMemory:
 
     @staticmethod
     def buffer_numel(world: int, capacity: int) -> int:
+        if capacity % 16:
+            raise ValueError(f"PeerMemory: a capacity of {capacity} elements, not a multiple of 16")
         return 2 * world * capacity
 
     @staticmethod
@@ -172,15 +174,14 @@ def _meet_peers(flag_ptrs, program, rank, meeting, WORLD: tl.constexpr):
     `meeting`-th time: each adds one to its flag (program, rank) at every rank (release: its
     writes before it), then waits until the flag of every rank at its own reads `meeting`
     (acquire: their writes after it)."""
-    ranks = tl.arange(0, WORLD)
     tables = flag_ptrs.to(tl.pointer_type(tl.uint64))
-    theirs = tl.load(tables + ranks).to(tl.pointer_type(tl.int32)) + program * WORLD + rank
-    mine = tl.load(tables + rank).to(tl.pointer_type(tl.int32)) + program * WORLD + ranks
+    theirs = tl.load(tables + tl.arange(0, WORLD)).to(tl.pointer_type(tl.int32)) + program * WORLD + rank
+    mine = tl.load(tables + rank).to(tl.pointer_type(tl.int32)) + program * WORLD
     tl.debug_barrier()  # every thread's writes done before the flags go up
-    tl.atomic_add(theirs, 1, sem="release", scope="sys")
-    arrived = tl.atomic_add(mine, 0, sem="acquire", scope="sys")
-    while tl.min(arrived - meeting) < 0:  # a difference: right across the counters' wrap
-        arrived = tl.atomic_add(mine, 0, sem="acquire", scope="sys")
+    tl.atomic_add(theirs, 1, sem="release", scope="sys")  # to every rank at once
+    for peer in tl.static_range(WORLD):  # a difference: right across the counters' wrap
+        while tl.atomic_add(mine + peer, 0, sem="acquire", scope="sys") - meeting < 0:
+            pass
     tl.debug_barrier()
 
 
@@ -199,16 +200,17 @@ def _summed_add_rms_norm_kernel(partial_ptr, h_ptr, total_ptr, weight_ptr, out_p
     count = tl.load(flag_ptrs.to(tl.pointer_type(tl.uint64)) + rank).to(tl.pointer_type(tl.int32)) + MEETINGS + program
     meeting = tl.load(count) + 1
     buffers = buffer_ptrs.to(tl.pointer_type(tl.uint64))
-    half = (meeting & 1).to(tl.int64) * WORLD * capacity
+    half = tl.multiple_of((meeting & 1).to(tl.int64) * WORLD * capacity, 16)  # capacity: a multiple of 16
     partial = tl.load(partial_ptr + offsets, mask=mask)
     for peer in tl.static_range(WORLD):  # this rank's rows into its slot of every rank's buffer
-        buffer = tl.load(buffers + peer).to(tl.pointer_type(partial_ptr.dtype.element_ty))
-        tl.store(buffer + half + rank * capacity + offsets, partial, mask=mask)
+        buffer = tl.multiple_of(tl.load(buffers + peer).to(tl.pointer_type(partial_ptr.dtype.element_ty)), 16)
+        tl.store(buffer + half + tl.multiple_of(rank * capacity, 16) + offsets, partial, mask=mask)
     _meet_peers(flag_ptrs, program, rank, meeting, WORLD)
-    own = tl.load(buffers + rank).to(tl.pointer_type(partial_ptr.dtype.element_ty)) + half
+    own = tl.multiple_of(tl.load(buffers + rank).to(tl.pointer_type(partial_ptr.dtype.element_ty)), 16) + half
     summed = tl.zeros([BLOCK_ROWS, BLOCK_W], dtype=tl.float32)
     for peer in tl.static_range(WORLD):  # in rank order: the same bits on every rank
-        summed += tl.load(own + peer * capacity + offsets, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        rows_of_peer = own + peer * capacity + offsets
+        summed += tl.load(rows_of_peer, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
     # Rounded as the all-reduce's result is, then the residual add, rounded as the add alone is.
     x = tl.load(h_ptr + offsets, mask=mask, other=0.0)
     x = (x.to(tl.float32) + summed.to(x.dtype).to(tl.float32)).to(x.dtype)

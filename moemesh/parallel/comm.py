@@ -328,7 +328,7 @@ class _PeerBuffer:
         self.ranks = dist.get_world_size(group)
         # And the buffer and flags of the sums in the norms' kernel (`ops/summed_norm.py`), of the
         # tensors one-shot sums.
-        capacity = min(max_bytes, PEER_ALL_REDUCE["one_shot"] * 2 // self.ranks) // dtype.itemsize
+        capacity = min(max_bytes, PEER_ALL_REDUCE["one_shot"] * 2 // self.ranks) // dtype.itemsize // 16 * 16
         pushed = symmetric_memory.empty(
             summed_norm.PeerMemory.buffer_numel(self.ranks, capacity), dtype=dtype, device=device
         )
