@@ -54,9 +54,10 @@ above) for each way of summing the model's all-reduces (--ways: NCCL; the peer b
 its two-shot; as shipped, `comm.PEER_ALL_REDUCE`), with the collectives of a step counted (those
 inside the captured graphs included) and whether its greedy tokens equal the first way's. With
 N = 1 it gives the one-GPU row; with --profile-steps, rank 0's kernels of a step instead.
---step-variants shipped,before (or plain-launch, no-prefetch, unfused-adds, sums-apart) also times
-the step with the kernels launched plainly, the GEMV's weights read after its wait, the residual
-adds apart from the norms, the all-reduces apart from the norms (ops/summed_norm.py), or all four.
+--step-variants shipped,before (or plain-launch, no-prefetch, unfused-adds, sums-apart, dot-gemv)
+also times the step with the kernels launched plainly, the GEMV's weights read after its wait, the
+residual adds apart from the norms, the all-reduces apart from the norms (ops/summed_norm.py), one
+row through the GEMV's tl.dot (ops/gemv.py), or all five.
 --all-reduce: one all-reduce of bf16 [--all-reduce-sizes KB] in microseconds, 32 of them captured
 in a CUDA graph and replayed, each way, with the largest difference from an fp32 sum and whether
 every rank got the same bits; then the sum with the residual add and RMSNorm after it, as the
@@ -431,14 +432,16 @@ def tensor_parallel_rows(config, args, prompts) -> list[dict]:
 # kernels launched plainly rather than as programmatic dependent launches (ops/backend.py); the
 # GEMV's first weights read after its wait rather than before (ops/gemv.py); the residual adds
 # apart from the norms (DecoderLayer.infer); the all-reduces apart from the norms, by the peer
-# buffer's one-shot kernel (ops/summed_norm.py); or all of them (the step before any).
+# buffer's one-shot kernel (ops/summed_norm.py); one row through the GEMV's tl.dot, padded to 16,
+# rather than its reduction (ops/gemv.py); or all of them (the step before any).
 STEP_VARIANTS = {
     "shipped": (),
     "plain-launch": ("dependent launch",),
     "no-prefetch": ("prefetch",),
     "unfused-adds": ("fused adds",),
     "sums-apart": ("sums in norms",),
-    "before": ("dependent launch", "prefetch", "fused adds", "sums in norms"),
+    "dot-gemv": ("one-row reduction",),
+    "before": ("dependent launch", "prefetch", "fused adds", "sums in norms", "one-row reduction"),
 }
 
 
@@ -448,6 +451,7 @@ def step_variant(name: str) -> None:
     gemv.PREFETCH_WEIGHTS = "prefetch" not in off
     DecoderLayer.fuses_residual_adds = "fused adds" not in off
     comm.SUMS_IN_NORMS = "sums in norms" not in off
+    gemv.ONE_ROW_REDUCTION = "one-row reduction" not in off
 
 
 def led(engine: DecodeEngine, work):

@@ -69,6 +69,26 @@ def test_gemv_of_up_to_three_weights(triton_kernels, monkeypatch, dtype, rows, m
                 assert rel_err(out, x.double() @ w.double().T) <= tol(dtype)
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+def test_gemv_of_every_tile_the_autotuner_may_pick(triton_kernels, monkeypatch, rows):
+    """Each config of gemv.CONFIGS that the pruning leaves for these rows (blocks of fewer than 16
+    outputs for one row alone: its reduction path), run as the kernel's tile, against fp64."""
+    from moemesh.ops.backend import HAVE_TRITON, INTERPRETED, _FirstConfig
+
+    if not (HAVE_TRITON and INTERPRETED):
+        pytest.skip("on a GPU the autotuner runs every config at a shape's first launch (the test above)")
+    kernel = gemv._gemv_kernel.kernel
+    x = torch.randn(rows, 300)
+    weights = [torch.randn(n, 300) for n in (70, 5, 33)]
+    named = {"ROWS": 1 if rows == 1 else 16}
+    assert len(gemv._one_row_tiles(gemv.CONFIGS, named)) == (len(gemv.CONFIGS) if rows == 1 else 7)
+    for config in gemv._one_row_tiles(gemv.CONFIGS, named):
+        monkeypatch.setattr(gemv, "_gemv_kernel", _FirstConfig(kernel, config))
+        with torch.no_grad():
+            for out, w in zip(gemv.gemv(x, weights), weights):
+                assert rel_err(out, x.double() @ w.double().T) <= tol(torch.float32), config
+
+
 @pytest.mark.parametrize("norm", [True, False])
 def test_rope_to_cache_in_blocks_of_tokens_equals_a_program_a_token(triton_kernels, norm):
     """Steps of more than ROPE_SMALL_STEP tokens run rope_to_cache's programs on blocks of

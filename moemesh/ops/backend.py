@@ -69,19 +69,20 @@ def use_triton(tensor: torch.Tensor) -> bool:
     return True
 
 
-def tuned(configs: list, key: list[str]):
+def tuned(configs: list, key: list[str], prune=None):
     """`triton.autotune` over `configs` (the fastest per value of the `key` arguments, timed at the
     first launch of each): for the decoding kernels, whose best tile depends on the GPU and shape.
     Their keys hold the number of rows as a size class (the next power of two), so that a prompt
     of any length meets tiles tuned for the engine's batch sizes (`DecodeEngine.warm_up`).
     The first launch of a shape must not be inside a CUDA graph capture (the engine's eager
-    warm-up step comes first). Triton's CPU interpreter cannot time kernels: there the first
-    config runs."""
+    warm-up step comes first). `prune(configs, named_args, **kwargs)` drops the configs a launch
+    cannot take. Triton's CPU interpreter cannot time kernels: there the first config runs."""
 
     def wrap(kernel):
         if INTERPRETED or not HAVE_TRITON:
             return _FirstConfig(kernel, configs[0])
-        return triton.autotune(configs=configs, key=key)(kernel)
+        pruning = {"prune_configs_by": {"early_config_prune": prune}} if prune else {}
+        return triton.autotune(configs=configs, key=key, **pruning)(kernel)
 
     return wrap
 

@@ -30,12 +30,21 @@ from moemesh.ops.backend import dependent_launch, tl, triton, tuned, use_triton,
 
 MAX_ROWS = 64
 PREFETCH_WEIGHTS = True
+# One row (batch 1) as a reduction rather than `tl.dot` (which pads the row to 16 and needs blocks
+# of at least 16 outputs): blocks of 4 or 8 outputs then make 2-4x the programs, for the small
+# weights of a tensor-parallel slice (q, k and v of 1,280 outputs at TP=4 were 80 programs for
+# 132 SMs). False: one row as before, for measuring the difference.
+ONE_ROW_REDUCTION = True
 # Tiles tried at a shape's first launch (backend.tuned): wider ones keep more bytes in flight, narrower
-# ones make more programs for the GPU's SMs; shorter K blocks keep a tile of 64 rows in registers.
+# ones make more programs for the GPU's SMs; shorter K blocks keep a tile of 64 rows in registers;
+# blocks of fewer than 16 outputs are for the one-row reduction alone (`_one_row_tiles`).
 CONFIGS = [
     triton.Config({"BLOCK_OUT": o, "BLOCK_K": k}, num_warps=w)
-    for o, k, w in ((16, 256, 4), (16, 512, 4), (32, 256, 4), (32, 512, 8), (64, 128, 4), (16, 128, 4), (32, 128, 4))
-]
+    for o, k, w in (
+        (16, 256, 4), (16, 512, 4), (32, 256, 4), (32, 512, 8), (64, 128, 4), (16, 128, 4), (32, 128, 4),
+        (8, 256, 4), (8, 512, 4), (4, 512, 4), (4, 1024, 4), (8, 1024, 8),
+    )
+]  # fmt: skip
 
 
 def fits(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -76,7 +85,7 @@ def gemv(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
         rows,
         inner,
         triton.next_power_of_2(rows),
-        ROWS=max(16, triton.next_power_of_2(rows)),  # tl.dot's least; a tile per size class
+        ROWS=1 if rows == 1 and ONE_ROW_REDUCTION else max(16, triton.next_power_of_2(rows)),  # tl.dot's least
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         PREFETCH=PREFETCH_WEIGHTS,
         **dependent_launch(x),
@@ -84,7 +93,14 @@ def gemv(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
     return outs
 
 
-@tuned(CONFIGS, key=["n0", "n1", "n2", "inner", "size_class"])
+def _one_row_tiles(configs, named_args, **kwargs):
+    """Blocks of fewer than 16 outputs only for the one-row reduction (tl.dot's least is 16)."""
+    if kwargs.get("ROWS", named_args.get("ROWS")) == 1:
+        return configs
+    return [c for c in configs if c.kwargs["BLOCK_OUT"] >= 16]
+
+
+@tuned(CONFIGS, key=["n0", "n1", "n2", "inner", "size_class", "ROWS"], prune=_one_row_tiles)
 @triton.jit
 def _gemv_kernel(
     x_ptr,
@@ -128,13 +144,22 @@ def _gemv_kernel(
     w = tl.load(w_rows + ks[:, None], mask=(cols[None, :] < n) & (ks[:, None] < inner), other=0.0)
     if PREFETCH:  # that block of weights read, now the input
         wait_for_inputs(GDC)
-    xs = tl.load(x_rows + ks[None, :], mask=(m[:, None] < rows) & (ks[None, :] < inner), other=0.0)
-    acc = tl.dot(xs, w, tl.zeros([ROWS, BLOCK_OUT], dtype=tl.float32), input_precision=PRECISION)
-    for k0 in range(BLOCK_K, inner, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
+    if ROWS == 1:  # one row: products summed over K, in fp32
+        xs = tl.load(x_ptr + ks, mask=ks < inner, other=0.0)
+        acc = tl.sum(w.to(tl.float32) * xs.to(tl.float32)[:, None], axis=0)[None, :]
+        for k0 in range(BLOCK_K, inner, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            xs = tl.load(x_ptr + ks, mask=ks < inner, other=0.0)
+            w = tl.load(w_rows + ks[:, None], mask=(cols[None, :] < n) & (ks[:, None] < inner), other=0.0)
+            acc += tl.sum(w.to(tl.float32) * xs.to(tl.float32)[:, None], axis=0)[None, :]
+    else:
         xs = tl.load(x_rows + ks[None, :], mask=(m[:, None] < rows) & (ks[None, :] < inner), other=0.0)
-        w = tl.load(w_rows + ks[:, None], mask=(cols[None, :] < n) & (ks[:, None] < inner), other=0.0)
-        acc += tl.dot(xs, w, input_precision=PRECISION)
+        acc = tl.dot(xs, w, tl.zeros([ROWS, BLOCK_OUT], dtype=tl.float32), input_precision=PRECISION)
+        for k0 in range(BLOCK_K, inner, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            xs = tl.load(x_rows + ks[None, :], mask=(m[:, None] < rows) & (ks[None, :] < inner), other=0.0)
+            w = tl.load(w_rows + ks[:, None], mask=(cols[None, :] < n) & (ks[:, None] < inner), other=0.0)
+            acc += tl.dot(xs, w, input_precision=PRECISION)
     tl.store(
         out_ptr + m[:, None] * n + cols[None, :],
         acc.to(out_ptr.dtype.element_ty),
