@@ -6,7 +6,8 @@ A decode step multiplies one row per sequence by every projection. cuBLAS measur
 the memory bandwidth on the attention projections of one row (docs/benchmarks.md), and three
 launches for q, k and v; here one program per block of output features of any of the weights
 streams that block of its weight once, for all M rows at a time (the rows padded to the next
-power of two, at least 16, for `tl.dot`), accumulating in fp32. Several weights share one launch
+power of two, at least 16, for `tl.dot`; one row as a plain reduction, `ONE_ROW_REDUCTION`),
+accumulating in fp32. Several weights share one launch
 without being concatenated in memory: a program finds its weight from its index.
 
 Up to 64 rows, not 16: at 17-64 rows cuBLAS ran q, k, v and the router as four GEMMs, three of
@@ -33,7 +34,8 @@ PREFETCH_WEIGHTS = True
 # One row (batch 1) as a reduction rather than `tl.dot` (which pads the row to 16 and needs blocks
 # of at least 16 outputs): blocks of 4 or 8 outputs then make 2-4x the programs, for the small
 # weights of a tensor-parallel slice (q, k and v of 1,280 outputs at TP=4 were 80 programs for
-# 132 SMs). False: one row as before, for measuring the difference.
+# 132 SMs). The 48-layer shape's batch-1 decode step on H200s: 1.10x faster on one GPU, 1.12x at
+# TP=2, 1.05x at TP=4 (docs/benchmarks.md, 2026-11-28). False: one row as before, for measuring.
 ONE_ROW_REDUCTION = True
 # Tiles tried at a shape's first launch (backend.tuned): wider ones keep more bytes in flight, narrower
 # ones make more programs for the GPU's SMs; shorter K blocks keep a tile of 64 rows in registers;
