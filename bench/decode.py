@@ -520,29 +520,34 @@ def all_reduce_rows(args) -> list[dict]:
         row = {"GPUs": world, "KB": f"{nbytes / 1024:g}"}
         for way in args.ways:
             comm.PEER_ALL_REDUCE.update(WAYS[way])
-            with torch.no_grad():
-                y = comm.all_reduce_sum(x, group)  # eager first: NCCL's communicator, the kernels
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    outs = [comm.all_reduce_sum(x, group) for _ in range(32)]
-            graph.replay()
-            sync()
-            start = time.perf_counter()
-            for _ in range(10):
-                graph.replay()
-            sync()
-            microseconds = (time.perf_counter() - start) / 320 * 1e6
-            gathered = [torch.empty_like(y) for _ in range(world)]
-            dist.all_gather(gathered, outs[-1], group=group)
+            _, last, microseconds = graph_microseconds(lambda: comm.all_reduce_sum(x, group))
+            gathered = [torch.empty_like(last) for _ in range(world)]
+            dist.all_gather(gathered, last, group=group)
             same = all(torch.equal(g, gathered[0]) for g in gathered)
-            error = (outs[-1].float() - exact).abs().max().item()
+            error = (last.float() - exact).abs().max().item()
             row[f"{way} µs"] = f"{microseconds:.1f}"
             row[f"{way} err / same"] = f"{error:.2g} / {'yes' if same else 'NO'}"
-            del graph, outs
         row.update(sum_in_norm_columns(x, exact, group))
         rows.append(row)
     comm.PEER_ALL_REDUCE.update(WAYS["shipped"])
     return rows
+
+
+def graph_microseconds(work):
+    """`work()` once eagerly (communicators made, kernels compiled), then 32 times captured in a
+    CUDA graph, replayed 10 times -> (the eager result, the graph's last, µs a call)."""
+    with torch.no_grad():
+        first = work()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = [work() for _ in range(32)]
+    graph.replay()
+    sync()
+    start = time.perf_counter()
+    for _ in range(10):
+        graph.replay()
+    sync()
+    return first, outs[-1], (time.perf_counter() - start) / 320 * 1e6
 
 
 def sum_in_norm_columns(x, exact, group) -> dict:
@@ -567,18 +572,8 @@ def sum_in_norm_columns(x, exact, group) -> dict:
     columns = {}
     with torch.no_grad():
         for name, way in ways.items():
-            out = way()  # eager first: the kernels compiled
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                outs = [way() for _ in range(32)]
-            graph.replay()
-            sync()
-            start = time.perf_counter()
-            for _ in range(10):
-                graph.replay()
-            sync()
-            columns[name] = f"{(time.perf_counter() - start) / 320 * 1e6:.1f}"
-            del graph, outs
+            out, _, microseconds = graph_microseconds(way)
+            columns[name] = f"{microseconds:.1f}"
         want = add_rms_norm(h, exact.view_as(x).to(x.dtype), weight, 1e-6)
         equal = torch.tensor(float(all(torch.equal(a, b) for a, b in zip(out, want))), device=x.device)
     dist.all_reduce(equal, op=dist.ReduceOp.MIN, group=group)

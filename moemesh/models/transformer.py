@@ -5,7 +5,8 @@ A decoder layer exposes its stages — attention, route, dispatch, experts, comb
 that a pipeline runtime can interleave them; `forward` runs them in order. With a KV cache and no
 gradients (the engine's steps) `infer` runs instead: the same ops, each residual add fused into
 the norm after it (the next layer's first norm, for the layer's last add), two kernels fewer a
-layer of a decode step, the same bits.
+layer of a decode step, the same bits; under tensor parallelism the partial sums over the ranks go
+into those norms too (ops/summed_norm.py).
 """
 
 from __future__ import annotations

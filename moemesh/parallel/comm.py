@@ -317,7 +317,8 @@ class _PeerBuffer:
     that need no NVLink multicast: one-shot (each rank copies its tensor in, then reads every
     peer's and adds them: one kernel, lowest latency) and two-shot (a reduce-scatter, then an
     all-gather, through the same buffer: less traffic for larger tensors). Both add the ranks in
-    rank order, so every rank gets the same sum, as with NCCL."""
+    rank order, so every rank gets the same sum, as with NCCL. Beside it, the buffer and flags
+    through which the norms of the engine's layers take their sums (`memory`, ops/summed_norm.py)."""
 
     def __init__(self, group, device: torch.device, dtype: torch.dtype, max_bytes: int):
         from torch.distributed import _symmetric_memory as symmetric_memory
@@ -337,7 +338,7 @@ class _PeerBuffer:
         pushed_handle, flags_handle = (symmetric_memory.rendezvous(t, group) for t in (pushed, flags))
         torch.cuda.synchronize(device)
         dist.barrier(group)  # every rank's flags zero before any rank's kernel counts on them
-        self.kept = pushed, flags
+        self.kept = pushed, flags  # alive as long as this: the kernel reaches them by address alone
         self.memory = summed_norm.PeerMemory(
             pushed_handle.buffer_ptrs_dev, flags_handle.buffer_ptrs_dev, pushed_handle.rank,
             self.ranks, capacity, dtype,
