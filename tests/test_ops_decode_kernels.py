@@ -81,8 +81,10 @@ def test_gemv_of_every_tile_the_autotuner_may_pick(triton_kernels, monkeypatch, 
     x = torch.randn(rows, 300)
     weights = [torch.randn(n, 300) for n in (70, 5, 33)]
     named = {"ROWS": 1 if rows == 1 else 16}
-    assert len(gemv._one_row_tiles(gemv.CONFIGS, named)) == (len(gemv.CONFIGS) if rows == 1 else 7)
-    for config in gemv._one_row_tiles(gemv.CONFIGS, named):
+    kept = gemv._one_row_tiles(gemv.CONFIGS, named)
+    narrow = [c for c in gemv.CONFIGS if c.kwargs["BLOCK_OUT"] < 16]
+    assert narrow and (kept == gemv.CONFIGS if rows == 1 else kept == [c for c in gemv.CONFIGS if c not in narrow])
+    for config in kept:
         monkeypatch.setattr(gemv, "_gemv_kernel", _FirstConfig(kernel, config))
         with torch.no_grad():
             for out, w in zip(gemv.gemv(x, weights), weights):

@@ -146,24 +146,23 @@ def _gemv_kernel(
     w = tl.load(w_rows + ks[:, None], mask=(cols[None, :] < n) & (ks[:, None] < inner), other=0.0)
     if PREFETCH:  # that block of weights read, now the input
         wait_for_inputs(GDC)
-    if ROWS == 1:  # one row: products summed over K, in fp32
-        xs = tl.load(x_ptr + ks, mask=ks < inner, other=0.0)
-        acc = tl.sum(w.to(tl.float32) * xs.to(tl.float32)[:, None], axis=0)[None, :]
-        for k0 in range(BLOCK_K, inner, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            xs = tl.load(x_ptr + ks, mask=ks < inner, other=0.0)
-            w = tl.load(w_rows + ks[:, None], mask=(cols[None, :] < n) & (ks[:, None] < inner), other=0.0)
-            acc += tl.sum(w.to(tl.float32) * xs.to(tl.float32)[:, None], axis=0)[None, :]
-    else:
-        xs = tl.load(x_rows + ks[None, :], mask=(m[:, None] < rows) & (ks[None, :] < inner), other=0.0)
-        acc = tl.dot(xs, w, tl.zeros([ROWS, BLOCK_OUT], dtype=tl.float32), input_precision=PRECISION)
-        for k0 in range(BLOCK_K, inner, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            xs = tl.load(x_rows + ks[None, :], mask=(m[:, None] < rows) & (ks[None, :] < inner), other=0.0)
-            w = tl.load(w_rows + ks[:, None], mask=(cols[None, :] < n) & (ks[:, None] < inner), other=0.0)
-            acc += tl.dot(xs, w, input_precision=PRECISION)
+    acc = _block_product(x_rows + ks[None, :], (m[:, None] < rows) & (ks[None, :] < inner), w, ROWS, PRECISION)
+    for k0 in range(BLOCK_K, inner, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_rows + ks[:, None], mask=(cols[None, :] < n) & (ks[:, None] < inner), other=0.0)
+        acc += _block_product(x_rows + ks[None, :], (m[:, None] < rows) & (ks[None, :] < inner), w, ROWS, PRECISION)
     tl.store(
         out_ptr + m[:, None] * n + cols[None, :],
         acc.to(out_ptr.dtype.element_ty),
         mask=(m[:, None] < rows) & (cols[None, :] < n),
     )
+
+
+@triton.jit
+def _block_product(x_at, x_mask, w, ROWS: tl.constexpr, PRECISION: tl.constexpr):
+    """x [ROWS, BLOCK_K] (loaded from x_at) @ w [BLOCK_K, BLOCK_OUT] in fp32: one row as products
+    summed over K (no tl.dot, so any BLOCK_OUT), more by tl.dot."""
+    xs = tl.load(x_at, mask=x_mask, other=0.0)
+    if ROWS == 1:
+        return tl.sum(w.to(tl.float32) * tl.reshape(xs, [xs.shape[1], 1]).to(tl.float32), axis=0)[None, :]
+    return tl.dot(xs, w, input_precision=PRECISION)

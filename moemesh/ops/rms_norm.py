@@ -42,20 +42,25 @@ def add_rms_norm(
     kernel where Triton runs and nothing needs a gradient; else the two ops."""
     if delta is None:
         return h, rms_norm(h, weight, eps)
-    fused = (
-        use_triton(h)
-        and delta.shape == h.shape
-        and delta.dtype == h.dtype
-        and weight.shape == h.shape[-1:]
-        and not (torch.is_grad_enabled() and (h.requires_grad or delta.requires_grad or weight.requires_grad))
-    )
-    if not fused:
+    if not fuses_add(h, delta, weight):
         total = h + delta
         return total, rms_norm(total, weight, eps)
     rows = h.contiguous().view(-1, h.shape[-1])
     total = torch.empty_like(rows)
     out, _ = rms_norm_triton(rows, weight, eps, delta=delta.contiguous().view_as(rows), total=total)
     return total.view(h.shape), out.view(h.shape)
+
+
+def fuses_add(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the add and the norm can be one kernel: Triton runs, delta is like h, and nothing
+    needs a gradient."""
+    return (
+        use_triton(h)
+        and delta.shape == h.shape
+        and delta.dtype == h.dtype
+        and weight.shape == h.shape[-1:]
+        and not (torch.is_grad_enabled() and (h.requires_grad or delta.requires_grad or weight.requires_grad))
+    )
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moemesh.ops.backend import dependent_launch, tl, triton, use_triton, wait_for_inputs
-from moemesh.ops.rms_norm import add_rms_norm, normalised_rows, rms_norm_blocks
+from moemesh.ops.backend import dependent_launch, tl, triton, wait_for_inputs
+from moemesh.ops.rms_norm import add_rms_norm, fuses_add, normalised_rows, rms_norm_blocks
 
 MAX_PROGRAMS = 256  # blocks of rows (of 2 rows at a width of 2048: 512 rows), a flag each
 
@@ -141,17 +141,9 @@ def add_summed_rms_norm(
     left = _take(delta)
     if left is None:
         return add_rms_norm(h, delta, weight, eps)
-    peers = left.peers
-    if (
-        peers is None
-        or not use_triton(h)
-        or delta.shape != h.shape
-        or delta.dtype != h.dtype
-        or not peers.holds(delta)
-        or weight.shape != h.shape[-1:]
-    ):
+    if left.peers is None or not fuses_add(h, delta, weight):  # (comm gives peers only where they hold delta)
         return add_rms_norm(h, left.summed().view_as(delta), weight, eps)
-    return summed_add_rms_norm_triton(h, delta, weight, eps, peers)
+    return summed_add_rms_norm_triton(h, delta, weight, eps, left.peers)
 
 
 def summed_add_rms_norm_triton(
