@@ -73,6 +73,7 @@ import math
 import os
 import statistics
 import time
+import types
 
 import torch
 
@@ -375,7 +376,37 @@ def scoring_rows(model, sequences, args) -> list[dict]:
         row[f"{name} ms"] = f"{ms:.1f}"
         row[f"{name} tokens/s"] = f"{tokens * 1e3 / ms:,.0f}"
     row["batch-invariant / default"] = f"{float(row['batch-invariant ms']) / float(row['default ms']):.2f}"
+    if args.profile_scoring and torch.cuda.is_available():  # where each way's step goes: its kernels, and their share
+        from bench.common import profiled_kernels
+
+        for name, invariant in ways:
+            start = time.perf_counter()
+            kernels = profiled_kernels(lambda invariant=invariant: step(invariant))
+            wall = (time.perf_counter() - start) * 1e3
+            busy = sum(k["dur"] for k in kernels) / 1e3
+            title = f"the scoring step's kernels, {name}: {busy:.1f} of {wall:.1f} ms busy"
+            print_table(kernel_table(kernels, 1, name), title)
+        for name, invariant in ways:
+            host = host_table(lambda invariant=invariant: step(invariant))
+            print_table(host, f"the scoring step's host side, {name}")
     return [row]
+
+
+def host_table(fn) -> list[dict]:
+    """fn() under the profiler, its host operators by their own time (self CPU), the busiest 30."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    return [
+        {
+            "operator": e.key[:70],
+            "calls": e.count,
+            "self ms": f"{e.self_cpu_time_total / 1e3:.1f}",
+            "with children ms": f"{e.cpu_time_total / 1e3:.1f}",
+        }
+        for e in events[:30]
+    ]
 
 
 def generate_sequences(engine: DecodeEngine, tokenizer, prompts: list[list[int]], params) -> list:
@@ -593,13 +624,18 @@ def profile_rows(config, args, device, prompts) -> list[dict]:
 
 def kernel_rows(engine: DecodeEngine, args, prompts) -> list[dict]:
     """The kernels of --profile-steps decode steps of `engine` (this rank's), by name."""
-    from collections import defaultdict
-
     from bench.common import profiled_kernels
 
     steps, batch = args.profile_steps, args.profile_batch
     step, _ = engine_steps(engine, prompts[:batch])
-    kernels = profiled_kernels(lambda: [step(i) for i in range(1, steps + 1)])
+    return kernel_table(profiled_kernels(lambda: [step(i) for i in range(1, steps + 1)]), steps, f"batch {batch}")
+
+
+def kernel_table(kernels: list[dict], steps: int, what: str) -> list[dict]:
+    """Profiled kernels of `steps` steps, by name: calls and microseconds a step, the busiest first
+    (30 rows, the first all of them)."""
+    from collections import defaultdict
+
     by_name = defaultdict(lambda: [0, 0.0])
     for kernel in kernels:
         by_name[kernel["name"]][0] += 1
@@ -617,7 +653,7 @@ def kernel_rows(engine: DecodeEngine, args, prompts) -> list[dict]:
     rows.insert(
         0,
         {
-            "kernel": f"all kernels, batch {batch}",
+            "kernel": f"all kernels, {what}",
             "calls/step": f"{len(kernels) / steps:.0f}",
             "µs/step": f"{busy / steps:.0f}",
             "share": "100%",
@@ -701,6 +737,12 @@ def main():
     parser.add_argument("--check-tokens", type=int, default=160, help="--batch-invariant: new tokens a sequence")
     parser.add_argument("--alone", type=int, default=4, help="--batch-invariant: sequences generated alone too")
     parser.add_argument("--score-batch", type=int, default=4, help="--batch-invariant: sequences a trainer forward")
+    parser.add_argument(
+        "--profile-scoring",
+        action="store_true",
+        help="--batch-invariant: only the training step's model part (--score-batch random sequences of --prompt-len + "
+        "--check-tokens tokens), timed and profiled both ways",
+    )
     parser.add_argument("--all-reduce", action="store_true", help="under torchrun: the all-reduce alone, by size")
     parser.add_argument("--ways", default="nccl,one-shot,two-shot,shipped", help=f"of {', '.join(WAYS)}")
     parser.add_argument(
@@ -759,6 +801,11 @@ def main():
             return print_table(profile_rows(config, args, device, prompts), f"{title}: kernels per decode step{mode}")
         finally:
             torch.set_default_dtype(previous)
+    if args.batch_invariant and args.profile_scoring:
+        model = built(config, device, dtype)
+        completions = torch.randint(1, config.vocab_size, (args.score_batch, args.check_tokens), generator=generator)
+        sequences = [types.SimpleNamespace(prompt_ids=p, token_ids=c) for p, c in zip(prompts, completions.tolist())]
+        return print_table(scoring_rows(model, sequences, args), f"{title}: the trainer's forward and backward")
     if args.batch_invariant:
         timing, check = batch_invariant_rows(config, args, device, dtype, prompts)
         print_table(timing, f"{title}: the engine's decode step, as shipped and in batch-invariant mode")

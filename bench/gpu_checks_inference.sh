@@ -57,6 +57,9 @@
 #       all-reduce alone and inside the residual add and norm (bench/decode.py --all-reduce) on 2
 #       and 4; the 48-layer step at batch 1 and 64 with the sums in the norms and apart
 #       (--step-variants shipped,sums-apart) on 1 and 2 GPUs side by side, then on 4
+#   bash bench/gpu_checks_inference.sh profiles  on 4 GPUs: the kernels of the training step's model
+#       part as shipped and in batch-invariant mode (bench/decode.py --profile-scoring) beside those of
+#       the 48-layer decode step at batch 64 (PROFILE_BATCH) on 1 and 2 GPUs, then on 4
 #   bash bench/gpu_checks_inference.sh ep4      on 4 GPUs, the 48-layer step at batch 1, 64 and 256
 #       with the experts split over 4 (--layout ep) and with tp=4
 #   bash bench/gpu_checks_inference.sh serve-tp N MODEL...   `moemesh serve` over N GPUs of a
@@ -234,6 +237,17 @@ sums)  # the all-reduce inside the norm (ops/summed_norm.py), on a 4-GPU host
     tp_decode 0 sums1 $variants & tp_decode 2,3 sums2 $variants & wait
     tp_decode 0,1,2,3 sums4 $variants
     for n in 1 2 4; do echo "== $n GPUs"; quiet < "$LOGS/sums$n.txt" | grep "|\|Error"; done
+    ;;
+profiles)  # on 4 GPUs: where the time goes. GPU 0: the training step's model part as shipped and in
+    # batch-invariant mode (4 sequences of 416 tokens); GPU 1: one GPU's decode step, GPUs 2-3: TP=2's,
+    # then all four: TP=4's, rank 0's kernels at batch ${PROFILE_BATCH:-64}
+    CUDA_VISIBLE_DEVICES=0 timeout 400 python3 bench/decode.py --layers 48 --batch-invariant --profile-scoring \
+        --batches 4 --prompt-len 256 --check-tokens 160 > "$LOGS/scoring_profile.txt" 2>&1 &
+    profiled="--layers 48 --profile-steps 16 --profile-batch ${PROFILE_BATCH:-64}"
+    tp_decode 1 profile1 $profiled & tp_decode 2,3 profile2 $profiled & wait
+    tp_decode 0,1,2,3 profile4 $profiled
+    echo "== the training step"; quiet < "$LOGS/scoring_profile.txt" | grep "|\|Error\|##"
+    for n in 1 2 4; do echo "== $n GPUs"; quiet < "$LOGS/profile$n.txt" | grep "|\|Error" | head -28; done
     ;;
 ep4)  # on 4 GPUs: experts split over 4 (attention whole on each) against tp=4, batch 1, 64 and 256
     for layout in ep tp; do

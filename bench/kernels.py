@@ -5,6 +5,7 @@
                                                      # checks the script runs; timings meaningless
     PYTHONPATH=. python3 bench/kernels.py --invariant-tiles   # only: batch-invariant matmul tiles
     PYTHONPATH=. python3 bench/kernels.py --expert-tiles      # only: decoding's per-expert kernel's tiles
+    PYTHONPATH=. python3 bench/kernels.py --launches          # only: what a launch costs the host
 
 Prints: effective bandwidth of permute / combine / swiglu (forward and backward) as a fraction of
 a measured device copy, against the plain PyTorch index path; expert_gemv (decoding's MoE path,
@@ -376,11 +377,10 @@ def invariant_tile_rows():
                 cublas = bench_ms(lambda: x @ weight.T, rep=25)
 
             def run(config):
-                tiles = invariant.expert_tiles(sizes, pairs, config[0]) if experts else None
                 out = x.new_zeros(pairs, n)  # rows in no tile stay 0
 
                 def launch():
-                    invariant._launch_matmul(x, weight, out, tiles, pairs, config)
+                    invariant._launch_matmul(x, weight, out, sizes, pairs, config)
 
                 launch()
                 return bench_ms(launch, rep=25), out.clone()
@@ -478,6 +478,41 @@ def expert_tile_rows(copy_gbps):
                 )
 
 
+def launch_rows() -> None:
+    """--launches: what a call costs the host (µs, tiny operands, 2,000 calls queued and then one
+    sync), for the ops a training step in batch-invariant mode launches in place of the default
+    path's: a step of a few thousand tokens is bound by its host."""
+    from moemesh.ops import invariant
+    from moemesh.ops.rms_norm import rms_norm
+
+    x = torch.randn(16, 64, dtype=DTYPE, device=DEVICE)
+    w, bank = torch.randn(64, 64, dtype=DTYPE, device=DEVICE), torch.randn(4, 64, 64, dtype=DTYPE, device=DEVICE)
+    sizes = torch.tensor([4, 4, 4, 4], device=DEVICE)
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    ops = {
+        "F.linear (cuBLAS)": lambda: F.linear(x, w),
+        "invariant.matmul (Triton)": lambda: invariant.matmul(x, w),
+        "F.linear, autograd": lambda: F.linear(xg, wg),
+        "invariant.linear, autograd": lambda: invariant.linear(xg, wg),
+        "grouped_mm (torch)": lambda: grouped_mm(x, bank, sizes),
+        "invariant.grouped_matmul (Triton)": lambda: invariant.grouped_matmul(x, bank, sizes),
+        "rms_norm (Triton)": lambda: rms_norm(x, w[0], 1e-6),
+        "torch.add": lambda: x + x,
+    }
+    report(f"{'host µs a call':<40}{'µs':>8}")
+    calls = 50 if SMOKE else 2000
+    for name, op in ops.items():
+        for _ in range(3):
+            op()
+        sync()
+        start = time.perf_counter()
+        for _ in range(calls):
+            op()
+        host = time.perf_counter() - start
+        sync()
+        report(f"{name:<40}{host / calls * 1e6:>8.1f}")
+
+
 def main():
     if not SMOKE and not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA GPU (or --smoke for a CPU dry run)")
@@ -488,6 +523,9 @@ def main():
     report(f"moemesh kernel benchmark on {device_name}; torch {torch.__version__}, triton {triton.__version__}")
     if "--invariant-tiles" in sys.argv:
         invariant_tile_rows()
+        return 0
+    if "--launches" in sys.argv:
+        launch_rows()
         return 0
     copy_gbps = copy_bandwidth()
     if "--expert-tiles" in sys.argv:

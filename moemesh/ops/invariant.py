@@ -39,8 +39,9 @@ or MOEMESH_KERNELS=triton under Triton's interpreter):
     block table one by one, so the cache's block size does not matter either. Backward (training)
     recomputes torch's attention and differentiates that.
   * `experts` — CPU reference: each expert's rows through its two `linear`s. GPU:
-    `grouped_matmul`, the same matmul kernel over tiles of BLOCK_M rows of one expert (the tile
-    table made on the device, no host sync: `expert_tiles`), for gate_up and then down, the
+    `grouped_matmul`, the same matmul kernel over tiles of BLOCK_M rows of one expert (each
+    program finds its tile from the group sizes, `_expert_tile`: no host sync, no table), for
+    gate_up and then down, the
     activation between (elementwise), each row bit-equal to `matmul` of it alone with its
     expert's weight. The block's own dispatch (a copy of each row, in any layout) and combine
     (the k outputs summed with the routing weights in slot order) as the default path.
@@ -53,7 +54,7 @@ or MOEMESH_KERNELS=triton under Triton's interpreter):
     the K loop `_matmul_kernel` runs (`_row_block_product`, one function for both), so a pair's
     row is the grouped path's by construction, and `combine` at the identity positions sums the
     same rows in the same order. Why: with the dispatch (routing_layout's sort, searchsorted and
-    scatter, the row copy, `expert_tiles`' ~15 torch ops, the zero fills) the mode's decode step
+    scatter, the row copy, a tile table's ~15 torch ops, the zero fills) the mode's decode step
     ran about 40 small kernels a MoE layer more than the default path — 3,243 kernels a step
     against 891, 1.33× its time, at batch 64 of the Qwen3-30B-A3B shape on an H200 (1.20×
     without it; the engine and the trainer still agree on every bit, measured). Limits:
@@ -86,6 +87,7 @@ depend on their size.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -173,27 +175,30 @@ def _tiles(rows: int, n: int, dtype: torch.dtype) -> tuple[int, int, int, int, i
     if dtype == torch.float32:
         return BLOCK_M, 32 if n <= 4096 else 64 if n < 65536 else 128, BLOCK_K, 4, 3
     if rows > 64:  # 128 × 256 for the wide weights (3 stages: 144 KB of shared memory)
-        # BLOCK_M follows the rows alone: a grouped launch's tile table (`expert_block_m`) is made
-        # once for both banks, and a BLOCK_M past the table's rows computes masked rows for nothing.
+        # BLOCK_M follows the rows alone: the two banks' grouped launches cut the same tiles, and a
+        # BLOCK_M past a group's rows computes masked rows for nothing.
         return (128, 256, 64, 8, 3) if n >= 512 else (128, 128, 64, 8, 3)
     block_m, block_n = 16 if rows <= 16 else 64, 32 if n <= 2048 else 64 if n <= 4096 else 128
     return block_m, block_n, 128, 4 if block_m * block_n <= 64 * 64 else 8, 4
 
 
-def _launch_matmul(x, weight, out, tiles, rows: int, config) -> None:
-    """One launch of `_matmul_kernel` with `config` (`_tiles`): plain (tiles None) or grouped
-    (tiles: each M tile's expert, first and end row, int32 [3, m_tiles]; weight [E, N, K])."""
+def _launch_matmul(x, weight, out, group_sizes, rows: int, config) -> None:
+    """One launch of `_matmul_kernel` with `config` (`_tiles`): plain (group_sizes None) or grouped
+    (weight [E, N, K], x's rows sorted by expert in groups of group_sizes [E] from row 0: the
+    kernel cuts each group in M tiles of BLOCK_M from its first row, `_expert_tile`)."""
     n, k = weight.shape[-2:]
     block_m, block_n = config[:2]
-    grouped = tiles is not None
-    m_tiles = tiles.shape[1] if grouped else triton.cdiv(rows, block_m)
+    grouped = group_sizes is not None
+    experts = weight.shape[0] if grouped else 1
+    # Grouped: at most cdiv(rows, BLOCK_M) tiles, plus one a group for its last, partial one.
+    m_tiles = triton.cdiv(rows, block_m) + (experts if grouped else 0)
     w_strides = weight.stride() if grouped else (0, *weight.stride())
     _matmul_kernel[(m_tiles, triton.cdiv(n, block_n))](
         x,
         weight,
         out,
-        tiles if grouped else x,
-        m_tiles,
+        group_sizes if grouped else x,
+        experts,
         rows,
         n,
         k,
@@ -202,6 +207,7 @@ def _launch_matmul(x, weight, out, tiles, rows: int, config) -> None:
         *w_strides,
         out.stride(0),
         GROUPED=grouped,
+        EXPERTS=triton.next_power_of_2(experts),
         **_launch_meta(x.dtype, config),
     )
 
@@ -239,13 +245,13 @@ class _Matmul(torch.autograd.Function):
 # The row count is not specialised (a step of one row runs the program of many); the strides are,
 # on their alignment as triton does by default: vectorised loads, several times faster at 64 rows
 # and more, the same bits (measured with the tiles, `_tiles`).
-@_jit("m_tiles", "rows")
+@_jit("rows")
 def _matmul_kernel(
     x_ptr,
     w_ptr,
     out_ptr,
-    tiles_ptr,
-    m_tiles,
+    sizes_ptr,
+    experts,
     rows,
     n,
     k,
@@ -256,6 +262,7 @@ def _matmul_kernel(
     stride_wk,
     stride_om,
     GROUPED: tl.constexpr,
+    EXPERTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -266,9 +273,7 @@ def _matmul_kernel(
     into the fp32 accumulator (rows past the tile's end load zeros and are not stored)."""
     tile = tl.program_id(0)
     if GROUPED:
-        expert = tl.load(tiles_ptr + tile).to(tl.int64)
-        first = tl.load(tiles_ptr + m_tiles + tile)
-        end = tl.load(tiles_ptr + 2 * m_tiles + tile)
+        expert, first, end = _expert_tile(sizes_ptr, experts, tile, EXPERTS, BLOCK_M)
     else:
         expert = 0
         first = tile * BLOCK_M
@@ -296,6 +301,27 @@ def _matmul_kernel(
         )
         out = out_ptr + r[:, None] * stride_om + c[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=in_rows[:, None] & in_cols[None, :])
+
+
+@triton.jit
+def _expert_tile(sizes_ptr, experts, tile, EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(expert, first row, end row) of M tile `tile` of a grouped launch, whose rows are sorted by
+    expert in groups of the sizes at sizes_ptr ([experts], EXPERTS its next power of two): each
+    group cut in tiles of BLOCK_M from its first row, the groups' tiles in expert order; a tile
+    past the last, (0, 0, 0). Each program finds its own from the sizes (a few vector ops on E
+    numbers), where a table made by torch ops cost ~20 small launches a MoE layer."""
+    e = tl.arange(0, EXPERTS)
+    sizes = tl.load(sizes_ptr + e, mask=e < experts, other=0).to(tl.int64)
+    tiles = (sizes + BLOCK_M - 1) // BLOCK_M
+    tile_ends = tl.cumsum(tiles, axis=0)
+    expert = tl.sum((tile_ends <= tile).to(tl.int32), axis=0)  # tiles of earlier experts end at or before it
+    mine = e == expert
+    group_end = tl.sum(tl.where(mine, tl.cumsum(sizes, axis=0), 0), axis=0)
+    group_first = group_end - tl.sum(tl.where(mine, sizes, 0), axis=0)
+    first = group_first + (tile - tl.sum(tl.where(mine, tile_ends - tiles, 0), axis=0)) * BLOCK_M
+    used = expert < experts
+    end = tl.minimum(first + BLOCK_M, group_end)
+    return tl.where(used, expert, 0).to(tl.int64), tl.where(used, first, 0), tl.where(used, end, 0)
 
 
 @triton.jit
@@ -424,29 +450,38 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return _CausalAttention.apply(q, k, v, scale)
 
 
+@functools.lru_cache(maxsize=16)
+def _whole_sequences(batch: int, seq: int, per_tile: int, device: torch.device) -> tuple:
+    """`paged_attention`'s arguments from block_tables to tile_count for `batch` rows of `seq`
+    tokens, each row a sequence whose keys are one block: made once per shape and read by every
+    layer (a forward's 48 layers made them each with a dozen small ops and a host copy, which
+    the training step's host, its bottleneck at a few thousand tokens, paid 48 times)."""
+    sequences = torch.arange(batch, device=device, dtype=torch.int32)
+    firsts = torch.arange(0, seq, per_tile, device=device, dtype=torch.int32)
+    starts = (sequences[:, None] * seq + firsts[None, :]).flatten()
+    lengths = (seq - firsts).clamp(max=per_tile).repeat(batch)
+    return (
+        sequences[:, None].contiguous(),
+        max(seq, 1),
+        sequences.repeat_interleave(seq),
+        torch.arange(seq, device=device, dtype=torch.int32).repeat(batch),
+        starts,
+        lengths,
+        torch.full((1,), starts.shape[0], device=device, dtype=torch.int32),
+    )
+
+
 class _CausalAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale):
         ctx.save_for_backward(q, k, v)
         ctx.scale = scale
         batch, seq, heads, head_dim = q.shape
-        device = q.device
-        per_tile = tile_tokens(heads // k.shape[2])
-        sequences = torch.arange(batch, device=device, dtype=torch.int32)
-        firsts = torch.arange(0, seq, per_tile, device=device, dtype=torch.int32)
-        starts = (sequences[:, None] * seq + firsts[None, :]).flatten()
-        lengths = (seq - firsts).clamp(max=per_tile).repeat(batch)
         out = paged_attention(
             q.reshape(batch * seq, heads, head_dim),
             k.reshape(batch * seq, *k.shape[2:]),
             v.reshape(batch * seq, *v.shape[2:]),
-            sequences[:, None].contiguous(),
-            max(seq, 1),
-            sequences.repeat_interleave(seq),
-            torch.arange(seq, device=device, dtype=torch.int32).repeat(batch),
-            starts,
-            lengths,
-            torch.tensor([starts.shape[0]], device=device, dtype=torch.int32),
+            *_whole_sequences(batch, seq, tile_tokens(heads // k.shape[2]), q.device),
             scale,
         )
         return out.view(batch, seq, heads, head_dim)
@@ -569,14 +604,13 @@ def experts(
     past the last group (served elsewhere) are zeros. On the kernels' device each projection is
     one `grouped_matmul` launch; else a loop over the experts' `linear`s. Differentiable."""
     if kernels(grouped):
-        tiles = expert_tiles(group_sizes, grouped.shape[0], expert_block_m(grouped, gate_up))
         experts_of = (
             row_experts(group_sizes, grouped.shape[0]) if gate_up_bias is not None or down_bias is not None else None
         )
-        h = _GroupedMatmul.apply(grouped, gate_up, group_sizes, tiles)
+        h = _GroupedMatmul.apply(grouped, gate_up, group_sizes)
         if gate_up_bias is not None:
             h = h + _per_row(gate_up_bias, experts_of).to(h.dtype)
-        out = _GroupedMatmul.apply(activation(h), down, group_sizes, tiles)
+        out = _GroupedMatmul.apply(activation(h), down, group_sizes)
         if down_bias is not None:
             out = out + _per_row(down_bias, experts_of).to(out.dtype)
         return out
@@ -594,47 +628,20 @@ def _per_row(bias: torch.Tensor, row_experts: torch.Tensor) -> torch.Tensor:
     return F.pad(bias, (0, 0, 0, 1))[row_experts]
 
 
-def expert_block_m(x: torch.Tensor, weight: torch.Tensor) -> int:
-    """The BLOCK_M of a grouped launch over the rows x [N, K] and the bank weight [E, ., K]: what
-    `_tiles` gives their mean rows an expert (known on the host; it does not depend on the width)."""
-    return _tiles(x.shape[0] // weight.shape[0], 0, x.dtype)[0]
-
-
-def expert_tiles(group_sizes: torch.Tensor, rows: int, block_m: int) -> torch.Tensor:
-    """The grouped launch's M tiles, on the device (no host sync): int32 [3, cdiv(rows, block_m) +
-    E] — each tile's expert, first row and end row, block_m rows of one expert from its group's
-    first (the tiles past the step's have first == end == 0). Torch ops: one Triton program
-    computing the table was slower still in a decode step (docs/benchmarks.md)."""
-    device, count = group_sizes.device, group_sizes.shape[0]
-    sizes = group_sizes.long()
-    ends = sizes.cumsum(0)
-    per_expert = (sizes + block_m - 1) // block_m
-    tile_ends = per_expert.cumsum(0)
-    index = torch.arange(triton.cdiv(rows, block_m) + count, device=device)
-    expert = torch.searchsorted(tile_ends, index, right=True)
-    used = expert < count
-    e = expert.clamp(max=count - 1)
-    first = ends[e] - sizes[e] + (index - (tile_ends[e] - per_expert[e])) * block_m
-    end = torch.minimum(first + block_m, ends[e])
-    first, end = torch.where(used, first, 0), torch.where(used, end, 0)
-    return torch.stack([e, first, end]).int().contiguous()
-
-
 def row_experts(group_sizes: torch.Tensor, rows: int) -> torch.Tensor:
     """Each row's expert [rows] (E past the last group)."""
     ends = group_sizes.long().cumsum(0)
     return torch.searchsorted(ends, torch.arange(rows, device=group_sizes.device), right=True)
 
 
-def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, tiles: torch.Tensor) -> torch.Tensor:
-    """out[rows of expert e] = x[rows] @ weight[e].T for weight [E, N, K] and `expert_tiles`'
-    tiles, made with `expert_block_m(x, weight)`; rows in no tile are 0. Each row's bits as
-    `matmul`'s kernel computes a row, whatever the other rows of its expert."""
+def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    """out[rows of expert e] = x[rows] @ weight[e].T for weight [E, N, K] and x's rows sorted by
+    expert in groups of group_sizes [E] (on x's device); rows past the last group are 0. Each
+    row's bits as `matmul`'s kernel computes a row, whatever the other rows of its expert."""
     out = x.new_zeros(x.shape[0], weight.shape[1])
     if x.shape[0] and weight.shape[1]:
-        _launch_matmul(
-            x, weight, out, tiles, x.shape[0], _tiles(x.shape[0] // weight.shape[0], weight.shape[1], x.dtype)
-        )
+        config = _tiles(x.shape[0] // weight.shape[0], weight.shape[1], x.dtype)
+        _launch_matmul(x, weight, out, group_sizes, x.shape[0], config)
     return out
 
 
@@ -644,9 +651,9 @@ class _GroupedMatmul(torch.autograd.Function):
     over the experts."""
 
     @staticmethod
-    def forward(ctx, x, weight, group_sizes, tiles):
+    def forward(ctx, x, weight, group_sizes):
         ctx.save_for_backward(x, weight, group_sizes)
-        return grouped_matmul(x, weight, tiles)
+        return grouped_matmul(x, weight, group_sizes)
 
     @staticmethod
     def backward(ctx, grad):
@@ -658,7 +665,7 @@ class _GroupedMatmul(torch.autograd.Function):
             grad_x = product(grad, weight.to(grad.dtype).transpose(-2, -1), group_sizes, offsets)
         if ctx.needs_input_grad[1]:
             grad_w = weight_gradient(grad, x, group_sizes, offsets).to(weight.dtype)
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None
 
 
 # ---- a decode step's experts --------------------------------------------------------------------
@@ -701,8 +708,7 @@ def selected_experts(
 def _selected_matmul(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, per_x: int) -> torch.Tensor:
     """out[pair] = x[pair // per_x] @ weight[ids[pair]].T for the pairs of ids (flattened, T·k of
     them; weight [E, N, K]) -> [T·k, N], with the grouped launch's config for these pairs: the
-    tiles `grouped_matmul` takes for T·k rows of E experts, whose BLOCK_M is `expert_tiles`' tile
-    height (`expert_block_m`)."""
+    tiles `grouped_matmul` takes for T·k rows of E experts (`_expert_tile`'s BLOCK_M)."""
     pairs = ids.numel()
     experts_count, n, k = weight.shape
     out = x.new_empty(pairs, n)
