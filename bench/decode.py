@@ -40,7 +40,10 @@ sequences a forward): log-probabilities and the experts chosen at every position
 computed compared. Counts of what differs are printed (0 is the claim). Last, an RL training
 step's model part for --score-batch of them (the trainer's forward with gradients and the backward
 into the weights), as shipped and in the mode. --invariant-graphs runs the check's batched engine
-with CUDA graphs. With --profile-steps instead of all that: the kernels of the mode's decode step.
+with CUDA graphs. With --profile-steps instead of all that: the kernels of the mode's decode step;
+with --score-only, the training step's model part alone (--score-batch random sequences of
+--prompt-len + --check-tokens tokens), and with --profile-scoring also each way's kernels and host
+operators (a step of a few thousand tokens is bound by its host).
 
 Under torchrun, tensor parallelism over the ranks launched (issue 49):
 
@@ -53,7 +56,9 @@ the engine made with the TP group; the engine's decode step alone (ms/step, as "
 above) for each way of summing the model's all-reduces (--ways: NCCL; the peer buffer's one-shot;
 its two-shot; as shipped, `comm.PEER_ALL_REDUCE`), with the collectives of a step counted (those
 inside the captured graphs included) and whether its greedy tokens equal the first way's. With
-N = 1 it gives the one-GPU row; with --profile-steps, rank 0's kernels of a step instead.
+N = 1 it gives the one-GPU row; with --profile-steps, rank 0's kernels of a step instead (under the
+first of --step-variants: plain-launch gives each kernel's own time, where a dependent launch's
+includes its wait for the kernel before).
 --step-variants shipped,before (or plain-launch, no-prefetch, unfused-adds, sums-apart, dot-gemv)
 also times the step with the kernels launched plainly, the GEMV's weights read after its wait, the
 residual adds apart from the norms, the all-reduces apart from the norms (ops/summed_norm.py), one
@@ -433,7 +438,8 @@ def tensor_parallel_rows(config, args, prompts) -> list[dict]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     model, group = tensor_parallel_model(config, args.layout)
     rows, first = [], {}
-    if args.profile_steps:  # rank 0's kernels, as shipped
+    if args.profile_steps:  # rank 0's kernels, as shipped or as the first --step-variants says
+        step_variant(args.step_variants[0])
         engine = DecodeEngine(
             model, max_batch=args.profile_batch, max_len=args.prompt_len + args.profile_steps + 2, group=group
         )
@@ -738,10 +744,13 @@ def main():
     parser.add_argument("--alone", type=int, default=4, help="--batch-invariant: sequences generated alone too")
     parser.add_argument("--score-batch", type=int, default=4, help="--batch-invariant: sequences a trainer forward")
     parser.add_argument(
-        "--profile-scoring",
+        "--score-only",
         action="store_true",
         help="--batch-invariant: only the training step's model part (--score-batch random sequences of --prompt-len + "
-        "--check-tokens tokens), timed and profiled both ways",
+        "--check-tokens tokens), timed both ways",
+    )
+    parser.add_argument(
+        "--profile-scoring", action="store_true", help="--score-only, and each way's kernels and host side profiled"
     )
     parser.add_argument("--all-reduce", action="store_true", help="under torchrun: the all-reduce alone, by size")
     parser.add_argument("--ways", default="nccl,one-shot,two-shot,shipped", help=f"of {', '.join(WAYS)}")
@@ -801,7 +810,7 @@ def main():
             return print_table(profile_rows(config, args, device, prompts), f"{title}: kernels per decode step{mode}")
         finally:
             torch.set_default_dtype(previous)
-    if args.batch_invariant and args.profile_scoring:
+    if args.batch_invariant and (args.profile_scoring or args.score_only):
         model = built(config, device, dtype)
         completions = torch.randint(1, config.vocab_size, (args.score_batch, args.check_tokens), generator=generator)
         sequences = [types.SimpleNamespace(prompt_ids=p, token_ids=c) for p, c in zip(prompts, completions.tolist())]

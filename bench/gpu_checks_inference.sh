@@ -60,6 +60,7 @@
 #   bash bench/gpu_checks_inference.sh profiles  on 4 GPUs: the kernels of the training step's model
 #       part as shipped and in batch-invariant mode (bench/decode.py --profile-scoring) beside those of
 #       the 48-layer decode step at batch 64 (PROFILE_BATCH) on 1 and 2 GPUs, then on 4
+#       (PROFILE_VARIANT=plain-launch: each kernel's own time, not a dependent launch's wait too)
 #   bash bench/gpu_checks_inference.sh ep4      on 4 GPUs, the 48-layer step at batch 1, 64 and 256
 #       with the experts split over 4 (--layout ep) and with tp=4
 #   bash bench/gpu_checks_inference.sh serve-tp N MODEL...   `moemesh serve` over N GPUs of a
@@ -243,7 +244,7 @@ profiles)  # on 4 GPUs: where the time goes. GPU 0: the training step's model pa
     # then all four: TP=4's, rank 0's kernels at batch ${PROFILE_BATCH:-64}
     CUDA_VISIBLE_DEVICES=0 timeout 400 python3 bench/decode.py --layers 48 --batch-invariant --profile-scoring \
         --batches 4 --prompt-len 256 --check-tokens 160 > "$LOGS/scoring_profile.txt" 2>&1 &
-    profiled="--layers 48 --profile-steps 16 --profile-batch ${PROFILE_BATCH:-64}"
+    profiled="--layers 48 --profile-steps 16 --profile-batch ${PROFILE_BATCH:-64} --step-variants ${PROFILE_VARIANT:-shipped}"
     tp_decode 1 profile1 $profiled & tp_decode 2,3 profile2 $profiled & wait
     tp_decode 0,1,2,3 profile4 $profiled
     echo "== the training step"; quiet < "$LOGS/scoring_profile.txt" | grep "|\|Error\|##"

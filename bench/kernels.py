@@ -478,6 +478,22 @@ def expert_tile_rows(copy_gbps):
                 )
 
 
+class _LinearFunction(torch.autograd.Function):
+    """F.linear in a custom autograd Function (--launches: the Function's own host cost)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return F.linear(x, w)
+
+
+@torch.no_grad()
+def no_grad_linear(x, w):
+    from moemesh.ops import invariant
+
+    return invariant.linear(x, w)
+
+
 def launch_rows() -> None:
     """--launches: what a call costs the host (µs, tiny operands, 2,000 calls queued and then one
     sync), for the ops a training step in batch-invariant mode launches in place of the default
@@ -494,6 +510,9 @@ def launch_rows() -> None:
         "invariant.matmul (Triton)": lambda: invariant.matmul(x, w),
         "F.linear, autograd": lambda: F.linear(xg, wg),
         "invariant.linear, autograd": lambda: invariant.linear(xg, wg),
+        "invariant._Matmul.apply, autograd": lambda: invariant._Matmul.apply(xg, wg),
+        "F.linear in a Function, autograd": lambda: _LinearFunction.apply(xg, wg),
+        "invariant.linear, no_grad": lambda: no_grad_linear(xg, wg),
         "grouped_mm (torch)": lambda: grouped_mm(x, bank, sizes),
         "invariant.grouped_matmul (Triton)": lambda: invariant.grouped_matmul(x, bank, sizes),
         "rms_norm (Triton)": lambda: rms_norm(x, w[0], 1e-6),

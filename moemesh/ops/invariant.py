@@ -144,7 +144,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear(x, weight, bias): on the kernels' device by `matmul`, else each row computed in a
     tile of TILE rows (the CPU reference)."""
     if kernels(x):
-        out = _Matmul.apply(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
+        out = _Matmul.apply(x, weight)
         return out if bias is None else out + bias.to(out.dtype)
     rows = x.reshape(-1, x.shape[-1])
     padded = F.pad(rows, (0, 0, 0, (-rows.shape[0]) % TILE))
@@ -227,18 +227,23 @@ def _launch_meta(dtype: torch.dtype, config) -> dict:
 
 
 class _Matmul(torch.autograd.Function):
-    """`matmul` forward; the ordinary backward (only forward values need to agree)."""
+    """`matmul` of x [..., K] forward (its rows flattened here, not by autograd views: a training
+    step of a few thousand tokens is bound by its host); the ordinary backward (only forward
+    values need to agree)."""
 
     @staticmethod
     def forward(ctx, x, weight):
-        ctx.save_for_backward(x, weight)
-        return matmul(x, weight)
+        rows = x.reshape(-1, x.shape[-1])
+        ctx.save_for_backward(rows, weight)
+        ctx.shape = x.shape
+        return matmul(rows, weight).view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        grad_x = grad @ weight.to(grad.dtype) if ctx.needs_input_grad[0] else None
-        grad_w = (grad.T @ x).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        rows, weight = ctx.saved_tensors
+        grad = grad.reshape(-1, grad.shape[-1])
+        grad_x = (grad @ weight.to(grad.dtype)).view(ctx.shape) if ctx.needs_input_grad[0] else None
+        grad_w = (grad.T @ rows).to(weight.dtype) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w
 
 
@@ -445,9 +450,32 @@ def paged_attention(
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, T, h, D], k and v [B, T, h_kv, D], each row a sequence from position 0 -> [B, T, h, D]:
-    `paged_attention` with each row's keys as one block of T. Differentiable (backward through
-    torch's attention, recomputed: only the forward's values have to be the engine's)."""
-    return _CausalAttention.apply(q, k, v, scale)
+    `paged_attention` with each row's keys as one block of T. Differentiable: where a gradient is
+    wanted, torch's attention runs beside it and the result carries the kernel's values with
+    torch's attention's backward (`_ValuesOf`; only the forward's values have to be the engine's).
+    That backward recomputed torch's attention inside a nested autograd call before, which cost
+    the host of a training step, its bottleneck at a few thousand tokens, more than the GPU's
+    forward it saves."""
+    batch, seq, heads, head_dim = q.shape
+    with torch.no_grad():
+        ours = paged_attention(
+            q.reshape(batch * seq, heads, head_dim),
+            k.reshape(batch * seq, *k.shape[2:]),
+            v.reshape(batch * seq, *v.shape[2:]),
+            *_whole_sequences(batch, seq, tile_tokens(heads // k.shape[2]), q.device),
+            scale,
+        ).view(batch, seq, heads, head_dim)
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        return ours
+    tracked = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        is_causal=True,
+        scale=scale,
+        enable_gqa=k.shape[2] != q.shape[2],
+    ).transpose(1, 2)
+    return _ValuesOf.apply(tracked, ours)
 
 
 @functools.lru_cache(maxsize=16)
@@ -471,35 +499,18 @@ def _whole_sequences(batch: int, seq: int, per_tile: int, device: torch.device) 
     )
 
 
-class _CausalAttention(torch.autograd.Function):
+class _ValuesOf(torch.autograd.Function):
+    """`values` forward (computed without autograd, of `tracked`'s shape); the gradient passed to
+    `tracked` as it is, whose own backward then runs: a forward's values from one computation,
+    its gradient from another of the same function."""
+
     @staticmethod
-    def forward(ctx, q, k, v, scale):
-        ctx.save_for_backward(q, k, v)
-        ctx.scale = scale
-        batch, seq, heads, head_dim = q.shape
-        out = paged_attention(
-            q.reshape(batch * seq, heads, head_dim),
-            k.reshape(batch * seq, *k.shape[2:]),
-            v.reshape(batch * seq, *v.shape[2:]),
-            *_whole_sequences(batch, seq, tile_tokens(heads // k.shape[2]), q.device),
-            scale,
-        )
-        return out.view(batch, seq, heads, head_dim)
+    def forward(ctx, tracked, values):
+        return values
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v = (t.detach().requires_grad_() for t in ctx.saved_tensors)
-        with torch.enable_grad():
-            out = F.scaled_dot_product_attention(
-                q.transpose(1, 2),
-                k.transpose(1, 2),
-                v.transpose(1, 2),
-                is_causal=True,
-                scale=ctx.scale,
-                enable_gqa=k.shape[2] != q.shape[2],
-            )
-            grads = torch.autograd.grad(out.transpose(1, 2), (q, k, v), grad)
-        return *grads, None
+        return grad, None
 
 
 @_jit(
