@@ -95,6 +95,38 @@ def check_a_decode_step_is_one_broadcast(rank):
     assert issued == {"broadcast": 2, "all_reduce": 1 + 2 * CONFIG.num_hidden_layers, "all_gather": 1}  # with close's
 
 
+class _TooLarge(Exception):
+    pass
+
+
+def check_ranks_agree_on_tiles(rank):
+    """The autotuner's benchmark (`backend.agreed_timing`) inside `agreed_tiles(group)`: each config
+    timed on every rank and summed, so the ranks pick one config where each alone would pick its
+    own; a config that fails on one rank (past its resources) is infinitely slow on the other,
+    and the failing rank raises; outside, each rank's own times. (The times here stand in for
+    the GPU's: rank 0 finds config a faster, rank 1 config b.)"""
+    from moemesh.ops import backend
+
+    group = init_mesh(ParallelDims(tp=TP)).group("tp")
+    own = {"a": [1.0 + 2 * rank] * 3, "b": [2.0 - 0.5 * rank] * 3}  # rank 0: a 1, b 2; rank 1: a 3, b 1.5
+
+    def fails():
+        if rank == 1:
+            raise _TooLarge("past the shared memory")
+        return [0.5] * 3
+
+    backend._timed = lambda call, quantiles: call()
+    alone = {name: backend.agreed_timing(lambda t=t: t, (0.5, 0.2, 0.8)) for name, t in own.items()}
+    with backend.agreed_tiles(group):
+        agreed = {name: backend.agreed_timing(lambda t=t: t, (0.5, 0.2, 0.8)) for name, t in own.items()}
+        try:
+            failed = backend.agreed_timing(fails, (0.5, 0.2, 0.8))
+        except _TooLarge:
+            failed = "raised"
+    assert agreed == {"a": [4.0] * 3, "b": [3.5] * 3}
+    return min(alone, key=alone.get), min(agreed, key=agreed.get), failed
+
+
 def test_a_graph_s_collectives_are_counted_at_each_replay():
     """What a CUDA graph's capture issues is not counted then (nothing ran), but at each replay."""
     comm.reset_counts()
@@ -133,8 +165,10 @@ def test_tp_generation_equals_one_process(tmp_path):
         pool.run(check_a_decode_step_is_one_broadcast)
         reads = pool.run(check_each_rank_reads_only_its_shard, str(tmp_path / "hf"))
         pool.run(check_ep_generation)
+        tiles = pool.run(check_ranks_agree_on_tiles)
     finally:
         pool.close()
+    assert tiles == [("a", "b", [float("inf")] * 3), ("b", "b", "raised")]
     for read, kept, whole in reads:
         assert 0 < read == kept < 0.6 * whole, (read, kept, whole)
     assert follower == (gathers, gathered)  # the follower ran every step the leader ran

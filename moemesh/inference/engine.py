@@ -61,6 +61,7 @@ their latency is what tensor parallelism adds to a step (docs/benchmarks.md, iss
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import time
@@ -75,7 +76,7 @@ from moemesh.inference.sampling import MODES, mode_for, sample
 from moemesh.models import MoECausalLM, PagedKVCache
 from moemesh.models.kv_cache import HostLayoutMissing
 from moemesh.models.weights import copy_weights
-from moemesh.ops import invariant
+from moemesh.ops import backend, invariant
 from moemesh.parallel import comm
 
 _FORWARD, _DECODE, _STOP, _KEEP_ALIVE, _TABLES = 1, 2, 3, 4, 5
@@ -215,7 +216,7 @@ class DecodeEngine:
         if end > self.max_len:
             raise ValueError(f"position {end - 1} is beyond the cache's rows of {self.max_len} entries")
         self._send_tables()
-        with invariant.batch_invariant(self.batch_invariant):
+        with self._arithmetic():
             if len(chunks) <= self.max_batch and all(
                 len(c.tokens) == 1 and c.sample and not c.all_logits for c in chunks
             ):
@@ -231,7 +232,7 @@ class DecodeEngine:
         seconds it took."""
         start = time.perf_counter()
         # In the engine's mode: the graphs captured here are those its steps replay.
-        with invariant.batch_invariant(self.batch_invariant):
+        with self._arithmetic():
             # The largest packed step first (eager when it is larger than every bucket); the
             # cache's pools are allocated at its first write.
             tokens = min(self.max_num_batched_tokens, self.max_len)
@@ -275,7 +276,7 @@ class DecodeEngine:
                 return
             if op == _KEEP_ALIVE:
                 continue
-            with torch.no_grad(), invariant.batch_invariant(self.batch_invariant):
+            with torch.no_grad(), self._arithmetic():
                 if op == _TABLES:
                     rows = comm.broadcast_(torch.empty(a, dtype=torch.long, device=self.device), self.group)
                     tables = torch.empty(a, self.tables.shape[1], dtype=torch.int32, device=self.device)
@@ -291,6 +292,13 @@ class DecodeEngine:
                     self._run(a, b, MODES[c])
 
     # ---- inside ----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _arithmetic(self):
+        """How the engine's forwards compute: in its batch-invariant mode or not, and under a group
+        with the tuned kernels' tiles every rank agrees on (`backend.agreed_tiles`)."""
+        with invariant.batch_invariant(self.batch_invariant), backend.agreed_tiles(self.group):
+            yield
+
     def _announce(self, op: int, a: int = 0, b: int = 0, c: int = 0, *tensors: torch.Tensor) -> None:
         if self.group is None:
             return
@@ -468,7 +476,7 @@ class DecodeEngine:
         ints_on_device = torch.tensor(ints, device=self.device)
         samples = torch.zeros(1, 3, dtype=torch.long, device=self.device)
         floats = torch.tensor([[0.0, 1.0]], device=self.device)
-        with torch.no_grad():
+        with torch.no_grad(), backend.agreed_tiles(self.group):
             self._eager_forward(ints_on_device, samples, floats, _segments(ints), "greedy")
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
@@ -478,7 +486,7 @@ class DecodeEngine:
             before = torch.cuda.memory_allocated(self.device)
             rows = self._fill_bucket(ints_on_device[:0], samples[:0], floats[:0], bucket)
             try:
-                with torch.no_grad():
+                with torch.no_grad(), backend.agreed_tiles(self.group):
                     self._bucket_step(bucket, rows, "greedy")
                 torch.cuda.synchronize(self.device)
                 peak += torch.cuda.max_memory_allocated(self.device) - before

@@ -10,10 +10,12 @@ files decorate their kernels with `triton.jit` at import time, so where Triton i
 stand-in `triton`/`tl` (the same trick torch._inductor uses) lets those definitions load unused.
 """
 
+import contextlib
 import functools
 import os
 
 import torch
+import torch.distributed as dist
 
 from moemesh.errors import ConfigError
 
@@ -76,15 +78,67 @@ def tuned(configs: list, key: list[str], prune=None):
     of any length meets tiles tuned for the engine's batch sizes (`DecodeEngine.warm_up`).
     The first launch of a shape must not be inside a CUDA graph capture (the engine's eager
     warm-up step comes first). `prune(configs, named_args, **kwargs)` drops the configs a launch
-    cannot take. Triton's CPU interpreter cannot time kernels: there the first config runs."""
+    cannot take. Triton's CPU interpreter cannot time kernels: there the first config runs. Inside
+    `agreed_tiles(group)` the ranks of the group pick the same config."""
 
     def wrap(kernel):
         if INTERPRETED or not HAVE_TRITON:
             return _FirstConfig(kernel, configs[0])
         pruning = {"prune_configs_by": {"early_config_prune": prune}} if prune else {}
-        return triton.autotune(configs=configs, key=key, **pruning)(kernel)
+        return triton.autotune(configs=configs, key=key, do_bench=agreed_timing, **pruning)(kernel)
 
     return wrap
+
+
+# The process group whose ranks pick the same tiles (`agreed_tiles`), or None.
+_tiles_group = None
+
+
+@contextlib.contextmanager
+def agreed_tiles(group):
+    """Inside, a tuned kernel's first launch of a shape times each config on every rank of `group`
+    (None: this rank alone) and takes the sum of their times, so that every rank picks the same
+    config. Why: a config sums a row's products in an order of its own, and tensor parallelism
+    computes some tensors on every rank alike — the router's logits from the same tokens (and
+    under expert parallelism for decoding, the whole attention): ranks that picked different
+    tiles could give a token different logits in the last bit, and route it differently on a
+    near-tie. Every rank of the group must launch the same kernels with the same shapes inside
+    (the engine's steps do: the leader announces each)."""
+    global _tiles_group
+    before, _tiles_group = _tiles_group, group
+    try:
+        yield
+    finally:
+        _tiles_group = before
+
+
+def _timed(kernel_call, quantiles) -> list[float]:
+    """The autotuner's own benchmark of `kernel_call` on this rank (ms at `quantiles`)."""
+    from triton.runtime.driver import driver
+
+    return driver.active.get_benchmarker()(kernel_call, quantiles=quantiles)
+
+
+def agreed_timing(kernel_call, quantiles) -> list[float]:
+    """Triton's autotuner's benchmark (`do_bench`): `kernel_call` timed on this rank, then, inside
+    `agreed_tiles`, summed over its group's ranks. A config that fails on any rank (past the
+    GPU's resources) is infinitely slow on every one; the failing rank raises its error."""
+    failure = None
+    try:
+        times = list(_timed(kernel_call, quantiles))
+    except Exception as error:  # the autotuner catches what it knows (OutOfResources, ...)
+        failure, times = error, [0.0] * len(quantiles)
+    group = _tiles_group
+    if group is not None:
+        device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend(group)) else "cpu"
+        summed = torch.tensor([*times, failure is not None], dtype=torch.float64, device=device)
+        dist.all_reduce(summed, group=group)
+        *times, failed = summed.tolist()
+        if failed and failure is None:
+            return [float("inf")] * len(quantiles)
+    if failure is not None:
+        raise failure
+    return times
 
 
 class _FirstConfig:
