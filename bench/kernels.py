@@ -6,6 +6,7 @@
     PYTHONPATH=. python3 bench/kernels.py --invariant-tiles   # only: batch-invariant matmul tiles
     PYTHONPATH=. python3 bench/kernels.py --expert-tiles      # only: decoding's per-expert kernel's tiles
     PYTHONPATH=. python3 bench/kernels.py --launches          # only: what a launch costs the host
+    PYTHONPATH=. python3 bench/kernels.py --invariant-attention   # only: batch-invariant attention's tiles
 
 Prints: effective bandwidth of permute / combine / swiglu (forward and backward) as a fraction of
 a measured device copy, against the plain PyTorch index path; expert_gemv (decoding's MoE path,
@@ -478,6 +479,59 @@ def expert_tile_rows(copy_gbps):
                 )
 
 
+# (tokens a tile, warps, stages) of the attention kernel over whole sequences: a tile's query rows
+# are its tokens × the group (8 for Qwen3-30B-A3B's 32 query heads of 4 key/value heads); the
+# shipped tile is `invariant.tile_tokens`' (8 tokens: 64 rows, 4 warps, 2 stages).
+INVARIANT_ATTENTION_CONFIGS = [
+    (8, 4, 2), (8, 4, 3), (8, 8, 2), (16, 4, 2), (16, 8, 2), (16, 8, 3), (32, 8, 2), (32, 8, 3),
+]  # fmt: skip
+
+
+def invariant_attention_rows():
+    """--invariant-attention: the batch-invariant attention kernel over whole sequences (a training
+    step's: 4 of 2,048 tokens, the Qwen3-30B-A3B shape's heads) with other query tiles, warps and
+    stages than the shipped one, against torch's attention (SDPA, flash): microseconds, and
+    whether every query's output has the shipped tile's bits — those the engine's steps compute,
+    so a faster tile for training is only usable where they are the same."""
+    import triton
+
+    from moemesh.ops import invariant
+
+    batch, seq, heads, kv_heads, dim = (1, 40, 4, 2, 16) if SMOKE else (4, 2048, 32, 4, 128)
+    q = torch.randn(batch, seq, heads, dim, dtype=DTYPE, device=DEVICE)
+    k, v = (torch.randn(batch, seq, kv_heads, dim, dtype=DTYPE, device=DEVICE) for _ in range(2))
+    scale = dim**-0.5
+    group = heads // kv_heads
+    flat = (
+        q.reshape(batch * seq, heads, dim),
+        k.reshape(batch * seq, kv_heads, dim),
+        v.reshape(batch * seq, kv_heads, dim),
+    )
+    shipped = invariant.causal_attention(q, k, v, scale)
+    sdpa = bench_ms(
+        lambda: F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale, enable_gqa=True
+        )
+    )
+    report(f"batch-invariant attention, {batch} sequences of {seq} tokens, {heads} heads of {kv_heads}, dim {dim}")
+    report(f"torch SDPA (causal, flash) forward: {sdpa * 1e3:.1f} us")
+    report(f"{'tokens a tile':>14}{'rows':>6}{'warps':>6}{'stages':>7}{'us':>10}{'x SDPA':>8}{'same bits':>10}")
+    for tokens, warps, stages in INVARIANT_ATTENTION_CONFIGS[:2] if SMOKE else INVARIANT_ATTENTION_CONFIGS:
+        rows = max(16, triton.next_power_of_2(tokens * group))
+        args = invariant._whole_sequences(batch, seq, tokens, q.device)
+
+        def launch():
+            return invariant._launch_attention(*flat, *args, scale, rows=rows, warps=warps, stages=stages)
+
+        try:
+            same = torch.equal(launch().view_as(shipped), shipped)
+            ms = bench_ms(launch)
+        except Exception as error:  # past the GPU's registers or shared memory
+            report(f"{tokens:>14}{rows:>6}{warps:>6}{stages:>7}  {type(error).__name__}")
+            continue
+        report(f"{tokens:>14}{rows:>6}{warps:>6}{stages:>7}{ms * 1e3:>10.1f}{ms / sdpa:>8.2f}{str(same):>10}")
+
+
 class _LinearFunction(torch.autograd.Function):
     """F.linear in a custom autograd Function (--launches: the Function's own host cost)."""
 
@@ -545,6 +599,9 @@ def main():
         return 0
     if "--launches" in sys.argv:
         launch_rows()
+        return 0
+    if "--invariant-attention" in sys.argv:
+        invariant_attention_rows()
         return 0
     copy_gbps = copy_bandwidth()
     if "--expert-tiles" in sys.argv:

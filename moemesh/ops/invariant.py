@@ -36,8 +36,10 @@ or MOEMESH_KERNELS=triton under Triton's interpreter):
     softmax in fp32 — no split of the keys. A query's numbers depend only on the blocks it sees,
     which are the same whatever its tile: a block it sees none of (its tile's later tokens')
     leaves its maximum, sum and accumulator exactly as they were. Keys are read through the
-    block table one by one, so the cache's block size does not matter either. Backward (training)
-    recomputes torch's attention and differentiates that.
+    block table one by one, so the cache's block size does not matter either. Backward (training):
+    torch's attention runs beside the kernel and its backward gives the gradient
+    (`causal_attention`). At training's sequence lengths the kernel is the mode's largest cost:
+    5× cuDNN's flash forward at 2,048 tokens on an H200 (docs/benchmarks.md, 2026-11-28).
   * `experts` — CPU reference: each expert's rows through its two `linear`s. GPU:
     `grouped_matmul`, the same matmul kernel over tiles of BLOCK_M rows of one expert (each
     program finds its tile from the group sizes, `_expert_tile`: no host sync, no table), for
@@ -409,13 +411,25 @@ def paged_attention(
     order, with a running softmax in fp32; a block the query sees none of (a later token's of its
     tile) changes none of its numbers (its maximum stays, it adds exact zeros). So a query's bits
     do not depend on its tile's other tokens, on the cache's block size, or on the step."""
+    group = q.shape[1] // keys.shape[1]
+    rows = max(16, triton.next_power_of_2(tile_tokens(group) * group))
+    warps = 4 if rows * max(16, triton.next_power_of_2(q.shape[2])) <= 64 * 128 else 8
+    args = (block_tables, block_size, token_rows, positions, tile_starts, tile_lengths, tile_count, scale)
+    return _launch_attention(q, keys, values, *args, rows=rows, warps=warps, stages=2)
+
+
+def _launch_attention(
+    q, keys, values, block_tables, block_size, token_rows, positions, tile_starts, tile_lengths, tile_count, scale,
+    rows: int, warps: int, stages: int,
+) -> torch.Tensor:  # fmt: skip
+    """`paged_attention`'s launch with a tile of `rows` query rows (its tiles' tokens × the group),
+    `warps` and `stages` (bench/kernels.py --invariant-attention tries others)."""
     tokens, heads, head_dim = q.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
     out = q.new_empty(tokens, heads, head_dim)
     tiles = tile_starts.shape[0]
     if tiles and tokens:
-        rows = max(16, triton.next_power_of_2(tile_tokens(group) * group))
         block_d = max(16, triton.next_power_of_2(head_dim))
         _attention_kernel[(tiles, kv_heads)](
             q.contiguous(),
@@ -442,8 +456,8 @@ def paged_attention(
             BLOCK_D=block_d,
             BLOCK_N=ATTENTION_KEYS,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=4 if rows * block_d <= 64 * 128 else 8,
-            num_stages=2,
+            num_warps=warps,
+            num_stages=stages,
         )
     return out
 
