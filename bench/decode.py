@@ -785,9 +785,8 @@ def main():
         output_router_logits=False,
     )  # generation: no load-balancing loss on either side
     generator = torch.Generator().manual_seed(0)
-    prompts = torch.randint(
-        1, config.vocab_size, (max(*args.batches, args.profile_batch), args.prompt_len), generator=generator
-    ).tolist()
+    count = max(*args.batches, args.profile_batch, args.score_batch)
+    prompts = torch.randint(1, config.vocab_size, (count, args.prompt_len), generator=generator).tolist()
     torch.manual_seed(0)
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (timings are only a smoke check)"
     title = (

@@ -43,9 +43,8 @@ or MOEMESH_KERNELS=triton under Triton's interpreter):
   * `experts` — CPU reference: each expert's rows through its two `linear`s. GPU:
     `grouped_matmul`, the same matmul kernel over tiles of BLOCK_M rows of one expert (each
     program finds its tile from the group sizes, `_expert_tile`: no host sync, no table), for
-    gate_up and then down, the
-    activation between (elementwise), each row bit-equal to `matmul` of it alone with its
-    expert's weight. The block's own dispatch (a copy of each row, in any layout) and combine
+    gate_up and then down, the activation between (elementwise), each row bit-equal to `matmul`
+    of it alone with its expert's weight. The block's own dispatch (a copy of each row, in any layout) and combine
     (the k outputs summed with the routing weights in slot order) as the default path.
     A decode step's few pairs skip the dispatch (models/moe.py: up to SELECTED_EXPERT_ROWS
     pairs, no gradients, every expert on the rank, no adapters): `selected_experts` computes
