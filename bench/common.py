@@ -37,24 +37,29 @@ def bench_model_config(args) -> ModelConfig:
     return load_config(args.config, launched=False).model if args.config else qwen3_30b_a3b(args.layers)
 
 
-def tensor_parallel_model(config: ModelConfig, axis: str = "tp"):
+def tensor_parallel_model(config: ModelConfig, layout: str = "tp"):
     """(this rank's shard of `config`'s model, its group) over all ranks torchrun launched, as
-    `moemesh serve --tp N` (axis "tp") or `--ep N` ("ep") lays it out: built on meta, laid out for
-    N = WORLD_SIZE, each rank drawing its shard from seed 0 (bf16 on a GPU, fp32 on a CPU). One
-    process: the whole model, no group."""
+    `moemesh serve --tp N` (layout "tp"), `--ep N` ("ep") or `--tp N --ep N` ("tp-ep": tensor
+    parallelism, the experts whole) lays it out: built on meta, laid out for N = WORLD_SIZE, each
+    rank drawing its shard from seed 0 (bf16 on a GPU, fp32 on a CPU). One process: the whole
+    model, no group."""
     from moemesh.models.build import meta_model
     from moemesh.parallel.config import ParallelConfig, StepShape
     from moemesh.parallel.expert import apply_ep_for_decoding
     from moemesh.parallel.mesh import ParallelDims, init_mesh
     from moemesh.parallel.parallelize import materialize, parallelize
+    from moemesh.parallel.tensor import apply_tp_whole_experts
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    axis = "ep" if layout == "ep" else "tp"
     mesh = init_mesh(ParallelDims(**{axis: world}))
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     model = meta_model(config, torch.bfloat16 if on_gpu else torch.float32)
-    if axis == "ep":
+    if layout == "ep":
         apply_ep_for_decoding(model, mesh)
+    elif layout == "tp-ep":
+        apply_tp_whole_experts(model, mesh)
     else:
         parallelize(model, mesh, ParallelConfig(tp=world), StepShape(dtype="bfloat16" if on_gpu else "float32"))
     return materialize(model, device, seed=0).eval(), mesh.group(axis)

@@ -727,10 +727,11 @@ def main():
     )
     parser.add_argument(
         "--layout",
-        choices=("tp", "ep"),
+        choices=("tp", "ep", "tp-ep"),
         default="tp",
-        help="with --tensor-parallel: split heads, expert slices and vocabulary (tp), or the experts alone (ep: "
-        "`serve --ep`, the rest whole on every rank)",
+        help="with --tensor-parallel: split heads, expert slices and vocabulary (tp), the experts alone (ep: "
+        "`serve --ep`, the rest whole on every rank), or heads and vocabulary with whole experts (tp-ep: "
+        "`serve --tp N --ep N`)",
     )
     parser.add_argument(
         "--batch-invariant",

@@ -61,6 +61,8 @@
 #       part as shipped and in batch-invariant mode (bench/decode.py --profile-scoring) beside those of
 #       the 48-layer decode step at batch 64 (PROFILE_BATCH) on 1 and 2 GPUs, then on 4
 #       (PROFILE_VARIANT=plain-launch: each kernel's own time, not a dependent launch's wait too)
+#   bash bench/gpu_checks_inference.sh tp-ep  on 4 GPUs, the 48-layer step at batch 1, 64 and 256 on
+#       1 GPU, then on 2 and 4 with the experts sliced (tp) and whole (--layout tp-ep)
 #   bash bench/gpu_checks_inference.sh ep4      on 4 GPUs, the 48-layer step at batch 1, 64 and 256
 #       with the experts split over 4 (--layout ep) and with tp=4
 #   bash bench/gpu_checks_inference.sh serve-tp N MODEL...   `moemesh serve` over N GPUs of a
@@ -249,6 +251,16 @@ profiles)  # on 4 GPUs: where the time goes. GPU 0: the training step's model pa
     tp_decode 0,1,2,3 profile4 $profiled
     echo "== the training step"; quiet < "$LOGS/scoring_profile.txt" | grep "|\|Error\|##"
     for n in 1 2 4; do echo "== $n GPUs"; quiet < "$LOGS/profile$n.txt" | grep "|\|Error" | head -28; done
+    ;;
+tp-ep)  # on 4 GPUs: tensor parallelism with whole experts (`serve --tp N --ep N`) against expert slices
+    args="--layers 48 --ways shipped --batches 1,64,256 --new-tokens 40"
+    tp_decode 0 tpep1 $args & tp_decode 2,3 tpep2_tp $args & wait
+    tp_decode 0,1 tpep2_whole $args --layout tp-ep
+    tp_decode 0,1,2,3 tpep4_tp $args
+    tp_decode 0,1,2,3 tpep4_whole $args --layout tp-ep
+    for name in tpep1 tpep2_tp tpep2_whole tpep4_tp tpep4_whole; do
+        echo "== $name"; quiet < "$LOGS/$name.txt" | grep "|\|Error"
+    done
     ;;
 ep4)  # on 4 GPUs: experts split over 4 (attention whole on each) against tp=4, batch 1, 64 and 256
     for layout in ep tp; do

@@ -233,7 +233,9 @@ def _model_arguments(command: argparse.ArgumentParser) -> None:
         default=1,
         help="expert-parallel ranks instead (torchrun --nproc-per-node N ... --ep N): each rank keeps E/N "
         "experts and computes their share of every token; attention, its KV cache and the vocabulary "
-        "are whole on every rank (one all-reduce a MoE layer); rank 0 prints or serves",
+        "are whole on every rank (one all-reduce a MoE layer); rank 0 prints or serves. With --tp N of "
+        "the same N: attention, KV cache and vocabulary split as --tp splits them, the experts whole, E/N "
+        "a rank (vLLM's --enable-expert-parallel)",
     )
     command.add_argument(
         "--set",
@@ -457,15 +459,18 @@ def _loaded(args: argparse.Namespace):
         raise MoemeshError(f"--gpu-memory-fraction must be in (0, 1], got {args.gpu_memory_fraction}")
     device = device_for(args.device, "--device")
     # First the mesh: it checks the number of processes and makes "cuda" this rank's GPU.
-    mesh = init_mesh(_parallel_dims(args))
+    dims, whole_experts = _parallel_dims(args)
+    mesh = init_mesh(dims)
     try:
         dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
         if args.config is None:
-            model, tokenizer = load_for_generation(args.checkpoint, args.tokenizer, device, dtype, mesh, args.adapter)
+            model, tokenizer = load_for_generation(
+                args.checkpoint, args.tokenizer, device, dtype, mesh, args.adapter, whole_experts
+            )
         elif args.adapter is not None:
             raise MoemeshError("--adapter needs the --checkpoint of its base model, not --config")
         else:
-            model, tokenizer = drawn_for_generation(args.config, device, dtype, mesh)
+            model, tokenizer = drawn_for_generation(args.config, device, dtype, mesh, whole_experts)
             if args.tokenizer is not None:
                 tokenizer = load_tokenizer(args.tokenizer)
         yield model, tokenizer, mesh.group("ep" if mesh.dims.ep > 1 else "tp")
@@ -475,7 +480,9 @@ def _loaded(args: argparse.Namespace):
 
 
 def _parallel_dims(args: argparse.Namespace):
-    """generate's and serve's layout: --tp or --ep (or --set parallel.tp=N / parallel.ep=N)."""
+    """generate's and serve's layout: --tp or --ep (or --set parallel.tp=N / parallel.ep=N), or both
+    of one size (tensor parallelism with whole experts) -> (the mesh's dims, whether its experts
+    are whole)."""
     from moemesh.parallel.mesh import ParallelDims
 
     sizes = {"tp": args.tp, "ep": args.ep}
@@ -491,8 +498,13 @@ def _parallel_dims(args: argparse.Namespace):
         if size < 1:
             raise MoemeshError(f"--{axis} must be >= 1, got {size}")
     if sizes["tp"] > 1 and sizes["ep"] > 1:
-        raise MoemeshError(f"{args.command} takes --tp or --ep, not both (got tp={sizes['tp']}, ep={sizes['ep']})")
-    return ParallelDims(**sizes)
+        if sizes["tp"] != sizes["ep"]:
+            raise MoemeshError(
+                f"{args.command} --tp N --ep N splits attention and experts over the same N ranks: give both one size "
+                f"(got tp={sizes['tp']}, ep={sizes['ep']})"
+            )
+        return ParallelDims(tp=sizes["tp"]), True
+    return ParallelDims(**sizes), False
 
 
 def _estimate(args: argparse.Namespace) -> None:

@@ -22,7 +22,7 @@ from moemesh.models import ModelConfig, build
 from moemesh.parallel import comm
 from moemesh.parallel.expert import apply_ep_for_decoding
 from moemesh.parallel.mesh import ParallelDims, init_mesh
-from moemesh.parallel.tensor import apply_tp
+from moemesh.parallel.tensor import apply_tp, apply_tp_whole_experts
 from multiprocess import WorkerPool
 from tiny_run import TINY_MODEL
 
@@ -38,16 +38,17 @@ PARAMS = [
 ]
 
 
-def generate_under_tp(config, prompts, params, max_len, axis="tp") -> DecodeEngine:
+def generate_under_tp(config, prompts, params, max_len, axis="tp", lay_out=None) -> DecodeEngine:
     """Warm up and generate on the TP group (or, with axis "ep", expert-parallel for decoding: the
-    experts split, the rest replicated) — the leader checks one process's tokens, the others
-    follow — with the collectives counted from the engine's start; -> this rank's engine."""
+    experts split, the rest replicated; or as `lay_out` lays the model out over the group's
+    ranks) — the leader checks one process's tokens, the others follow — with the collectives
+    counted from the engine's start; -> this rank's engine."""
     tokenizer = ByteTokenizer()
     expected = generate(
         DecodeEngine(build(config, seed=5).eval(), max_batch=2, max_len=max_len), tokenizer, prompts, params
     )
     mesh = init_mesh(ParallelDims(**{axis: TP}))
-    lay_out = apply_tp if axis == "tp" else apply_ep_for_decoding
+    lay_out = lay_out or (apply_tp if axis == "tp" else apply_ep_for_decoding)
     engine = DecodeEngine(
         lay_out(build(config, seed=5), mesh).eval(), max_batch=2, max_len=max_len, group=mesh.group(axis)
     )
@@ -76,6 +77,25 @@ def check_ep_generation(rank):
     assert engine.cache.keys[0].shape[1] == CONFIG.num_key_value_heads  # every head here
     forwards = comm.calls[("all_reduce", "forward")] / CONFIG.num_hidden_layers
     assert forwards == int(forwards) > len(PROMPTS) and ("all_gather", "forward") not in comm.calls
+    return True
+
+
+def check_whole_experts_generation(rank):
+    """Tensor parallelism with whole experts (`apply_tp_whole_experts`): heads, KV cache and
+    vocabulary split as under TP, each rank E/tp experts whole (decode steps through their
+    per-expert kernels); one process's tokens, with TP's two all-reduces a layer per forward."""
+    engine = generate_under_tp(CONFIG, PROMPTS, PARAMS, max_len=32, lay_out=apply_tp_whole_experts)
+    experts = engine.model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.shape == (
+        CONFIG.num_experts // TP,
+        2 * CONFIG.moe_intermediate_size,
+        CONFIG.hidden_size,
+    )
+    assert engine.cache.keys[0].shape[1] == CONFIG.num_key_value_heads // TP
+    forwards = comm.calls[("all_gather", "forward")]
+    assert forwards > len(PROMPTS) and comm.calls[("all_reduce", "forward")] == forwards * (
+        1 + 2 * CONFIG.num_hidden_layers
+    )
     return True
 
 
@@ -165,6 +185,7 @@ def test_tp_generation_equals_one_process(tmp_path):
         pool.run(check_a_decode_step_is_one_broadcast)
         reads = pool.run(check_each_rank_reads_only_its_shard, str(tmp_path / "hf"))
         pool.run(check_ep_generation)
+        pool.run(check_whole_experts_generation)
         tiles = pool.run(check_ranks_agree_on_tiles)
     finally:
         pool.close()
@@ -178,10 +199,12 @@ def test_tp_generation_equals_one_process(tmp_path):
     assert gathered % (CONFIG.vocab_size // TP * 4) == 0
 
 
-def check_generation_with_kernels(rank):
-    """Heads of 16, so that the decoding kernels serve attention too, interpreted on CPU."""
+def check_generation_with_kernels(rank, whole_experts=False):
+    """Heads of 16, so that the decoding kernels serve attention too, interpreted on CPU; with
+    `whole_experts` the per-expert kernel skips the pairs of the other rank's experts."""
     config = CONFIG.replace(head_dim=16)
-    generate_under_tp(config, PROMPTS[:2], [SamplingParams(max_tokens=4)] * 2, max_len=16)
+    lay_out = apply_tp_whole_experts if whole_experts else None
+    generate_under_tp(config, PROMPTS[:2], [SamplingParams(max_tokens=4)] * 2, max_len=16, lay_out=lay_out)
     # Per forward (a prefill or a decode step: one logits all-gather each): the vocabulary-split
     # embedding's all-reduce, then two a layer (after o_proj, after the MoE block's weighted sum).
     forwards = comm.calls[("all_gather", "forward")]
@@ -200,6 +223,7 @@ def test_tp_generation_with_the_decoding_kernels(monkeypatch):
     pool = WorkerPool(TP, timeout_s=600)
     try:
         pool.run(check_generation_with_kernels)
+        pool.run(check_generation_with_kernels, True)
     finally:
         pool.close()
 
@@ -261,14 +285,21 @@ def test_copied_key_value_heads_read_drawn_and_generated_per_rank(tmp_path):
 
 @pytest.mark.parametrize(
     "source, layout, ranks",
-    [("checkpoint", "tp", TP), ("config", "tp", TP), ("checkpoint", "ep", TP), ("checkpoint", "tp", 4)],
-    ids=["checkpoint-tp2", "config-tp2", "checkpoint-ep2", "checkpoint-tp4"],
+    [
+        ("checkpoint", "tp", TP),
+        ("config", "tp", TP),
+        ("checkpoint", "ep", TP),
+        ("checkpoint", "tp", 4),
+        ("checkpoint", "tp,ep", TP),
+    ],
+    ids=["checkpoint-tp2", "config-tp2", "checkpoint-ep2", "checkpoint-tp4", "checkpoint-tp2-whole-experts"],
 )
 def test_generate_command_under_torchrun(tmp_path, capsys, source, layout, ranks):
     """From a checkpoint every rank reads its shard; from a config (weights drawn from the seed,
     for measuring a model no checkpoint holds yet) every rank draws its shard; under --tp its
-    heads, expert slices and vocabulary, under --ep its experts. Either way the text of one
-    process. --tp 4: the 2 key/value heads copied on 2 ranks each, read from a DCP checkpoint."""
+    heads, expert slices and vocabulary, under --ep its experts, under both (one size) its heads,
+    vocabulary and whole experts. Either way the text of one process. --tp 4: the 2 key/value
+    heads copied on 2 ranks each, read from a DCP checkpoint."""
     if source == "checkpoint":
         model = build(CONFIG, seed=5)
         save_pretrained(model, tmp_path / "hf")
@@ -297,7 +328,7 @@ def test_generate_command_under_torchrun(tmp_path, capsys, source, layout, ranks
             "moemesh",
             *args,
             "--set",
-            f"parallel.{layout}={ranks}",
+            *(f"parallel.{axis}={ranks}" for axis in layout.split(",")),
         ],
         capture_output=True,
         text=True,
@@ -314,6 +345,11 @@ def test_generate_refuses_a_layout_torchrun_did_not_launch(tmp_path, capsys):
     assert (
         "parallel layout pp=1 × dp_replicate=1 × dp_shard=1 × ep=1 × tp=3 needs 3 processes, but 1 were launched" in err
     )
+
+
+def test_generate_refuses_tp_and_ep_of_two_sizes(tmp_path, capsys):
+    assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "x", "--tp", "2", "--ep", "4"]) == 2
+    assert "--tp N --ep N splits attention and experts over the same N ranks" in capsys.readouterr().err
 
 
 def test_generate_from_a_config_takes_no_adapter(tmp_path, capsys):

@@ -34,6 +34,7 @@ from moemesh.parallel.config import ParallelConfig, StepShape
 from moemesh.parallel.expert import apply_ep_for_decoding
 from moemesh.parallel.mesh import Mesh
 from moemesh.parallel.parallelize import materialize, parallelize
+from moemesh.parallel.tensor import apply_tp_whole_experts
 
 
 def load_for_generation(
@@ -43,9 +44,11 @@ def load_for_generation(
     dtype: torch.dtype | None = None,
     mesh: Mesh | None = None,
     adapter: str | os.PathLike | None = None,
+    whole_experts: bool = False,
 ) -> tuple[MoECausalLM, Tokenizer]:
     """A model from a checkpoint, run directory or Hugging Face directory, laid out for `mesh`
-    (tensor parallelism: each rank reads only its heads, expert slices and vocabulary slice) and
+    (tensor parallelism: each rank reads only its heads, expert slices and vocabulary slice; with
+    `whole_experts`, E/tp whole experts instead of slices of all: `apply_tp_whole_experts`) and
     read straight into `dtype` on `device` (default bfloat16 on a GPU, float32 on a CPU), with its
     tokenizer: the one named, else the directory's tokenizer.json, else bytes. `adapter`: LoRA
     adapters (a PEFT directory or a LoRA run), laid out with their base, merged into its weights
@@ -53,7 +56,7 @@ def load_for_generation(
     config = read_model_config(path)
     if adapter is not None:
         adapter = read_adapter(adapter, config)
-    model = _laid_out(config, device, dtype, mesh, adapter)
+    model = _laid_out(config, device, dtype, mesh, adapter, whole_experts)
     materialize(model, device)
     source = load_weights(model, path, mesh)
     if adapter is not None:
@@ -66,20 +69,27 @@ def load_for_generation(
 
 
 def drawn_for_generation(
-    config_path: str | os.PathLike, device: str = "cpu", dtype: torch.dtype | None = None, mesh: Mesh | None = None
+    config_path: str | os.PathLike,
+    device: str = "cpu",
+    dtype: torch.dtype | None = None,
+    mesh: Mesh | None = None,
+    whole_experts: bool = False,
 ) -> tuple[MoECausalLM, Tokenizer]:
     """The model of a moemesh config, laid out for `mesh` as `load_for_generation` lays it out, each
     rank drawing only its shard from the config's train.seed (no rank holds the whole model), with
     the config's data.tokenizer. Its answers are noise: this is for measuring a model's speed and
     memory, served or not, before a checkpoint of it exists (Qwen3-235B-A22B is 470 GB in bf16)."""
     run = load_config(config_path, launched=False)
-    model = materialize(_laid_out(run.model, device, dtype, mesh), device, seed=run.train.seed)
+    model = materialize(_laid_out(run.model, device, dtype, mesh, None, whole_experts), device, seed=run.train.seed)
     return model.eval(), load_tokenizer(run.data.tokenizer)
 
 
-def _laid_out(config, device, dtype: torch.dtype | None, mesh: Mesh | None, adapter=None) -> MoECausalLM:
+def _laid_out(
+    config, device, dtype: torch.dtype | None, mesh: Mesh | None, adapter=None, whole_experts: bool = False
+) -> MoECausalLM:
     """The model on meta in `dtype` (default bfloat16 on a GPU, float32 on a CPU), its adapters
-    attached, laid out for `mesh`'s tensor or expert parallelism."""
+    attached, laid out for `mesh`'s tensor or expert parallelism (tensor parallelism with its
+    experts whole where `whole_experts`)."""
     if dtype is None:
         dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
     model = meta_model(config, dtype)
@@ -87,6 +97,8 @@ def _laid_out(config, device, dtype: torch.dtype | None, mesh: Mesh | None, adap
         adapter.attach(model, torch.float32)
     if mesh is not None and mesh.dims.ep > 1:  # this rank's experts, the rest whole
         apply_ep_for_decoding(model, mesh)
+    elif mesh is not None and whole_experts and mesh.dims.tp > 1:
+        apply_tp_whole_experts(model, mesh)
     elif mesh is not None:
         step = StepShape(dtype="bfloat16" if dtype == torch.bfloat16 else "float32")
         parallelize(model, mesh, ParallelConfig(tp=mesh.dims.tp), step)

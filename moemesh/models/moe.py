@@ -247,13 +247,14 @@ class Experts(nn.Module):
         group_sizes: torch.Tensor | None = None,
         expert_ids: torch.Tensor | None = None,
         weights: torch.Tensor | None = None,
+        elsewhere: bool = False,
     ) -> torch.Tensor:
         """grouped [N, H], rows sorted by expert, group_sizes [E] of them each: the grouped GEMMs.
         Or, given expert_ids and routing weights [T, k], grouped is x [T, H] and each token goes
         through its chosen experts, weighted and summed (`selected`). Both through `forward`, so
         that what wraps the module runs (FSDP gathering the shards of the bank)."""
         if expert_ids is not None:
-            return self.selected(grouped, expert_ids, weights)
+            return self.selected(grouped, expert_ids, weights, elsewhere)
         (grouped,) = autocast_inputs(grouped)
         offsets = group_offsets(grouped, group_sizes)  # once for the layer's grouped GEMMs
         gate_up = grouped_mm(
@@ -267,13 +268,21 @@ class Experts(nn.Module):
             out = out + _per_row(self.down_proj_bias * self.down_bias_share, group_sizes, out)
         return out
 
-    def selected(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def selected(
+        self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, elsewhere: bool = False
+    ) -> torch.Tensor:
         """x [T, H] through each token's experts expert_ids [T, k], summed with the routing
         weights [T, k] -> [T, H] (no autograd through the kernels: inference). SwiGLU experts
         without biases fuse the activation into the gate/up GEMV, and for the fewest tokens run
-        per token with the weighted sum fused too (`ops/expert_gemv.py`)."""
+        per token with the weighted sum fused too (`ops/expert_gemv.py`). `elsewhere`: ids outside
+        [0, E) are other ranks' experts (expert parallelism over tokens every rank holds), whose
+        pairs add nothing here; the per-expert kernel then, and no biases."""
         plain = self.activation is swiglu and self.gate_up_proj_bias is None
-        if plain and use_triton(x) and expert_ids.numel() <= PER_TOKEN_ROWS:
+        if elsewhere:
+            if self.gate_up_proj_bias is not None or self.down_proj_bias is not None:
+                raise ValueError("the selected experts of one rank among several take no expert biases")
+            expert_ids = torch.where((expert_ids >= 0) & (expert_ids < self.gate_up_proj.shape[0]), expert_ids, -1)
+        elif plain and use_triton(x) and expert_ids.numel() <= PER_TOKEN_ROWS:
             return expert_gemv_combine(
                 expert_swiglu_gemv(x, self.gate_up_proj, expert_ids), self.down_proj, expert_ids, weights
             )
@@ -287,7 +296,10 @@ class Experts(nn.Module):
         out = expert_gemv(gated, self.down_proj, expert_ids.view(-1, 1))
         if self.down_proj_bias is not None:
             out = out + (self.down_proj_bias[expert_ids.flatten()] * self.down_bias_share).to(out.dtype)
-        return combine(out, torch.arange(out.shape[0], device=out.device).view_as(expert_ids), weights)
+        positions = torch.arange(out.shape[0], device=out.device).view_as(expert_ids)
+        if elsewhere:  # another rank's pairs: no row here (left unwritten by the kernels)
+            return combine(out, torch.where(expert_ids >= 0, positions, -1), weights, skip=True)
+        return combine(out, positions, weights)
 
 
 def _glu(act, gate_up: torch.Tensor) -> torch.Tensor:
@@ -370,17 +382,28 @@ class MoEBlock(nn.Module):
 
     def reads_selected_experts(self, num_tokens: int) -> bool:
         """Whether `selected_experts` serves these tokens: few of them, no gradients, every
-        expert on this rank."""
+        expert on this rank — or this rank's share of them where every rank holds the tokens
+        (`first_expert`: expert parallelism for decoding, whole experts over tensor parallelism;
+        experts without biases)."""
+        e = self.experts
+        here = self.dispatcher.local or (
+            getattr(self.dispatcher, "first_expert", None) is not None
+            and e.gate_up_proj_bias is None
+            and e.down_proj_bias is None
+        )
         return (
             not torch.is_grad_enabled()
             and num_tokens * self.gate.top_k <= SELECTED_EXPERT_ROWS
-            and self.dispatcher.local
-            and not self.experts.has_adapters  # the decoding kernels read the base weights only (merge first)
+            and here
+            and not e.has_adapters  # the decoding kernels read the base weights only (merge first)
         )
 
     def selected_experts(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """x [T, H] -> [T, H], reading only the chosen experts' weights."""
-        return self._finish(self.experts(x, expert_ids=routing.expert_ids, weights=routing.weights), routing)
+        """x [T, H] -> [T, H], reading only the chosen experts' weights (of those on this rank)."""
+        if self.dispatcher.local:
+            return self._finish(self.experts(x, expert_ids=routing.expert_ids, weights=routing.weights), routing)
+        ids = routing.expert_ids - self.dispatcher.first_expert
+        return self._finish(self.experts(x, expert_ids=ids, weights=routing.weights, elsewhere=True), routing)
 
     def invariant(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """x [T, H] -> [T, H] in batch-invariant mode: the block's own dispatch and combine (any
@@ -400,7 +423,7 @@ class MoEBlock(nn.Module):
             raise ValueError("batch-invariant mode does not cover LoRA adapters: merge them first")
         e = self.experts
         down_bias = None if e.down_proj_bias is None else e.down_proj_bias * e.down_bias_share
-        if invariant.kernels(x) and self.reads_selected_experts(x.shape[0]):
+        if invariant.kernels(x) and self.dispatcher.local and self.reads_selected_experts(x.shape[0]):
             out = invariant.selected_experts(
                 x, routing.expert_ids, e.gate_up_proj, e.down_proj, e.activation, e.gate_up_proj_bias, down_bias
             )

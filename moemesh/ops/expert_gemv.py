@@ -35,7 +35,9 @@ from moemesh.ops.swiglu import swiglu
 
 def expert_gemv(x: torch.Tensor, weight: torch.Tensor, expert_ids: torch.Tensor, glu: bool = False) -> torch.Tensor:
     """x [T, K], weight [E, O, K], expert_ids [T, k] -> [T·k, O]; with `glu`, weight is [E, 2I, K]
-    (gate rows, then up rows) and the result silu(gate)·up, [T·k, I]."""
+    (gate rows, then up rows) and the result silu(gate)·up, [T·k, I]. A pair whose id is outside
+    [0, E) (another rank's expert) reads no weight: its row is left unwritten by the kernel (zeros
+    in the reference); the caller reads none of them."""
     if (
         x.dim() != 2
         or weight.dim() != 3
@@ -56,7 +58,10 @@ def expert_gemv(x: torch.Tensor, weight: torch.Tensor, expert_ids: torch.Tensor,
 
 def expert_gemv_reference(x: torch.Tensor, weight: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
     rows = x.repeat_interleave(expert_ids.shape[1], dim=0)
-    return torch.bmm(weight[expert_ids.flatten()], rows.to(weight.dtype).unsqueeze(-1)).squeeze(-1).to(x.dtype)
+    ids = expert_ids.flatten()
+    outside = (ids < 0) | (ids >= weight.shape[0])  # another rank's expert: a row of zeros
+    out = torch.bmm(weight[ids.clamp(0, weight.shape[0] - 1)], rows.to(weight.dtype).unsqueeze(-1)).squeeze(-1)
+    return out.masked_fill(outside[:, None], 0).to(x.dtype)
 
 
 # Tiles tried at a shape's first launch (backend.tuned).

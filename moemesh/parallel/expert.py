@@ -170,10 +170,23 @@ def apply_ep(model: MoECausalLM, mesh: Mesh, dispatch: str = "gather") -> MoECau
         raise ConfigError(f"parallel.ep_dispatch must be one of {', '.join(DISPATCHERS)}, got {dispatch!r}")
     if ep == 1:
         return model
+    local = keep_experts(model, ep, rank, "parallel.ep")
+    for block in model.modules():
+        if isinstance(block, MoEBlock):
+            if dispatch == "gather":
+                block.dispatcher = GatherDispatcher(mesh.group("ep"), ep, rank, local)
+            else:
+                block.dispatcher = AllToAllDispatcher(mesh.group("ep"), ep, local)
+    return model
+
+
+def keep_experts(model: MoECausalLM, ranks: int, rank: int, what: str) -> int:
+    """Keep experts rank·E/ranks .. (rank + 1)·E/ranks - 1 of every MoE layer (each piece recorded
+    for reading a checkpoint per rank); -> E/ranks."""
     num_experts = model.config.num_experts
-    if num_experts % ep:
-        raise ConfigError(f"parallel.ep={ep} must divide num_experts={num_experts}")
-    local = num_experts // ep
+    if num_experts % ranks:
+        raise ConfigError(f"{what}={ranks} must divide num_experts={num_experts}")
+    local = num_experts // ranks
     mine = torch.arange(rank * local, (rank + 1) * local)
     for block in model.modules():
         if isinstance(block, MoEBlock):
@@ -182,22 +195,21 @@ def apply_ep(model: MoECausalLM, mesh: Mesh, dispatch: str = "gather") -> MoECau
                 kept = full.detach()[rank * local : (rank + 1) * local].clone()
                 kept = nn.Parameter(kept, requires_grad=full.requires_grad)  # a frozen base stays frozen
                 setattr(block.experts, name, record_piece(kept, full, 0, mine))
-            if dispatch == "gather":
-                block.dispatcher = GatherDispatcher(mesh.group("ep"), ep, rank, local)
-            else:
-                block.dispatcher = AllToAllDispatcher(mesh.group("ep"), ep, local)
-    return model
+    return local
 
 
 class ReplicatedTokensDispatcher:
     """Every rank holds the same tokens: each computes the (token, expert) pairs of its own
     experts, and the block's `reduce_output` sums the ranks' shares. Each pair is computed on
-    exactly one rank, so the sum is one process's in another order."""
+    exactly one rank, so the sum is one process's in another order. A decode step's few pairs
+    skip the dispatch: the block's selected-experts path reads this rank's experts for the pairs
+    that chose them (`first_expert`)."""
 
-    local = False  # experts live on other ranks too: the MoE block always dispatches
+    local = False  # experts live on other ranks too: the MoE block dispatches, or selects its own
 
     def __init__(self, rank: int, num_local_experts: int):
         self.rank, self.num_local_experts = rank, num_local_experts
+        self.first_expert = rank * num_local_experts  # the global id of local expert 0
 
     def dispatch(self, x: torch.Tensor, routing: Routing, num_experts: int) -> Dispatched:
         local = self.num_local_experts
