@@ -226,19 +226,27 @@ class ReplicatedTokensDispatcher:
 
 def apply_ep_for_decoding(model: MoECausalLM, mesh: Mesh) -> MoECausalLM:
     """Expert parallelism for an engine: this rank's E/ep experts of every MoE layer, everything
-    else replicated, the tokens too (`ReplicatedTokensDispatcher`; one all-reduce a MoE layer).
-    Refuses DeepSeek's shared experts, which every rank would add to its share."""
-    ep, rank, group = mesh.dims.ep, mesh.rank("ep"), mesh.group("ep")
-    if ep == 1:
-        return model
+    else replicated, the tokens too (`share_experts`; one all-reduce a MoE layer)."""
+    if mesh.dims.ep > 1:
+        share_experts(model, mesh.dims.ep, mesh.rank("ep"), mesh.group("ep"), "parallel.ep")
+    return model
+
+
+def share_experts(model: MoECausalLM, ranks: int, rank: int, group, what: str) -> None:
+    """Every rank of `group` holds the same tokens: this one keeps E/ranks whole experts of every
+    MoE layer (`keep_experts`), computes their share of each token (`ReplicatedTokensDispatcher`),
+    and the block's one all-reduce over `group` adds the shares. Refuses DeepSeek's shared experts,
+    which every rank would add to its share (`what`: the size's name in the errors)."""
     blocks = [block for block in model.modules() if isinstance(block, MoEBlock)]
     if any(block.shared_experts is not None for block in blocks):
-        raise ConfigError("expert parallelism for decoding does not support shared experts yet: use tensor parallelism")
-    apply_ep(model, mesh)
+        raise ConfigError(
+            f"{what}={ranks} with whole experts a rank does not support shared experts yet: use tensor parallelism "
+            "alone (each expert's rows split)"
+        )
+    local = keep_experts(model, ranks, rank, what)
     for block in blocks:
-        block.dispatcher = ReplicatedTokensDispatcher(rank, model.config.num_experts // ep)
+        block.dispatcher = ReplicatedTokensDispatcher(rank, local)
         block.reduce_output = functools.partial(comm.from_partial, group=group)
-    return model
 
 
 def _gather_dispatchers(model: nn.Module) -> dict[int, GatherDispatcher]:

@@ -71,7 +71,7 @@ from moemesh.models.transformer import MoECausalLM, shift_labels
 from moemesh.ops import summed_norm
 from moemesh.ops.linear import linear
 from moemesh.parallel import comm
-from moemesh.parallel.expert import ReplicatedTokensDispatcher, keep_experts
+from moemesh.parallel.expert import share_experts
 from moemesh.parallel.mesh import Mesh
 from moemesh.parallel.pieces import record_piece
 from moemesh.parallel.placement import Op, place_reduce
@@ -118,23 +118,16 @@ def apply_tp_whole_experts(model: MoECausalLM, mesh: Mesh) -> MoECausalLM:
     quarters of the copy bandwidth where a whole expert reads at 84-94% (docs/benchmarks.md,
     2026-11-28); whole experts read at the one-GPU rate, but a step's experts are spread over the
     ranks by its routing (few tokens: unevenly). Refuses DeepSeek's shared experts."""
-    tp, rank, group = mesh.dims.tp, mesh.rank("tp"), mesh.group("tp")
-    if tp == 1:
+    if mesh.dims.tp == 1:
         return model
-    blocks = [block for block in model.modules() if isinstance(block, MoEBlock)]
-    if any(block.shared_experts is not None for block in blocks):
-        raise ConfigError("whole experts over the tensor-parallel ranks do not support shared experts yet")
-    local = keep_experts(model, tp, rank, "parallel.tp")
-    for block in blocks:  # a checkpoint places each rank's experts on dim 0 over tp
-        for param in block.experts.parameters(recurse=False):
-            param.tp_dim = 0
+    share_experts(model, mesh.dims.tp, mesh.rank("tp"), mesh.group("tp"), "parallel.tp")
+    for block in model.modules():  # a checkpoint places each rank's experts on dim 0 over tp
+        if isinstance(block, MoEBlock):
+            for param in block.experts.parameters(recurse=False):
+                param.tp_dim = 0
     plan = family(model.config.model_type).tp_plan(model.config)
     plan = {pattern: "replicated" if ".mlp.experts." in pattern else style for pattern, style in plan.items()}
-    apply_tp(model, mesh, plan)  # the experts this rank keeps stay whole
-    for block in blocks:
-        block.dispatcher = ReplicatedTokensDispatcher(rank, local)
-        block.reduce_output = functools.partial(comm.from_partial, group=group)
-    return model
+    return apply_tp(model, mesh, plan)  # the experts this rank keeps stay whole
 
 
 def _reduce_branches_once(model: nn.Module, regions: list[nn.Module], group) -> None:
