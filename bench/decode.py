@@ -51,7 +51,8 @@ Under torchrun, tensor parallelism over the ranks launched (issue 49):
     torchrun --nproc-per-node N bench/decode.py --all-reduce
 
 --tensor-parallel: the model built on meta, laid out for tp=N (with --layout ep: the experts
-split over N ranks, everything else whole on each, as `serve --ep N`) and materialised from the seed,
+split over N ranks, everything else whole on each, as `serve --ep N`; with --layout tp-ep: heads and
+vocabulary split, the experts whole, as `serve --tp N --ep N`) and materialised from the seed,
 the engine made with the TP group; the engine's decode step alone (ms/step, as "engine ms/step"
 above) for each way of summing the model's all-reduces (--ways: NCCL; the peer buffer's one-shot;
 its two-shot; as shipped, `comm.PEER_ALL_REDUCE`), with the collectives of a step counted (those

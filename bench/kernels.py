@@ -517,11 +517,11 @@ def invariant_attention_rows():
     report(f"torch SDPA (causal, flash) forward: {sdpa * 1e3:.1f} us")
     report(f"{'tokens a tile':>14}{'rows':>6}{'warps':>6}{'stages':>7}{'us':>10}{'x SDPA':>8}{'same bits':>10}")
     for tokens, warps, stages in INVARIANT_ATTENTION_CONFIGS[:2] if SMOKE else INVARIANT_ATTENTION_CONFIGS:
-        rows = max(16, triton.next_power_of_2(tokens * group))
+        rows = max(16, triton.next_power_of_2(tokens * group))  # the program's query rows, as the launch makes them
         args = invariant._whole_sequences(batch, seq, tokens, q.device)
 
         def launch():
-            return invariant._launch_attention(*flat, *args, scale, rows=rows, warps=warps, stages=stages)
+            return invariant._launch_attention(*flat, *args, scale, tokens, warps=warps, stages=stages)
 
         try:
             same = torch.equal(launch().view_as(shipped), shipped)

@@ -135,14 +135,17 @@ def check_ranks_agree_on_tiles(rank):
             raise _TooLarge("past the shared memory")
         return [0.5] * 3
 
-    backend._timed = lambda call, quantiles: call()
-    alone = {name: backend.agreed_timing(lambda t=t: t, (0.5, 0.2, 0.8)) for name, t in own.items()}
-    with backend.agreed_tiles(group):
-        agreed = {name: backend.agreed_timing(lambda t=t: t, (0.5, 0.2, 0.8)) for name, t in own.items()}
-        try:
-            failed = backend.agreed_timing(fails, (0.5, 0.2, 0.8))
-        except _TooLarge:
-            failed = "raised"
+    timed, backend._timed = backend._timed, lambda call, quantiles: call()
+    try:
+        alone = {name: backend.agreed_timing(lambda t=t: t, (0.5, 0.2, 0.8)) for name, t in own.items()}
+        with backend.agreed_tiles(group):
+            agreed = {name: backend.agreed_timing(lambda t=t: t, (0.5, 0.2, 0.8)) for name, t in own.items()}
+            try:
+                failed = backend.agreed_timing(fails, (0.5, 0.2, 0.8))
+            except _TooLarge:
+                failed = "raised"
+    finally:
+        backend._timed = timed
     assert agreed == {"a": [4.0] * 3, "b": [3.5] * 3}
     return min(alone, key=alone.get), min(agreed, key=agreed.get), failed
 

@@ -410,26 +410,27 @@ def paged_attention(
     order, with a running softmax in fp32; a block the query sees none of (a later token's of its
     tile) changes none of its numbers (its maximum stays, it adds exact zeros). So a query's bits
     do not depend on its tile's other tokens, on the cache's block size, or on the step."""
-    group = q.shape[1] // keys.shape[1]
-    rows = max(16, triton.next_power_of_2(tile_tokens(group) * group))
-    warps = 4 if rows * max(16, triton.next_power_of_2(q.shape[2])) <= 64 * 128 else 8
     args = (block_tables, block_size, token_rows, positions, tile_starts, tile_lengths, tile_count, scale)
-    return _launch_attention(q, keys, values, *args, rows=rows, warps=warps, stages=2)
+    return _launch_attention(q, keys, values, *args, tile_tokens(q.shape[1] // keys.shape[1]))
 
 
 def _launch_attention(
     q, keys, values, block_tables, block_size, token_rows, positions, tile_starts, tile_lengths, tile_count, scale,
-    rows: int, warps: int, stages: int,
+    tokens_a_tile: int, warps: int | None = None, stages: int = 2,
 ) -> torch.Tensor:  # fmt: skip
-    """`paged_attention`'s launch with a tile of `rows` query rows (its tiles' tokens × the group),
-    `warps` and `stages` (bench/kernels.py --invariant-attention tries others)."""
+    """`paged_attention`'s launch for tiles of `tokens_a_tile` tokens (× the group's query heads:
+    the program's rows), with `warps` (by default by the tile's size) and `stages`
+    (bench/kernels.py --invariant-attention tries others than the shipped ones)."""
     tokens, heads, head_dim = q.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
     out = q.new_empty(tokens, heads, head_dim)
     tiles = tile_starts.shape[0]
     if tiles and tokens:
+        rows = max(16, triton.next_power_of_2(tokens_a_tile * group))
         block_d = max(16, triton.next_power_of_2(head_dim))
+        if warps is None:
+            warps = 4 if rows * block_d <= 64 * 128 else 8
         _attention_kernel[(tiles, kv_heads)](
             q.contiguous(),
             keys,
