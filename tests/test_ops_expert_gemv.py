@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from moemesh.models import build, moe
-from moemesh.ops.combine import combine_reference
+from moemesh.ops.combine import combine_pairs, combine_reference
 from moemesh.ops.expert_gemv import expert_gemv, expert_gemv_combine, expert_gemv_reference, expert_swiglu_gemv
 from moemesh.ops.swiglu import swiglu_reference
 from numerics import rel_err
@@ -65,6 +65,55 @@ def test_per_token_expert_gemvs(triton_kernels, dtype, k):
         expert_gemv_reference(gated.double(), down.double(), ids.view(-1, 1)), positions, weights.double()
     )
     assert rel_err(expert_gemv_combine(gated, down, ids, weights), expected) <= tol(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("per_token", [False, True])
+def test_a_bank_of_some_experts_adds_only_its_own(triton_kernels, dtype, per_token):
+    """A rank holding experts 2..4 of 7 (`first_expert=2`) is given the step's global ids: the rows
+    of its pairs are the whole bank's, and the block's output is the whole bank's with the other
+    experts' slots weighing nothing (token 0 chose none of them: a zero row). Per token (the
+    fused kernels) and per expert (`combine_pairs`)."""
+    tokens, k, experts, first, here, inner, hidden = (3 if per_token else 13), 3, 7, 2, 3, 24, 40
+    x = torch.randn(tokens, hidden).to(dtype)
+    gate_up, down = torch.randn(experts, 2 * inner, hidden).to(dtype), torch.randn(experts, hidden, inner).to(dtype)
+    ids = torch.stack([torch.tensor([0, 5, 6])] + [torch.randperm(experts)[:k] for _ in range(tokens - 1)])
+    weights = torch.rand(tokens, k)
+    bank = slice(first, first + here)
+    if per_token:
+        gated = expert_swiglu_gemv(x, gate_up[bank], ids, first)
+    else:
+        gated = expert_gemv(x, gate_up[bank], ids, glu=True, first_expert=first)
+    mine = ((ids >= first) & (ids < first + here)).flatten()
+    whole = swiglu_reference(expert_gemv_reference(x.double(), gate_up.double(), ids))
+    assert rel_err(gated[mine], whole[mine]) <= tol(dtype)
+    gated = torch.where(mine[:, None], gated, 0)  # the other rows are left unwritten
+    expected = combine_reference(
+        expert_gemv_reference(gated.double(), down.double(), ids.view(-1, 1)),
+        torch.arange(tokens * k).view(tokens, k),
+        weights.double() * mine.view(tokens, k),
+    )
+    if per_token:
+        out = expert_gemv_combine(gated, down[bank], ids, weights, first)
+    else:
+        out = combine_pairs(
+            expert_gemv(gated, down[bank], ids.view(-1, 1), first_expert=first), ids, weights, first, here
+        )
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and rel_err(out, expected) <= tol(dtype)
+
+
+def test_combine_pairs_kernel_equals_its_reference(triton_kernels):
+    """The slots of a bank's experts summed in slot order, the kernel (interpreted) against torch."""
+    rows, ids, weights = torch.randn(12, 9), torch.randint(0, 6, (4, 3)), torch.rand(4, 3)
+    got = combine_pairs(rows, ids, weights, 2, 3)
+    expected = combine_reference(
+        rows.double(), torch.where((ids >= 2) & (ids < 5), torch.arange(12).view(4, 3), -1), weights.double(), skip=True
+    )
+    assert rel_err(got, expected) <= 1e-6
+    assert (
+        rel_err(combine_pairs(rows, ids, weights), combine_reference(rows, torch.arange(12).view(4, 3), weights))
+        <= 1e-6
+    )
 
 
 def test_bad_shapes_are_refused():

@@ -38,6 +38,7 @@ from moemesh.models.config import ModelConfig
 from moemesh.models.layers import ACTIVATIONS, DenseMLP
 from moemesh.ops import combine, invariant, permute, recompute, swiglu
 from moemesh.ops.backend import autocast_inputs, use_triton
+from moemesh.ops.combine import combine_pairs
 from moemesh.ops.expert_gemv import expert_gemv, expert_gemv_combine, expert_swiglu_gemv
 from moemesh.ops.grouped_mm import group_offsets, grouped_mm
 from moemesh.ops.linear import linear
@@ -247,14 +248,14 @@ class Experts(nn.Module):
         group_sizes: torch.Tensor | None = None,
         expert_ids: torch.Tensor | None = None,
         weights: torch.Tensor | None = None,
-        elsewhere: bool = False,
+        first_expert: int | None = None,
     ) -> torch.Tensor:
         """grouped [N, H], rows sorted by expert, group_sizes [E] of them each: the grouped GEMMs.
         Or, given expert_ids and routing weights [T, k], grouped is x [T, H] and each token goes
         through its chosen experts, weighted and summed (`selected`). Both through `forward`, so
         that what wraps the module runs (FSDP gathering the shards of the bank)."""
         if expert_ids is not None:
-            return self.selected(grouped, expert_ids, weights, elsewhere)
+            return self.selected(grouped, expert_ids, weights, first_expert)
         (grouped,) = autocast_inputs(grouped)
         offsets = group_offsets(grouped, group_sizes)  # once for the layer's grouped GEMMs
         gate_up = grouped_mm(
@@ -269,37 +270,34 @@ class Experts(nn.Module):
         return out
 
     def selected(
-        self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, elsewhere: bool = False
+        self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, first_expert: int | None = None
     ) -> torch.Tensor:
         """x [T, H] through each token's experts expert_ids [T, k], summed with the routing
         weights [T, k] -> [T, H] (no autograd through the kernels: inference). SwiGLU experts
         without biases fuse the activation into the gate/up GEMV, and for the fewest tokens run
-        per token with the weighted sum fused too (`ops/expert_gemv.py`). `elsewhere`: ids outside
-        [0, E) are other ranks' experts (expert parallelism over tokens every rank holds), whose
-        pairs add nothing here; the per-expert kernel then, and no biases."""
+        per token with the weighted sum fused too (`ops/expert_gemv.py`). `first_expert`: this
+        bank holds the experts first_expert .. first_expert + E - 1 of the ids (expert
+        parallelism over tokens every rank holds); the other ranks' pairs add nothing here, and
+        no biases then."""
         plain = self.activation is swiglu and self.gate_up_proj_bias is None
-        if elsewhere:
-            if self.gate_up_proj_bias is not None or self.down_proj_bias is not None:
-                raise ValueError("the selected experts of one rank among several take no expert biases")
-            expert_ids = torch.where((expert_ids >= 0) & (expert_ids < self.gate_up_proj.shape[0]), expert_ids, -1)
-        elif plain and use_triton(x) and expert_ids.numel() <= PER_TOKEN_ROWS:
-            return expert_gemv_combine(
-                expert_swiglu_gemv(x, self.gate_up_proj, expert_ids), self.down_proj, expert_ids, weights
-            )
+        num_experts = self.gate_up_proj.shape[0]
+        if first_expert is not None and (self.gate_up_proj_bias is not None or self.down_proj_bias is not None):
+            raise ValueError("the selected experts of one rank among several take no expert biases")
+        first = first_expert or 0
+        if plain and use_triton(x) and expert_ids.numel() <= PER_TOKEN_ROWS:
+            gated = expert_swiglu_gemv(x, self.gate_up_proj, expert_ids, first)
+            return expert_gemv_combine(gated, self.down_proj, expert_ids, weights, first)
         if plain:
-            gated = expert_gemv(x, self.gate_up_proj, expert_ids, glu=True)
+            gated = expert_gemv(x, self.gate_up_proj, expert_ids, glu=True, first_expert=first)
         else:
             gate_up = expert_gemv(x, self.gate_up_proj, expert_ids)
             if self.gate_up_proj_bias is not None:
                 gate_up = gate_up + self.gate_up_proj_bias[expert_ids.flatten()].to(gate_up.dtype)
             gated = self.activation(gate_up)
-        out = expert_gemv(gated, self.down_proj, expert_ids.view(-1, 1))
+        out = expert_gemv(gated, self.down_proj, expert_ids.view(-1, 1), first_expert=first)
         if self.down_proj_bias is not None:
             out = out + (self.down_proj_bias[expert_ids.flatten()] * self.down_bias_share).to(out.dtype)
-        positions = torch.arange(out.shape[0], device=out.device).view_as(expert_ids)
-        if elsewhere:  # another rank's pairs: no row here (left unwritten by the kernels)
-            return combine(out, torch.where(expert_ids >= 0, positions, -1), weights, skip=True)
-        return combine(out, positions, weights)
+        return combine_pairs(out, expert_ids, weights, first, None if first_expert is None else num_experts)
 
 
 def _glu(act, gate_up: torch.Tensor) -> torch.Tensor:
@@ -400,10 +398,9 @@ class MoEBlock(nn.Module):
 
     def selected_experts(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """x [T, H] -> [T, H], reading only the chosen experts' weights (of those on this rank)."""
-        if self.dispatcher.local:
-            return self._finish(self.experts(x, expert_ids=routing.expert_ids, weights=routing.weights), routing)
-        ids = routing.expert_ids - self.dispatcher.first_expert
-        return self._finish(self.experts(x, expert_ids=ids, weights=routing.weights, elsewhere=True), routing)
+        first = None if self.dispatcher.local else self.dispatcher.first_expert
+        out = self.experts(x, expert_ids=routing.expert_ids, weights=routing.weights, first_expert=first)
+        return self._finish(out, routing)
 
     def invariant(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """x [T, H] -> [T, H] in batch-invariant mode: the block's own dispatch and combine (any

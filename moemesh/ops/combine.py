@@ -6,6 +6,9 @@
 `skip`, a position of -1 marks a slot that reads no row: it adds nothing and gets a zero weight
 gradient (expert parallelism's slots served on another rank), with no zero row to point at.
 
+`combine_pairs` is the decode step's form (forward only): a row for each (token, slot) pair in
+order, so the positions are implied and not made — on a rank holding some of the experts, the
+slots whose expert is another rank's read nothing, decided from the ids in the kernel.
 The backward is a fan-out: one program per token reads its `grad_out` row k times (from cache),
 writes `weights[t, j] * grad_out[t]` to row position[t, j] of the gradient of `grouped`, and in the
 same pass computes the routing-weight gradient <grad_out[t], grouped[position[t, j]]> -- with no
@@ -29,6 +32,39 @@ def combine(grouped: torch.Tensor, position: torch.Tensor, weights: torch.Tensor
     if use_triton(grouped):
         return _Combine.apply(grouped, position, weights, skip)
     return combine_reference(grouped, position, weights, skip)
+
+
+def combine_pairs(
+    rows: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+    first_expert: int = 0,
+    experts: int | None = None,
+) -> torch.Tensor:
+    """`rows [T·k, H]` (row t·k + j: token t's slot j), `expert_ids` and `weights [T, k]` -> `out
+    [T, H]`: out[t] = Σ_j weights[t, j] · rows[t·k + j] over the slots whose expert lies in
+    [first_expert, first_expert + experts) (all of them without `experts`). Forward only."""
+    if rows.dim() != 2 or expert_ids.shape != weights.shape or rows.shape[0] != expert_ids.numel():
+        raise ValueError(
+            f"need rows [T·k, H], expert_ids and weights [T, k]; got {tuple(rows.shape)}, "
+            f"{tuple(expert_ids.shape)}, {tuple(weights.shape)}"
+        )
+    last = None if experts is None else first_expert + experts
+    if not use_triton(rows):
+        here = expert_ids >= first_expert
+        if last is not None:
+            here &= expert_ids < last
+        positions = torch.arange(rows.shape[0], device=rows.device).view_as(expert_ids)
+        return combine_reference(rows, torch.where(here, positions, -1), weights, skip=True)
+    num_tokens, k = expert_ids.shape
+    out = rows.new_empty(num_tokens, rows.shape[1])
+    if out.numel():
+        block = block_size(rows.shape[1])
+        _combine_kernel[(num_tokens, triton.cdiv(rows.shape[1], block))](
+            rows, expert_ids.contiguous(), weights.contiguous(), out, rows.shape[1], k, BLOCK_H=block,
+            PAIRS=True, first_expert=first_expert, last_expert=last if last is not None else 2**62,
+        )  # fmt: skip
+    return out
 
 
 def combine_reference(
@@ -101,13 +137,20 @@ def combine_backward_triton(grad_out, position, weights, num_rows, grouped=None,
 
 
 @triton.jit
-def _combine_kernel(grouped_ptr, position_ptr, weights_ptr, out_ptr, hidden, k, BLOCK_H: tl.constexpr):
+def _combine_kernel(
+    grouped_ptr, position_ptr, weights_ptr, out_ptr, hidden, k, BLOCK_H: tl.constexpr,
+    PAIRS: tl.constexpr = False, first_expert=0, last_expert=0,
+):  # fmt: skip
+    """PAIRS (`combine_pairs`): position_ptr holds the expert ids, slot j of token t reads row
+    t·k + j if its expert is in [first_expert, last_expert)."""
     token = tl.program_id(0).to(tl.int64)  # 64-bit: row * hidden can pass 2**31
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < hidden
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for j in range(k):
         row = tl.load(position_ptr + token * k + j).to(tl.int64)
+        if PAIRS:
+            row = tl.where((row >= first_expert) & (row < last_expert), token * k + j, -1)
         weight = tl.load(weights_ptr + token * k + j).to(tl.float32)
         read = mask & (
             cols * 0 + row >= 0

@@ -23,6 +23,13 @@ them than with the per-expert kernel, and batch 64 takes 35% less with the per-e
 with the grouped GEMM (docs/benchmarks.md).
 `models/moe.py` picks by the number of (token, expert) pairs.
 
+A rank that holds some of the experts (expert parallelism for decoding, whole experts over
+tensor parallelism) passes the global ids as they are with `first_expert`, the global id of its
+bank's expert 0: a pair whose expert is not in the bank reads no weight and its row is left
+unwritten (the per-token combine adds nothing for it). Shifting and masking the ids in torch
+before the kernels cost a four-GPU decode step at batch 64 about 430 small launches (9 a layer:
+0.55 ms of 7.5; docs/benchmarks.md, 2026-11-28).
+
 All round where the unfused path rounds (gate and up, each expert's output) and add up in fp32.
 Limits: forward only (inference: no autograd); SwiGLU is the only activation fused.
 """
@@ -33,11 +40,14 @@ from moemesh.ops.backend import dependent_launch, tl, triton, tuned, use_triton,
 from moemesh.ops.swiglu import swiglu
 
 
-def expert_gemv(x: torch.Tensor, weight: torch.Tensor, expert_ids: torch.Tensor, glu: bool = False) -> torch.Tensor:
-    """x [T, K], weight [E, O, K], expert_ids [T, k] -> [T·k, O]; with `glu`, weight is [E, 2I, K]
-    (gate rows, then up rows) and the result silu(gate)·up, [T·k, I]. A pair whose id is outside
-    [0, E) (another rank's expert) reads no weight: its row is left unwritten by the kernel (zeros
-    in the reference); the caller reads none of them."""
+def expert_gemv(
+    x: torch.Tensor, weight: torch.Tensor, expert_ids: torch.Tensor, glu: bool = False, first_expert: int = 0
+) -> torch.Tensor:
+    """x [T, K], weight [E, O, K] (the experts first_expert .. first_expert + E - 1), expert_ids
+    [T, k] -> [T·k, O]; with `glu`, weight is [E, 2I, K] (gate rows, then up rows) and the result
+    silu(gate)·up, [T·k, I]. A pair whose expert is not in the bank (another rank's) reads no
+    weight: its row is left unwritten by the kernel (zeros in the reference); the caller reads none
+    of them."""
     if (
         x.dim() != 2
         or weight.dim() != 3
@@ -51,14 +61,16 @@ def expert_gemv(x: torch.Tensor, weight: torch.Tensor, expert_ids: torch.Tensor,
             f"{tuple(x.shape)}, {tuple(weight.shape)}, {tuple(expert_ids.shape)}"
         )
     if use_triton(x):
-        return expert_gemv_triton(x, weight, expert_ids, glu)
-    out = expert_gemv_reference(x, weight, expert_ids)
+        return expert_gemv_triton(x, weight, expert_ids, glu, first_expert)
+    out = expert_gemv_reference(x, weight, expert_ids, first_expert)
     return swiglu(out) if glu else out
 
 
-def expert_gemv_reference(x: torch.Tensor, weight: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+def expert_gemv_reference(
+    x: torch.Tensor, weight: torch.Tensor, expert_ids: torch.Tensor, first_expert: int = 0
+) -> torch.Tensor:
     rows = x.repeat_interleave(expert_ids.shape[1], dim=0)
-    ids = expert_ids.flatten()
+    ids = expert_ids.flatten() - first_expert
     outside = (ids < 0) | (ids >= weight.shape[0])  # another rank's expert: a row of zeros
     out = torch.bmm(weight[ids.clamp(0, weight.shape[0] - 1)], rows.to(weight.dtype).unsqueeze(-1)).squeeze(-1)
     return out.masked_fill(outside[:, None], 0).to(x.dtype)
@@ -79,7 +91,7 @@ BY_EXPERT_CONFIGS = [
 
 
 def expert_gemv_triton(
-    x: torch.Tensor, weight: torch.Tensor, expert_ids: torch.Tensor, glu: bool = False
+    x: torch.Tensor, weight: torch.Tensor, expert_ids: torch.Tensor, glu: bool = False, first_expert: int = 0
 ) -> torch.Tensor:
     x, weight, expert_ids = x.contiguous(), weight.contiguous(), expert_ids.contiguous()
     tokens, k = expert_ids.shape
@@ -95,6 +107,7 @@ def expert_gemv_triton(
             x.shape[1],
             out_features,
             triton.next_power_of_2(tokens * k),
+            first_expert,
             PAIRS_PER_X=k,
             GLU=glu,
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
@@ -142,6 +155,7 @@ def _by_expert_kernel(
     inner,
     out_features,
     size_class,
+    first_expert,
     PAIRS_PER_X: tl.constexpr,
     GLU: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -155,14 +169,14 @@ def _by_expert_kernel(
     # One program per (expert, block of outputs). It finds the (token, slot) pairs that chose its
     # expert by scanning the ids, then streams its block of the expert's weight once per 16 of
     # them (tl.dot pads to 16 rows): an expert no pair chose costs a scan and no weight read.
-    expert = tl.program_id(0)
+    expert = tl.program_id(0)  # of the bank; its id among the step's: expert + first_expert
     cols = tl.program_id(1) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
-    count = count_expert_pairs(ids_ptr, pairs, expert, SCAN)
+    count = count_expert_pairs(ids_ptr, pairs, expert + first_expert, SCAN)
     rows_per_expert = 2 * out_features if GLU else out_features
     matrix = weight_ptr + expert.to(tl.int64) * rows_per_expert * inner + cols[None, :].to(tl.int64) * inner
     m = tl.arange(0, ROWS)
     for first in range(0, count, ROWS):
-        pair = expert_pair_block(ids_ptr, pairs, expert, first, ROWS, SCAN)
+        pair = expert_pair_block(ids_ptr, pairs, expert + first_expert, first, ROWS, SCAN)
         valid = first + m < count
         x_rows = x_ptr + (pair // PAIRS_PER_X).to(tl.int64)[:, None] * inner
         acc = tl.zeros([ROWS, BLOCK_OUT], dtype=tl.float32)
@@ -199,9 +213,11 @@ COMBINE_CONFIGS = [
 ]
 
 
-def expert_swiglu_gemv(x: torch.Tensor, gate_up: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+def expert_swiglu_gemv(
+    x: torch.Tensor, gate_up: torch.Tensor, expert_ids: torch.Tensor, first_expert: int = 0
+) -> torch.Tensor:
     """x [T, K], gate_up [E, 2I, K] (gate rows, then up rows), expert_ids [T, k] -> [T·k, I]
-    (Triton only: the reference is expert_gemv(x, gate_up, ids, glu=True))."""
+    (Triton only: the reference is expert_gemv(x, gate_up, ids, glu=True, first_expert=...))."""
     x, gate_up = x.contiguous(), gate_up.contiguous()
     tokens, k = expert_ids.shape
     inner = gate_up.shape[1] // 2
@@ -215,6 +231,8 @@ def expert_swiglu_gemv(x: torch.Tensor, gate_up: torch.Tensor, expert_ids: torch
             triton.next_power_of_2(tokens),
             x.shape[1],
             inner,
+            first_expert,
+            gate_up.shape[0],
             K=k,
             **dependent_launch(x),
         )
@@ -222,10 +240,11 @@ def expert_swiglu_gemv(x: torch.Tensor, gate_up: torch.Tensor, expert_ids: torch
 
 
 def expert_gemv_combine(
-    a: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+    a: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, first_expert: int = 0
 ) -> torch.Tensor:
-    """a [T·k, I], down [E, H, I], expert_ids and weights [T, k] -> [T, H] (Triton only: the
-    reference is combine(expert_gemv(a, down, ids.view(-1, 1)), positions, weights))."""
+    """a [T·k, I], down [E, H, I], expert_ids and weights [T, k] -> [T, H]: the slots whose expert
+    is in the bank, summed (Triton only: the reference is combine_pairs(expert_gemv(a, down,
+    ids.view(-1, 1), first_expert=...), ids, weights, first_expert, E))."""
     a, down = a.contiguous(), down.contiguous()
     tokens, k = expert_ids.shape
     hidden = down.shape[1]
@@ -240,6 +259,8 @@ def expert_gemv_combine(
             triton.next_power_of_2(tokens),
             a.shape[1],
             hidden,
+            first_expert,
+            down.shape[0],
             K=k,
             K_PAD=triton.next_power_of_2(k),
             **dependent_launch(a),
@@ -257,6 +278,8 @@ def _expert_swiglu_gemv_kernel(
     size_class,
     hidden,
     inner,
+    first_expert,
+    experts,
     K: tl.constexpr,
     GDC: tl.constexpr,
     BLOCK_OUT: tl.constexpr,
@@ -265,22 +288,23 @@ def _expert_swiglu_gemv_kernel(
     wait_for_inputs(GDC)
     row = tl.program_id(0).to(tl.int64)  # token row // K, its (row % K)-th expert
     cols = tl.program_id(1) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
-    expert = tl.load(ids_ptr + row).to(tl.int64)
-    gate_rows = weight_ptr + expert * 2 * inner * hidden + cols[:, None].to(tl.int64) * hidden
-    up_rows = gate_rows + inner * hidden
-    x_row = x_ptr + (row // K) * hidden
-    gate = tl.zeros([BLOCK_OUT], dtype=tl.float32)
-    up = tl.zeros([BLOCK_OUT], dtype=tl.float32)
-    for start in range(0, hidden, BLOCK_K):
-        ks = start + tl.arange(0, BLOCK_K)
-        xs = tl.load(x_row + ks, mask=ks < hidden, other=0.0).to(tl.float32)[None, :]
-        mask = (cols[:, None] < inner) & (ks[None, :] < hidden)
-        gate += tl.sum(tl.load(gate_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32) * xs, axis=1)
-        up += tl.sum(tl.load(up_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32) * xs, axis=1)
-    gate = gate.to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as the unfused GEMV's output
-    up = up.to(out_ptr.dtype.element_ty).to(tl.float32)
-    out = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(out_ptr + row * inner + cols, out.to(out_ptr.dtype.element_ty), mask=cols < inner)
+    expert = tl.load(ids_ptr + row).to(tl.int64) - first_expert
+    if (expert >= 0) & (expert < experts):  # else another rank's expert: nothing read or written
+        gate_rows = weight_ptr + expert * 2 * inner * hidden + cols[:, None].to(tl.int64) * hidden
+        up_rows = gate_rows + inner * hidden
+        x_row = x_ptr + (row // K) * hidden
+        gate = tl.zeros([BLOCK_OUT], dtype=tl.float32)
+        up = tl.zeros([BLOCK_OUT], dtype=tl.float32)
+        for start in range(0, hidden, BLOCK_K):
+            ks = start + tl.arange(0, BLOCK_K)
+            xs = tl.load(x_row + ks, mask=ks < hidden, other=0.0).to(tl.float32)[None, :]
+            mask = (cols[:, None] < inner) & (ks[None, :] < hidden)
+            gate += tl.sum(tl.load(gate_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32) * xs, axis=1)
+            up += tl.sum(tl.load(up_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32) * xs, axis=1)
+        gate = gate.to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as the unfused GEMV's output
+        up = up.to(out_ptr.dtype.element_ty).to(tl.float32)
+        out = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(out_ptr + row * inner + cols, out.to(out_ptr.dtype.element_ty), mask=cols < inner)
 
 
 @tuned(COMBINE_CONFIGS, key=["size_class", "inner", "hidden", "K"])
@@ -294,6 +318,8 @@ def _expert_gemv_combine_kernel(
     size_class,
     inner,
     hidden,
+    first_expert,
+    experts,
     K: tl.constexpr,
     K_PAD: tl.constexpr,
     GDC: tl.constexpr,
@@ -307,18 +333,19 @@ def _expert_gemv_combine_kernel(
     cols = tl.program_id(1) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
     slots = tl.arange(0, K_PAD)
     rows = token * K + slots
-    experts = tl.load(ids_ptr + rows, mask=slots < K, other=0).to(tl.int64)
-    matrices = weight_ptr + experts[:, None, None] * hidden * inner + cols[None, :, None].to(tl.int64) * inner
+    chosen = tl.load(ids_ptr + rows, mask=slots < K, other=-1).to(tl.int64) - first_expert
+    here = (slots < K) & (chosen >= 0) & (chosen < experts)  # a slot of another rank's expert adds nothing
+    matrices = weight_ptr + chosen[:, None, None] * hidden * inner + cols[None, :, None].to(tl.int64) * inner
     acc = tl.zeros([K_PAD, BLOCK_OUT], dtype=tl.float32)
     for start in range(0, inner, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
         xs = tl.load(
-            a_ptr + rows[:, None] * inner + ks[None, :], mask=(slots[:, None] < K) & (ks[None, :] < inner), other=0.0
+            a_ptr + rows[:, None] * inner + ks[None, :], mask=here[:, None] & (ks[None, :] < inner), other=0.0
         ).to(tl.float32)
-        mask = (slots[:, None, None] < K) & (cols[None, :, None] < hidden) & (ks[None, None, :] < inner)
+        mask = here[:, None, None] & (cols[None, :, None] < hidden) & (ks[None, None, :] < inner)
         w = tl.load(matrices + ks[None, None, :], mask=mask, other=0.0)
         acc += tl.sum(w.to(tl.float32) * xs[:, None, :], axis=2)
     expert_out = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as the unfused GEMV's output
-    weights = tl.load(weights_ptr + rows, mask=slots < K, other=0.0).to(tl.float32)
+    weights = tl.load(weights_ptr + rows, mask=here, other=0.0).to(tl.float32)
     total = tl.sum(weights[:, None] * expert_out, axis=0)
     tl.store(out_ptr + token * hidden + cols, total.to(out_ptr.dtype.element_ty), mask=cols < hidden)
