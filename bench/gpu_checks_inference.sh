@@ -63,6 +63,9 @@
 #       (PROFILE_VARIANT=plain-launch: each kernel's own time, not a dependent launch's wait too)
 #   bash bench/gpu_checks_inference.sh tp-ep  on 4 GPUs, the 48-layer step at batch 1, 64 and 256 on
 #       1 GPU, then on 2 and 4 with the experts sliced (tp) and whole (--layout tp-ep)
+#   bash bench/gpu_checks_inference.sh tp-ep-profile  on 4 GPUs, rank 0's kernels of the 48-layer step
+#       at batch ${PROFILE_BATCH:-64}, launched plainly, with the experts sliced and whole: TP=2 both
+#       ways side by side, then TP=4 each way
 #   bash bench/gpu_checks_inference.sh ep4      on 4 GPUs, the 48-layer step at batch 1, 64 and 256
 #       with the experts split over 4 (--layout ep) and with tp=4
 #   bash bench/gpu_checks_inference.sh serve-tp N MODEL...   `moemesh serve` over N GPUs of a
@@ -260,6 +263,15 @@ tp-ep)  # on 4 GPUs: tensor parallelism with whole experts (`serve --tp N --ep N
     tp_decode 0,1,2,3 tpep4_whole $args --layout tp-ep
     for name in tpep1 tpep2_tp tpep2_whole tpep4_tp tpep4_whole; do
         echo "== $name"; quiet < "$LOGS/$name.txt" | grep "|\|Error"
+    done
+    ;;
+tp-ep-profile)
+    profiled="--layers 48 --profile-steps 16 --profile-batch ${PROFILE_BATCH:-64} --step-variants plain-launch"
+    tp_decode 0,1 tpep_profile2_tp $profiled & tp_decode 2,3 tpep_profile2_whole $profiled --layout tp-ep & wait
+    tp_decode 0,1,2,3 tpep_profile4_tp $profiled
+    tp_decode 0,1,2,3 tpep_profile4_whole $profiled --layout tp-ep
+    for name in 2_tp 2_whole 4_tp 4_whole; do
+        echo "== $name"; quiet < "$LOGS/tpep_profile$name.txt" | grep "|\|Error" | head -28
     done
     ;;
 ep4)  # on 4 GPUs: experts split over 4 (attention whole on each) against tp=4, batch 1, 64 and 256

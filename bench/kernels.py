@@ -479,20 +479,21 @@ def expert_tile_rows(copy_gbps):
                 )
 
 
-# (tokens a tile, warps, stages) of the attention kernel over whole sequences: a tile's query rows
-# are its tokens × the group (8 for Qwen3-30B-A3B's 32 query heads of 4 key/value heads); the
-# shipped tile is `invariant.tile_tokens`' (8 tokens: 64 rows, 4 warps, 2 stages).
+# (tokens a tile, warps, stages, the strides told aligned) of the attention kernel over whole
+# sequences: a tile's query rows are its tokens × the group (8 for Qwen3-30B-A3B's 32 query heads
+# of 4 key/value heads); the engine's tile is `invariant.tile_tokens`' (8 tokens: 64 rows, 4 warps,
+# 2 stages), the trainer's in bf16 WHOLE_SEQUENCE_ROWS' (32 tokens: 256 rows, 8 warps).
 INVARIANT_ATTENTION_CONFIGS = [
-    (8, 4, 2), (8, 4, 3), (8, 8, 2), (16, 4, 2), (16, 8, 2), (16, 8, 3), (32, 8, 2), (32, 8, 3),
+    (8, 4, 2, False), (8, 4, 2, True), (8, 4, 3, True), (4, 4, 2, True), (16, 8, 2, True), (32, 8, 2, True),
 ]  # fmt: skip
 
 
 def invariant_attention_rows():
     """--invariant-attention: the batch-invariant attention kernel over whole sequences (a training
     step's: 4 of 2,048 tokens, the Qwen3-30B-A3B shape's heads) with other query tiles, warps and
-    stages than the shipped one, against torch's attention (SDPA, flash): microseconds, and
-    whether every query's output has the shipped tile's bits — those the engine's steps compute,
-    so a faster tile for training is only usable where they are the same."""
+    stages than the trainer's, against torch's attention (SDPA, flash): microseconds, and
+    whether every query's output has the trainer's tile's bits — the engine's tile among the
+    rows: a tile for training is only usable where the bits are the same."""
     import triton
 
     from moemesh.ops import invariant
@@ -515,21 +516,23 @@ def invariant_attention_rows():
     )
     report(f"batch-invariant attention, {batch} sequences of {seq} tokens, {heads} heads of {kv_heads}, dim {dim}")
     report(f"torch SDPA (causal, flash) forward: {sdpa * 1e3:.1f} us")
-    report(f"{'tokens a tile':>14}{'rows':>6}{'warps':>6}{'stages':>7}{'us':>10}{'x SDPA':>8}{'same bits':>10}")
-    for tokens, warps, stages in INVARIANT_ATTENTION_CONFIGS[:2] if SMOKE else INVARIANT_ATTENTION_CONFIGS:
+    columns = ("tokens a tile", 14), ("rows", 6), ("warps", 6), ("stages", 7), ("aligned", 8), ("us", 10)
+    report("".join(f"{name:>{width}}" for name, width in columns) + f"{'x SDPA':>8}{'same bits':>10}")
+    for tokens, warps, stages, aligned in INVARIANT_ATTENTION_CONFIGS[:2] if SMOKE else INVARIANT_ATTENTION_CONFIGS:
         rows = max(16, triton.next_power_of_2(tokens * group))  # the program's query rows, as the launch makes them
         args = invariant._whole_sequences(batch, seq, tokens, q.device)
 
         def launch():
-            return invariant._launch_attention(*flat, *args, scale, tokens, warps=warps, stages=stages)
+            return invariant._launch_attention(*flat, *args, scale, tokens, warps=warps, stages=stages, aligned=aligned)
 
+        row = f"{tokens:>14}{rows:>6}{warps:>6}{stages:>7}{str(aligned):>8}"
         try:
             same = torch.equal(launch().view_as(shipped), shipped)
             ms = bench_ms(launch)
         except Exception as error:  # past the GPU's registers or shared memory
-            report(f"{tokens:>14}{rows:>6}{warps:>6}{stages:>7}  {type(error).__name__}")
+            report(f"{row}  {type(error).__name__}")
             continue
-        report(f"{tokens:>14}{rows:>6}{warps:>6}{stages:>7}{ms * 1e3:>10.1f}{ms / sdpa:>8.2f}{str(same):>10}")
+        report(f"{row}{ms * 1e3:>10.1f}{ms / sdpa:>8.2f}{str(same):>10}")
 
 
 class _LinearFunction(torch.autograd.Function):

@@ -31,15 +31,18 @@ or MOEMESH_KERNELS=triton under Triton's interpreter):
     `paged_attention`, one kernel for the engine's steps (decode tokens, prompt chunks, against
     the paged cache) and for the trainer's whole sequences (`causal_attention`: each row's keys
     as one block of T). A program takes a tile of one sequence's consecutive tokens × the query
-    heads of one key/value head (a fixed ATTENTION_ROWS-row tile per model) and reads the keys
-    0..the tile's last position in blocks of ATTENTION_KEYS starting at key 0, with a running
-    softmax in fp32 — no split of the keys. A query's numbers depend only on the blocks it sees,
-    which are the same whatever its tile: a block it sees none of (its tile's later tokens')
-    leaves its maximum, sum and accumulator exactly as they were. Keys are read through the
-    block table one by one, so the cache's block size does not matter either. Backward (training):
+    heads of one key/value head (ATTENTION_ROWS rows in the engine's steps, WHOLE_SEQUENCE_ROWS
+    for the trainer's bf16 sequences) and reads the keys 0..the tile's last position in blocks of
+    ATTENTION_KEYS starting at key 0, with a running softmax in fp32 — no split of the keys. A
+    query's numbers depend only on the blocks it sees, which are the same whatever its tile: a
+    block it sees none of (its tile's later tokens') leaves its maximum, sum and accumulator
+    exactly as they were. Keys are read through the block table one by one, so the cache's block
+    size does not matter either; strides that are multiples of 16 are told to the kernel, which
+    then reads a key's row in 16-byte loads (1.44× faster, the same bits). Backward (training):
     torch's attention runs beside the kernel and its backward gives the gradient
-    (`causal_attention`). At training's sequence lengths the kernel is the mode's largest cost:
-    5× cuDNN's flash forward at 2,048 tokens on an H200 (docs/benchmarks.md, 2026-11-28).
+    (`causal_attention`). At training's sequence lengths the kernel is still the mode's largest
+    cost: 2.8× cuDNN's flash forward at 4 × 2,048 tokens on an H200 (5.2× before the aligned
+    loads and the larger tiles; docs/benchmarks.md, 2026-11-28).
   * `experts` — CPU reference: each expert's rows through its two `linear`s. GPU:
     `grouped_matmul`, the same matmul kernel over tiles of BLOCK_M rows of one expert (each
     program finds its tile from the group sizes, `_expert_tile`: no host sync, no table), for
@@ -107,6 +110,13 @@ BLOCK_M, BLOCK_K = 64, 32
 # Attention: the query rows of a program (its tokens × the query heads of one key/value head) and
 # the keys of a block of the key loop (blocks start at key 0, 64, 128, ... for every query).
 ATTENTION_ROWS, ATTENTION_KEYS = 64, 64
+# The trainer's whole sequences (`causal_attention`) in bf16 and fp16: tiles of this many query
+# rows. A query's bits do not change with them — measured, not proven: on an H200, at the
+# Qwen3-30B-A3B shape's heads (4 × 2,048 tokens), tiles of 64, 128 and 256 rows gave every query
+# the same bits, and 256 rows took 773 µs where 64 took 959; 32 rows (an MMA of another shape)
+# did change bits (bench/kernels.py --invariant-attention; docs/benchmarks.md, 2026-11-28). fp32
+# (the CPU tests' interpreter, whose tl.dot is numpy's) keeps the engine's tile.
+WHOLE_SEQUENCE_ROWS = 256
 
 
 def _jit(*varying: str):
@@ -416,11 +426,13 @@ def paged_attention(
 
 def _launch_attention(
     q, keys, values, block_tables, block_size, token_rows, positions, tile_starts, tile_lengths, tile_count, scale,
-    tokens_a_tile: int, warps: int | None = None, stages: int = 2,
+    tokens_a_tile: int, warps: int | None = None, stages: int = 2, aligned: bool | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """`paged_attention`'s launch for tiles of `tokens_a_tile` tokens (× the group's query heads:
     the program's rows), with `warps` (by default by the tile's size) and `stages`
-    (bench/kernels.py --invariant-attention tries others than the shipped ones)."""
+    (bench/kernels.py --invariant-attention tries others than the shipped ones). `aligned`: the
+    pools' strides told to the kernel as multiples of 16 (by default where they are), so that it
+    reads a key's row in 16-byte loads."""
     tokens, heads, head_dim = q.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
@@ -431,6 +443,8 @@ def _launch_attention(
         block_d = max(16, triton.next_power_of_2(head_dim))
         if warps is None:
             warps = 4 if rows * block_d <= 64 * 128 else 8
+        if aligned is None:
+            aligned = all(stride % 16 == 0 for stride in (*keys.stride()[:2], *values.stride()[:2]))
         _attention_kernel[(tiles, kv_heads)](
             q.contiguous(),
             keys,
@@ -456,6 +470,7 @@ def _launch_attention(
             BLOCK_D=block_d,
             BLOCK_N=ATTENTION_KEYS,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            ALIGNED=aligned,
             num_warps=warps,
             num_stages=stages,
         )
@@ -471,13 +486,18 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     the host of a training step, its bottleneck at a few thousand tokens, more than the GPU's
     forward it saves."""
     batch, seq, heads, head_dim = q.shape
+    group = heads // k.shape[2]
+    per_tile = tile_tokens(group)
+    if q.dtype != torch.float32:
+        per_tile = max(per_tile, WHOLE_SEQUENCE_ROWS // triton.next_power_of_2(group))
     with torch.no_grad():
-        ours = paged_attention(
+        ours = _launch_attention(
             q.reshape(batch * seq, heads, head_dim),
             k.reshape(batch * seq, *k.shape[2:]),
             v.reshape(batch * seq, *v.shape[2:]),
-            *_whole_sequences(batch, seq, tile_tokens(heads // k.shape[2]), q.device),
+            *_whole_sequences(batch, seq, per_tile, q.device),
             scale,
+            per_tile,
         ).view(batch, seq, heads, head_dim)
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         return ours
@@ -560,6 +580,7 @@ def _attention_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     """One (tile, key/value head): the tile's tokens × the group's query heads as ROWS query rows
     against the keys 0..the tile's last position."""
@@ -588,11 +609,11 @@ def _attention_kernel(
             block = tl.load(table + keys_at // block_size, mask=present, other=0).to(tl.int64)
             slot = block * block_size + keys_at % block_size
             mask = present[:, None] & in_d[None, :]
-            k = tl.load(
-                keys_ptr + slot[:, None] * key_slot_stride + kv_head * key_head_stride + d[None, :],
-                mask=mask,
-                other=0.0,
-            )
+            key_rows = slot * key_slot_stride + kv_head * key_head_stride
+            value_rows = slot * value_slot_stride + kv_head * value_head_stride
+            if ALIGNED:
+                key_rows, value_rows = tl.multiple_of(key_rows, 16), tl.multiple_of(value_rows, 16)
+            k = tl.load(keys_ptr + key_rows[:, None] + d[None, :], mask=mask, other=0.0)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             visible = present[None, :] & (keys_at[None, :] <= position[:, None])
             scores = tl.where(visible, scores, float("-inf"))
@@ -601,11 +622,7 @@ def _attention_kernel(
             alpha = tl.exp(running_max - shift)
             p = tl.exp(scores - shift[:, None])
             total = total * alpha + tl.sum(p, axis=1)
-            v = tl.load(
-                values_ptr + slot[:, None] * value_slot_stride + kv_head * value_head_stride + d[None, :],
-                mask=mask,
-                other=0.0,
-            )
+            v = tl.load(values_ptr + value_rows[:, None] + d[None, :], mask=mask, other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             running_max = new_max
         out = acc / tl.where(total > 0, total, 1.0)[:, None]
