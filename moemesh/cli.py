@@ -235,7 +235,8 @@ def _model_arguments(command: argparse.ArgumentParser) -> None:
         "experts and computes their share of every token; attention, its KV cache and the vocabulary "
         "are whole on every rank (one all-reduce a MoE layer); rank 0 prints or serves. With --tp N of "
         "the same N: attention, KV cache and vocabulary split as --tp splits them, the experts whole, E/N "
-        "a rank (vLLM's --enable-expert-parallel)",
+        "a rank (vLLM's --enable-expert-parallel): faster than --tp N alone at many concurrent streams "
+        "(1.06-1.07x at batch 64 on H200s), slower at one",
     )
     command.add_argument(
         "--set",

@@ -27,8 +27,8 @@ A rank that holds some of the experts (expert parallelism for decoding, whole ex
 tensor parallelism) passes the global ids as they are with `first_expert`, the global id of its
 bank's expert 0: a pair whose expert is not in the bank reads no weight and its row is left
 unwritten (the per-token combine adds nothing for it). Shifting and masking the ids in torch
-before the kernels cost a four-GPU decode step at batch 64 about 430 small launches (9 a layer:
-0.55 ms of 7.5; docs/benchmarks.md, 2026-11-28).
+before the kernels cost a four-GPU decode step at batch 64 about 440 small launches (9 a layer:
+0.54 ms of its 7.5 ms of kernels; docs/benchmarks.md, 2026-11-28, fourth session).
 
 All round where the unfused path rounds (gate and up, each expert's output) and add up in fp32.
 Limits: forward only (inference: no autograd); SwiGLU is the only activation fused.
