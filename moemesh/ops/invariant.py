@@ -114,8 +114,10 @@ ATTENTION_ROWS, ATTENTION_KEYS = 64, 64
 # rows. A query's bits do not change with them — measured, not proven: on an H200, at the
 # Qwen3-30B-A3B shape's heads (4 × 2,048 tokens), tiles of 64, 128 and 256 rows gave every query
 # the same bits, and 256 rows took 773 µs where 64 took 959; 32 rows (an MMA of another shape)
-# did change bits (bench/kernels.py --invariant-attention; docs/benchmarks.md, 2026-11-28). fp32
-# (the CPU tests' interpreter, whose tl.dot is numpy's) keeps the engine's tile.
+# did change bits (bench/kernels.py --invariant-attention; docs/benchmarks.md, 2026-11-28). That
+# many rows for heads of up to 128 dims, fewer for wider ones (the accumulator, rows × dims in
+# fp32, stays that of 256 × 128). fp32 (the CPU tests' interpreter, whose tl.dot is numpy's)
+# keeps the engine's tile.
 WHOLE_SEQUENCE_ROWS = 256
 
 
@@ -489,7 +491,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     group = heads // k.shape[2]
     per_tile = tile_tokens(group)
     if q.dtype != torch.float32:
-        per_tile = max(per_tile, WHOLE_SEQUENCE_ROWS // triton.next_power_of_2(group))
+        rows = min(WHOLE_SEQUENCE_ROWS, WHOLE_SEQUENCE_ROWS * 128 // max(16, triton.next_power_of_2(head_dim)))
+        per_tile = max(per_tile, rows // triton.next_power_of_2(group))
     with torch.no_grad():
         ours = _launch_attention(
             q.reshape(batch * seq, heads, head_dim),
