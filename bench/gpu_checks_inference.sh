@@ -86,6 +86,9 @@ tp_decode() {  # GPUs, log name, decode.py options...: the engine's step under t
     CUDA_VISIBLE_DEVICES=$gpus timeout 400 torchrun --standalone --nproc-per-node $(($(tr -cd , <<< "$gpus" | wc -c) + 1)) \
         bench/decode.py --tensor-parallel --prompt-len 128 --new-tokens 64 --batches 1,64 "$@" > "$LOGS/$name.txt" 2>&1
 }
+profiled() {  # step variant: decode.py's options for rank 0's kernels of 16 steps of the 48-layer shape
+    echo "--layers 48 --profile-steps 16 --profile-batch ${PROFILE_BATCH:-64} --step-variants $1"
+}
 export LOGS=${LOGS:-/tmp/moemesh_gpu_checks}
 mkdir -p "$LOGS"
 quiet() { grep -v "^W1\|UserWarning\|_warn_once\|warnings.warn"; }
@@ -249,9 +252,9 @@ profiles)  # on 4 GPUs: where the time goes. GPU 0: the training step's model pa
     # then all four: TP=4's, rank 0's kernels at batch ${PROFILE_BATCH:-64}
     CUDA_VISIBLE_DEVICES=0 timeout 400 python3 bench/decode.py --layers 48 --batch-invariant --profile-scoring \
         --batches 4 --prompt-len 256 --check-tokens 160 > "$LOGS/scoring_profile.txt" 2>&1 &
-    profiled="--layers 48 --profile-steps 16 --profile-batch ${PROFILE_BATCH:-64} --step-variants ${PROFILE_VARIANT:-shipped}"
-    tp_decode 1 profile1 $profiled & tp_decode 2,3 profile2 $profiled & wait
-    tp_decode 0,1,2,3 profile4 $profiled
+    args=$(profiled "${PROFILE_VARIANT:-shipped}")
+    tp_decode 1 profile1 $args & tp_decode 2,3 profile2 $args & wait
+    tp_decode 0,1,2,3 profile4 $args
     echo "== the training step"; quiet < "$LOGS/scoring_profile.txt" | grep "|\|Error\|##"
     for n in 1 2 4; do echo "== $n GPUs"; quiet < "$LOGS/profile$n.txt" | grep "|\|Error" | head -28; done
     ;;
@@ -266,10 +269,10 @@ tp-ep)  # on 4 GPUs: tensor parallelism with whole experts (`serve --tp N --ep N
     done
     ;;
 tp-ep-profile)
-    profiled="--layers 48 --profile-steps 16 --profile-batch ${PROFILE_BATCH:-64} --step-variants plain-launch"
-    tp_decode 0,1 tpep_profile2_tp $profiled & tp_decode 2,3 tpep_profile2_whole $profiled --layout tp-ep & wait
-    tp_decode 0,1,2,3 tpep_profile4_tp $profiled
-    tp_decode 0,1,2,3 tpep_profile4_whole $profiled --layout tp-ep
+    args=$(profiled plain-launch)
+    tp_decode 0,1 tpep_profile2_tp $args & tp_decode 2,3 tpep_profile2_whole $args --layout tp-ep & wait
+    tp_decode 0,1,2,3 tpep_profile4_tp $args
+    tp_decode 0,1,2,3 tpep_profile4_whole $args --layout tp-ep
     for name in 2_tp 2_whole 4_tp 4_whole; do
         echo "== $name"; quiet < "$LOGS/tpep_profile$name.txt" | grep "|\|Error" | head -28
     done

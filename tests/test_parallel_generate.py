@@ -82,8 +82,9 @@ def check_ep_generation(rank):
 
 def check_whole_experts_generation(rank):
     """Tensor parallelism with whole experts (`apply_tp_whole_experts`): heads, KV cache and
-    vocabulary split as under TP, each rank E/tp experts whole (decode steps through their
-    per-expert kernels); one process's tokens, with TP's two all-reduces a layer per forward."""
+    vocabulary split as under TP, each rank E/tp experts whole (decode steps through the
+    selected experts' path on its own experts); one process's tokens, with TP's two all-reduces a
+    layer per forward."""
     engine = generate_under_tp(CONFIG, PROMPTS, PARAMS, max_len=32, lay_out=apply_tp_whole_experts)
     experts = engine.model.model.layers[0].mlp.experts
     assert experts.gate_up_proj.shape == (
@@ -204,7 +205,8 @@ def test_tp_generation_equals_one_process(tmp_path):
 
 def check_generation_with_kernels(rank, whole_experts=False):
     """Heads of 16, so that the decoding kernels serve attention too, interpreted on CPU; with
-    `whole_experts` the per-expert kernel skips the pairs of the other rank's experts."""
+    `whole_experts` the decoding kernels (per token for a decode step, per expert for a prompt)
+    skip the pairs of the other rank's experts."""
     config = CONFIG.replace(head_dim=16)
     lay_out = apply_tp_whole_experts if whole_experts else None
     generate_under_tp(config, PROMPTS[:2], [SamplingParams(max_tokens=4)] * 2, max_len=16, lay_out=lay_out)

@@ -47,8 +47,9 @@ or MOEMESH_KERNELS=triton under Triton's interpreter):
     `grouped_matmul`, the same matmul kernel over tiles of BLOCK_M rows of one expert (each
     program finds its tile from the group sizes, `_expert_tile`: no host sync, no table), for
     gate_up and then down, the activation between (elementwise), each row bit-equal to `matmul`
-    of it alone with its expert's weight. The block's own dispatch (a copy of each row, in any layout) and combine
-    (the k outputs summed with the routing weights in slot order) as the default path.
+    of it alone with its expert's weight. The block's own dispatch (a copy of each row, in any
+    layout) and combine (the k outputs summed with the routing weights in slot order) as the
+    default path.
     A decode step's few pairs skip the dispatch (models/moe.py: up to SELECTED_EXPERT_ROWS
     pairs, no gradients, every expert on the rank, no adapters): `selected_experts` computes
     them in (token, slot) order by `_selected_matmul_kernel`, a program an (expert, N tile) that
@@ -400,6 +401,13 @@ def tile_tokens(group: int) -> int:
     return max(1, ATTENTION_ROWS // triton.next_power_of_2(group))
 
 
+def whole_sequence_tokens(group: int, head_dim: int) -> int:
+    """Tokens a program of the trainer's bf16 whole sequences takes (`WHOLE_SEQUENCE_ROWS`, fewer
+    rows for heads wider than 128), at least the engine's `tile_tokens`."""
+    rows = min(WHOLE_SEQUENCE_ROWS, WHOLE_SEQUENCE_ROWS * 128 // max(16, triton.next_power_of_2(head_dim)))
+    return max(tile_tokens(group), rows // triton.next_power_of_2(group))
+
+
 def paged_attention(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -489,10 +497,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     forward it saves."""
     batch, seq, heads, head_dim = q.shape
     group = heads // k.shape[2]
-    per_tile = tile_tokens(group)
-    if q.dtype != torch.float32:
-        rows = min(WHOLE_SEQUENCE_ROWS, WHOLE_SEQUENCE_ROWS * 128 // max(16, triton.next_power_of_2(head_dim)))
-        per_tile = max(per_tile, rows // triton.next_power_of_2(group))
+    per_tile = tile_tokens(group) if q.dtype == torch.float32 else whole_sequence_tokens(group, head_dim)
     with torch.no_grad():
         ours = _launch_attention(
             q.reshape(batch * seq, heads, head_dim),

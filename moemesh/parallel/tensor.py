@@ -112,12 +112,12 @@ def apply_tp_whole_experts(model: MoECausalLM, mesh: Mesh) -> MoECausalLM:
     same ranks by expert (E/tp whole experts a rank) rather than each expert's intermediate rows —
     vLLM's `--enable-expert-parallel`. Every rank holds the step's tokens (attention's all-reduce
     gives them), computes its experts' share of each (`ReplicatedTokensDispatcher`: a decode step
-    through the per-expert kernels on its own experts) and the block's one all-reduce adds the
+    through the decoding kernels on its own experts) and the block's one all-reduce adds the
     shares, as the sliced layout's does. Why: a tp slice of an expert is narrow (192 of 768
-    intermediate rows at tp=4), and the decoding kernels read narrow slices at half to three
-    quarters of the copy bandwidth where a whole expert reads at 84-94% (docs/benchmarks.md,
-    2026-11-28); whole experts read at the one-GPU rate, but a step's experts are spread over the
-    ranks by its routing (few tokens: unevenly). Refuses DeepSeek's shared experts."""
+    intermediate rows at tp=4) and reads below the copy rate; whole experts read at 93% of it. On
+    H200s a decode step at batch 64 ran 1.06-1.07x faster than with slices at tp=2 and 4, and
+    slower at batch 1 (a token's 8 experts fall unevenly on the ranks; docs/benchmarks.md,
+    2026-11-28, fourth session). Refuses DeepSeek's shared experts."""
     if mesh.dims.tp == 1:
         return model
     share_experts(model, mesh.dims.tp, mesh.rank("tp"), mesh.group("tp"), "parallel.tp")
