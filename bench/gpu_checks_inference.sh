@@ -43,6 +43,12 @@
 #       48 --ipc; two models on one GPU: 122 GB, an H200)
 #   bash bench/gpu_checks_inference.sh invariant-profile  the kernels of a 48-layer decode step at
 #       batch 64, as shipped and in the mode (bench/decode.py --profile-steps --batch-invariant)
+#   bash bench/gpu_checks_inference.sh invariant-train  the trainer's side of the mode on 2 GPUs:
+#       GPU 0 the attention kernel's tiles and its forward and backward against torch's attention
+#       (bench/kernels.py --invariant-attention), then the training step's model part at 4 × 2,048
+#       tokens (24 layers) and 4 × 416 (48 layers), as shipped and in the mode, and the GPU tests of
+#       the mode's kernels; GPU 1 the matmul's picked tiles, by TMA and by loads (--invariant-tiles
+#       --picked-tiles), then the `invariant` case's bit-equality check
 # On a machine with 4 GPUs (issue 49), tensor parallelism:
 #   bash bench/gpu_checks_inference.sh tp       the all-reduce alone on 2 (and 4) GPUs, each way and
 #       size (bench/decode.py --all-reduce); the 48-layer shape's decode step at batch 1 and 64 on
@@ -129,7 +135,7 @@ peer48)
         2>&1 | quiet | tail -12
     ;;
 invariant)
-    timeout 90 python3 -m pytest -q tests/test_batch_invariant.py -k kernel > "$LOGS/invariant_tests.txt" 2>&1
+    timeout 150 python3 -m pytest -q tests/test_batch_invariant.py -k kernel > "$LOGS/invariant_tests.txt" 2>&1
     echo "== GPU tests"; grep -E "passed|failed|Error" "$LOGS/invariant_tests.txt" | tail -5
     timeout 440 python3 bench/decode.py --layers 48 --batch-invariant --batches 1,64 --prompt-len 256 \
         --new-tokens 32 --check-tokens 160 ${GRAPHS:+--invariant-graphs} 2>&1 | quiet | grep -v "^$" | tail -${ROWS:-24}
@@ -145,6 +151,19 @@ invariant-cost)  # the `invariant` case first, alone on the host (its small step
     echo "== hand-over"; quiet < "$LOGS/hand_over.txt" | grep -v "^$" | tail -8
     echo "== tiles"; grep -v "^$" "$LOGS/tiles.txt" | tail -40
     echo "== offline"; quiet < "$LOGS/offline_invariant.txt" | grep "|" | tail -8
+    ;;
+invariant-train)
+    score() { timeout 200 python3 bench/decode.py --batch-invariant --score-only --batches 4 "$@" 2>&1 | quiet | grep "|"; }
+    (export CUDA_VISIBLE_DEVICES=0; timeout 200 python3 bench/kernels.py --invariant-attention 2>&1 | grep -v "^$"
+        score --layers 24 --prompt-len 1024 --check-tokens 1024
+        score --layers 48 --prompt-len 256 --check-tokens 160
+        timeout 100 python3 -m pytest -q tests/test_batch_invariant.py -k kernel 2>&1 | tail -3) > "$LOGS/train.txt" 2>&1 &
+    (export CUDA_VISIBLE_DEVICES=1; timeout 120 python3 bench/kernels.py --invariant-tiles --picked-tiles 2>&1 | grep -v "^$"
+        timeout 440 python3 bench/decode.py --layers 48 --batch-invariant --batches 1,64 --prompt-len 256 \
+            --new-tokens 32 --check-tokens 160 2>&1 | quiet | grep -v "^$" | tail -40) > "$LOGS/train_tiles.txt" 2>&1 &
+    wait
+    echo "== attention, the training step"; cat "$LOGS/train.txt"
+    echo "== the matmul's 16-warp tiles, the invariant check"; cat "$LOGS/train_tiles.txt"
     ;;
 invariant-profile)  # where the mode's decode step goes: the kernels of a step at batch 64, both ways
     for mode in "" --batch-invariant; do

@@ -4,6 +4,7 @@
     PYTHONPATH=. python3 bench/kernels.py --smoke    # tiny sizes on CPU under TRITON_INTERPRET=1:
                                                      # checks the script runs; timings meaningless
     PYTHONPATH=. python3 bench/kernels.py --invariant-tiles   # only: batch-invariant matmul tiles
+    PYTHONPATH=. python3 bench/kernels.py --invariant-tiles --picked-tiles   # only the picked ones
     PYTHONPATH=. python3 bench/kernels.py --expert-tiles      # only: decoding's per-expert kernel's tiles
     PYTHONPATH=. python3 bench/kernels.py --launches          # only: what a launch costs the host
     PYTHONPATH=. python3 bench/kernels.py --invariant-attention   # only: batch-invariant attention's tiles
@@ -356,6 +357,8 @@ def invariant_tile_rows():
 
     k_top, row_counts = 8, (1, 5) if SMOKE else INVARIANT_ROWS
     configs = INVARIANT_CONFIGS[:2] if SMOKE else INVARIANT_CONFIGS
+    if "--picked-tiles" in sys.argv:  # only the old config and what `_tiles` picks
+        configs = []
     report("batch-invariant matmul: configs (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) against the old one")
     report(
         f"{'weight':<16}{'rows':>6}{'cuBLAS us':>10}{'old us':>8}{'best equal':>24}{'us':>8}{'best any':>24}{'us':>8}"
@@ -401,12 +404,12 @@ def invariant_tile_rows():
             picked_ms, picked_out = run(picked)
             equal = [c for c in times if times[c][1]]
             best_equal = min(equal, key=lambda c: times[c][0]) if equal else None
-            best_any = min(times, key=lambda c: times[c][0])
+            best_any = min(times, key=lambda c: times[c][0]) if times else None
             report(
                 f"{what:<16}{rows:>6}{cublas * 1e3:>10.1f}{old * 1e3:>8.1f}{str(best_equal):>24}"
                 f"{times[best_equal][0] * 1e3 if best_equal else float('nan'):>8.1f}{str(best_any):>24}"
-                f"{times[best_any][0] * 1e3:>8.1f}{str(picked):>24}{picked_ms * 1e3:>8.1f}"
-                f"{str(torch.equal(picked_out, old_out)):>6}"
+                f"{times[best_any][0] * 1e3 if best_any else float('nan'):>8.1f}{str(picked):>24}"
+                f"{picked_ms * 1e3:>8.1f}{str(torch.equal(picked_out, old_out)):>6}"
             )
     same = [c for c in configs if equal_everywhere[c]]
     report(f"configs with the old bits for every weight and row count: {len(same)} of {len(configs)}")
@@ -479,21 +482,27 @@ def expert_tile_rows(copy_gbps):
                 )
 
 
-# (tokens a tile, warps, stages, the strides told aligned) of the attention kernel over whole
-# sequences: a tile's query rows are its tokens × the group (8 for Qwen3-30B-A3B's 32 query heads
-# of 4 key/value heads); the engine's tile is `invariant.tile_tokens`' (8 tokens: 64 rows, 4 warps,
-# 2 stages), the trainer's in bf16 WHOLE_SEQUENCE_ROWS' (32 tokens: 256 rows, 8 warps).
+# (tokens a tile, warps, stages, the strides told aligned, the blocks a tile sees whole unmasked) of
+# the attention kernel over whole sequences: a tile's query rows are its tokens × the group (8 for
+# Qwen3-30B-A3B's 32 query heads of 4 key/value heads); the engine's tile is
+# `invariant.tile_tokens`' (8 tokens: 64 rows, 4 warps, 2 stages), the trainer's in bf16
+# WHOLE_SEQUENCE_ROWS' (32 tokens: 256 rows, 8 warps).
 INVARIANT_ATTENTION_CONFIGS = [
-    (8, 4, 2, False), (8, 4, 2, True), (8, 4, 3, True), (4, 4, 2, True), (16, 8, 2, True), (32, 8, 2, True),
+    (8, 4, 2, True, False), (8, 4, 2, True, True), (16, 8, 2, True, True), (16, 4, 2, True, True),
+    (32, 8, 2, True, False), (32, 8, 2, True, True), (32, 16, 2, True, True), (32, 16, 3, True, True),
+    (16, 16, 2, True, True),
 ]  # fmt: skip
 
 
 def invariant_attention_rows():
     """--invariant-attention: the batch-invariant attention kernel over whole sequences (a training
     step's: 4 of 2,048 tokens, the Qwen3-30B-A3B shape's heads) with other query tiles, warps and
-    stages than the trainer's, against torch's attention (SDPA, flash): microseconds, and
-    whether every query's output has the trainer's tile's bits — the engine's tile among the
-    rows: a tile for training is only usable where the bits are the same."""
+    stages than the trainer's, the blocks a tile sees whole masked or not, against torch's
+    attention (SDPA): microseconds, and whether every query's output has the trainer's tile's bits
+    — the engine's tile among the rows: a tile for training is only usable where the bits are the
+    same. Then forward and backward together: SDPA's, the kernel's with torch's attention beside it
+    for the gradient (before), and the kernel's with flash attention's backward fed its output and
+    log-sum-exp (`invariant.causal_attention` now), each gradient against fp32 attention's."""
     import triton
 
     from moemesh.ops import invariant
@@ -509,30 +518,126 @@ def invariant_attention_rows():
         v.reshape(batch * seq, kv_heads, dim),
     )
     shipped = invariant.causal_attention(q, k, v, scale)
-    sdpa = bench_ms(
-        lambda: F.scaled_dot_product_attention(
+
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale, enable_gqa=True
-        )
-    )
+        ).transpose(1, 2)
+
+    sdpa_ms = bench_ms(lambda: sdpa(q, k, v))
     report(f"batch-invariant attention, {batch} sequences of {seq} tokens, {heads} heads of {kv_heads}, dim {dim}")
-    report(f"torch SDPA (causal, flash) forward: {sdpa * 1e3:.1f} us")
-    columns = ("tokens a tile", 14), ("rows", 6), ("warps", 6), ("stages", 7), ("aligned", 8), ("us", 10)
-    report("".join(f"{name:>{width}}" for name, width in columns) + f"{'x SDPA':>8}{'same bits':>10}")
-    for tokens, warps, stages, aligned in INVARIANT_ATTENTION_CONFIGS[:2] if SMOKE else INVARIANT_ATTENTION_CONFIGS:
+    report(f"torch SDPA (causal) forward: {sdpa_ms * 1e3:.1f} us")
+    columns = ("tokens a tile", 14), ("rows", 6), ("warps", 6), ("stages", 7), ("aligned", 8), ("unmasked", 9)
+    report("".join(f"{name:>{width}}" for name, width in columns) + f"{'us':>10}{'x SDPA':>8}{'same bits':>10}")
+    for tokens, warps, stages, aligned, unmasked in (
+        INVARIANT_ATTENTION_CONFIGS[:2] if SMOKE else INVARIANT_ATTENTION_CONFIGS
+    ):
         rows = max(16, triton.next_power_of_2(tokens * group))  # the program's query rows, as the launch makes them
         args = invariant._whole_sequences(batch, seq, tokens, q.device)
 
         def launch():
             return invariant._launch_attention(*flat, *args, scale, tokens, warps=warps, stages=stages, aligned=aligned)
 
-        row = f"{tokens:>14}{rows:>6}{warps:>6}{stages:>7}{str(aligned):>8}"
+        row = f"{tokens:>14}{rows:>6}{warps:>6}{stages:>7}{str(aligned):>8}{str(unmasked):>9}"
+        shipped_unmasked, invariant.UNMASKED_WHOLE_BLOCKS = invariant.UNMASKED_WHOLE_BLOCKS, unmasked
         try:
             same = torch.equal(launch().view_as(shipped), shipped)
             ms = bench_ms(launch)
         except Exception as error:  # past the GPU's registers or shared memory
             report(f"{row}  {type(error).__name__}")
             continue
-        report(f"{row}{ms * 1e3:>10.1f}{ms / sdpa:>8.2f}{str(same):>10}")
+        finally:
+            invariant.UNMASKED_WHOLE_BLOCKS = shipped_unmasked
+        report(f"{row}{ms * 1e3:>10.1f}{ms / sdpa_ms:>8.2f}{str(same):>10}")
+
+    decode_attention_rows(heads, kv_heads, dim)
+    grad = torch.randn_like(shipped)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = torch.autograd.grad(sdpa(*(t.float() for t in leaves)), leaves, grad.float())
+
+    def shipped_attention(q, k, v):
+        return invariant.causal_attention(q, k, v, scale)
+
+    fused_backward = invariant._fused_backward
+
+    def beside(q, k, v):  # before: the kernel's values, torch's attention beside them for the gradient
+        with torch.no_grad():
+            ours = invariant._whole_sequence_attention(q, k, v, scale)[0]
+        return _ValuesOf.apply(sdpa(q, k, v), ours)
+
+    shipped_backend = invariant._fused_backward(q)
+    report(f"{'forward and backward':<44}{'us':>10}{'x SDPA':>8}{'dq, dk, dv rel. err. vs fp32':>32}")
+    base = None
+    for name, attend, backend in (
+        ("torch SDPA (the default path)", sdpa, shipped_backend),
+        ("kernel, torch's attention beside (before)", beside, shipped_backend),
+        *((f"kernel, {b} backward from its lse{' (shipped)' * (b == shipped_backend)}", shipped_attention, b)
+          for b in (() if SMOKE else ("cudnn", "flash"))),
+    ):  # fmt: skip
+        invariant._fused_backward = lambda q, backend=backend: backend  # the backward's kernel, for this row
+        try:
+            grads = torch.autograd.grad(attend(*leaves), leaves, grad)
+            ms = bench_ms(lambda: torch.autograd.grad(attend(*leaves), leaves, grad))
+        except Exception as error:  # a backend this torch or GPU lacks
+            report(f"{name:<44}  {type(error).__name__}: {str(error)[:80]}")
+            continue
+        finally:
+            invariant._fused_backward = fused_backward
+        errors = ", ".join(f"{rel_err(ours, theirs):.1e}" for ours, theirs in zip(grads, expected))
+        base = base or ms
+        report(f"{name:<44}{ms * 1e3:>10.1f}{ms / base:>8.2f}{errors:>32}")
+
+
+# (warps, stages) of the engine's decode tiles (one token × the group's query heads); the first shipped.
+DECODE_ATTENTION_CONFIGS = [(4, 2), (4, 3), (4, 4), (2, 2), (8, 3)]
+
+
+def decode_attention_rows(heads, kv_heads, dim):
+    """A decode step's batch-invariant attention (`bench/decode.py --batch-invariant`'s batch 64 at
+    288 tokens): each sequence's last token over its keys (the engine's tile of one token), with
+    other warps and stages than the engine's; µs, and whether every query's output has the
+    shipped launch's bits."""
+    from moemesh.ops import invariant
+
+    batch, seq, scale = (2, 40, dim**-0.5) if SMOKE else (64, 288, dim**-0.5)
+    q = torch.randn(batch, seq, heads, dim, dtype=DTYPE, device=DEVICE)
+    k, v = (torch.randn(batch, seq, kv_heads, dim, dtype=DTYPE, device=DEVICE) for _ in range(2))
+    rows = torch.arange(batch, device=q.device, dtype=torch.int32)
+    args = (
+        rows[:, None].contiguous(),  # each sequence's keys one block of seq
+        seq,
+        rows,
+        torch.full((batch,), seq - 1, device=q.device, dtype=torch.int32),
+        rows,
+        torch.ones(batch, device=q.device, dtype=torch.int32),
+        torch.full((1,), batch, device=q.device, dtype=torch.int32),
+        scale,
+        invariant.tile_tokens(heads // k.shape[2]),
+    )
+    last = q[:, -1].contiguous()
+    pools = k.reshape(batch * seq, *k.shape[2:]), v.reshape(batch * seq, *v.shape[2:])
+    shipped = invariant._launch_attention(last, *pools, *args)
+    report(f"decode step: {batch} sequences' last tokens over {seq} keys")
+    report(f"{'warps':>6}{'stages':>7}{'us':>10}{'same bits':>10}")
+    for warps, stages in DECODE_ATTENTION_CONFIGS[:1] if SMOKE else DECODE_ATTENTION_CONFIGS:
+
+        def launch():
+            return invariant._launch_attention(last, *pools, *args, warps=warps, stages=stages)
+
+        same = torch.equal(launch(), shipped)
+        report(f"{warps:>6}{stages:>7}{bench_ms(launch) * 1e3:>10.1f}{str(same):>10}")
+
+
+class _ValuesOf(torch.autograd.Function):
+    """`values` forward, the gradient passed to `tracked` (the trainer's attention before)."""
+
+    @staticmethod
+    def forward(ctx, tracked, values):
+        return values
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 class _LinearFunction(torch.autograd.Function):

@@ -298,16 +298,17 @@ def test_the_matmul_kernel_computes_a_row_alike_wherever_it_sits(triton_kernels,
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 def test_the_grouped_kernel_computes_each_row_as_the_matmul_kernel_alone(triton_kernels, dtype):
-    """Rows sorted by expert (an empty expert, one of 70 rows: two tiles, rows past the last group):
-    each row's bits those of `matmul` of that row alone with its expert's weight; the rows past
-    the groups zeros; the two projections' gradients the ordinary ones."""
+    """Rows sorted by expert (an empty expert, one of 70 rows: two tiles, 70 rows past the last
+    group: the kernel's own zeros, in two tiles): each row's bits those of `matmul` of that row
+    alone with its expert's weight; the rows past the groups zeros; the two projections'
+    gradients the ordinary ones."""
     from moemesh.ops import invariant
     from moemesh.ops.swiglu import swiglu
     from numerics import rel_err
 
     sizes = torch.tensor([3, 0, 70, 1, 9])
     rows = int(sizes.sum())
-    x = torch.randn(rows + 4, 24).to(dtype)
+    x = torch.randn(rows + 70, 24).to(dtype)
     gate_up, down = torch.randn(5, 40, 24).to(dtype), torch.randn(5, 24, 20).to(dtype)
     h = invariant.grouped_matmul(x, gate_up, sizes)
     experts = torch.repeat_interleave(torch.arange(5), sizes)

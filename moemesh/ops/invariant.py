@@ -38,11 +38,14 @@ or MOEMESH_KERNELS=triton under Triton's interpreter):
     block it sees none of (its tile's later tokens') leaves its maximum, sum and accumulator
     exactly as they were. Keys are read through the block table one by one, so the cache's block
     size does not matter either; strides that are multiples of 16 are told to the kernel, which
-    then reads a key's row in 16-byte loads (1.44× faster, the same bits). Backward (training):
-    torch's attention runs beside the kernel and its backward gives the gradient
-    (`causal_attention`). At training's sequence lengths the kernel is still the mode's largest
-    cost: 2.8× cuDNN's flash forward at 4 × 2,048 tokens on an H200 (5.2× before the aligned
-    loads and the larger tiles; docs/benchmarks.md, 2026-11-28).
+    then reads a key's row in 16-byte loads (1.44× faster, the same bits); the blocks a tile sees
+    whole skip the causal mask (the same bits: the kernel is compiled without fused
+    multiply-adds, so a product rounds alike in both). Backward (training): the kernel also
+    writes each query's log-sum-exp, and torch's cuDNN (or flash) attention backward takes it
+    with the kernel's output (`causal_attention`, `attention_gradient`). At 4 × 2,048 tokens on
+    an H200 the forward is 1.9× cuDNN's (518 µs; 5.2× before the aligned loads, the larger tiles
+    and the unmasked blocks) and forward and backward 1.23× SDPA's (docs/benchmarks.md,
+    2026-11-28, fifth session).
   * `experts` — CPU reference: each expert's rows through its two `linear`s. GPU:
     `grouped_matmul`, the same matmul kernel over tiles of BLOCK_M rows of one expert (each
     program finds its tile from the group sizes, `_expert_tile`: no host sync, no table), for
@@ -81,12 +84,12 @@ trainer through them included. On a GPU in bf16 the claim is measured, not prove
 `bench/gpu_checks_inference.sh invariant` (bench/decode.py --batch-invariant) counts what differs
 over 10k tokens of the 48-layer Qwen3-30B-A3B shape. Limits: decode at batch 1 has only a
 program per key/value head in attention (no split: a split would have to be fixed per key
-position, and the trainer would have to take it too); the matmul stays 1.3-1.5× cuBLAS's time at
-training's row counts (docs/benchmarks.md). Not covered: attention sinks and sliding windows, latent
-attention, LoRA adapters (merge them first), packed documents in a training row. Under tensor
-parallelism, and expert parallelism for decoding, the engine and the trainer agree bit for bit on
-two ranks (a sum of two partials has one order); over more ranks the all-reduces' order may
-depend on their size.
+position, and the trainer would have to take it too); the matmul stays 1.2-1.3× cuBLAS's time at
+training's row counts (docs/benchmarks.md; reading its blocks by TMA was measured and did not
+pay). Not covered: attention sinks and sliding windows, latent attention, LoRA adapters (merge
+them first), packed documents in a training row. Under tensor parallelism, and expert parallelism
+for decoding, the engine and the trainer agree bit for bit on two ranks (a sum of two partials
+has one order); over more ranks the all-reduces' order may depend on their size.
 """
 
 from __future__ import annotations
@@ -114,12 +117,16 @@ ATTENTION_ROWS, ATTENTION_KEYS = 64, 64
 # The trainer's whole sequences (`causal_attention`) in bf16 and fp16: tiles of this many query
 # rows. A query's bits do not change with them — measured, not proven: on an H200, at the
 # Qwen3-30B-A3B shape's heads (4 × 2,048 tokens), tiles of 64, 128 and 256 rows gave every query
-# the same bits, and 256 rows took 773 µs where 64 took 959; 32 rows (an MMA of another shape)
-# did change bits (bench/kernels.py --invariant-attention; docs/benchmarks.md, 2026-11-28). That
+# the same bits, and 256 rows in 16 warps took 518 µs where 64 took 844 (in 8 warps 644); 32 rows,
+# or a decode step's 16 in 2 warps (MMAs of other shapes), did change bits (bench/kernels.py
+# --invariant-attention; docs/benchmarks.md, 2026-11-28, fourth and fifth sessions). That
 # many rows for heads of up to 128 dims, fewer for wider ones (the accumulator, rows × dims in
 # fp32, stays that of 256 × 128). fp32 (the CPU tests' interpreter, whose tl.dot is numpy's)
 # keeps the engine's tile.
 WHOLE_SEQUENCE_ROWS = 256
+# The key blocks every query of a tile sees whole go through the kernel without the causal mask
+# (the same bits). False: every block masked, as before, for measuring the difference.
+UNMASKED_WHOLE_BLOCKS = True
 
 
 def _jit(*varying: str):
@@ -204,8 +211,9 @@ def _launch_matmul(x, weight, out, group_sizes, rows: int, config) -> None:
     block_m, block_n = config[:2]
     grouped = group_sizes is not None
     experts = weight.shape[0] if grouped else 1
-    # Grouped: at most cdiv(rows, BLOCK_M) tiles, plus one a group for its last, partial one.
-    m_tiles = triton.cdiv(rows, block_m) + (experts if grouped else 0)
+    # Grouped: at most cdiv(rows, BLOCK_M) tiles, plus one a group for its last, partial one, plus
+    # one for the partial tile of the rows past the groups (zeroed by the kernel).
+    m_tiles = triton.cdiv(rows, block_m) + (experts + 1 if grouped else 0)
     w_strides = weight.stride() if grouped else (0, *weight.stride())
     _matmul_kernel[(m_tiles, triton.cdiv(n, block_n))](
         x,
@@ -320,6 +328,27 @@ def _matmul_kernel(
         )
         out = out_ptr + r[:, None] * stride_om + c[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=in_rows[:, None] & in_cols[None, :])
+    if GROUPED:  # a tile past the groups' tiles zeroes its share of the rows past the groups
+        first, end = _rows_past_the_groups(sizes_ptr, experts, rows, tile, EXPERTS, BLOCK_M)
+        if first < end:
+            r = (first + tl.arange(0, BLOCK_M)).to(tl.int64)
+            c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty)
+            tl.store(out_ptr + r[:, None] * stride_om + c[None, :], zeros, mask=(r < end)[:, None] & (c < n)[None, :])
+
+
+@triton.jit
+def _rows_past_the_groups(sizes_ptr, experts, rows, tile, EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(first, end) of the rows past the groups that tile `tile` of a grouped launch zeroes: the
+    tiles after the groups' take them BLOCK_M at a time (an empty range for the groups' tiles).
+    The output is not filled with zeros first: a fill of the whole output was 2 launches a MoE
+    layer, 3.4 ms of a 4 × 2,048-token training step of the 24-layer Qwen3-30B-A3B shape."""
+    e = tl.arange(0, EXPERTS)
+    sizes = tl.load(sizes_ptr + e, mask=e < experts, other=0).to(tl.int64)
+    group_tiles = tl.sum((sizes + BLOCK_M - 1) // BLOCK_M, axis=0)
+    first = tl.sum(sizes, axis=0) + (tile - group_tiles) * BLOCK_M
+    past = tile >= group_tiles
+    return tl.where(past, first, 0), tl.where(past, tl.minimum(first + BLOCK_M, rows), 0)
 
 
 @triton.jit
@@ -437,12 +466,19 @@ def paged_attention(
 def _launch_attention(
     q, keys, values, block_tables, block_size, token_rows, positions, tile_starts, tile_lengths, tile_count, scale,
     tokens_a_tile: int, warps: int | None = None, stages: int = 2, aligned: bool | None = None,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """`paged_attention`'s launch for tiles of `tokens_a_tile` tokens (× the group's query heads:
     the program's rows), with `warps` (by default by the tile's size) and `stages`
     (bench/kernels.py --invariant-attention tries others than the shipped ones). `aligned`: the
     pools' strides told to the kernel as multiples of 16 (by default where they are), so that it
-    reads a key's row in 16-byte loads."""
+    reads a key's row in 16-byte loads. `lse` [B, h, T] fp32, where the tokens are B whole
+    sequences of T: each query's log-sum-exp written there too.
+
+    No fused multiply-adds (`enable_fp_fusion=False`): a product rounds where the source says, so
+    that the blocks a tile sees whole, whose causal mask the kernel skips, compute the bits of the
+    same blocks masked (a fused scale-and-subtract would round once where the masked path rounds
+    twice)."""
     tokens, heads, head_dim = q.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
@@ -451,8 +487,8 @@ def _launch_attention(
     if tiles and tokens:
         rows = max(16, triton.next_power_of_2(tokens_a_tile * group))
         block_d = max(16, triton.next_power_of_2(head_dim))
-        if warps is None:
-            warps = 4 if rows * block_d <= 64 * 128 else 8
+        if warps is None:  # 16 for the trainer's tiles: 1.24x faster than 8 at 256 rows, the same bits
+            warps = 4 if rows * block_d <= 64 * 128 else 8 if rows * block_d <= 128 * 128 else 16
         if aligned is None:
             aligned = all(stride % 16 == 0 for stride in (*keys.stride()[:2], *values.stride()[:2]))
         _attention_kernel[(tiles, kv_heads)](
@@ -460,6 +496,7 @@ def _launch_attention(
             keys,
             values,
             out,
+            out if lse is None else lse,
             keys.stride(0),
             keys.stride(1),
             values.stride(0),
@@ -472,6 +509,7 @@ def _launch_attention(
             tile_starts,
             tile_lengths,
             tile_count,
+            1 if lse is None else lse.shape[-1],
             scale,
             GROUP=group,
             HEADS=heads,
@@ -481,43 +519,118 @@ def _launch_attention(
             BLOCK_N=ATTENTION_KEYS,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             ALIGNED=aligned,
+            STORE_LSE=lse is not None,
+            UNMASKED=UNMASKED_WHOLE_BLOCKS,
             num_warps=warps,
             num_stages=stages,
+            enable_fp_fusion=False,
         )
     return out
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, T, h, D], k and v [B, T, h_kv, D], each row a sequence from position 0 -> [B, T, h, D]:
-    `paged_attention` with each row's keys as one block of T. Differentiable: where a gradient is
-    wanted, torch's attention runs beside it and the result carries the kernel's values with
-    torch's attention's backward (`_ValuesOf`; only the forward's values have to be the engine's).
-    That backward recomputed torch's attention inside a nested autograd call before, which cost
-    the host of a training step, its bottleneck at a few thousand tokens, more than the GPU's
-    forward it saves."""
+    `paged_attention` with each row's keys as one block of T. Differentiable: the kernel also
+    writes each query's log-sum-exp, and the backward is torch's fused one (cuDNN's on an H200),
+    fed the kernel's own output and log-sum-exp (`_CausalAttention`, `attention_gradient`): no
+    second forward for the gradient. Before, torch's attention ran beside the kernel for its
+    backward alone: forward and backward 1.48× SDPA's at 4 × 2,048 tokens on an H200, now 1.23×
+    (docs/benchmarks.md, 2026-11-28, fifth session)."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _CausalAttention.apply(q, k, v, scale)
+    return _whole_sequence_attention(q, k, v, scale)[0]
+
+
+def _whole_sequence_attention(q, k, v, scale: float, lse: bool = False) -> tuple:
+    """`causal_attention`'s forward -> (out [B, T, h, D], lse [B, h, T] fp32 or None)."""
     batch, seq, heads, head_dim = q.shape
     group = heads // k.shape[2]
     per_tile = tile_tokens(group) if q.dtype == torch.float32 else whole_sequence_tokens(group, head_dim)
-    with torch.no_grad():
-        ours = _launch_attention(
-            q.reshape(batch * seq, heads, head_dim),
-            k.reshape(batch * seq, *k.shape[2:]),
-            v.reshape(batch * seq, *v.shape[2:]),
-            *_whole_sequences(batch, seq, per_tile, q.device),
-            scale,
-            per_tile,
-        ).view(batch, seq, heads, head_dim)
-    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
-        return ours
-    tracked = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        is_causal=True,
-        scale=scale,
-        enable_gqa=k.shape[2] != q.shape[2],
-    ).transpose(1, 2)
-    return _ValuesOf.apply(tracked, ours)
+    sums = torch.empty(batch, heads, seq, dtype=torch.float32, device=q.device) if lse else None
+    out = _launch_attention(
+        q.reshape(batch * seq, heads, head_dim),
+        k.reshape(batch * seq, *k.shape[2:]),
+        v.reshape(batch * seq, *v.shape[2:]),
+        *_whole_sequences(batch, seq, per_tile, q.device),
+        scale,
+        per_tile,
+        lse=sums,
+    )
+    return out.view(batch, seq, heads, head_dim), sums
+
+
+class _CausalAttention(torch.autograd.Function):
+    """The kernel's forward; the gradient from its output and log-sum-exp (`attention_gradient`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        out, lse = _whole_sequence_attention(q, k, v, scale, lse=True)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (*attention_gradient(grad, *ctx.saved_tensors, ctx.scale), None)
+
+
+def attention_gradient(grad, q, k, v, out, lse, scale: float) -> tuple:
+    """(dq, dk, dv) of causal attention out [B, T, h, D] = softmax(q kᵀ · scale) v over keys
+    [B, T, h_kv, D], from `out` and each query's log-sum-exp lse [B, h, T] (fp32): torch's cuDNN
+    attention backward where it runs, else flash attention's (`_fused_gradient`), else the same
+    formulas in fp32 with the [B, h, T, T] probabilities materialised (the CPU tests' sizes):
+
+        P = exp(q kᵀ · scale - lse),  dv = Pᵀ dO,  dS = P ∘ (dO vᵀ - rowsum(dO ∘ out)),
+        dq = dS k · scale,  dk = dSᵀ q · scale    (a group's query heads summed into its k and v)."""
+    backend = _fused_backward(q)
+    if backend is not None:
+        return _fused_gradient(backend, grad, q, k, v, out, lse, scale)
+    batch, seq, heads, head_dim = q.shape
+    group = heads // k.shape[2]
+    qf, do, of = (t.float().transpose(1, 2) for t in (q, grad, out))  # [B, h, T, D]
+    kf, vf = (t.float().transpose(1, 2).repeat_interleave(group, 1) for t in (k, v))
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+    probs = torch.where(causal, torch.exp(qf @ kf.transpose(-1, -2) * scale - lse[..., None]), 0.0)
+    dv = probs.transpose(-1, -2) @ do
+    ds = probs * (do @ vf.transpose(-1, -2) - (do * of).sum(-1, keepdim=True))
+    dq, dk = ds @ kf * scale, ds.transpose(-1, -2) @ qf * scale
+
+    def per_kv_head(t):  # [B, h, T, D] -> [B, T, h_kv, D], a group's heads summed
+        return t.unflatten(1, (-1, group)).sum(2).transpose(1, 2)
+
+    return dq.transpose(1, 2).to(q.dtype), per_kv_head(dk).to(k.dtype), per_kv_head(dv).to(v.dtype)
+
+
+def _fused_backward(q: torch.Tensor) -> str | None:
+    """Which of torch's fused attention backward kernels takes q [B, T, h, D] and its k, v: "cudnn"
+    (on an H200 at 4 × 2,048 tokens 861 µs where flash's took 1,427: docs/benchmarks.md),
+    "flash", or None (the CPU, fp32, other head sizes)."""
+    if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0):
+        return None
+    capability = torch.cuda.get_device_capability(q.device)
+    if capability >= (9, 0) and q.shape[-1] <= 128 and torch.backends.cudnn.is_available():
+        return "cudnn"
+    if capability >= (8, 0) and q.shape[-1] <= 256 and torch.backends.cuda.is_flash_attention_available():
+        return "flash"
+    return None
+
+
+def _fused_gradient(backend: str, grad, q, k, v, out, lse, scale: float) -> tuple:
+    """`attention_gradient` by torch's `backend` kernel ("cudnn" or "flash"), fed our output and
+    log-sum-exp in place of its own forward's (both take the natural log-sum-exp of the scaled
+    scores, [B, h, T]); tensors as the kernels take them, [B, h, T, D] views."""
+    seq = q.shape[1]
+    grad, q, k, v, out = (t.transpose(1, 2) for t in (grad, q, k, v, out))
+    empty = torch.empty(0, dtype=torch.int64, device=q.device)  # no dropout: its random state unused
+    if backend == "cudnn":
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            grad, q, k, v, out, lse.unsqueeze(-1), empty, empty, None, None, None, seq, seq, 0.0, True, scale=scale
+        )
+    else:
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            grad, q, k, v, out, lse, None, None, seq, seq, 0.0, True, empty, empty, scale=scale
+        )
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
 @functools.lru_cache(maxsize=16)
@@ -541,20 +654,6 @@ def _whole_sequences(batch: int, seq: int, per_tile: int, device: torch.device) 
     )
 
 
-class _ValuesOf(torch.autograd.Function):
-    """`values` forward (computed without autograd, of `tracked`'s shape); the gradient passed to
-    `tracked` as it is, whose own backward then runs: a forward's values from one computation,
-    its gradient from another of the same function."""
-
-    @staticmethod
-    def forward(ctx, tracked, values):
-        return values
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
 @_jit(
     "key_slot_stride",
     "key_head_stride",
@@ -562,12 +661,14 @@ class _ValuesOf(torch.autograd.Function):
     "value_head_stride",
     "table_stride",
     "block_size",
+    "lse_tokens",
 )
 def _attention_kernel(
     q_ptr,
     keys_ptr,
     values_ptr,
     out_ptr,
+    lse_ptr,
     key_slot_stride,
     key_head_stride,
     value_slot_stride,
@@ -580,6 +681,7 @@ def _attention_kernel(
     tile_starts_ptr,
     tile_lengths_ptr,
     tile_count_ptr,
+    lse_tokens,
     scale,
     GROUP: tl.constexpr,
     HEADS: tl.constexpr,
@@ -589,9 +691,15 @@ def _attention_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     ALIGNED: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    UNMASKED: tl.constexpr,
 ):
     """One (tile, key/value head): the tile's tokens × the group's query heads as ROWS query rows
-    against the keys 0..the tile's last position."""
+    against the keys 0..the tile's last position. The key blocks every row of the tile sees whole
+    come first, without the causal mask (`tl.where` of an all-true mask is the identity: the same
+    bits), then the blocks it sees in part. STORE_LSE: each row's log-sum-exp of its scaled
+    scores into lse [B, h, lse_tokens] (flash attention's layout, for its backward) where the
+    tokens are B whole sequences of lse_tokens."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1).to(tl.int64)
     if tile < tl.load(tile_count_ptr):
@@ -604,6 +712,9 @@ def _attention_kernel(
         position = tl.load(positions_ptr + token, mask=valid, other=-1).to(tl.int64)
         table = tables_ptr + tl.load(rows_ptr + first).to(tl.int64) * table_stride
         hi = tl.max(position, axis=0) + 1  # the tile's keys [0, hi)
+        seen_by_all = 0
+        if UNMASKED:
+            seen_by_all = (tl.min(tl.where(valid, position, hi), axis=0) + 1) // BLOCK_N * BLOCK_N
         d = tl.arange(0, BLOCK_D)
         in_d = d < D
         at = (token * HEADS + head) * D  # q's and the output's [N, h, D]
@@ -611,32 +722,70 @@ def _attention_kernel(
         running_max = tl.full([ROWS], float("-inf"), dtype=tl.float32)
         total = tl.zeros([ROWS], dtype=tl.float32)
         acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
-        for start in range(0, hi, BLOCK_N):
-            keys_at = start + tl.arange(0, BLOCK_N)
-            present = keys_at < hi
-            block = tl.load(table + keys_at // block_size, mask=present, other=0).to(tl.int64)
-            slot = block * block_size + keys_at % block_size
-            mask = present[:, None] & in_d[None, :]
-            key_rows = slot * key_slot_stride + kv_head * key_head_stride
-            value_rows = slot * value_slot_stride + kv_head * value_head_stride
-            if ALIGNED:
-                key_rows, value_rows = tl.multiple_of(key_rows, 16), tl.multiple_of(value_rows, 16)
-            k = tl.load(keys_ptr + key_rows[:, None] + d[None, :], mask=mask, other=0.0)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            visible = present[None, :] & (keys_at[None, :] <= position[:, None])
-            scores = tl.where(visible, scores, float("-inf"))
-            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-            shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row that sees no key yet
-            alpha = tl.exp(running_max - shift)
-            p = tl.exp(scores - shift[:, None])
-            total = total * alpha + tl.sum(p, axis=1)
-            v = tl.load(values_ptr + value_rows[:, None] + d[None, :], mask=mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            running_max = new_max
-        out = acc / tl.where(total > 0, total, 1.0)[:, None]
+        for start in range(0, seen_by_all, BLOCK_N):
+            running_max, total, acc = _attention_block(
+                q, keys_ptr, values_ptr, table, block_size, kv_head, key_slot_stride, key_head_stride,
+                value_slot_stride, value_head_stride, start, hi, position, running_max, total, acc, scale,
+                d, in_d, BLOCK_N, PRECISION, ALIGNED, D == BLOCK_D, False,
+            )  # fmt: skip
+        for start in range(seen_by_all, hi, BLOCK_N):
+            running_max, total, acc = _attention_block(
+                q, keys_ptr, values_ptr, table, block_size, kv_head, key_slot_stride, key_head_stride,
+                value_slot_stride, value_head_stride, start, hi, position, running_max, total, acc, scale,
+                d, in_d, BLOCK_N, PRECISION, ALIGNED, D == BLOCK_D, True,
+            )  # fmt: skip
+        total = tl.where(total > 0, total, 1.0)  # a row past the tile's tokens
+        out = acc / total[:, None]
         tl.store(
             out_ptr + at[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=valid[:, None] & in_d[None, :]
         )
+        if STORE_LSE:
+            sequence = token // lse_tokens
+            lse_at = (sequence * HEADS + head) * lse_tokens + token - sequence * lse_tokens
+            tl.store(lse_ptr + lse_at, running_max + tl.log(total), mask=valid)
+
+
+@triton.jit
+def _attention_block(
+    q, keys_ptr, values_ptr, table, block_size, kv_head, key_slot_stride, key_head_stride, value_slot_stride,
+    value_head_stride, start, hi, position, running_max, total, acc, scale, d, in_d,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, ALIGNED: tl.constexpr, EVEN_D: tl.constexpr,
+    MASKED: tl.constexpr,
+):  # fmt: skip
+    """The keys [start, start + BLOCK_N) into a tile's running softmax -> (maximum, sum,
+    accumulator). MASKED: the block may hold keys past some row's position or past the tile's
+    keys (else every row sees all of them); EVEN_D: the head's dims fill BLOCK_D."""
+    keys_at = start + tl.arange(0, BLOCK_N)
+    present = keys_at < hi
+    block = tl.load(table + keys_at // block_size, mask=present, other=0).to(tl.int64)
+    slot = block * block_size + keys_at % block_size
+    key_rows = slot * key_slot_stride + kv_head * key_head_stride
+    value_rows = slot * value_slot_stride + kv_head * value_head_stride
+    if ALIGNED:
+        key_rows, value_rows = tl.multiple_of(key_rows, 16), tl.multiple_of(value_rows, 16)
+    keys_at_d, values_at_d = keys_ptr + key_rows[:, None] + d[None, :], values_ptr + value_rows[:, None] + d[None, :]
+    if MASKED:
+        k = tl.load(keys_at_d, mask=present[:, None] & in_d[None, :], other=0.0)
+    elif EVEN_D:
+        k = tl.load(keys_at_d)
+    else:
+        k = tl.load(keys_at_d, mask=in_d[None, :], other=0.0)
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    if MASKED:
+        scores = tl.where(present[None, :] & (keys_at[None, :] <= position[:, None]), scores, float("-inf"))
+    new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row that sees no key yet
+    alpha = tl.exp(running_max - shift)
+    p = tl.exp(scores - shift[:, None])
+    total = total * alpha + tl.sum(p, axis=1)
+    if MASKED:
+        v = tl.load(values_at_d, mask=present[:, None] & in_d[None, :], other=0.0)
+    elif EVEN_D:
+        v = tl.load(values_at_d)
+    else:
+        v = tl.load(values_at_d, mask=in_d[None, :], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return new_max, total, acc
 
 
 # ---- experts ------------------------------------------------------------------------------------
@@ -688,7 +837,7 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Ten
     """out[rows of expert e] = x[rows] @ weight[e].T for weight [E, N, K] and x's rows sorted by
     expert in groups of group_sizes [E] (on x's device); rows past the last group are 0. Each
     row's bits as `matmul`'s kernel computes a row, whatever the other rows of its expert."""
-    out = x.new_zeros(x.shape[0], weight.shape[1])
+    out = x.new_empty(x.shape[0], weight.shape[1])  # every row written by the kernel, zeros past the groups
     if x.shape[0] and weight.shape[1]:
         config = _tiles(x.shape[0] // weight.shape[0], weight.shape[1], x.dtype)
         _launch_matmul(x, weight, out, group_sizes, x.shape[0], config)
