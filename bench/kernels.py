@@ -352,7 +352,9 @@ def invariant_tile_rows():
     every config of INVARIANT_CONFIGS against the one config it ran before tiles were picked by
     the row count (BLOCK_M 64, BLOCK_K 64, BLOCK_N by the width, 4 warps, 3 stages), cuBLAS /
     torch's grouped GEMM, and what `invariant.matmul` / `invariant.experts`' launch picks now
-    (`_tiles`): microseconds, and whether a config's output has the same bits as the old one's."""
+    (`_tiles`), and that launch with its programs in the order before the grouped one
+    (`invariant._tile_of`: M tile fastest over all of them, "M-first"): microseconds, and whether
+    a config's output has the same bits as the old one's."""
     from moemesh.ops import invariant
 
     k_top, row_counts = 8, (1, 5) if SMOKE else INVARIANT_ROWS
@@ -362,7 +364,7 @@ def invariant_tile_rows():
     report("batch-invariant matmul: configs (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) against the old one")
     report(
         f"{'weight':<16}{'rows':>6}{'cuBLAS us':>10}{'old us':>8}{'best equal':>24}{'us':>8}{'best any':>24}{'us':>8}"
-        f"{'picked':>24}{'us':>8}{'same':>6}"
+        f"{'picked':>24}{'us':>8}{'same':>6}{'M-first us':>11}"
     )
     equal_everywhere = dict.fromkeys(configs, True)
     for what, n, k, experts in INVARIANT_WEIGHTS:
@@ -380,11 +382,11 @@ def invariant_tile_rows():
                 sizes = None
                 cublas = bench_ms(lambda: x @ weight.T, rep=25)
 
-            def run(config):
-                out = x.new_zeros(pairs, n)  # rows in no tile stay 0
+            def run(config, tile_group=invariant.TILE_GROUP):
+                out = x.new_zeros(pairs, n)
 
                 def launch():
-                    invariant._launch_matmul(x, weight, out, sizes, pairs, config)
+                    invariant._launch_matmul(x, weight, out, sizes, pairs, config, tile_group)
 
                 launch()
                 return bench_ms(launch, rep=25), out.clone()
@@ -402,6 +404,7 @@ def invariant_tile_rows():
                 equal_everywhere[config] &= times[config][1]
             picked = invariant._tiles(pairs // experts if experts else pairs, n, DTYPE)
             picked_ms, picked_out = run(picked)
+            m_first_ms, _ = run(picked, tile_group=2**30)
             equal = [c for c in times if times[c][1]]
             best_equal = min(equal, key=lambda c: times[c][0]) if equal else None
             best_any = min(times, key=lambda c: times[c][0]) if times else None
@@ -409,7 +412,7 @@ def invariant_tile_rows():
                 f"{what:<16}{rows:>6}{cublas * 1e3:>10.1f}{old * 1e3:>8.1f}{str(best_equal):>24}"
                 f"{times[best_equal][0] * 1e3 if best_equal else float('nan'):>8.1f}{str(best_any):>24}"
                 f"{times[best_any][0] * 1e3 if best_any else float('nan'):>8.1f}{str(picked):>24}"
-                f"{picked_ms * 1e3:>8.1f}{str(torch.equal(picked_out, old_out)):>6}"
+                f"{picked_ms * 1e3:>8.1f}{str(torch.equal(picked_out, old_out)):>6}{m_first_ms * 1e3:>11.1f}"
             )
     same = [c for c in configs if equal_everywhere[c]]
     report(f"configs with the old bits for every weight and row count: {len(same)} of {len(configs)}")

@@ -84,7 +84,7 @@ trainer through them included. On a GPU in bf16 the claim is measured, not prove
 `bench/gpu_checks_inference.sh invariant` (bench/decode.py --batch-invariant) counts what differs
 over 10k tokens of the 48-layer Qwen3-30B-A3B shape. Limits: decode at batch 1 has only a
 program per key/value head in attention (no split: a split would have to be fixed per key
-position, and the trainer would have to take it too); the matmul stays 1.2-1.3× cuBLAS's time at
+position, and the trainer would have to take it too); the matmul stays 1.1-1.3× cuBLAS's time at
 training's row counts (docs/benchmarks.md; reading its blocks by TMA was measured and did not
 pay). Not covered: attention sinks and sliding windows, latent attention, LoRA adapters (merge
 them first), packed documents in a training row. Under tensor parallelism, and expert parallelism
@@ -105,6 +105,8 @@ from moemesh.ops.expert_gemv import count_expert_pairs, expert_pair_block
 from moemesh.ops.grouped_mm import group_offsets, product, weight_gradient
 
 TILE = 16  # rows a GEMM call of the CPU reference computes, whatever the batch
+# The matmul kernel's programs take this many M tiles at a time across every N tile (`_tile_of`).
+TILE_GROUP = 8
 _on = False
 
 # The fp32 kernels' tiles (the CPU tests' interpreter, whose tl.dot is numpy's and whose sums
@@ -203,10 +205,12 @@ def _tiles(rows: int, n: int, dtype: torch.dtype) -> tuple[int, int, int, int, i
     return block_m, block_n, 128, 4 if block_m * block_n <= 64 * 64 else 8, 4
 
 
-def _launch_matmul(x, weight, out, group_sizes, rows: int, config) -> None:
+def _launch_matmul(x, weight, out, group_sizes, rows: int, config, tile_group: int = TILE_GROUP) -> None:
     """One launch of `_matmul_kernel` with `config` (`_tiles`): plain (group_sizes None) or grouped
     (weight [E, N, K], x's rows sorted by expert in groups of group_sizes [E] from row 0: the
-    kernel cuts each group in M tiles of BLOCK_M from its first row, `_expert_tile`)."""
+    kernel cuts each group in M tiles of BLOCK_M from its first row, `_expert_tile`). The
+    programs run `tile_group` M tiles at a time across every N tile (TILE_GROUP; one group of all
+    the M tiles is the order before, M tile fastest, which bench/kernels.py compares)."""
     n, k = weight.shape[-2:]
     block_m, block_n = config[:2]
     grouped = group_sizes is not None
@@ -214,14 +218,18 @@ def _launch_matmul(x, weight, out, group_sizes, rows: int, config) -> None:
     # Grouped: at most cdiv(rows, BLOCK_M) tiles, plus one a group for its last, partial one, plus
     # one for the partial tile of the rows past the groups (zeroed by the kernel).
     m_tiles = triton.cdiv(rows, block_m) + (experts + 1 if grouped else 0)
+    n_tiles = triton.cdiv(n, block_n)
     w_strides = weight.stride() if grouped else (0, *weight.stride())
-    _matmul_kernel[(m_tiles, triton.cdiv(n, block_n))](
+    _matmul_kernel[(m_tiles * n_tiles,)](
         x,
         weight,
         out,
         group_sizes if grouped else x,
         experts,
         rows,
+        m_tiles,
+        n_tiles,
+        min(tile_group, m_tiles),
         n,
         k,
         x.stride(0),
@@ -272,7 +280,7 @@ class _Matmul(torch.autograd.Function):
 # The row count is not specialised (a step of one row runs the program of many); the strides are,
 # on their alignment as triton does by default: vectorised loads, several times faster at 64 rows
 # and more, the same bits (measured with the tiles, `_tiles`).
-@_jit("rows")
+@_jit("rows", "m_tiles", "n_tiles", "tile_group")
 def _matmul_kernel(
     x_ptr,
     w_ptr,
@@ -280,6 +288,9 @@ def _matmul_kernel(
     sizes_ptr,
     experts,
     rows,
+    m_tiles,
+    n_tiles,
+    tile_group,
     n,
     k,
     stride_xm,
@@ -297,8 +308,10 @@ def _matmul_kernel(
 ):
     """out[rows] = x[rows] @ w[expert].T for one (M tile, N tile). A row's products are summed in
     the same order wherever the row sits: K in blocks of BLOCK_K from 0, each block one tl.dot
-    into the fp32 accumulator (rows past the tile's end load zeros and are not stored)."""
-    tile = tl.program_id(0)
+    into the fp32 accumulator (rows past the tile's end load zeros and are not stored). Program p
+    takes M tile and N tile by `_tile_of` (the order of the programs changes no bits: each
+    computes its tile alone)."""
+    tile, column = _tile_of(tl.program_id(0), m_tiles, n_tiles, tile_group)
     if GROUPED:
         expert, first, end = _expert_tile(sizes_ptr, experts, tile, EXPERTS, BLOCK_M)
     else:
@@ -307,7 +320,7 @@ def _matmul_kernel(
         end = rows
     if first < end:  # a grouped launch's tiles past the step's: nothing to do
         r = (first + tl.arange(0, BLOCK_M)).to(tl.int64)
-        c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        c = column * BLOCK_N + tl.arange(0, BLOCK_N)
         in_rows, in_cols = r < end, c < n
         acc = _row_block_product(
             x_ptr,
@@ -332,9 +345,23 @@ def _matmul_kernel(
         first, end = _rows_past_the_groups(sizes_ptr, experts, rows, tile, EXPERTS, BLOCK_M)
         if first < end:
             r = (first + tl.arange(0, BLOCK_M)).to(tl.int64)
-            c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            c = column * BLOCK_N + tl.arange(0, BLOCK_N)
             zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty)
             tl.store(out_ptr + r[:, None] * stride_om + c[None, :], zeros, mask=(r < end)[:, None] & (c < n)[None, :])
+
+
+@triton.jit
+def _tile_of(program, m_tiles, n_tiles, tile_group):
+    """(M tile, N tile) of program `program`: the programs take `tile_group` M tiles (the last
+    group fewer) across every N tile, M tile fastest, then the next group's — so that a group's
+    rows of x and its weight's N tiles are read from memory about once and then from L2, where
+    M tile fastest over all of them read a large x again for every N tile (Triton's matmul
+    tutorial's grouped order)."""
+    per_group = tile_group * n_tiles
+    first = program // per_group * tile_group
+    size = tl.minimum(m_tiles - first, tile_group)
+    within = program % per_group
+    return first + within % size, within // size
 
 
 @triton.jit
