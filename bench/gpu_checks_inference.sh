@@ -47,8 +47,8 @@
 #       GPU 0 the attention kernel's tiles and its forward and backward against torch's attention
 #       (bench/kernels.py --invariant-attention), then the training step's model part at 4 × 2,048
 #       tokens (24 layers) and 4 × 416 (48 layers), as shipped and in the mode, and the GPU tests of
-#       the mode's kernels; GPU 1 the matmul's picked tiles, by TMA and by loads (--invariant-tiles
-#       --picked-tiles), then the `invariant` case's bit-equality check
+#       the mode's kernels; GPU 1 the matmul's picked tiles, in grouped order and M tile first
+#       (--invariant-tiles --picked-tiles), then the `invariant` case's bit-equality check
 # On a machine with 4 GPUs (issue 49), tensor parallelism:
 #   bash bench/gpu_checks_inference.sh tp       the all-reduce alone on 2 (and 4) GPUs, each way and
 #       size (bench/decode.py --all-reduce); the 48-layer shape's decode step at batch 1 and 64 on
@@ -163,7 +163,7 @@ invariant-train)
             --new-tokens 32 --check-tokens 160 2>&1 | quiet | grep -v "^$" | tail -40) > "$LOGS/train_tiles.txt" 2>&1 &
     wait
     echo "== attention, the training step"; cat "$LOGS/train.txt"
-    echo "== the matmul's 16-warp tiles, the invariant check"; cat "$LOGS/train_tiles.txt"
+    echo "== the matmul's picked tiles, the invariant check"; cat "$LOGS/train_tiles.txt"
     ;;
 invariant-profile)  # where the mode's decode step goes: the kernels of a step at batch 64, both ways
     for mode in "" --batch-invariant; do

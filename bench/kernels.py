@@ -489,7 +489,7 @@ def expert_tile_rows(copy_gbps):
 # the attention kernel over whole sequences: a tile's query rows are its tokens × the group (8 for
 # Qwen3-30B-A3B's 32 query heads of 4 key/value heads); the engine's tile is
 # `invariant.tile_tokens`' (8 tokens: 64 rows, 4 warps, 2 stages), the trainer's in bf16
-# WHOLE_SEQUENCE_ROWS' (32 tokens: 256 rows, 8 warps).
+# WHOLE_SEQUENCE_ROWS' (32 tokens: 256 rows, 16 warps).
 INVARIANT_ATTENTION_CONFIGS = [
     (8, 4, 2, True, False), (8, 4, 2, True, True), (16, 8, 2, True, True), (16, 4, 2, True, True),
     (32, 8, 2, True, False), (32, 8, 2, True, True), (32, 16, 2, True, True), (32, 16, 3, True, True),
@@ -503,9 +503,10 @@ def invariant_attention_rows():
     stages than the trainer's, the blocks a tile sees whole masked or not, against torch's
     attention (SDPA): microseconds, and whether every query's output has the trainer's tile's bits
     — the engine's tile among the rows: a tile for training is only usable where the bits are the
-    same. Then forward and backward together: SDPA's, the kernel's with torch's attention beside it
-    for the gradient (before), and the kernel's with flash attention's backward fed its output and
-    log-sum-exp (`invariant.causal_attention` now), each gradient against fp32 attention's."""
+    same. Then a decode step's tiles (`decode_attention_rows`), and forward and backward together:
+    SDPA's, the kernel's with torch's attention beside it for the gradient (before), and the
+    kernel's with cuDNN's or flash attention's backward fed its output and log-sum-exp
+    (`invariant.causal_attention` now), each gradient against fp32 attention's."""
     import triton
 
     from moemesh.ops import invariant
