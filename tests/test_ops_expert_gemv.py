@@ -8,6 +8,8 @@ the weighted sum). A wrong expert, a row given another's output, a missing bias 
 applied twice is off by O(1). bf16: the roundings of gate, up and the output, <= 1e-2; on a GPU
 only, as in test_ops_decode_kernels.py."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -100,6 +102,35 @@ def test_a_bank_of_some_experts_adds_only_its_own(triton_kernels, dtype, per_tok
             expert_gemv(gated, down[bank], ids.view(-1, 1), first_expert=first), ids, weights, first, here
         )
     assert torch.equal(out[0], torch.zeros_like(out[0])) and rel_err(out, expected) <= tol(dtype)
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("hidden_act", ["silu", "gelu_pytorch_tanh"])
+def test_a_rank_s_experts_module_adds_only_its_own(request, kernels, hidden_act):
+    """`Experts.selected` of a rank holding experts 2..4 of 7, given the step's global ids
+    (`first_expert=2`), equals the whole bank's with the other experts' slots weighing nothing —
+    SwiGLU (the fused path) and GeGLU (the activation apart: Gemma), on the reference and under
+    Triton's interpreter (fp32: relative error 1e-5, the kernels' fp32 sums in other orders)."""
+    from moemesh.models import ModelConfig
+    from tiny_run import TINY_MODEL
+
+    if kernels == "triton":
+        request.getfixturevalue("triton_kernels")
+    config = ModelConfig(**{**TINY_MODEL, "num_experts": 7, "num_experts_per_tok": 3, "hidden_act": hidden_act})
+    whole = moe.Experts(config)
+    for bank in (whole.gate_up_proj, whole.down_proj):
+        torch.nn.init.normal_(bank, std=0.2)
+    rank = moe.Experts(dataclasses.replace(config, num_experts=3))
+    rank.gate_up_proj.data, rank.down_proj.data = whole.gate_up_proj.data[2:5], whole.down_proj.data[2:5]
+    tokens = 5
+    x = torch.randn(tokens, config.hidden_size)
+    ids = torch.stack([torch.tensor([0, 5, 6])] + [torch.randperm(7)[:3] for _ in range(tokens - 1)])
+    weights = torch.rand(tokens, 3)
+    mine = (ids >= 2) & (ids < 5)
+    with torch.no_grad():
+        got = rank.selected(x, ids, weights, first_expert=2)
+        expected = whole.selected(x, ids, weights * mine)
+    assert torch.equal(got[0], torch.zeros_like(got[0])) and rel_err(got, expected) <= 1e-5
 
 
 def test_combine_pairs_kernel_equals_its_reference(triton_kernels):

@@ -290,7 +290,7 @@ class Experts(nn.Module):
         if plain:
             gated = expert_gemv(x, self.gate_up_proj, expert_ids, glu=True, first_expert=first)
         else:
-            gate_up = expert_gemv(x, self.gate_up_proj, expert_ids)
+            gate_up = expert_gemv(x, self.gate_up_proj, expert_ids, first_expert=first)
             if self.gate_up_proj_bias is not None:
                 gate_up = gate_up + self.gate_up_proj_bias[expert_ids.flatten()].to(gate_up.dtype)
             gated = self.activation(gate_up)
