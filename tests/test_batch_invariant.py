@@ -395,6 +395,25 @@ def test_the_selected_kernel_computes_each_pair_as_the_grouped_path(triton_kerne
         invariant.selected_experts(x, ids, gate_up, down, swiglu)
 
 
+def test_the_selected_kernel_s_own_tiles_keep_the_grouped_row_and_k_blocks():
+    """`_selected_tiles` changes only what does not order a row's sums: the grouped launch's
+    BLOCK_M (which rows share a tile, as the trainer's grouped kernel cuts them) and BLOCK_K (the
+    K loop) stay; columns, warps and stages are its own at a decode step's few rows an expert in
+    bf16 and fp16 (every such config gave the grouped config's bits on an H200:
+    `bench/kernels.py --selected-tiles`). fp32 and more rows an expert keep the grouped config."""
+    from moemesh.ops import invariant
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for rows, n, k in [(0, 1536, 2048), (4, 2048, 768), (16, 384, 2048), (40, 1536, 2048), (300, 2048, 768)]:
+            grouped = invariant._tiles(rows, n, dtype)
+            own = invariant._selected_tiles(grouped, k)
+            assert (own[0], own[2]) == (grouped[0], grouped[2])
+            if dtype == torch.float32 or rows > 16:
+                assert own == grouped
+            else:
+                assert own == (16, 128 if k >= 2048 else 64, 128, 4, 3)
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
 @pytest.mark.parametrize("tokens", [7, 1])
 def test_a_decode_step_s_experts_skip_the_dispatch_with_the_same_bits(triton_kernels, monkeypatch, family, tokens):
