@@ -67,6 +67,9 @@
 #       part as shipped and in batch-invariant mode (bench/decode.py --profile-scoring) beside those of
 #       the 48-layer decode step at batch 64 (PROFILE_BATCH) on 1 and 2 GPUs, then on 4
 #       (PROFILE_VARIANT=plain-launch: each kernel's own time, not a dependent launch's wait too)
+#   bash bench/gpu_checks_inference.sh gemv-tiles  on 1 GPU: decoding's projections of the 48-layer
+#       shape at 1, 2 and 4 GPUs' shares, every tile of ops/gemv.py and cuBLAS, timed inside CUDA
+#       graphs (bench/kernels.py --gemv-tiles)
 #   bash bench/gpu_checks_inference.sh tp-ep  on 4 GPUs, the 48-layer step at batch 1, 64 and 256 on
 #       1 GPU, then on 2 and 4 with the experts sliced (tp) and whole (--layout tp-ep)
 #   bash bench/gpu_checks_inference.sh tp-ep-profile  on 4 GPUs, rank 0's kernels of the 48-layer step
@@ -276,6 +279,10 @@ profiles)  # on 4 GPUs: where the time goes. GPU 0: the training step's model pa
     tp_decode 0,1,2,3 profile4 $args
     echo "== the training step"; quiet < "$LOGS/scoring_profile.txt" | grep "|\|Error\|##"
     for n in 1 2 4; do echo "== $n GPUs"; quiet < "$LOGS/profile$n.txt" | grep "|\|Error" | head -28; done
+    ;;
+gemv-tiles)  # decoding's projections alone, every tile of ops/gemv.py against cuBLAS, in CUDA graphs
+    timeout 400 python3 bench/kernels.py --gemv-tiles > "$LOGS/gemv_tiles.txt" 2>&1
+    quiet < "$LOGS/gemv_tiles.txt" | grep -v "^ *$"
     ;;
 tp-ep)  # on 4 GPUs: tensor parallelism with whole experts (`serve --tp N --ep N`) against expert slices
     args="--layers 48 --ways shipped --batches 1,64,256 --new-tokens 40"

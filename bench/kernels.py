@@ -8,6 +8,8 @@
     PYTHONPATH=. python3 bench/kernels.py --expert-tiles      # only: decoding's per-expert kernel's tiles
     PYTHONPATH=. python3 bench/kernels.py --launches          # only: what a launch costs the host
     PYTHONPATH=. python3 bench/kernels.py --invariant-attention   # only: batch-invariant attention's tiles
+    PYTHONPATH=. python3 bench/kernels.py --gemv-tiles        # only: decoding's projections (ops/gemv.py)
+    PYTHONPATH=. python3 bench/kernels.py --selected-tiles    # only: batch-invariant decode's experts
 
 Prints: effective bandwidth of permute / combine / swiglu (forward and backward) as a fraction of
 a measured device copy, against the plain PyTorch index path; expert_gemv (decoding's MoE path,
@@ -347,6 +349,20 @@ INVARIANT_CONFIGS = [
 ] + [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4)]
 
 
+def timed_configs(run, configs, reference) -> dict:
+    """{config: (ms, whether its output has `reference`'s bits)} of `run(config)` -> (ms, output);
+    a config past the GPU's shared memory is infinitely slow and unequal."""
+    times = {}
+    for config in configs:
+        try:
+            ms, out = run(config)
+            times[config] = (ms, torch.equal(out, reference))
+        except Exception as error:
+            times[config] = (float("inf"), False)
+            report(f"  {config}: {type(error).__name__}")
+    return times
+
+
 def invariant_tile_rows():
     """For each weight of the shape and each row count: the batch-invariant matmul kernel under
     every config of INVARIANT_CONFIGS against the one config it ran before tiles were picked by
@@ -393,14 +409,8 @@ def invariant_tile_rows():
 
             old_bits = 32 if n <= 4096 else 64 if n < 65536 else 128
             old, old_out = run((64, old_bits, 64, 4, 3))
-            times = {}
+            times = timed_configs(run, configs, old_out)
             for config in configs:
-                try:
-                    ms, out = run(config)
-                    times[config] = (ms, torch.equal(out, old_out))
-                except Exception as error:  # a config past the GPU's shared memory
-                    times[config] = (float("inf"), False)
-                    report(f"  {config}: {type(error).__name__}")
                 equal_everywhere[config] &= times[config][1]
             picked = invariant._tiles(pairs // experts if experts else pairs, n, DTYPE)
             picked_ms, picked_out = run(picked)
@@ -483,6 +493,176 @@ def expert_tile_rows(copy_gbps):
                     f"{nbytes / as_shipped / 1e6:>7.0f}{str(best):>22}{times[best] * 1e3:>8.1f}"
                     f"{nbytes / times[best] / 1e6:>7.0f}{nbytes / times[best] / 1e6 / copy_gbps:>7.0%}"
                 )
+
+
+SELECTED_EXTRA_CONFIGS = [(16, 256, 64, 8, 3), (16, 256, 128, 8, 3), (16, 128, 128, 8, 4), (16, 64, 256, 4, 3)]
+
+
+def selected_tile_rows(copy_gbps):
+    """--selected-tiles: batch-invariant mode's decode-step experts (`invariant._selected_matmul`,
+    a program an expert's N tile, its pairs found by scanning the ids) at 64 tokens of top-8 over
+    the 128 experts of the Qwen3-30B-A3B shape, gate_up and down, under every config of
+    INVARIANT_CONFIGS and SELECTED_EXTRA_CONFIGS against the grouped launch's config (`_tiles`,
+    what it launched before) and what it launches now (`_selected_tiles`): µs, GB/s of the weights
+    read, and whether a config's output has the grouped config's bits."""
+    import triton
+
+    from moemesh.ops import invariant
+
+    tokens, k_top, experts = (5, 2, 4) if SMOKE else (64, 8, 128)
+    configs = INVARIANT_CONFIGS[:2] if SMOKE else INVARIANT_CONFIGS
+    report(
+        "batch-invariant decode experts (_selected_matmul_kernel): configs (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)"
+    )
+    report(
+        f"{'weight':<16}{'tokens':>7}{'grouped config':>24}{'us':>8}{'shipped':>24}{'us':>8}{'best equal':>24}"
+        f"{'us':>8}{'GB/s':>6}{'%copy':>6}"
+    )
+    for what, n, k, per_x in (("experts gate_up", 1536, 2048, k_top), ("experts down", 2048, 768, 1)):
+        if SMOKE:
+            n, k = min(n, 96), min(k, 80)
+        weight = torch.randn(experts, n, k, dtype=DTYPE, device=DEVICE) / k**0.5
+        ids = torch.stack([torch.randperm(experts, device=DEVICE)[:k_top] for _ in range(tokens)]).contiguous()
+        x = torch.randn(tokens * k_top // per_x, k, dtype=DTYPE, device=DEVICE)
+        pairs = ids.numel()
+        nbytes = int(ids.unique().numel()) * n * k * weight.element_size()
+        picked = invariant._tiles(pairs // experts, n, DTYPE)
+        shipped = invariant._selected_tiles(picked, k)
+
+        def run(config):
+            out = x.new_empty(pairs, n)
+
+            def launch():
+                invariant._selected_matmul_kernel[(experts, triton.cdiv(n, config[1]))](
+                    x, weight, ids, out, pairs, n, k, x.stride(0), x.stride(1), *weight.stride(), out.stride(0),
+                    PAIRS_PER_X=per_x, **invariant._launch_meta(DTYPE, config),
+                )  # fmt: skip
+
+            launch()
+            return bench_ms(launch, rep=25), out.clone()
+
+        picked_ms, picked_out = run(picked)
+        shipped_ms, shipped_out = run(shipped)
+        assert torch.equal(invariant._selected_matmul(x, weight, ids, per_x), shipped_out)
+        times = timed_configs(run, configs, picked_out)
+        equal = [c for c in times if times[c][1]]
+        best = min(equal, key=lambda c: times[c][0]) if equal else picked
+        best_ms = times[best][0] if equal else picked_ms
+        report(
+            f"{what:<16}{tokens:>7}{str(picked):>24}{picked_ms * 1e3:>8.1f}{str(shipped):>24}{shipped_ms * 1e3:>8.1f}"
+            f"{str(best):>24}{best_ms * 1e3:>8.1f}{nbytes / best_ms / 1e6:>6.0f}"
+            f"{nbytes / best_ms / 1e6 / copy_gbps:>6.0%}"
+        )
+        unequal = [c for c in times if not times[c][1] and times[c][0] < float("inf")]
+        unequal += [] if torch.equal(shipped_out, picked_out) else ["shipped"]
+        report(f"  configs with other bits: {unequal or 'none'}")
+
+
+# Decoding's projections through `ops/gemv.py` at the 48-layer Qwen3-30B-A3B shape, one GPU and a
+# tensor-parallel rank's share (q, k, v in one launch; o_proj; the router, whole on every rank), a
+# launch's time inside a CUDA graph as a decode step runs it (issue 49).
+GEMV_TP = (1, 2, 4)
+GEMV_ROWS = (1, 16, 64)
+# (BLOCK_OUT, BLOCK_K, num_warps) beyond the shipped list, for the sweep.
+GEMV_EXTRA_CONFIGS = [(64, 64, 4), (128, 64, 4), (64, 256, 8), (128, 128, 8)]
+GEMV_LAUNCHES = 48  # a layer's worth each, captured in one CUDA graph
+
+
+def launches_us(launch, copies):
+    """µs a launch of `launch(i)`, GEMV_LAUNCHES of them over `copies` sets of weights (more bytes
+    than L2 holds, as a decode step's weights) captured in one CUDA graph and replayed: the
+    kernel's time as a decode step's graph runs it, without the host's cost of a launch."""
+    if SMOKE:
+        start = time.perf_counter()
+        launch(0)
+        return (time.perf_counter() - start) * 1e6
+    launch(0)  # compiled (and tuned) before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(GEMV_LAUNCHES):
+            launch(i % copies)
+    return bench_ms(graph.replay, rep=25) * 1e3 / GEMV_LAUNCHES
+
+
+def gemv_tile_rows(copy_gbps):
+    """Each projection at each number of rows: cuBLAS (one F.linear of the weights concatenated),
+    the kernel as shipped (its autotuner's pick), and every config of gemv.CONFIGS and
+    GEMV_EXTRA_CONFIGS (the best): µs a launch inside a CUDA graph, and GB/s over the weights'
+    bytes."""
+    import triton
+
+    from moemesh.ops import gemv as module
+
+    kernel = module._gemv_kernel
+    jit = getattr(kernel, "fn", None) or kernel.kernel  # triton's autotuner, or the CPU's first config
+    shipped = [(c.kwargs["BLOCK_OUT"], c.kwargs["BLOCK_K"], c.num_warps) for c in module.CONFIGS]
+    configs = (shipped + GEMV_EXTRA_CONFIGS)[: 3 if SMOKE else None]
+    hidden, heads, kv_heads, dim, experts = (64, 4, 2, 16, 8) if SMOKE else (2048, 32, 4, 128, 128)
+    dtype = torch.float32 if SMOKE else DTYPE  # the CPU interpreter's tl.dot is wrong in bf16
+    precision = "ieee" if SMOKE else "tf32"
+    failed = {}
+    report("decoding's projections (ops/gemv.py): configs (BLOCK_OUT, BLOCK_K, warps); µs a launch")
+    report(
+        f"{'projection':<24}{'rows':>5}{'cuBLAS':>8}{'shipped':>9}{'GB/s':>6}{'best':>17}{'us':>7}{'GB/s':>6}{'%copy':>6}"
+    )
+    for tp in GEMV_TP:
+        projections = {
+            "q, k, v": [(heads // tp * dim, hidden)] + [(max(1, kv_heads // tp) * dim, hidden)] * 2,
+            "o_proj": [(hidden, heads // tp * dim)],
+            "router": [(experts, hidden)],
+        }
+        for name, shapes in projections.items():
+            inner = shapes[0][1]
+            nbytes = sum(n * k for n, k in shapes) * torch.finfo(dtype).bits // 8
+            copies = 1 if SMOKE else min(64, max(2, 2**28 // nbytes))
+            weight_sets = [
+                [torch.randn(n, k, dtype=dtype, device=DEVICE) / k**0.5 for n, k in shapes] for _ in range(copies)
+            ]
+            wholes = [torch.cat(weights) for weights in weight_sets]
+            for rows in (1, 2) if SMOKE else GEMV_ROWS:
+                x = torch.randn(rows, inner, dtype=dtype, device=DEVICE)
+                tile_rows = 1 if rows == 1 else max(16, triton.next_power_of_2(rows))
+                sizes = [n for n, _ in shapes] + [0] * (3 - len(shapes))
+                outs = [x.new_empty(rows, n) for n in sizes]
+                offered = {c for c in configs if tile_rows == 1 or c[0] >= 16}  # as gemv._one_row_tiles
+
+                def run(config):
+                    block_out, block_k, warps = config
+                    grid = (sum(triton.cdiv(n, block_out) for n in sizes),)
+
+                    def launch(i):
+                        padded = weight_sets[i] + [weight_sets[i][0]] * (3 - len(shapes))
+                        jit[grid](
+                            x, *padded, *outs, *sizes, rows, inner, triton.next_power_of_2(rows),
+                            ROWS=tile_rows, PRECISION=precision, PREFETCH=True, GDC=False,
+                            BLOCK_OUT=block_out, BLOCK_K=block_k, num_warps=warps,
+                        )  # fmt: skip
+
+                    launch(0)
+                    expected = x.float() @ wholes[0].float().T
+                    error = rel_err(torch.cat(outs[: len(shapes)], dim=1), expected)
+                    if error > BF16_TOLERANCE:
+                        raise ValueError(f"wrong: {error:.1e}")
+                    return launches_us(launch, copies)
+
+                times = {}
+                for config in sorted(offered):
+                    try:
+                        times[config] = run(config)
+                    except Exception as error:  # a config past the GPU's registers or shared memory
+                        times[config] = float("inf")
+                        failed.setdefault((config, type(error).__name__), str(error)[:90])
+                cublas = launches_us(lambda i: F.linear(x, wholes[i]), copies)
+                as_shipped = launches_us(lambda i: module.gemv(x, weight_sets[i]), copies)
+                best = min(times, key=times.get)
+                report(
+                    f"{f'{name}, tp={tp} [{sum(sizes)}x{inner}]':<24}{rows:>5}{cublas:>8.1f}"
+                    f"{as_shipped:>9.1f}{nbytes / as_shipped / 1e3:>6.0f}{str(best):>17}{times[best]:>7.1f}"
+                    f"{nbytes / times[best] / 1e3:>6.0f}{nbytes / times[best] / 1e3 / copy_gbps:>6.0%}"
+                )
+    for (config, kind), message in failed.items():
+        report(f"  {config} failed at some rows: {kind}: {message}")
 
 
 # (tokens a tile, warps, stages, the strides told aligned, the blocks a tile sees whole unmasked) of
@@ -718,6 +898,12 @@ def main():
     copy_gbps = copy_bandwidth()
     if "--expert-tiles" in sys.argv:
         expert_tile_rows(copy_gbps)
+        return 0
+    if "--gemv-tiles" in sys.argv:
+        gemv_tile_rows(copy_gbps)
+        return 0
+    if "--selected-tiles" in sys.argv:
+        selected_tile_rows(copy_gbps)
         return 0
     report(f"device copy bandwidth (dst.copy_(src), {SIZES['copy_bytes'] / 2**20:.0f} MiB): {copy_gbps:.0f} GB/s")
     report()
