@@ -588,11 +588,12 @@ def launches_us(launch, copies):
 def gemv_tile_rows(copy_gbps):
     """Each projection at each number of rows: cuBLAS (one F.linear of the weights concatenated),
     the kernel as shipped (its autotuner's pick), and every config of gemv.CONFIGS and
-    GEMV_EXTRA_CONFIGS (the best): µs a launch inside a CUDA graph, and GB/s over the weights'
-    bytes."""
+    GEMV_EXTRA_CONFIGS (the best), each a dependent launch as the shipped one is where the GPU
+    takes them: µs a launch inside a CUDA graph, and GB/s over the weights' bytes."""
     import triton
 
     from moemesh.ops import gemv as module
+    from moemesh.ops.backend import dependent_launch
 
     kernel = module._gemv_kernel
     jit = getattr(kernel, "fn", None) or kernel.kernel  # triton's autotuner, or the CPU's first config
@@ -635,7 +636,7 @@ def gemv_tile_rows(copy_gbps):
                         padded = weight_sets[i] + [weight_sets[i][0]] * (3 - len(shapes))
                         jit[grid](
                             x, *padded, *outs, *sizes, rows, inner, triton.next_power_of_2(rows),
-                            ROWS=tile_rows, PRECISION=precision, PREFETCH=True, GDC=False,
+                            ROWS=tile_rows, PRECISION=precision, PREFETCH=True, **dependent_launch(x),
                             BLOCK_OUT=block_out, BLOCK_K=block_k, num_warps=warps,
                         )  # fmt: skip
 
