@@ -495,14 +495,11 @@ def expert_tile_rows(copy_gbps):
                 )
 
 
-SELECTED_EXTRA_CONFIGS = [(16, 256, 64, 8, 3), (16, 256, 128, 8, 3), (16, 128, 128, 8, 4), (16, 64, 256, 4, 3)]
-
-
 def selected_tile_rows(copy_gbps):
     """--selected-tiles: batch-invariant mode's decode-step experts (`invariant._selected_matmul`,
     a program an expert's N tile, its pairs found by scanning the ids) at 64 tokens of top-8 over
     the 128 experts of the Qwen3-30B-A3B shape, gate_up and down, under every config of
-    INVARIANT_CONFIGS and SELECTED_EXTRA_CONFIGS against the grouped launch's config (`_tiles`,
+    INVARIANT_CONFIGS (38) against the grouped launch's config (`_tiles`,
     what it launched before) and what it launches now (`_selected_tiles`): µs, GB/s of the weights
     read, and whether a config's output has the grouped config's bits."""
     import triton
@@ -554,7 +551,8 @@ def selected_tile_rows(copy_gbps):
             f"{nbytes / best_ms / 1e6 / copy_gbps:>6.0%}"
         )
         unequal = [c for c in times if not times[c][1] and times[c][0] < float("inf")]
-        unequal += [] if torch.equal(shipped_out, picked_out) else ["shipped"]
+        if not torch.equal(shipped_out, picked_out):
+            unequal.append("shipped")
         report(f"  configs with other bits: {unequal or 'none'}")
 
 
@@ -569,9 +567,11 @@ GEMV_LAUNCHES = 48  # a layer's worth each, captured in one CUDA graph
 
 
 def launches_us(launch, copies):
-    """µs a launch of `launch(i)`, GEMV_LAUNCHES of them over `copies` sets of weights (more bytes
-    than L2 holds, as a decode step's weights) captured in one CUDA graph and replayed: the
-    kernel's time as a decode step's graph runs it, without the host's cost of a launch."""
+    """µs a launch of `launch(i)`, GEMV_LAUNCHES of them cycling over `copies` sets of weights
+    (a set read again only after the others have passed through L2, and triton's benchmark empties
+    L2 before each replay: weights from memory, as a decode step's) captured in one CUDA graph and
+    replayed: the kernel's time as a decode step's graph runs it, without the host's cost of a
+    launch."""
     if SMOKE:
         start = time.perf_counter()
         launch(0)
@@ -616,7 +616,7 @@ def gemv_tile_rows(copy_gbps):
         for name, shapes in projections.items():
             inner = shapes[0][1]
             nbytes = sum(n * k for n, k in shapes) * torch.finfo(dtype).bits // 8
-            copies = 1 if SMOKE else min(64, max(2, 2**28 // nbytes))
+            copies = 1 if SMOKE else min(GEMV_LAUNCHES, max(2, 2**28 // nbytes))  # none unused by the graph
             weight_sets = [
                 [torch.randn(n, k, dtype=dtype, device=DEVICE) / k**0.5 for n, k in shapes] for _ in range(copies)
             ]
@@ -685,9 +685,8 @@ def invariant_attention_rows():
     attention (SDPA): microseconds, and whether every query's output has the trainer's tile's bits
     — the engine's tile among the rows: a tile for training is only usable where the bits are the
     same. Then a decode step's tiles (`decode_attention_rows`), and forward and backward together:
-    SDPA's, the kernel's with torch's attention beside it for the gradient (before), and the
-    kernel's with cuDNN's or flash attention's backward fed its output and log-sum-exp
-    (`invariant.causal_attention` now), each gradient against fp32 attention's."""
+    SDPA's and the kernel's with cuDNN's or flash attention's backward fed its output and
+    log-sum-exp (`invariant.causal_attention`), each gradient against fp32 attention's."""
     import triton
 
     from moemesh.ops import invariant
@@ -745,17 +744,11 @@ def invariant_attention_rows():
 
     fused_backward = invariant._fused_backward
 
-    def beside(q, k, v):  # before: the kernel's values, torch's attention beside them for the gradient
-        with torch.no_grad():
-            ours = invariant._whole_sequence_attention(q, k, v, scale)[0]
-        return _ValuesOf.apply(sdpa(q, k, v), ours)
-
     shipped_backend = invariant._fused_backward(q)
     report(f"{'forward and backward':<44}{'us':>10}{'x SDPA':>8}{'dq, dk, dv rel. err. vs fp32':>32}")
     base = None
     for name, attend, backend in (
         ("torch SDPA (the default path)", sdpa, shipped_backend),
-        ("kernel, torch's attention beside (before)", beside, shipped_backend),
         *((f"kernel, {b} backward from its lse{' (shipped)' * (b == shipped_backend)}", shipped_attention, b)
           for b in (() if SMOKE else ("cudnn", "flash"))),
     ):  # fmt: skip
@@ -811,18 +804,6 @@ def decode_attention_rows(heads, kv_heads, dim):
 
         same = torch.equal(launch(), shipped)
         report(f"{warps:>6}{stages:>7}{bench_ms(launch) * 1e3:>10.1f}{str(same):>10}")
-
-
-class _ValuesOf(torch.autograd.Function):
-    """`values` forward, the gradient passed to `tracked` (the trainer's attention before)."""
-
-    @staticmethod
-    def forward(ctx, tracked, values):
-        return values
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
 
 
 class _LinearFunction(torch.autograd.Function):
