@@ -671,22 +671,23 @@ def gemv_tile_rows(copy_gbps):
 # Qwen3-30B-A3B's 32 query heads of 4 key/value heads); the engine's tile is
 # `invariant.tile_tokens`' (8 tokens: 64 rows, 4 warps, 2 stages), the trainer's in bf16
 # WHOLE_SEQUENCE_ROWS' (32 tokens: 256 rows, 16 warps).
-INVARIANT_ATTENTION_CONFIGS = [
-    (8, 4, 2, True, False), (8, 4, 2, True, True), (16, 8, 2, True, True), (16, 4, 2, True, True),
-    (32, 8, 2, True, False), (32, 8, 2, True, True), (32, 16, 2, True, True), (32, 16, 3, True, True),
-    (16, 16, 2, True, True),
+INVARIANT_ATTENTION_CONFIGS = [  # (tokens a tile, warps, stages, aligned, unmasked, keys a block)
+    (8, 4, 2, True, True, 64), (16, 8, 2, True, True, 64), (32, 8, 2, True, True, 64),
+    (32, 16, 2, True, False, 64), (32, 16, 2, True, True, 64), (32, 16, 3, True, True, 64),
+    (8, 4, 2, True, True, 128), (16, 8, 2, True, True, 128), (32, 16, 2, True, True, 128),
+    (32, 8, 2, True, True, 128), (32, 16, 3, True, True, 128),
 ]  # fmt: skip
 
 
 def invariant_attention_rows():
     """--invariant-attention: the batch-invariant attention kernel over whole sequences (a training
-    step's: 4 of 2,048 tokens, the Qwen3-30B-A3B shape's heads) with other query tiles, warps and
-    stages than the trainer's, the blocks a tile sees whole masked or not, against torch's
-    attention (SDPA): microseconds, and whether every query's output has the trainer's tile's bits
-    — the engine's tile among the rows: a tile for training is only usable where the bits are the
-    same. Then a decode step's tiles (`decode_attention_rows`), and forward and backward together:
-    SDPA's and the kernel's with cuDNN's or flash attention's backward fed its output and
-    log-sum-exp (`invariant.causal_attention`), each gradient against fp32 attention's."""
+    step's: 4 of 2,048 tokens, the Qwen3-30B-A3B shape's heads) with other query tiles, warps,
+    stages and keys a block than the trainer's, the blocks a tile sees whole masked or not,
+    against torch's attention (SDPA): microseconds, and whether every query's output has the bits
+    of the engine's tile with the same keys a block (64: the trainer's) — a tile for training is
+    only usable where the bits are the same. Then a decode step's tiles (`decode_attention_rows`),
+    and forward and backward together: SDPA's and the kernel's with cuDNN's or flash attention's
+    backward fed its output and log-sum-exp (`invariant.causal_attention`), each gradient against fp32 attention's."""
     import triton
 
     from moemesh.ops import invariant
@@ -712,8 +713,11 @@ def invariant_attention_rows():
     report(f"batch-invariant attention, {batch} sequences of {seq} tokens, {heads} heads of {kv_heads}, dim {dim}")
     report(f"torch SDPA (causal) forward: {sdpa_ms * 1e3:.1f} us")
     columns = ("tokens a tile", 14), ("rows", 6), ("warps", 6), ("stages", 7), ("aligned", 8), ("unmasked", 9)
+    columns += (("keys", 6),)
     report("".join(f"{name:>{width}}" for name, width in columns) + f"{'us':>10}{'x SDPA':>8}{'same bits':>10}")
-    for tokens, warps, stages, aligned, unmasked in (
+    report("(same bits: as the first row with the same keys a block, the engine's tile; 64 keys: the shipped launch's)")
+    first_of = {invariant.ATTENTION_KEYS: shipped}
+    for tokens, warps, stages, aligned, unmasked, keys in (
         INVARIANT_ATTENTION_CONFIGS[:2] if SMOKE else INVARIANT_ATTENTION_CONFIGS
     ):
         rows = max(16, triton.next_power_of_2(tokens * group))  # the program's query rows, as the launch makes them
@@ -722,16 +726,18 @@ def invariant_attention_rows():
         def launch():
             return invariant._launch_attention(*flat, *args, scale, tokens, warps=warps, stages=stages, aligned=aligned)
 
-        row = f"{tokens:>14}{rows:>6}{warps:>6}{stages:>7}{str(aligned):>8}{str(unmasked):>9}"
-        shipped_unmasked, invariant.UNMASKED_WHOLE_BLOCKS = invariant.UNMASKED_WHOLE_BLOCKS, unmasked
+        row = f"{tokens:>14}{rows:>6}{warps:>6}{stages:>7}{str(aligned):>8}{str(unmasked):>9}{keys:>6}"
+        shipped_keys, shipped_unmasked = invariant.ATTENTION_KEYS, invariant.UNMASKED_WHOLE_BLOCKS
+        invariant.ATTENTION_KEYS, invariant.UNMASKED_WHOLE_BLOCKS = keys, unmasked
         try:
-            same = torch.equal(launch().view_as(shipped), shipped)
+            out = launch().view_as(shipped)
+            same = torch.equal(out, first_of.setdefault(keys, out))
             ms = bench_ms(launch)
         except Exception as error:  # past the GPU's registers or shared memory
             report(f"{row}  {type(error).__name__}")
             continue
         finally:
-            invariant.UNMASKED_WHOLE_BLOCKS = shipped_unmasked
+            invariant.ATTENTION_KEYS, invariant.UNMASKED_WHOLE_BLOCKS = shipped_keys, shipped_unmasked
         report(f"{row}{ms * 1e3:>10.1f}{ms / sdpa_ms:>8.2f}{str(same):>10}")
 
     decode_attention_rows(heads, kv_heads, dim)
@@ -767,14 +773,14 @@ def invariant_attention_rows():
 
 
 # (warps, stages) of the engine's decode tiles (one token × the group's query heads); the first shipped.
-DECODE_ATTENTION_CONFIGS = [(4, 2), (4, 3), (4, 4), (2, 2), (8, 3)]
+DECODE_ATTENTION_CONFIGS = [(4, 2, 64), (4, 3, 64), (8, 3, 64), (4, 2, 128), (4, 3, 128)]  # warps, stages, keys
 
 
 def decode_attention_rows(heads, kv_heads, dim):
     """A decode step's batch-invariant attention (`bench/decode.py --batch-invariant`'s batch 64 at
     288 tokens): each sequence's last token over its keys (the engine's tile of one token), with
-    other warps and stages than the engine's; µs, and whether every query's output has the
-    shipped launch's bits."""
+    other warps, stages and keys a block than the engine's; µs, and whether every query's output
+    has the bits of the first config with its keys a block (64: the shipped launch's)."""
     from moemesh.ops import invariant
 
     batch, seq, scale = (2, 40, dim**-0.5) if SMOKE else (64, 288, dim**-0.5)
@@ -796,14 +802,20 @@ def decode_attention_rows(heads, kv_heads, dim):
     pools = k.reshape(batch * seq, *k.shape[2:]), v.reshape(batch * seq, *v.shape[2:])
     shipped = invariant._launch_attention(last, *pools, *args)
     report(f"decode step: {batch} sequences' last tokens over {seq} keys")
-    report(f"{'warps':>6}{'stages':>7}{'us':>10}{'same bits':>10}")
-    for warps, stages in DECODE_ATTENTION_CONFIGS[:1] if SMOKE else DECODE_ATTENTION_CONFIGS:
+    report(f"{'warps':>6}{'stages':>7}{'keys':>6}{'us':>10}{'same bits':>10}  (as the first row with those keys)")
+    first_of = {invariant.ATTENTION_KEYS: shipped}
+    for warps, stages, keys in DECODE_ATTENTION_CONFIGS[:1] if SMOKE else DECODE_ATTENTION_CONFIGS:
 
         def launch():
             return invariant._launch_attention(last, *pools, *args, warps=warps, stages=stages)
 
-        same = torch.equal(launch(), shipped)
-        report(f"{warps:>6}{stages:>7}{bench_ms(launch) * 1e3:>10.1f}{str(same):>10}")
+        shipped_keys, invariant.ATTENTION_KEYS = invariant.ATTENTION_KEYS, keys
+        try:
+            out = launch()
+            same = torch.equal(out, first_of.setdefault(keys, out))
+            report(f"{warps:>6}{stages:>7}{keys:>6}{bench_ms(launch) * 1e3:>10.1f}{str(same):>10}")
+        finally:
+            invariant.ATTENTION_KEYS = shipped_keys
 
 
 class _LinearFunction(torch.autograd.Function):

@@ -14,6 +14,7 @@ from moemesh.inference.engine import DecodeEngine
 from moemesh.inference.request import SamplingParams
 from moemesh.inference.scheduler import Scheduler
 from moemesh.models import ModelConfig, build
+from moemesh.ops import invariant
 from moemesh.train.logprobs import completion_logprobs
 from tiny_run import TINY_MODEL
 
@@ -124,6 +125,11 @@ def test_what_the_mode_does_not_cover_is_refused():
     windowed = build(CONFIG.replace(model_type="gpt_oss", sliding_window=4, layer_types=None), seed=1).eval()
     with pytest.raises(ValueError, match="sliding windows"):
         completion_logprobs(windowed, [[0, 1, 2]], [[3]], batch_invariant=True)
+    packed = torch.tensor([0, 1, 2, 0, 1])  # two documents in one row
+    with invariant.batch_invariant(), pytest.raises(ValueError, match="no packed documents"):
+        model(torch.zeros(1, 5, dtype=torch.long), positions=packed)
+    with invariant.batch_invariant():
+        model(torch.zeros(2, 5, dtype=torch.long), positions=torch.arange(5).repeat(2, 1))  # whole rows pass
 
 
 def test_generate_batch_invariant_prints_what_each_prompt_gives_alone(tmp_path, capsys):

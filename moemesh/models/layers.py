@@ -118,16 +118,13 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """The forward in batch-invariant mode (`ops/invariant.py`): each query attends, alone, to
         exactly its keys — without a cache the sequence's up to its place (positions 0, 1, ... of
-        each row), with one those its table row holds up to its position. On the kernels' device
+        each row: `invariant.check_whole_rows`, once a forward), with one those its table row
+        holds up to its position. On the kernels' device
         (CUDA) by one attention kernel in both cases, else a loop over the queries (the CPU
         reference)."""
         if self.sinks is not None or self.sliding_window is not None:
             raise ValueError("batch-invariant mode does not cover attention sinks or sliding windows yet")
         batch, seq, _ = x.shape
-        if cache is None and not bool((positions == torch.arange(seq, device=positions.device)).all()):
-            raise ValueError(
-                "batch-invariant mode reads each row as one sequence from position 0 (no packed documents)"
-            )
         q, k, v = (p.view(batch, seq, -1, self.head_dim) for p in projections(x, self.q_proj, self.k_proj, self.v_proj))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)

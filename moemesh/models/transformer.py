@@ -217,6 +217,8 @@ class MoECausalLM(nn.Module):
         """Hidden states through the decoder layers (all, or those indexed: a pipeline stage's),
         with the router statistics of the MoE layers among them. Under activation checkpointing
         each layer is one checkpointed region (training only: with gradients, without a cache)."""
+        if cache is None and invariant.on():
+            invariant.check_whole_rows(positions)
         rope = self.rotary(positions, h.dtype)
         chosen = [self.model.layers[i] for i in (range(len(self.model.layers)) if layers is None else layers)]
         if cache is not None and not torch.is_grad_enabled() and all(layer.fuses_residual_adds for layer in chosen):

@@ -100,6 +100,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -123,9 +124,9 @@ ATTENTION_ROWS, ATTENTION_KEYS = 64, 64
 # The trainer's whole sequences (`causal_attention`) in bf16 and fp16: tiles of this many query
 # rows. A query's bits do not change with them — measured, not proven: on an H200, at the
 # Qwen3-30B-A3B shape's heads (4 × 2,048 tokens), tiles of 64, 128 and 256 rows gave every query
-# the same bits, and 256 rows in 16 warps took 518 µs where 64 took 844 (in 8 warps 644); 32 rows,
+# the same bits, and 256 rows in 16 warps took 460 µs where 64 took 794 (in 8 warps 528); 32 rows,
 # or a decode step's 16 in 2 warps (MMAs of other shapes), did change bits (bench/kernels.py
-# --invariant-attention; docs/benchmarks.md, 2026-11-28, fourth and fifth sessions). That
+# --invariant-attention; docs/benchmarks.md, 2026-11-28, fourth, fifth and seventh sessions). That
 # many rows for heads of up to 128 dims, fewer for wider ones (the accumulator, rows × dims in
 # fp32, stays that of 256 × 128). fp32 (the CPU tests' interpreter, whose tl.dot is numpy's)
 # keeps the engine's tile.
@@ -158,6 +159,16 @@ def batch_invariant(enabled: bool = True):
         yield
     finally:
         _on = before
+
+
+def check_whole_rows(positions: torch.Tensor) -> None:
+    """Refuses positions [T] or [B, T] of a forward without a cache other than 0..T-1 in every row:
+    the mode reads each row as one sequence from position 0. Once a forward, not once a layer: the
+    check waits for the GPU, and a layer's each left it idle while the host queued the next
+    layer's launches — 24 of them cost a training step of 4 × 2,048 tokens ~12 ms of 254 on an
+    H200 (docs/benchmarks.md, 2026-11-28, seventh session)."""
+    if not bool((positions == torch.arange(positions.shape[-1], device=positions.device)).all()):
+        raise ValueError("batch-invariant mode reads each row as one sequence from position 0 (no packed documents)")
 
 
 def kernels(x: torch.Tensor) -> bool:
@@ -506,10 +517,10 @@ def _launch_attention(
     reads a key's row in 16-byte loads. `lse` [B, h, T] fp32, where the tokens are B whole
     sequences of T: each query's log-sum-exp written there too.
 
-    No fused multiply-adds (`enable_fp_fusion=False`): a product rounds where the source says, so
-    that the blocks a tile sees whole, whose causal mask the kernel skips, compute the bits of the
-    same blocks masked (a fused scale-and-subtract would round once where the masked path rounds
-    twice)."""
+    No fused multiply-adds the compiler chooses (`enable_fp_fusion=False`): a product rounds where
+    the source says — its one `tl.fma` included — so that the blocks a tile sees whole, whose
+    causal mask the kernel skips, compute the bits of the same blocks masked (a fusion found in one
+    path and not in the other would round once where the other rounds twice)."""
     tokens, heads, head_dim = q.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
@@ -541,7 +552,7 @@ def _launch_attention(
             tile_lengths,
             tile_count,
             1 if lse is None else lse.shape[-1],
-            scale,
+            scale * math.log2(math.e),  # the kernel's softmax is in base 2
             GROUP=group,
             HEADS=heads,
             ROWS=rows,
@@ -565,8 +576,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     writes each query's log-sum-exp, and the backward is torch's fused one (cuDNN's on an H200),
     fed the kernel's own output and log-sum-exp (`_CausalAttention`, `attention_gradient`): no
     second forward for the gradient. Before, torch's attention ran beside the kernel for its
-    backward alone: forward and backward 1.48× SDPA's at 4 × 2,048 tokens on an H200, now 1.23×
-    (docs/benchmarks.md, 2026-11-28, fifth session)."""
+    backward alone: forward and backward 1.48× SDPA's at 4 × 2,048 tokens on an H200, now
+    1.14–1.17× (docs/benchmarks.md, 2026-11-28, fifth and seventh sessions)."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _CausalAttention.apply(q, k, v, scale)
     return _whole_sequence_attention(q, k, v, scale)[0]
@@ -774,7 +785,7 @@ def _attention_kernel(
         if STORE_LSE:
             sequence = token // lse_tokens
             lse_at = (sequence * HEADS + head) * lse_tokens + token - sequence * lse_tokens
-            tl.store(lse_ptr + lse_at, running_max + tl.log(total), mask=valid)
+            tl.store(lse_ptr + lse_at, (running_max + tl.log2(total)) * 0.6931471805599453, mask=valid)  # ln 2
 
 
 @triton.jit
@@ -802,13 +813,16 @@ def _attention_block(
         k = tl.load(keys_at_d)
     else:
         k = tl.load(keys_at_d, mask=in_d[None, :], other=0.0)
-    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # unscaled
     if MASKED:
         scores = tl.where(present[None, :] & (keys_at[None, :] <= position[:, None]), scores, float("-inf"))
-    new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+    # In base 2, scale = the softmax's × log2(e): the maximum scaled once a row (rounding is
+    # monotonic: the same as the maximum of the scaled scores), each score scaled and shifted in one
+    # fused multiply-add, one exp2 (tl.exp would multiply by log2(e) again).
+    new_max = tl.maximum(running_max, tl.max(scores, axis=1) * scale)
     shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row that sees no key yet
-    alpha = tl.exp(running_max - shift)
-    p = tl.exp(scores - shift[:, None])
+    alpha = tl.exp2(running_max - shift)
+    p = tl.exp2(tl.fma(scores, scale, -shift[:, None]))
     total = total * alpha + tl.sum(p, axis=1)
     if MASKED:
         v = tl.load(values_at_d, mask=present[:, None] & in_d[None, :], other=0.0)
@@ -816,7 +830,7 @@ def _attention_block(
         v = tl.load(values_at_d)
     else:
         v = tl.load(values_at_d, mask=in_d[None, :], other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return new_max, total, acc
 
 
