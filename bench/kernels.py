@@ -666,12 +666,12 @@ def gemv_tile_rows(copy_gbps):
         report(f"  {config} failed at some rows: {kind}: {message}")
 
 
-# (tokens a tile, warps, stages, the strides told aligned, the blocks a tile sees whole unmasked) of
-# the attention kernel over whole sequences: a tile's query rows are its tokens × the group (8 for
-# Qwen3-30B-A3B's 32 query heads of 4 key/value heads); the engine's tile is
-# `invariant.tile_tokens`' (8 tokens: 64 rows, 4 warps, 2 stages), the trainer's in bf16
-# WHOLE_SEQUENCE_ROWS' (32 tokens: 256 rows, 16 warps).
-INVARIANT_ATTENTION_CONFIGS = [  # (tokens a tile, warps, stages, aligned, unmasked, keys a block)
+# (tokens a tile, warps, stages, the strides told aligned, the blocks a tile sees whole unmasked,
+# keys a block: invariant.ATTENTION_KEYS) of the attention kernel over whole sequences: a tile's
+# query rows are its tokens × the group (8 for Qwen3-30B-A3B's 32 query heads of 4 key/value
+# heads); the engine's tile is `invariant.tile_tokens`' (8 tokens: 64 rows, 4 warps, 2 stages, 64
+# keys), the trainer's in bf16 WHOLE_SEQUENCE_ROWS' (32 tokens: 256 rows, 16 warps).
+INVARIANT_ATTENTION_CONFIGS = [
     (8, 4, 2, True, True, 64), (16, 8, 2, True, True, 64), (32, 8, 2, True, True, 64),
     (32, 16, 2, True, False, 64), (32, 16, 2, True, True, 64), (32, 16, 3, True, True, 64),
     (8, 4, 2, True, True, 128), (16, 8, 2, True, True, 128), (32, 16, 2, True, True, 128),
@@ -687,7 +687,8 @@ def invariant_attention_rows():
     of the engine's tile with the same keys a block (64: the trainer's) — a tile for training is
     only usable where the bits are the same. Then a decode step's tiles (`decode_attention_rows`),
     and forward and backward together: SDPA's and the kernel's with cuDNN's or flash attention's
-    backward fed its output and log-sum-exp (`invariant.causal_attention`), each gradient against fp32 attention's."""
+    backward fed its output and log-sum-exp (`invariant.causal_attention`), each gradient against
+    fp32 attention's."""
     import triton
 
     from moemesh.ops import invariant
@@ -772,8 +773,9 @@ def invariant_attention_rows():
         report(f"{name:<44}{ms * 1e3:>10.1f}{ms / base:>8.2f}{errors:>32}")
 
 
-# (warps, stages) of the engine's decode tiles (one token × the group's query heads); the first shipped.
-DECODE_ATTENTION_CONFIGS = [(4, 2, 64), (4, 3, 64), (8, 3, 64), (4, 2, 128), (4, 3, 128)]  # warps, stages, keys
+# (warps, stages, keys a block) of the engine's decode tiles (one token × the group's query heads);
+# the first shipped.
+DECODE_ATTENTION_CONFIGS = [(4, 2, 64), (4, 3, 64), (8, 3, 64), (4, 2, 128), (4, 3, 128)]
 
 
 def decode_attention_rows(heads, kv_heads, dim):

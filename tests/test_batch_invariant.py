@@ -106,7 +106,6 @@ def test_without_the_mode_the_numbers_differ_in_the_last_bits():
 def test_every_forward_of_an_engine_in_the_mode_runs_in_the_mode():
     """Warm-up too: on a GPU it captures the CUDA graphs the steps then replay, so a warm-up out of
     the mode would have every later step replay the default kernels (as it once did)."""
-    from moemesh.ops import invariant
 
     model = build(CONFIG, seed=1).eval()
     seen = []
@@ -151,7 +150,6 @@ def test_generate_batch_invariant_prints_what_each_prompt_gives_alone(tmp_path, 
 def test_the_mode_computes_the_model_s_own_numbers():
     """The same model in another order of sums: fp32 logits and loss within 1e-5 of the default
     forward's (attention's grouped heads, the experts' weighted sum, the head all as there)."""
-    from moemesh.ops import invariant
 
     model = build(CONFIG.replace(num_attention_heads=8, num_key_value_heads=2), seed=1)
     tokens = torch.randint(1, 256, (3, 21), generator=torch.Generator().manual_seed(2))
@@ -279,7 +277,6 @@ def kernel_tol(dtype) -> float:
 def test_the_matmul_kernel_computes_a_row_alike_wherever_it_sits(triton_kernels, dtype):
     """Each row's bits whether computed alone, among 130 rows or among 70 others at another place
     of another tile; the gradients the ordinary ones."""
-    from moemesh.ops import invariant
     from numerics import rel_err
 
     w = torch.randn(70, 45).to(dtype)
@@ -308,7 +305,6 @@ def test_the_grouped_kernel_computes_each_row_as_the_matmul_kernel_alone(triton_
     group: the kernel's own zeros, in two tiles): each row's bits those of `matmul` of that row
     alone with its expert's weight; the rows past the groups zeros; the two projections'
     gradients the ordinary ones."""
-    from moemesh.ops import invariant
     from moemesh.ops.swiglu import swiglu
     from numerics import rel_err
 
@@ -368,7 +364,7 @@ def test_the_selected_kernel_computes_each_pair_as_the_grouped_path(triton_kerne
     every token (70 pairs: two blocks of the fp32 BLOCK_M), 1 to 3 in the other, 4 and 5 chosen
     by none — and for one token; within tolerance of float64. The kernels (interpreted on a CPU
     in fp32); the CPU reference refuses it (it dispatches)."""
-    from moemesh.ops import invariant, permute
+    from moemesh.ops import permute
     from moemesh.ops.swiglu import swiglu
     from numerics import rel_err
 
@@ -407,7 +403,6 @@ def test_the_selected_kernel_s_own_tiles_keep_the_grouped_row_and_k_blocks():
     K loop) stay; columns, warps and stages are its own at a decode step's few rows an expert in
     bf16 and fp16 (every such config gave the grouped config's bits on an H200:
     `bench/kernels.py --selected-tiles`). fp32 and more rows an expert keep the grouped config."""
-    from moemesh.ops import invariant
 
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for rows, n, k in [(0, 1536, 2048), (4, 2048, 768), (16, 384, 2048), (40, 1536, 2048), (300, 2048, 768)]:
@@ -431,7 +426,6 @@ def test_a_decode_step_s_experts_skip_the_dispatch_with_the_same_bits(triton_ker
     element other bits at a tensor's end (the vectorised loop's scalar tail; not so on a GPU),
     and the two paths put a pair's row at other places."""
     from moemesh.models import moe
-    from moemesh.ops import invariant
     from numerics import rel_err
     from test_models_decoding import FAMILIES
 
@@ -464,7 +458,6 @@ def test_the_attention_kernel_gives_a_query_the_same_bits_in_any_step(triton_ker
     (packed steps) — every query's output bit-equal; within tolerance of float64; the whole
     sequence's gradients those of torch's attention."""
     from moemesh.models.kv_cache import PagedKVCache
-    from moemesh.ops import invariant
     from numerics import rel_err
 
     length, heads, kv_heads, scale = 70, 6, 2, head_dim**-0.5
@@ -513,7 +506,6 @@ def test_with_the_kernels_the_engine_and_the_trainer_agree_bit_for_bit(triton_ke
     trainer's, with its routing — the engine's experts by `selected_experts` (no gradients, few
     pairs), the trainer's through the dispatch. (Preemption only prefills again: the CPU
     reference's tests above cover it; the interpreter is slow.)"""
-    from moemesh.ops import invariant
 
     launches = counted_calls(
         monkeypatch, invariant, ["matmul", "paged_attention", "grouped_matmul", "selected_experts"]

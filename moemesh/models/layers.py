@@ -118,9 +118,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """The forward in batch-invariant mode (`ops/invariant.py`): each query attends, alone, to
         exactly its keys — without a cache the sequence's up to its place (positions 0, 1, ... of
-        each row: `invariant.check_whole_rows`, once a forward), with one those its table row
-        holds up to its position. On the kernels' device (CUDA) by one attention kernel in both
-        cases, else a loop over the queries (the CPU reference)."""
+        each row: the model's forward checks a caller's, `invariant.check_whole_rows`), with one
+        those its table row holds up to its position. On the kernels' device (CUDA) by one
+        attention kernel in both cases, else a loop over the queries (the CPU reference)."""
         if self.sinks is not None or self.sliding_window is not None:
             raise ValueError("batch-invariant mode does not cover attention sinks or sliding windows yet")
         batch, seq, _ = x.shape

@@ -185,6 +185,8 @@ class MoECausalLM(nn.Module):
             output_router_logits = self.config.output_router_logits
         if positions is None:  # one row of positions for all: the training path's rotary tables stay [T, D]
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        elif cache is None and invariant.on():  # a caller's positions (every other path makes them 0..T-1)
+            invariant.check_whole_rows(positions)
         h, router_stats = self.run_layers(self.model.embed_tokens(input_ids), positions, cache=cache)
         h = self.model.norm(h)
 
@@ -217,8 +219,6 @@ class MoECausalLM(nn.Module):
         """Hidden states through the decoder layers (all, or those indexed: a pipeline stage's),
         with the router statistics of the MoE layers among them. Under activation checkpointing
         each layer is one checkpointed region (training only: with gradients, without a cache)."""
-        if cache is None and invariant.on():
-            invariant.check_whole_rows(positions)
         rope = self.rotary(positions, h.dtype)
         chosen = [self.model.layers[i] for i in (range(len(self.model.layers)) if layers is None else layers)]
         if cache is not None and not torch.is_grad_enabled() and all(layer.fuses_residual_adds for layer in chosen):

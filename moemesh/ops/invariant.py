@@ -163,10 +163,11 @@ def batch_invariant(enabled: bool = True):
 
 def check_whole_rows(positions: torch.Tensor) -> None:
     """Refuses positions [T] or [B, T] of a forward without a cache other than 0..T-1 in every row:
-    the mode reads each row as one sequence from position 0. Once a forward, not once a layer: the
-    check waits for the GPU, and each layer's left it idle while the host queued the next
-    layer's launches — 24 of them cost a training step of 4 × 2,048 tokens ~12 ms of 254 on an
-    H200 (docs/benchmarks.md, 2026-11-28, seventh session)."""
+    the mode reads each row as one sequence from position 0. Called by the model's forward for
+    positions its caller gave (the training path's, the pipeline's and the trainer's log-probs
+    make their own 0..T-1), not by each layer: the check waits for the GPU, and each layer's left
+    it idle while the host queued the next layer's launches — 24 of them cost a training step of
+    4 × 2,048 tokens ~12 ms of 254 on an H200 (docs/benchmarks.md, 2026-11-28, seventh session)."""
     if not bool((positions == torch.arange(positions.shape[-1], device=positions.device)).all()):
         raise ValueError("batch-invariant mode reads each row as one sequence from position 0 (no packed documents)")
 
