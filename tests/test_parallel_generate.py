@@ -8,7 +8,9 @@ import json
 import os
 import subprocess
 import sys
+from multiprocessing import shared_memory
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,7 +21,7 @@ from moemesh.inference.engine import Chunk, DecodeEngine
 from moemesh.inference.generate import generate
 from moemesh.inference.request import SamplingParams
 from moemesh.models import ModelConfig, build
-from moemesh.parallel import comm
+from moemesh.parallel import channel, comm
 from moemesh.parallel.expert import apply_ep_for_decoding
 from moemesh.parallel.mesh import ParallelDims, init_mesh
 from moemesh.parallel.tensor import apply_tp, apply_tp_whole_experts
@@ -116,6 +118,43 @@ def check_a_decode_step_is_one_broadcast(rank):
     assert issued == {"broadcast": 2, "all_reduce": 1 + 2 * CONFIG.num_hidden_layers, "all_gather": 1}  # with close's
 
 
+def check_the_leader_s_messages(rank):
+    """The channel from the leader (parallel/channel.py): 3 rings' worth of messages of varied
+    lengths, each received whole and in order, counted as a broadcast each; with shared memory
+    off (ranks on several hosts) the same through a broadcast; a follower that hears nothing
+    raises within its timeout rather than waiting forever; the leader's segment is gone once it
+    closes."""
+    group = init_mesh(ParallelDims(tp=TP)).group("tp")
+    messages = [np.arange(n, dtype=np.int64) * (i + 1) for i, n in enumerate(range(1, 3 * channel.SLOTS + 1))]
+    seen = {}
+    for shared in (True, False):
+        channel.SHARED_MEMORY = shared
+        try:
+            opened = channel.open_channel(group, 8 * len(messages[-1]), torch.device("cpu"))
+        finally:
+            channel.SHARED_MEMORY = True
+        comm.reset_counts()
+        if rank == 0:
+            for message in messages:
+                opened.send(message)
+        else:
+            got = [opened.receive() for _ in messages]
+            assert all(np.array_equal(a, b) for a, b in zip(got, messages))
+        assert comm.calls[("broadcast", "forward")] == len(messages)
+        seen[type(opened).__name__] = getattr(getattr(opened, "segment", None), "name", None)
+        torch.distributed.barrier(group)
+        if rank == 1 and shared:
+            opened.timeout_s = 0.05
+            with pytest.raises(channel.ChannelTimeout):
+                opened.receive()
+        torch.distributed.barrier(group)
+        opened.close()
+    torch.distributed.barrier(group)
+    with pytest.raises(FileNotFoundError):
+        shared_memory.SharedMemory(name=seen["SharedMemoryChannel"])
+    return sorted(seen)
+
+
 class _TooLarge(Exception):
     pass
 
@@ -187,12 +226,14 @@ def test_tp_generation_equals_one_process(tmp_path):
     try:
         (gathers, gathered), follower = pool.run(check_generation)
         pool.run(check_a_decode_step_is_one_broadcast)
+        channels = pool.run(check_the_leader_s_messages)
         reads = pool.run(check_each_rank_reads_only_its_shard, str(tmp_path / "hf"))
         pool.run(check_ep_generation)
         pool.run(check_whole_experts_generation)
         tiles = pool.run(check_ranks_agree_on_tiles)
     finally:
         pool.close()
+    assert channels == [["BroadcastChannel", "SharedMemoryChannel"]] * TP
     assert tiles == [("a", "b", [float("inf")] * 3), ("b", "b", "raised")]
     for read, kept, whole in reads:
         assert 0 < read == kept < 0.6 * whole, (read, kept, whole)

@@ -50,10 +50,14 @@ processed after it (processing.py); a chunk with `all_logits` keeps those of eve
 
 Under tensor parallelism (or expert parallelism for decoding: `parallel.expert.apply_ep_for_decoding`)
 every rank holds an engine over its shard; the rank that schedules
-(rank 0 of the group) broadcasts each step's inputs and block-table changes first, and the others,
-in `follow`, run the same calls — collectives inside the model then pair up, and every rank
-samples the same tokens from the same gathered logits. A decode step is one broadcast (the
-operation and the step's inputs in one fixed-size message), and on GPUs the model's all-reduces
+(rank 0 of the group) sends each step's operation, inputs and block-table changes first, and the
+others, in `follow`, run the same calls — collectives inside the model then pair up, and every
+rank samples the same tokens from the same gathered logits. A decode step is one message (the
+operation and the step's inputs, fixed-size) through `parallel/channel.py`, host shared memory
+where the ranks share a host, and the graphs read the inputs where the message lands on the
+device (views of it): against an NCCL broadcast of a message built from torch tensors and copied
+into the graphs' buffers, two H200s' GPUs idle 0.2-0.9 ms less between decode steps
+(docs/benchmarks.md, 2026-11-28, eighth session). On GPUs the model's all-reduces
 of up to a packed step's activations go through a buffer every rank maps
 (`comm.use_peer_all_reduce`) rather than NCCL: a decode step's are a few KB each, two a layer, and
 their latency is what tensor parallelism adds to a step (docs/benchmarks.md, issue 49).
@@ -67,6 +71,7 @@ import math
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -78,6 +83,7 @@ from moemesh.models.kv_cache import HostLayoutMissing
 from moemesh.models.weights import copy_weights
 from moemesh.ops import backend, invariant
 from moemesh.parallel import comm
+from moemesh.parallel.channel import open_channel
 
 _FORWARD, _DECODE, _STOP, _KEEP_ALIVE, _TABLES = 1, 2, 3, 4, 5
 # Packed-step buckets above 256 tokens are this far apart (the module doc says why).
@@ -160,13 +166,20 @@ class DecodeEngine:
             torch.tensor([0, 0, max_batch], device=self.device),
             torch.tensor([0.0, 1.0], device=self.device),
         )
-        # A decode step's inputs, where a captured graph reads them: per token (token, position,
-        # table row, seed, step) and (temperature, top_p).
-        self.ints = torch.zeros(max_batch, 5, dtype=torch.long, device=self.device)
-        self.floats = torch.zeros(max_batch, 2, dtype=torch.float32, device=self.device)
-        # What the leader of a tensor-parallel group broadcasts first: (operation, a, b, c), then
-        # for a decode step its ints and floats (as int64: two float32 each).
+        # What the leader of a tensor-parallel group sends first: (operation, a, b, c), then for a
+        # decode step its inputs, where its captured graphs read them (views of the message, so
+        # that its copy to the device delivers them with no copy after it): per token (token, position,
+        # table row, seed, step), and (temperature, top_p) as float32 pairs in int64 slots.
         self.message = torch.zeros(4 + 6 * max_batch, dtype=torch.long, device=self.device)
+        self.ints = self.message[4 : 4 + 5 * max_batch].view(max_batch, 5)
+        self.floats = self.message[4 + 5 * max_batch :].view(torch.float32).view(max_batch, 2)
+        # ... written on the host into pinned memory, then sent in one asynchronous copy (the
+        # event: that copy, which the next one waits for before the host writes again).
+        on_gpu = self.device.type == "cuda"
+        self._staging = torch.zeros_like(self.message, device="cpu", pin_memory=on_gpu) if on_gpu else self.message
+        self._staged = torch.cuda.Event() if on_gpu else None
+        # The leader's messages to the group's other ranks (host shared memory on one host).
+        self.channel = None if group is None else open_channel(group, 8 * self.message.numel(), self.device)
         if group is not None:
             hidden_bytes = model.config.hidden_size * next(model.parameters()).element_size()
             comm.use_peer_all_reduce(
@@ -267,12 +280,18 @@ class DecodeEngine:
     def close(self) -> None:
         """Release the followers of a tensor-parallel group (the leader calls it once, at the end)."""
         self._announce(_STOP)
+        if self.channel is not None:
+            self.channel.close()
 
     def follow(self) -> None:
         """On a tensor-parallel rank other than the leader: run what the leader announces, until it closes."""
         while True:
-            op, a, b, c = comm.broadcast_(self.message, self.group)[:4].tolist()
+            if self.device.type == "cuda":  # the channel's wait then starts when this rank's step has ended
+                torch.cuda.current_stream(self.device).synchronize()
+            message = self.channel.receive()
+            op, a, b, c = (int(v) for v in message[:4])
             if op == _STOP:
+                self.channel.close()
                 return
             if op == _KEEP_ALIVE:
                 continue
@@ -287,8 +306,9 @@ class DecodeEngine:
                     floats = comm.broadcast_(torch.empty(b, 2, dtype=torch.float32, device=self.device), self.group)
                     host = ints.tolist()
                     self._forward(ints, samples, floats, _segments(host), MODES[c], any(t[3] for t in host))
-                else:
-                    self._take_decode_inputs(a)
+                else:  # a decode step: its inputs came with the message
+                    self._staging_for_write()[:] = message
+                    self._copy_staged()
                     self._run(a, b, MODES[c])
 
     # ---- inside ----------------------------------------------------------------------------------
@@ -302,27 +322,37 @@ class DecodeEngine:
     def _announce(self, op: int, a: int = 0, b: int = 0, c: int = 0, *tensors: torch.Tensor) -> None:
         if self.group is None:
             return
-        self.message[:4].copy_(torch.tensor([op, a, b, c]))
-        comm.broadcast_(self.message, self.group)
+        self.channel.send(np.array([op, a, b, c], dtype=np.int64))
         for t in tensors:
             comm.broadcast_(t, self.group)
 
     def _send_decode(self, ints: list[list[int]], floats: list[list[float]], kv_len: int, mode: str) -> None:
         """A decode step's inputs, per row (token, position, table row, seed, step) and
-        (temperature, top_p), into the buffers its graphs read: on the leader of a tensor-parallel
-        group through the message that announces the step, one copy and one broadcast."""
-        batch = len(ints)
-        floats_as_ints = torch.tensor(floats, dtype=torch.float32).view(torch.long).view(-1)
-        message = torch.cat([torch.tensor([_DECODE, batch, kv_len, MODES.index(mode)]), torch.tensor(ints).view(-1)])
-        self.message[: 4 + 6 * batch].copy_(torch.cat([message, floats_as_ints]), non_blocking=True)
-        if self.group is not None:
-            comm.broadcast_(self.message, self.group)
-        self._take_decode_inputs(batch)
+        (temperature, top_p), into the buffers its graphs read: written into pinned host memory,
+        then one asynchronous copy, and on the leader of a tensor-parallel group one message
+        through the channel. While the host builds it the GPU idles: as torch.tensor of lists and
+        three copies it took an H200 host 119 µs at batch 1 and 235 at 64, now 58 and 114 (one
+        call; docs/benchmarks.md, 2026-11-28, eighth session)."""
+        batch, floats_at = len(ints), 4 + 5 * self.max_batch
+        staged = self._staging_for_write()
+        staged[:4] = (_DECODE, batch, kv_len, MODES.index(mode))
+        staged[4 : 4 + 5 * batch] = np.asarray(ints, dtype=np.int64).ravel()
+        staged[floats_at : floats_at + batch] = np.asarray(floats, dtype=np.float32).view(np.int64).ravel()
+        if self.channel is not None:
+            self.channel.send(staged)
+        self._copy_staged()
 
-    def _take_decode_inputs(self, batch: int) -> None:
-        ints = self.message[4 : 4 + 5 * batch].view(batch, 5)
-        self.ints[:batch].copy_(ints)
-        self.floats[:batch].copy_(self.message[4 + 5 * batch : 4 + 6 * batch].view(torch.float32).view(batch, 2))
+    def _staging_for_write(self) -> np.ndarray:
+        """The host memory of the next step's message, once the previous one's copy has left it."""
+        if self._staged is not None:
+            self._staged.synchronize()
+        return self._staging.numpy()
+
+    def _copy_staged(self) -> None:
+        """The staged message to the device (asynchronously); on a CPU it is the message itself."""
+        if self._staged is not None:
+            self.message.copy_(self._staging, non_blocking=True)
+            self._staged.record()
 
     def _send_tables(self) -> None:
         if not self._changed:
