@@ -56,14 +56,20 @@ vocabulary split, the experts whole, as `serve --tp N --ep N`) and materialised 
 the engine made with the TP group; the engine's decode step alone (ms/step, as "engine ms/step"
 above) for each way of summing the model's all-reduces (--ways: NCCL; the peer buffer's one-shot;
 its two-shot; as shipped, `comm.PEER_ALL_REDUCE`), with the collectives of a step counted (those
-inside the captured graphs included) and whether its greedy tokens equal the first way's. With
-N = 1 it gives the one-GPU row; with --profile-steps, rank 0's kernels of a step instead (under the
-first of --step-variants: plain-launch gives each kernel's own time, where a dependent launch's
-includes its wait for the kernel before).
+inside the captured graphs included) and whether its greedy tokens equal the first way's; beside
+it the step's graph replayed back to back on every rank ("graph alone ms": the GPUs without the
+host's work between steps) and, during the timed steps, each rank's GPU time in a step's graph
+and idle before it (CUDA events around each replay). With N = 1 it gives the one-GPU row; with
+--profile-steps, rank 0's kernels of a step instead (under the first of --step-variants:
+plain-launch gives each kernel's own time, where a dependent launch's includes its wait for the
+kernel before).
 --step-variants shipped,before (or plain-launch, no-prefetch, unfused-adds, sums-apart, dot-gemv)
 also times the step with the kernels launched plainly, the GEMV's weights read after its wait, the
 residual adds apart from the norms, the all-reduces apart from the norms (ops/summed_norm.py), one
-row through the GEMV's tl.dot (ops/gemv.py), or all five.
+row through the GEMV's tl.dot (ops/gemv.py), or all five. Ceilings (timing only, wrong tokens):
+skip-topk (a fixed routing), skip-rope (no rotary and cache-write kernel), skip-combine (no
+weighted sum of the pairs), free-sums (no rank adds another's partial): what fusing that launch
+away could gain at most; no-split runs attention's keys unsplit (no merge kernel).
 --all-reduce: one all-reduce of bf16 [--all-reduce-sizes KB] in microseconds, 32 of them captured
 in a CUDA graph and replayed, each way, with the largest difference from an fp32 sum and whether
 every rank got the same bits; then the sum with the residual add and RMSNorm after it, as the
@@ -74,6 +80,7 @@ against the fp32 sum rounded once, on every rank).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import math
 import os
@@ -100,7 +107,7 @@ from moemesh.inference.request import SamplingParams
 from moemesh.inference.scheduler import Scheduler
 from moemesh.models import build, moe
 from moemesh.models.transformer import DecoderLayer
-from moemesh.ops import backend, gemv
+from moemesh.ops import backend, decode_attention, gemv
 from moemesh.parallel import comm
 
 
@@ -452,9 +459,15 @@ def tensor_parallel_rows(config, args, prompts) -> list[dict]:
         step_variant(variant)
         for batch in args.batches:
             engine = DecodeEngine(model, max_batch=batch, max_len=args.prompt_len + args.new_tokens + 1, group=group)
-            row = led(engine, lambda e: tensor_parallel_row(e, args, prompts[:batch], world, way, first))
+            with replays_timed() as replays:
+                row = led(engine, lambda e: tensor_parallel_row(e, args, prompts[:batch], world, way, first))
+            gaps = gathered(replay_gaps(replays, batch))
+            replayed = replay_ms(engine, batch)
             if row and len(args.step_variants) > 1:
                 row["variant"] = variant
+            if row:
+                row["graph alone ms"] = f"{replayed:.2f}"
+                row["in the graph / idle before it, ms, by rank"] = ", ".join(f"{a:.2f} / {b:.2f}" for a, b in gaps)
             rows += [row] if row else []
             del engine  # its KV cache took what the weights left: gone before the next engine sizes its own
             free()
@@ -483,6 +496,42 @@ STEP_VARIANTS = {
 }
 
 
+# --step-variants' ceilings (issue 49): a launch of each layer left out, to time what fusing it away
+# could gain at most. Their tokens are wrong (the column "tokens as the first way" says no): the
+# routing a fixed draw, the step's keys not written, the pairs not summed, or no rank's partial
+# sums added to the others'. "no-split" is a real alternative: attention's keys unsplit, no merge.
+CEILINGS = {
+    "skip-topk": ("topk",),
+    "skip-rope": ("rope",),
+    "no-split": ("split",),
+    "skip-combine": ("combine",),
+    "free-sums": ("sums",),
+}
+STEP_VARIANTS.update(CEILINGS)
+_SHIPPED = {}
+
+
+def fixed_routing(logits: torch.Tensor, k: int, normalise: bool):
+    """skip-topk's routing: for each row count, one uniform draw of k distinct experts a token
+    (made once, outside any graph) with weights 1/k."""
+    key = (logits.shape[0], k, logits.device)
+    if key not in _SHIPPED.setdefault("routes", {}):
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.stack([torch.randperm(logits.shape[1], generator=generator)[:k] for _ in range(logits.shape[0])])
+        weights = torch.full(ids.shape, 1 / k, dtype=torch.float32)
+        _SHIPPED["routes"][key] = (weights.to(logits.device), ids.to(logits.device))
+    return _SHIPPED["routes"][key]
+
+
+def unwritten_queries(q: torch.Tensor, k, v, cos: torch.Tensor, *rest) -> torch.Tensor:
+    """skip-rope's queries: zeros of the shape rope_to_cache gives (made once a shape, outside any
+    graph); the cache not written."""
+    shape = (q.shape[0], q.shape[1] // cos.shape[1], cos.shape[1])
+    if (shape, q.device) not in _SHIPPED.setdefault("queries", {}):
+        _SHIPPED["queries"][shape, q.device] = q.new_zeros(shape)
+    return _SHIPPED["queries"][shape, q.device]
+
+
 def step_variant(name: str) -> None:
     off = STEP_VARIANTS[name]
     backend.DEPENDENT_LAUNCH = "dependent launch" not in off
@@ -490,6 +539,83 @@ def step_variant(name: str) -> None:
     DecoderLayer.fuses_residual_adds = "fused adds" not in off
     comm.SUMS_IN_NORMS = "sums in norms" not in off
     gemv.ONE_ROW_REDUCTION = "one-row reduction" not in off
+    patches = {
+        "topk": (moe, "topk_softmax", fixed_routing),
+        "rope": (decode_attention, "rope_to_cache", unwritten_queries),
+        "split": (decode_attention, "split_count", lambda *args: 1),
+        "combine": (moe, "combine_pairs", lambda out, ids, *rest: out.view(*ids.shape, -1)[:, 0]),
+        "sums": (comm, "_sum_of", lambda x, group, phase: x),
+    }
+    for what, (module, attribute, ceiling) in patches.items():
+        shipped = _SHIPPED.setdefault((module.__name__, attribute), getattr(module, attribute))
+        setattr(module, attribute, ceiling if what in off else shipped)
+    if "sums" in off:
+        comm.SUMS_IN_NORMS = False  # the norm then adds what _sum_of returns: the rank's own partial
+
+
+@contextlib.contextmanager
+def replays_timed():
+    """Inside, every CUDA graph replay of a DecodeEngine is bracketed by CUDA events: yields the
+    list of (key, start, end) they go to."""
+    shipped, replays = DecodeEngine._replay, []
+
+    def timed(self, key, step):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = shipped(self, key, step)
+        end.record()
+        replays.append((key, start, end))
+        return out
+
+    DecodeEngine._replay = timed if torch.cuda.is_available() else shipped
+    try:
+        yield replays
+    finally:
+        DecodeEngine._replay = shipped
+
+
+def replay_gaps(replays, batch: int) -> tuple[float, float]:
+    """Of the decode steps of `batch` rows that followed one another: the median ms the GPU spent
+    in a step's graph (waits for the other ranks included) and idle before it (the host's work
+    between steps: inputs, broadcast, reading the tokens back)."""
+    sync()
+    inside, idle = [], []
+    for (key0, _, end0), (key, start, end) in zip(replays, replays[1:]):
+        if key[0] == batch and key0 == key:
+            inside.append(start.elapsed_time(end))
+            idle.append(end0.elapsed_time(start))
+    return (statistics.median(inside), statistics.median(idle)) if inside else (float("nan"), float("nan"))
+
+
+def gathered(value) -> list:
+    """`value` of every rank, in rank order (this rank's alone without a process group)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [value]
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def replay_ms(engine: DecodeEngine, batch: int, replays: int = 40) -> float:
+    """Milliseconds a replay of the engine's last captured decode step of `batch` rows, replayed
+    back to back on every rank at once (the host never waits): the GPUs' step without the host's
+    work between steps (the inputs, the broadcast, reading the tokens back)."""
+    import torch.distributed as dist
+
+    graphs = [g for key, (g, _, _) in engine.graphs.items() if key[0] == batch]
+    if not graphs:  # eager (a CPU)
+        return float("nan")
+    graph = graphs[-1]
+    if dist.is_initialized():
+        dist.barrier()
+    sync()
+    start = time.perf_counter()
+    for _ in range(replays):
+        graph.replay()
+    sync()
+    return (time.perf_counter() - start) / replays * 1e3
 
 
 def led(engine: DecodeEngine, work):
