@@ -280,8 +280,6 @@ class DecodeEngine:
     def close(self) -> None:
         """Release the followers of a tensor-parallel group (the leader calls it once, at the end)."""
         self._announce(_STOP)
-        if self.channel is not None:
-            self.channel.close()
 
     def follow(self) -> None:
         """On a tensor-parallel rank other than the leader: run what the leader announces, until it closes."""
@@ -291,7 +289,6 @@ class DecodeEngine:
             message = self.channel.receive()
             op, a, b, c = (int(v) for v in message[:4])
             if op == _STOP:
-                self.channel.close()
                 return
             if op == _KEEP_ALIVE:
                 continue

@@ -62,8 +62,8 @@ class SharedMemoryChannel:
         self.slots = words[world:].reshape(SLOTS, HEADER + capacity // 8)
         self.sent = self.received = 0
         self.timeout_s = TIMEOUT_S
-        if owner:  # gone when the leader closes or is collected, never left in /dev/shm
-            self._unlink = weakref.finalize(self, _unlink, segment)
+        # The leader's segment is gone when its channel closes or is collected, or at exit.
+        self._unlink = weakref.finalize(self, _unlink, segment) if owner else None
 
     @staticmethod
     def size(capacity: int, world: int) -> int:
@@ -112,8 +112,10 @@ class SharedMemoryChannel:
     def close(self) -> None:
         self.slots = self.acks = None  # the views first: the segment's buffer cannot close under them
         self.segment.close()
-        if hasattr(self, "_unlink"):
+        if self._unlink is not None:
             self._unlink()
+
+    __del__ = close
 
 
 class BroadcastChannel:
@@ -161,8 +163,7 @@ def open_channel(group, capacity: int, device: torch.device) -> SharedMemoryChan
     dist.broadcast_object_list(name, src=leader, group=group, device=device)
     if rank != 0 and name[0] is not None:
         try:
-            segment = shared_memory.SharedMemory(name=name[0])
-            resource_tracker.unregister(segment._name, "shared_memory")  # the leader's to unlink, not ours
+            segment = _attach(name[0])
         except OSError:
             segment = None
     mapped = [segment is not None]
@@ -175,6 +176,20 @@ def open_channel(group, capacity: int, device: torch.device) -> SharedMemoryChan
         if rank == 0:
             segment.unlink()
     return BroadcastChannel(group, capacity, device)
+
+
+def _attach(name: str) -> shared_memory.SharedMemory:
+    """The leader's segment mapped here, not registered with this process's resource tracker: it
+    is the leader's to unlink (Python before 3.13 registers every mapping, and unlinks it when
+    this process exits or warns that it leaked)."""
+    try:
+        return shared_memory.SharedMemory(name=name, track=False)  # Python 3.13+
+    except TypeError:
+        register, resource_tracker.register = resource_tracker.register, lambda *args: None
+        try:
+            return shared_memory.SharedMemory(name=name)
+        finally:
+            resource_tracker.register = register
 
 
 def _unlink(segment: shared_memory.SharedMemory) -> None:
