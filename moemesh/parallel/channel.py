@@ -4,10 +4,10 @@ they all run on one host, through a broadcast elsewhere.
 A tensor-parallel engine's leader tells the other ranks what each step is (inference/engine.py:
 the operation, the batch, and a decode step's inputs, a few KB) before every step, and they wait
 for it on the host: they must know which CUDA graph to replay. As an NCCL broadcast that message
-cost the leader's host 130-180 µs a step inside `dist.broadcast` and the followers a device
+cost the leader's host 114-292 µs a step inside `dist.broadcast` and the followers a device
 round trip before their host could read it, while every GPU idled (two H200s, the 48-layer
-Qwen3-30B-A3B shape: 0.75-0.9 ms idle between decode steps of ~10.7 ms at batch 64, 0.4 at one
-GPU; docs/benchmarks.md, 2026-11-28, eighth session). vLLM sends its scheduler's output to the
+Qwen3-30B-A3B shape: 0.75-1.45 ms idle between decode steps of ~10.6 ms at batch 64, 0.5-0.65 on
+one GPU; docs/benchmarks.md, 2026-11-28, eighth session). vLLM sends its scheduler's output to the
 workers of one host through a shared-memory ring for the same reason.
 
 `open_channel` makes one for a group, collectively: the leader creates a POSIX shared-memory
@@ -92,12 +92,10 @@ class SharedMemoryChannel:
         slot = self.slots[number % SLOTS]
         start, pause = time.monotonic(), 0.0
         while True:
-            if int(slot[0]) == number:
-                size = int(slot[1])
-                data = slot[HEADER : HEADER + size].copy()
+            if int(slot[0]) == number:  # its bytes copied, then checked: a number seen before them reads again
+                data = slot[HEADER : HEADER + int(slot[1])].copy()
                 if int(slot[0]) == number and zlib.crc32(data.tobytes()) == int(slot[2]):
                     break
-                continue  # seen before its bytes were: read again
             waited = time.monotonic() - start
             if waited > self.timeout_s:
                 raise ChannelTimeout(f"no message from the group's leader for {self.timeout_s:.0f} s")
@@ -166,9 +164,8 @@ def open_channel(group, capacity: int, device: torch.device) -> SharedMemoryChan
             segment = _attach(name[0])
         except OSError:
             segment = None
-    mapped = [segment is not None]
     everywhere = [None] * world
-    dist.all_gather_object(everywhere, mapped[0], group=group)
+    dist.all_gather_object(everywhere, segment is not None, group=group)
     if all(everywhere):
         return SharedMemoryChannel(segment, capacity, rank, world, owner=rank == 0)
     if segment is not None:
