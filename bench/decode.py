@@ -508,28 +508,29 @@ CEILINGS = {
     "free-sums": ("sums",),
 }
 STEP_VARIANTS.update(CEILINGS)
-_SHIPPED = {}
+_SHIPPED = {}  # (module, attribute) -> what the ceilings replace there
+_CEILING_TENSORS = {"routes": {}, "queries": {}}  # made once a shape, outside any graph
 
 
 def fixed_routing(logits: torch.Tensor, k: int, normalise: bool):
     """skip-topk's routing: for each row count, one uniform draw of k distinct experts a token
     (made once, outside any graph) with weights 1/k."""
     key = (logits.shape[0], k, logits.device)
-    if key not in _SHIPPED.setdefault("routes", {}):
+    if key not in _CEILING_TENSORS["routes"]:
         generator = torch.Generator().manual_seed(0)
         ids = torch.stack([torch.randperm(logits.shape[1], generator=generator)[:k] for _ in range(logits.shape[0])])
         weights = torch.full(ids.shape, 1 / k, dtype=torch.float32)
-        _SHIPPED["routes"][key] = (weights.to(logits.device), ids.to(logits.device))
-    return _SHIPPED["routes"][key]
+        _CEILING_TENSORS["routes"][key] = (weights.to(logits.device), ids.to(logits.device))
+    return _CEILING_TENSORS["routes"][key]
 
 
 def unwritten_queries(q: torch.Tensor, k, v, cos: torch.Tensor, *rest) -> torch.Tensor:
     """skip-rope's queries: zeros of the shape rope_to_cache gives (made once a shape, outside any
     graph); the cache not written."""
     shape = (q.shape[0], q.shape[1] // cos.shape[1], cos.shape[1])
-    if (shape, q.device) not in _SHIPPED.setdefault("queries", {}):
-        _SHIPPED["queries"][shape, q.device] = q.new_zeros(shape)
-    return _SHIPPED["queries"][shape, q.device]
+    if (shape, q.device) not in _CEILING_TENSORS["queries"]:
+        _CEILING_TENSORS["queries"][shape, q.device] = q.new_zeros(shape)
+    return _CEILING_TENSORS["queries"][shape, q.device]
 
 
 def step_variant(name: str) -> None:
@@ -577,7 +578,7 @@ def replays_timed():
 def replay_gaps(replays, batch: int) -> tuple[float, float]:
     """Of the decode steps of `batch` rows that followed one another: the median ms the GPU spent
     in a step's graph (waits for the other ranks included) and idle before it (the host's work
-    between steps: inputs, broadcast, reading the tokens back)."""
+    between steps: reading the tokens back, the next step's message, sending it to the others)."""
     sync()
     inside, idle = [], []
     for (key0, _, end0), (key, start, end) in zip(replays, replays[1:]):
@@ -601,7 +602,7 @@ def gathered(value) -> list:
 def replay_ms(engine: DecodeEngine, batch: int, replays: int = 40) -> float:
     """Milliseconds a replay of the engine's last captured decode step of `batch` rows, replayed
     back to back on every rank at once (the host never waits): the GPUs' step without the host's
-    work between steps (the inputs, the broadcast, reading the tokens back)."""
+    work between steps (reading the tokens back, the next step's message, sending it)."""
     import torch.distributed as dist
 
     graphs = [g for key, (g, _, _) in engine.graphs.items() if key[0] == batch]

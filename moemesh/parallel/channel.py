@@ -57,7 +57,7 @@ class SharedMemoryChannel:
 
     def __init__(self, segment: shared_memory.SharedMemory, capacity: int, rank: int, world: int, owner: bool):
         self.segment, self.capacity, self.rank, self.world = segment, capacity, rank, world
-        words = np.ndarray((world + SLOTS * (HEADER + capacity // 8),), dtype=np.int64, buffer=segment.buf)
+        words = np.ndarray((self.size(capacity, world) // 8,), dtype=np.int64, buffer=segment.buf)
         self.acks = words[:world]  # what each rank has read (the leader's word unused)
         self.slots = words[world:].reshape(SLOTS, HEADER + capacity // 8)
         self.sent = self.received = 0
@@ -151,10 +151,9 @@ def open_channel(group, capacity: int, device: torch.device) -> SharedMemoryChan
     segment = None
     if rank == 0 and SHARED_MEMORY:
         try:
-            segment = shared_memory.SharedMemory(
+            segment = shared_memory.SharedMemory(  # zeros: no message yet, nothing acknowledged
                 create=True, size=SharedMemoryChannel.size(capacity, world), name=f"moemesh_{secrets.token_hex(8)}"
             )
-            segment.buf[:] = bytes(len(segment.buf))
             name = [segment.name]
         except OSError:
             segment = None
