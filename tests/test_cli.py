@@ -272,7 +272,7 @@ def test_serve_on_a_busy_port_is_one_line_before_loading(capsys, trained, monkey
     assert loads == []
 
 
-def test_serve_hands_its_schedule_reply_window_and_step_budget_to_the_scheduler(trained, monkeypatch):
+def test_serve_hands_its_schedule_reply_window_step_budget_and_overlap_to_the_scheduler(trained, monkeypatch):
     pytest.importorskip("fastapi", reason="moemesh serve needs fastapi and uvicorn (pip install moemesh[serve])")
     schedulers = []
     monkeypatch.setattr(
@@ -280,9 +280,10 @@ def test_serve_hands_its_schedule_reply_window_and_step_budget_to_the_scheduler(
     )
     argv = ["serve", "--checkpoint", str(trained), "--port", "0"]
     assert main(argv) == 0
-    assert main([*argv, "--schedule", "prefill-first", "--reply-window-ms", "5", "--max-num-batched-tokens", "64"]) == 0
-    settings = [(s.prefill_first, s.reply_window_s, s.engine.max_num_batched_tokens) for s in schedulers]
-    assert settings == [(False, 0.025, 1536), (True, 0.005, 64)]
+    options = ["--schedule", "prefill-first", "--reply-window-ms", "5", "--max-num-batched-tokens", "64"]
+    assert main([*argv, *options, "--no-overlap"]) == 0
+    settings = [(s.prefill_first, s.reply_window_s, s.engine.max_num_batched_tokens, s.overlap) for s in schedulers]
+    assert settings == [(False, 0.025, 1536, True), (True, 0.005, 64, False)]
 
 
 def test_bad_estimate_and_convert_arguments(tmp_path, capsys, trained):

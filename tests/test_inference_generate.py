@@ -18,7 +18,7 @@ from moemesh.errors import DataError, RequestError
 from moemesh.inference.engine import DecodeEngine
 from moemesh.inference.generate import generate, read_prompts
 from moemesh.inference.request import SamplingParams, prompt_ids
-from moemesh.inference.scheduler import QueueFull, Scheduler
+from moemesh.inference.scheduler import QueueFull, Round, Scheduler
 from moemesh.models import build
 from test_models_decoding import FAMILIES
 
@@ -204,6 +204,7 @@ def test_the_reply_window_holds_the_next_round_for_the_clients_that_finished(mod
     meanwhile. With nobody replying, the next round starts when the window has passed, and the
     next finishing round does not wait again (a missed window skips the next one)."""
     engine = DecodeEngine(model, max_batch=3, max_len=64)
+    engine.warm_up()  # on a GPU: no graph captured inside the timed rounds (they would outlast windows)
     scheduler = Scheduler(engine, TOKENIZER, reply_window_s=window_s)
     rounds, step = [], scheduler.step
     scheduler.step = lambda: rounds.append(time.monotonic()) or step()
@@ -228,11 +229,33 @@ def test_the_reply_window_holds_the_next_round_for_the_clients_that_finished(mod
     if reply_after_s is None:
         assert waited(finishes[0]) >= window_s and waited(finishes[1]) < window_s
         assert scheduler.reply_windows["missed"] == 1 and scheduler.reply_windows["skipped"] >= 1
-    elif window_s:
-        assert replies[0] == finishes[0] + 1 and reply_after_s <= waited(finishes[0]) < window_s
+    elif window_s:  # admitted in the round after the finish; its token read in the round after that
+        assert replies[0] == finishes[0] + 2 and reply_after_s <= waited(finishes[0]) < window_s
         assert scheduler.reply_windows["caught"] == 1
     else:
-        assert replies[0] > finishes[0] + 1 and not scheduler.reply_windows
+        assert replies[0] > finishes[0] + 2 and not scheduler.reply_windows
+
+
+def test_a_reply_window_takes_the_launched_round_when_its_step_ends_not_when_the_window_does(model):
+    """With overlap a window waits while the next round's step runs; when that step ends (here
+    50 ms in, a window of 1 s that no reply ends), its tokens are taken and handed over then."""
+    scheduler = Scheduler(DecodeEngine(model, max_batch=1, max_len=64), TOKENIZER, reply_window_s=1.0)
+
+    class Running:  # a launched step that ends 50 ms from now
+        end = time.monotonic() + 0.05
+
+        def done(self):
+            return time.monotonic() >= self.end
+
+        def tokens(self):
+            return []
+
+    scheduler._launched = Round([], [], Running(), needs_host=False)
+    handed = []
+    start = time.monotonic()
+    scheduler._reply_window(scheduler.submitted, 1, lambda: handed.append(time.monotonic() - start))
+    assert scheduler._launched is None and len(handed) == 1 and 0.05 <= handed[0] < 0.5
+    assert scheduler.reply_windows["missed"] == 1 and time.monotonic() - start >= 1.0
 
 
 def test_a_round_that_fails_while_admitting_fails_that_request_and_serving_goes_on(model):

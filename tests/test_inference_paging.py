@@ -14,7 +14,7 @@ import torch
 
 from moemesh.data.tokenizer import ByteTokenizer
 from moemesh.inference.blocks import BlockPool, block_key
-from moemesh.inference.engine import PACKED_BUCKET_STEP, DecodeEngine
+from moemesh.inference.engine import PACKED_BUCKET_STEP, PREVIOUS, DecodeEngine
 from moemesh.inference.generate import generate
 from moemesh.inference.request import SamplingParams
 from moemesh.inference.scheduler import Scheduler
@@ -37,11 +37,11 @@ def alone(model, prompt: list[int], params: SamplingParams) -> list[int]:
 
 
 class Recorder:
-    """Wraps engine.step: the chunks of every step."""
+    """Wraps engine.launch (what engine.step and the scheduler call): the chunks of every step."""
 
     def __init__(self, engine: DecodeEngine):
-        self.steps, step = [], engine.step
-        engine.step = lambda chunks: (self.steps.append(chunks), step(chunks))[1]
+        self.steps, launch = [], engine.launch
+        engine.launch = lambda chunks: (self.steps.append(chunks), launch(chunks))[1]
 
 
 @pytest.fixture(scope="module")
@@ -215,6 +215,69 @@ def test_preempted_requests_finish_with_their_own_tokens(model, prefill_first):
         assert sequence.token_ids == alone(model, prompt, p)
         assert sequence.finish_reason in ("length", "stop")
     assert engine.blocks.num_free == 12 and not any(engine.blocks.refs)
+
+
+def overlap_run(model, batch, params, overlap: bool):
+    """The requests through one scheduler, with `overlap` or not, on a pool of 12 blocks of 4 (it
+    preempts); -> the sequences, the scheduler, the engine, and the order of its steps' launches
+    and reads: ("launch", n, whether a chunk's token was PREVIOUS) and ("read", n)."""
+    engine = DecodeEngine(model, max_batch=4, max_len=32, block_size=4, num_blocks=13, max_num_batched_tokens=16)
+    order, launch = [], engine.launch
+
+    def recorded(chunks):
+        n = sum(event[0] == "launch" for event in order)
+        order.append(("launch", n, any(PREVIOUS in c.tokens for c in chunks)))
+        launched = launch(chunks)
+        tokens = launched.tokens
+        launched.tokens = lambda: (order.append(("read", n)), tokens())[1]
+        return launched
+
+    engine.launch = recorded
+    scheduler = Scheduler(engine, TOKENIZER, overlap=overlap)
+    sequences = [scheduler.submit(p, q) for p, q in zip(batch, params)]
+    scheduler.run_until_idle()
+    return sequences, scheduler, engine, order
+
+
+def test_overlapped_rounds_read_a_step_s_tokens_after_launching_the_next_and_change_no_token(model):
+    """With overlap (the default) a round's step is launched before the last round's tokens are
+    read, its decode tokens PREVIOUS (the engine takes them from its own last sample), and a
+    sequence that ended meanwhile drops the extra token. Against the same requests without
+    overlap: the same tokens, finish reasons and log-probabilities, for greedy and seeded
+    sampling, a stop token (found by a first run), max_tokens of 1, a request with
+    log-probabilities (processed on the host: its rounds are not overlapped) and preemption
+    (blocks run out while a round is in flight); every block comes back."""
+    batch = prompts([9, 8, 10, 7, 5, 12], seed=4)
+    params = [
+        SamplingParams(max_tokens=14),
+        SamplingParams(max_tokens=15, temperature=1.0, top_p=0.9, seed=3),
+        SamplingParams(max_tokens=13),
+        SamplingParams(max_tokens=16, temperature=0.7, seed=4),
+        SamplingParams(max_tokens=6, logprobs=2),
+        SamplingParams(max_tokens=1),
+    ]
+    first, *_ = overlap_run(model, batch, params, overlap=False)
+    params[2] = SamplingParams(max_tokens=13, stop_token_ids=(first[2].token_ids[5],))
+    runs = {overlap: overlap_run(model, batch, params, overlap) for overlap in (False, True)}
+    for i, (plain, overlapped) in enumerate(zip(runs[False][0], runs[True][0])):
+        assert overlapped.token_ids == plain.token_ids, i
+        assert overlapped.finish_reason == plain.finish_reason, i
+        # differently batched rounds: fp32 logits ~1e-6 apart (the module's docstring)
+        assert len(overlapped.logprobs) == len(plain.logprobs), i
+        for a, b in zip(overlapped.logprobs, plain.logprobs):
+            assert [t for t, _ in a.top] == [t for t, _ in b.top], i
+            values = zip([a.logprob, *dict(a.top).values()], [b.logprob, *dict(b.top).values()])
+            assert max(abs(x - y) for x, y in values) < 1e-5, i
+    assert runs[True][0][2].finish_reason == "stop" and len(runs[True][0][2].token_ids) <= 5
+    assert runs[True][0][4].logprobs and len(runs[True][0][4].logprobs) == len(runs[True][0][4].token_ids)
+    for overlap, (_, scheduler, engine, order) in runs.items():
+        assert scheduler.preemptions > 0
+        assert engine.blocks.num_free == 12 and not any(engine.blocks.refs)
+        assert scheduler._launched is None and not scheduler._pending and not scheduler.running
+        # a step launched before the one before it was read (PREVIOUS tokens): only with overlap
+        ahead = [e for i, e in enumerate(order) if e[0] == "launch" and ("read", e[1] - 1) in order[i:]]
+        assert bool(ahead) == overlap and all(e[2] for e in ahead)
+        assert any(e[0] == "launch" and e[2] for e in order) == overlap
 
 
 def test_blocks_are_all_free_after_a_run_with_cancellations(model):

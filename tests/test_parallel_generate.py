@@ -122,8 +122,8 @@ def check_the_leader_s_messages(rank):
     """The channel from the leader (parallel/channel.py): 3 rings' worth of messages of varied
     lengths, each received whole and in order, counted as a broadcast each; with shared memory
     off (ranks on several hosts) the same through a broadcast; a follower that hears nothing
-    raises within its timeout rather than waiting forever; the leader's segment is gone once it
-    closes."""
+    raises within its timeout rather than waiting forever, its device busy or not; the leader's
+    segment is gone once it closes."""
     group = init_mesh(ParallelDims(tp=TP)).group("tp")
     messages = [np.arange(n, dtype=np.int64) * (i + 1) for i, n in enumerate(range(1, 3 * channel.SLOTS + 1))]
     seen = {}
@@ -147,6 +147,10 @@ def check_the_leader_s_messages(rank):
             opened.timeout_s = 0.05
             with pytest.raises(channel.ChannelTimeout):
                 opened.receive()
+            asked = []  # a follower whose device stays busy spins, asking, and still times out
+            with pytest.raises(channel.ChannelTimeout):
+                opened.receive(busy=lambda: asked.append(1) or True)
+            assert len(asked) > 10
         torch.distributed.barrier(group)
         opened.close()
     torch.distributed.barrier(group)

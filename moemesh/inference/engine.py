@@ -43,6 +43,11 @@ trainer's forward in that mode. Its steps are CUDA graphs on a GPU as the defaul
 H200 with the 48-layer Qwen3-30B-A3B shape, docs/benchmarks.md: eager, the host's launches made a
 step 5-26× the default's); `cuda_graphs=False` runs them eagerly, as recording the routing needs.
 
+`step` returns the tokens; `launch` returns them on their way (`Launched`: copied to pinned host
+memory behind the step), so that the scheduler launches the next step before it reads them. Every
+step writes each sampling row's token into `sampled` (per table row), and a chunk's token
+PREVIOUS is read from there on the device: the next decode step needs no token from the host.
+
 A step keeps the logits it sampled from (`last_logits`: [sampling chunks, V], read before the
 next step), so that requests with penalties, biases, grammars or log-probabilities can be
 processed after it (processing.py); a chunk with `all_logits` keeps those of every token too
@@ -86,6 +91,9 @@ from moemesh.parallel import comm
 from moemesh.parallel.channel import open_channel
 
 _FORWARD, _DECODE, _STOP, _KEEP_ALIVE, _TABLES = 1, 2, 3, 4, 5
+# A chunk's token that is the one its row's last step sampled: still on the device, not yet read
+# (the scheduler's next step launched before the host has this one's tokens).
+PREVIOUS = -1
 # Packed-step buckets above 256 tokens are this far apart (the module doc says why).
 PACKED_BUCKET_STEP = 128
 
@@ -103,6 +111,25 @@ class Chunk:
     step: int = 0
     sampling: Sampling = Sampling()
     all_logits: bool = False  # keep the logits of every token (a prompt's own log-probabilities)
+
+
+class Launched:
+    """A step on its way: its sampled tokens are copied to the host behind it (`tokens()` waits for
+    that copy alone), its logits are those it sampled from, and those kept of every token of the
+    chunks that asked (by chunk index). The logits of a decode step or a packed bucket are the
+    captured graph's buffers: the next step of the same shape overwrites them."""
+
+    def __init__(self, host: torch.Tensor, event, logits: torch.Tensor, all_logits: dict[int, torch.Tensor]):
+        self.host, self.event, self.logits, self.all_logits = host, event, logits, all_logits
+
+    def done(self) -> bool:
+        """Whether its tokens are on the host (`tokens()` would not wait)."""
+        return self.event is None or self.event.query()
+
+    def tokens(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
 
 
 class DecodeEngine:
@@ -156,16 +183,20 @@ class DecodeEngine:
         self.packed_buckets = sorted(s for s in sizes if 16 <= s <= min(packed_graph_tokens, max_num_batched_tokens))
         largest = self.packed_buckets[-1] if self.packed_buckets else 0
         # A bucket's inputs: per token (token, position, table row); per sampling row (token
-        # index, seed, step) and (temperature, top_p).
+        # index, seed, step, table row) and (temperature, top_p).
         self.packed_ints = torch.zeros(largest, 3, dtype=torch.long, device=self.device)
-        self.packed_samples = torch.zeros(min(largest, max_batch), 3, dtype=torch.long, device=self.device)
+        self.packed_samples = torch.zeros(min(largest, max_batch), 4, dtype=torch.long, device=self.device)
         self.packed_floats = torch.zeros(min(largest, max_batch), 2, dtype=torch.float32, device=self.device)
         # What a padding token and a padding sampling row hold: token 0 at position 0 of the
-        # cache's scratch row (its row max_batch), greedy.
+        # cache's scratch row (its row max_batch), greedy, its token written to the scratch row.
         self._padding = (
             torch.tensor([0, 0, max_batch], device=self.device),
             torch.tensor([0.0, 1.0], device=self.device),
+            torch.tensor([0, 0, 0, max_batch], device=self.device),
         )
+        # The token each table row's last step sampled (the scratch row's: padding), which a
+        # chunk's PREVIOUS stands for.
+        self.sampled = torch.zeros(max_batch + 1, dtype=torch.long, device=self.device)
         # What the leader of a tensor-parallel group sends first: (operation, a, b, c), then for a
         # decode step its inputs, where its captured graphs read them (views of the message, so
         # that its copy to the device delivers them with no copy after it): per token (token, position,
@@ -178,6 +209,13 @@ class DecodeEngine:
         on_gpu = self.device.type == "cuda"
         self._staging = torch.zeros_like(self.message, device="cpu", pin_memory=on_gpu) if on_gpu else self.message
         self._staged = torch.cuda.Event() if on_gpu else None
+        # Each step's sampled tokens come back into pinned memory, two in turn: the scheduler
+        # reads a step's after it has launched the next (`launch`).
+        self._returns = (
+            [(torch.zeros(max_batch, dtype=torch.long, pin_memory=True), torch.cuda.Event()) for _ in range(2)]
+            if on_gpu
+            else []
+        )
         # The leader's messages to the group's other ranks (host shared memory on one host).
         self.channel = None if group is None else open_channel(group, 8 * self.message.numel(), self.device)
         if group is not None:
@@ -218,13 +256,19 @@ class DecodeEngine:
         self.tables[row, len(blocks) :] = 0
         self._changed.add(row)
 
-    @torch.no_grad()
     def step(self, chunks: list[Chunk]) -> list[int]:
         """One forward of the chunks; the next token of each chunk that samples, in order (their
         logits in `last_logits`, and those of the chunks with `all_logits` in `last_all_logits`)."""
+        return self.launch(chunks).tokens()
+
+    @torch.no_grad()
+    def launch(self, chunks: list[Chunk]) -> Launched:
+        """`step` without waiting for it: the host may prepare and launch the next step while the
+        device runs this one, and read this one's tokens after (the scheduler does). A chunk's
+        token may be PREVIOUS, the token its row's last step sampled, not yet read."""
         self.last_all_logits = {}
         if not chunks:
-            return []
+            return Launched(torch.zeros(0, dtype=torch.long), None, torch.zeros(0, self.vocab), {})
         end = max(c.start + len(c.tokens) for c in chunks)
         if end > self.max_len:
             raise ValueError(f"position {end - 1} is beyond the cache's rows of {self.max_len} entries")
@@ -233,8 +277,23 @@ class DecodeEngine:
             if len(chunks) <= self.max_batch and all(
                 len(c.tokens) == 1 and c.sample and not c.all_logits for c in chunks
             ):
-                return self._decode_step(chunks, end)
-            return self._packed_step(chunks)
+                tokens = self._decode_step(chunks, end)
+            else:
+                tokens = self._packed_step(chunks)
+        return Launched(*self._tokens_back(tokens), self.last_logits, self.last_all_logits)
+
+    def _tokens_back(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """The step's tokens copied to pinned host memory behind it, and the event of that copy
+        (on a CPU the tokens themselves; more than max_batch: copied at once)."""
+        if not self._returns or len(tokens) > self.max_batch:
+            return tokens.cpu(), None
+        self._returns.reverse()
+        host, event = self._returns[0]
+        event.synchronize()  # the step before last's tokens have left this buffer
+        host = host[: len(tokens)]
+        host.copy_(tokens, non_blocking=True)
+        event.record()
+        return host, event
 
     @torch.no_grad()
     def warm_up(self) -> float:
@@ -283,10 +342,12 @@ class DecodeEngine:
 
     def follow(self) -> None:
         """On a tensor-parallel rank other than the leader: run what the leader announces, until it closes."""
+        # Its host runs ahead of its device as the leader's does (the next step enqueued while this
+        # one runs); it spins for the next message while its device is busy.
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        busy = None if stream is None else lambda: not stream.query()
         while True:
-            if self.device.type == "cuda":  # the channel's wait then starts when this rank's step has ended
-                torch.cuda.current_stream(self.device).synchronize()
-            message = self.channel.receive()
+            message = self.channel.receive(busy)
             op, a, b, c = (int(v) for v in message[:4])
             if op == _STOP:
                 return
@@ -299,7 +360,7 @@ class DecodeEngine:
                     self.cache.block_tables[rows] = comm.broadcast_(tables, self.group)
                 elif op == _FORWARD:
                     ints = comm.broadcast_(torch.empty(a, 4, dtype=torch.long, device=self.device), self.group)
-                    samples = comm.broadcast_(torch.empty(b, 3, dtype=torch.long, device=self.device), self.group)
+                    samples = comm.broadcast_(torch.empty(b, 4, dtype=torch.long, device=self.device), self.group)
                     floats = comm.broadcast_(torch.empty(b, 2, dtype=torch.float32, device=self.device), self.group)
                     host = ints.tolist()
                     self._forward(ints, samples, floats, _segments(host), MODES[c], any(t[3] for t in host))
@@ -361,7 +422,7 @@ class DecodeEngine:
         self.cache.block_tables[rows] = tables
         self._changed.clear()
 
-    def _decode_step(self, chunks: list[Chunk], end: int) -> list[int]:
+    def _decode_step(self, chunks: list[Chunk], end: int) -> torch.Tensor:
         batch = next(b for b in self.batch_sizes if b >= len(chunks))
         kv_len = next(n for n in self.kv_lens if n >= end)
         mode = mode_for([c.sampling.temperature for c in chunks], [c.sampling.top_p for c in chunks])
@@ -371,20 +432,20 @@ class DecodeEngine:
         self._send_decode(ints, floats, kv_len, mode)
         tokens, logits = self._run(batch, kv_len, mode)
         self.last_logits = logits[: len(chunks)]
-        return tokens[: len(chunks)].tolist()
+        return tokens[: len(chunks)]
 
-    def _packed_step(self, chunks: list[Chunk]) -> list[int]:
+    def _packed_step(self, chunks: list[Chunk]) -> torch.Tensor:
         ints, samples, floats = [], [], []
         for c in chunks:
             if c.sample:
-                samples.append([len(ints) + len(c.tokens) - 1, c.sampling.seed, c.step])
+                samples.append([len(ints) + len(c.tokens) - 1, c.sampling.seed, c.step, c.row])
                 floats.append([c.sampling.temperature, c.sampling.top_p])
             ints += [[token, c.start + i, c.row, c.all_logits] for i, token in enumerate(c.tokens)]
         sampled = [c for c in chunks if c.sample]
         mode = mode_for([c.sampling.temperature for c in sampled], [c.sampling.top_p for c in sampled])
         segments = _segments(ints)
         ints = torch.tensor(ints, dtype=torch.long).to(self.device)
-        samples = torch.tensor(samples, dtype=torch.long).view(-1, 3).to(self.device)
+        samples = torch.tensor(samples, dtype=torch.long).view(-1, 4).to(self.device)
         floats = torch.tensor(floats, dtype=torch.float32).view(-1, 2).to(self.device)
         self._announce(_FORWARD, len(ints), len(samples), MODES.index(mode), ints, samples, floats)
         flagged = any(c.all_logits for c in chunks)
@@ -392,7 +453,7 @@ class DecodeEngine:
         for i, c in enumerate(chunks):
             if c.all_logits:
                 self.last_all_logits[i], rest = rest[: len(c.tokens)], rest[len(c.tokens) :]
-        return tokens.tolist()
+        return tokens
 
     def packed_bucket(self, tokens: int) -> int | None:
         """The bucket a packed step of `tokens` tokens is padded to: the smallest that holds it
@@ -403,7 +464,7 @@ class DecodeEngine:
         self, ints, samples, floats, segments, mode: str, flagged: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The packed step: ints [N, 4] (token, position, table row, all logits wanted), samples
-        [S, 3] (token index, seed, step) and floats [S, 2] (temperature, top_p); `flagged`
+        [S, 4] (token index, seed, step, table row) and floats [S, 2] (temperature, top_p); `flagged`
         whether any token wants all its logits. Returns the S sampled tokens, their logits
         [S, V], and the logits of the tokens flagged [F, V]. In a bucket when one takes it."""
         count = len(samples)
@@ -421,13 +482,25 @@ class DecodeEngine:
         count = len(samples)
         self.cache.set_step(ints[:, 2], ints[:, 1], max(s[3] for s in segments), segments)
         if not count:  # only chunks of prompts that go on: the last token stands in (never read)
-            samples, floats = ints.new_tensor([[len(ints) - 1, 0, 0]]), floats.new_tensor([[0.0, 1.0]])
+            samples, floats = ints.new_tensor([[len(ints) - 1, 0, 0, self.max_batch]]), floats.new_tensor([[0.0, 1.0]])
             mode = "greedy"
         at = torch.cat([samples[:, 0], ints[:, 3].nonzero()[:, 0]])
-        logits = self.model.next_token_logits(ints[None, :, 0], self.cache, ints[None, :, 1], at=at)
+        tokens = self._fed(ints[:, 0], ints[:, 2])
+        logits = self.model.next_token_logits(tokens[None], self.cache, ints[None, :, 1], at=at)
         sampled, flagged_logits = logits[: len(samples)], logits[len(samples) :]
-        tokens = sample(sampled, floats[:, 0], floats[:, 1], samples[:, 1], samples[:, 2], mode)
+        tokens = self._sampled(sampled, floats, samples[:, 1], samples[:, 2], samples[:, 3], mode)
         return tokens[:count], sampled[:count], flagged_logits
+
+    def _fed(self, tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The step's tokens, each PREVIOUS as its row's last sampled token."""
+        return torch.where(tokens == PREVIOUS, self.sampled[rows], tokens)
+
+    def _sampled(self, logits, floats, seeds, steps, rows, mode: str) -> torch.Tensor:
+        """Tokens sampled from the logits, per row (temperature, top_p) in floats, its seed and
+        step, each written as its table row's last sampled token."""
+        tokens = sample(logits, floats[:, 0], floats[:, 1], seeds, steps, mode)
+        self.sampled[rows] = tokens
+        return tokens
 
     def _fill_bucket(self, ints, samples, floats, bucket: int) -> int:
         """The step's inputs into the fixed buffers, padded to `bucket` tokens; returns the
@@ -436,7 +509,7 @@ class DecodeEngine:
         self.packed_ints[: len(ints)] = ints[:, :3]
         self.packed_ints[len(ints) : bucket] = self._padding[0]
         self.packed_samples[:count] = samples
-        self.packed_samples[count:rows] = 0
+        self.packed_samples[count:rows] = self._padding[2]
         self.packed_floats[:count] = floats
         self.packed_floats[count:rows] = self._padding[1]
         return rows
@@ -446,15 +519,17 @@ class DecodeEngine:
         (the `rows` sampled tokens, their logits)."""
         ints, samples, floats = self.packed_ints[:bucket], self.packed_samples[:rows], self.packed_floats[:rows]
         self.cache.set_step(ints[:, 2], ints[:, 1], self.max_len, packed=True)
-        logits = self.model.next_token_logits(ints[None, :, 0], self.cache, ints[None, :, 1], at=samples[:, 0])
-        return sample(logits, floats[:, 0], floats[:, 1], samples[:, 1], samples[:, 2], mode), logits
+        tokens = self._fed(ints[:, 0], ints[:, 2])
+        logits = self.model.next_token_logits(tokens[None], self.cache, ints[None, :, 1], at=samples[:, 0])
+        return self._sampled(logits, floats, samples[:, 1], samples[:, 2], samples[:, 3], mode), logits
 
     def _step(self, batch: int, kv_len: int, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(the tokens, the logits they were sampled from)."""
         ints, floats = self.ints[:batch], self.floats[:batch]
         self.cache.set_step(ints[:, 2], ints[:, 1], kv_len)
-        logits = self.model.next_token_logits(ints[:, :1], self.cache, ints[:, 1:2])
-        return sample(logits, floats[:, 0], floats[:, 1], ints[:, 3], ints[:, 4], mode), logits
+        tokens = self._fed(ints[:, 0], ints[:, 2])
+        logits = self.model.next_token_logits(tokens[:, None], self.cache, ints[:, 1:2])
+        return self._sampled(logits, floats, ints[:, 3], ints[:, 4], ints[:, 2], mode), logits
 
     def _run(self, batch: int, kv_len: int, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
         return self._replay((batch, kv_len, mode), lambda: self._step(batch, kv_len, mode))
@@ -501,7 +576,7 @@ class DecodeEngine:
         # the step's tokens as sequences of at most max_len in the scratch row
         ints = [[0, i % self.max_len, self.cache.scratch_row, 0] for i in range(self.max_num_batched_tokens)]
         ints_on_device = torch.tensor(ints, device=self.device)
-        samples = torch.zeros(1, 3, dtype=torch.long, device=self.device)
+        samples = self._padding[2][None]
         floats = torch.tensor([[0.0, 1.0]], device=self.device)
         with torch.no_grad(), backend.agreed_tiles(self.group):
             self._eager_forward(ints_on_device, samples, floats, _segments(ints), "greedy")

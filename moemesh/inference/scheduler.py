@@ -44,6 +44,24 @@ small pool adds, swap's copies alone half of that, and the rest is fewer sequenc
 swapping would not change. A request that does not fit waits. None is lost: a sequence leaves
 only finished, cancelled or failed.
 
+Overlap (`overlap`, the default; serve's `--no-overlap` turns it off). A round's step is launched
+before the last round's tokens are read: the host schedules, builds and launches round k+1 while
+the device runs round k, then reads round k's tokens and processes them (text, stops, callbacks)
+while round k+1 runs, as vLLM's async scheduling does. A sequence whose token is still on the
+device decodes it as PREVIOUS (the engine takes its own last sample for that row), its sampling
+step counted as if it were read; a sequence that ends meanwhile (a stop token, a stop string, a
+cancel) computes one token too many, dropped when it is read; one whose token in flight will be
+its last (max_tokens, the context) is not scheduled again. Rounds stay synchronous where the
+host must see a step's output before the next: a request processed on the host (penalties,
+biases, grammars, log-probabilities), prompt log-probabilities, routing records; and preemption
+reads the round in flight first (a preempted sequence's tokens must all be known). The price: a
+request that arrives, or a reply that comes, while a step runs joins the round after next. On
+two H200s under tensor parallelism (the 48-layer Qwen3-30B-A3B shape, `bench/serve_load.py --tp 2`,
+64 streaming clients; docs/benchmarks.md, 2026-11-28, ninth session) served tokens/s rose 25% and
+27% in two calls (3,182 -> 3,964 beside the code before; 3,089 -> 3,910 against --no-overlap), the
+first token's p50 44 -> 62 ms in the first, 72 -> 64 in the second; the engine's decode step alone
+lost the host's turn between steps (0.1-0.5 ms) and is its CUDA graph alone.
+
 `step` is one round; `run_until_idle` drives it for a batch job (`moemesh generate`),
 `serve_forever` for the server, on its own thread, sleeping while there is nothing to do.
 `submit` may be called from any thread; a full queue raises QueueFull (the server's 503).
@@ -60,7 +78,8 @@ at most the window after such a round. Where clients do not answer at once
 (people typing), the windows that get no reply at all may take at most MISSED_WINDOWS_SHARE of
 the time (5%, over about the last second); beyond it, finishing rounds go on without one. Hits
 (a reply came) are not limited: a closed loop keeps its windows. (Skipping windows after
-misses instead lost the whole gain on the 48-layer shape: docs/benchmarks.md.)
+misses instead lost the whole gain on the 48-layer shape: docs/benchmarks.md.) With overlap the
+window waits while the next round's step runs, and takes that round when its step ends.
 
 Routing (`record_routing`, for reinforcement learning's comparison of the engine with the
 trainer: train/logprobs.py): each step's forward records the experts every MoE layer chose for
@@ -92,7 +111,7 @@ import torch
 
 from moemesh.data.tokenizer import Tokenizer
 from moemesh.inference.blocks import block_key
-from moemesh.inference.engine import Chunk, DecodeEngine
+from moemesh.inference.engine import PREVIOUS, Chunk, DecodeEngine, Launched
 from moemesh.inference.grammar import Grammars
 from moemesh.inference.processing import FLOOR, RowSampler
 from moemesh.inference.request import Logprob, QueueFull, SamplingParams, Sequence, check_request
@@ -100,6 +119,7 @@ from moemesh.inference.sampling import token_logprobs
 from moemesh.models.moe import RoutingRecorder
 
 MISSED_WINDOWS_SHARE = 0.05  # of the time, at most, in reply windows that got no reply
+WINDOW_POLL_S = 5e-4  # how often a reply window looks whether the launched round's step has ended
 
 
 @dataclass
@@ -108,7 +128,19 @@ class Held:
 
     blocks: list[int]
     keys: list[int] = field(default_factory=list)  # prefix-cache keys of its first full blocks
-    computed: int = 0  # tokens whose keys and values are in the cache
+    computed: int = 0  # tokens whose keys and values are in the cache (or will be: a launched step's)
+
+
+@dataclass
+class Round:
+    """A launched step: its (sequence, tokens) and chunks, and whether the host must process its
+    tokens or logits before the next round is scheduled (`needs_host`)."""
+
+    work: list[tuple[Sequence, int]]
+    chunks: list[Chunk]
+    launched: Launched
+    needs_host: bool
+    routing: torch.Tensor | None = None
 
 
 class Scheduler:
@@ -120,8 +152,12 @@ class Scheduler:
         reply_window_s: float = 0.0,
         prefill_first: bool = False,
         record_routing: bool = False,
+        overlap: bool = True,
     ):
         self.engine, self.tokenizer, self.max_waiting = engine, tokenizer, max_waiting
+        self.overlap = overlap
+        self._launched: Round | None = None  # the round whose tokens the host has not read yet
+        self._pending: Counter[Sequence] = Counter()  # its sampled tokens, a sequence
         if record_routing and engine.cuda_graphs:
             raise ValueError(
                 "record_routing needs an eager engine (cuda_graphs=False): a graph's replay records nothing"
@@ -167,50 +203,88 @@ class Scheduler:
         return sequence
 
     def step(self) -> bool:
-        """One round; False when there was nothing to do."""
+        """One round; False when there was nothing to do. With `overlap` the round's step is
+        launched before the last round's tokens are read (the module's docstring says when not)."""
         with self._wake:
             for sequence in [s for s in self.waiting if s.cancelled]:
                 self.waiting.remove(sequence)
                 sequence.finish("cancelled")
+        if self._launched is not None and self._launched.needs_host:
+            self._settle()
         self._retire()
         work = self._schedule()
         if not work:
-            return False
-        chunks = []
-        for sequence, count in work:
-            computed = self.held[sequence].computed
-            chunks.append(
-                Chunk(
-                    sequence.row,
-                    _tokens(sequence, computed, computed + count),
-                    computed,
-                    computed + count == _length(sequence),
-                    len(sequence.token_ids),
-                    sequence.params.sampling,
-                    _wants_prompt_logprobs(sequence, computed),
-                )
-            )
+            if self._launched is None:
+                return False
+            self._settle()
+            self._retire()
+            return True
+        chunks = [self._chunk(sequence, count) for sequence, count in work]
         self.decode_batches[len(work)] += 1
         if self.routing is not None:
             self.routing.take()  # drop what forwards outside the rounds recorded (a warm-up)
-        tokens = self.engine.step(chunks)
+        launched = self.engine.launch(chunks)
+        needs_host = self.routing is not None or any(
+            s.sampler is not None or c.all_logits for (s, _), c in zip(work, chunks)
+        )
         routing = self.routing.take() if self.routing is not None else None  # [tokens, layers, k], chunk by chunk
-        sampled = offset = 0
-        for i, ((sequence, count), chunk) in enumerate(zip(work, chunks)):
-            if routing is not None:
-                for j in range(count):
-                    sequence.routing[chunk.start + j] = routing[offset + j]
-                offset += count
-            held = self.held[sequence]
-            held.computed += count
-            self._register(sequence, held)
-            if chunk.all_logits:
-                self._prompt_logprobs(sequence, chunk, self.engine.last_all_logits[i])
-            if chunk.sample:
-                self._take(sequence, tokens[sampled], self.engine.last_logits[sampled])
-                sampled += 1
+        for (sequence, count), chunk in zip(work, chunks):  # its blocks' keys and values on their way
+            self.held[sequence].computed += count
+            self._register(sequence, self.held[sequence])
+            self._pending[sequence] += chunk.sample
+        previous, self._launched = self._launched, Round(work, chunks, launched, needs_host, routing)
+        if previous is not None:
+            self._take_round(previous)
         self._retire()
+        if not self.overlap or needs_host or not self.running:
+            self._settle()
+            self._retire()
         return True
+
+    def _chunk(self, sequence: Sequence, count: int) -> Chunk:
+        """The sequence's next `count` tokens as a chunk; one not read yet is PREVIOUS."""
+        computed, end = self.held[sequence].computed, self._end(sequence)
+        known = _tokens(sequence, computed, min(computed + count, _length(sequence)))
+        return Chunk(
+            sequence.row,
+            known + [PREVIOUS] * (count - len(known)),
+            computed,
+            computed + count == end,
+            len(sequence.token_ids) + self._pending[sequence],
+            sequence.params.sampling,
+            _wants_prompt_logprobs(sequence, computed),
+        )
+
+    def _end(self, sequence: Sequence) -> int:
+        """The sequence's length with the tokens launched rounds sampled for it, not read yet."""
+        return _length(sequence) + self._pending[sequence]
+
+    def _settle(self) -> None:
+        """The launched round's tokens read and taken (the host waits for its step)."""
+        launched, self._launched = self._launched, None
+        if launched is not None:
+            self._take_round(launched)
+
+    def _take_round(self, round: Round) -> None:
+        """A round's tokens to its sequences: those that ended meanwhile (finished, cancelled or
+        preempted) drop theirs, the token a step past their end."""
+        tokens = round.launched.tokens()
+        sampled = offset = 0
+        for i, ((sequence, count), chunk) in enumerate(zip(round.work, round.chunks)):
+            if round.routing is not None:
+                for j in range(count):
+                    sequence.routing[chunk.start + j] = round.routing[offset + j]
+                offset += count
+            held = self.held.get(sequence)
+            if chunk.all_logits and held is not None:
+                self._prompt_logprobs(sequence, chunk, round.launched.all_logits[i])
+            if chunk.sample:
+                self._pending[sequence] -= 1
+                if self._pending[sequence] == 0:
+                    del self._pending[sequence]
+                if sequence.finish_reason is None and held is not None:
+                    self._take(sequence, tokens[sampled], round.launched.logits[sampled])
+                sampled += 1
 
     def run_until_idle(self) -> None:
         while self.step():
@@ -240,17 +314,19 @@ class Scheduler:
             if after_step is not None:
                 after_step()
             if self.reply_window_s > 0 and self.finished > finished:
-                self._reply_window(submitted, self.finished - finished)
+                self._reply_window(submitted, self.finished - finished, after_step)
         for sequence in [*self.waiting, *self.running]:
             sequence.finish("cancelled")
         self._retire()
         if after_step is not None:
             after_step()
 
-    def _reply_window(self, submitted: int, expected: int) -> None:
+    def _reply_window(self, submitted: int, expected: int, after_step: Callable[[], None] | None = None) -> None:
         """Wait until `expected` requests came after the first `submitted`, or the window passed,
         or `close`; not at all while missed windows are over their share of the time. Counts in
-        `reply_windows` how it ended: all `expected` caught, partly, missed (not one) or skipped."""
+        `reply_windows` how it ended: all `expected` caught, partly, missed (not one) or skipped.
+        A launched round whose step ends meanwhile is taken then (and `after_step` run), not
+        held back until the window ends."""
         start = time.monotonic()
         self._missed_s *= math.exp(self._missed_at - start)  # a 1-s memory: the sum is the last second's
         self._missed_at = start
@@ -258,10 +334,17 @@ class Scheduler:
             self.reply_windows["skipped"] += 1
             return
         deadline, wanted = start + self.reply_window_s, submitted + expected
-        with self._wake:
-            while not self.closed and self.submitted < wanted and (left := deadline - time.monotonic()) > 0:
-                self._wake.wait(timeout=left)
-            came = self.submitted - submitted
+        while True:
+            with self._wake:
+                if self.closed or self.submitted >= wanted or (left := deadline - time.monotonic()) <= 0:
+                    came = self.submitted - submitted
+                    break
+                self._wake.wait(timeout=left if self._launched is None else min(left, WINDOW_POLL_S))
+            if self._launched is not None and self._launched.launched.done():
+                self._settle()
+                self._retire()
+                if after_step is not None:
+                    after_step()
         self.reply_windows["caught" if came >= expected else "partly" if came else "missed"] += 1
         if not came:
             self._missed_s += time.monotonic() - start
@@ -270,6 +353,8 @@ class Scheduler:
         """A round raised: its requests fail. When none was running yet, the oldest waiting one
         (the round was admitting it), so that a failure that repeats every round ends instead of
         holding the queue."""
+        self._launched = None
+        self._pending.clear()
         failed = list(self.running)
         with self._wake:
             if not failed and self.waiting:
@@ -290,7 +375,7 @@ class Scheduler:
         (the module's docstring says why)."""
         decoding, prefilling = [], []
         for sequence in self.running:  # in order of admission
-            (prefilling if _length(sequence) - self.held[sequence].computed > 1 else decoding).append(sequence)
+            (prefilling if self._end(sequence) - self.held[sequence].computed > 1 else decoding).append(sequence)
         last_was_prompts, self._prompts_round = self._prompts_round, False
         if not (self.prefill_first and decoding):
             return self._fill(decoding + prefilling, admit=True)
@@ -308,9 +393,9 @@ class Scheduler:
         for sequence in sequences:
             if budget == 0:
                 break
-            if sequence not in self.held:  # preempted for an older one this round
+            if sequence not in self.held or self._last_pending(sequence):  # preempted; ends with its token in flight
                 continue
-            left = _length(sequence) - self.held[sequence].computed
+            left = self._end(sequence) - self.held[sequence].computed
             count = min(left, budget)
             if self._grow(sequence, self.held[sequence].computed + count, scheduled):
                 work.append((sequence, count))
@@ -357,11 +442,23 @@ class Scheduler:
         self.cached_tokens += computed
         return sequence, count
 
+    def _last_pending(self, sequence: Sequence) -> bool:
+        """Whether the token in flight for the sequence will be its last (max_tokens, the context)."""
+        return self._pending[sequence] > 0 and (
+            len(sequence.token_ids) + 1 >= sequence.params.max_tokens or _length(sequence) + 1 >= self.engine.max_len
+        )
+
     def _grow(self, sequence: Sequence, entries: int, scheduled: set[Sequence]) -> bool:
         """Blocks for `entries` of the sequence, preempting the youngest running sequences not in
-        this step while none is free; False if the sequence itself had to go."""
+        this step while none is free; False if the sequence itself had to go (or ended: a preempted
+        sequence's tokens must all be known, so the launched round is taken first)."""
         held = self.held[sequence]
         need = math.ceil(entries / self.pool.block_size) - len(held.blocks)
+        if need > self.pool.num_free and self._launched is not None:
+            self._settle()
+            self._retire(keep=scheduled)
+            if sequence not in self.held:
+                return False
         while need > self.pool.num_free:
             victim = next((s for s in reversed(self.running) if s not in scheduled and s is not sequence), None)
             self._preempt(sequence if victim is None else victim)
@@ -379,11 +476,11 @@ class Scheduler:
             self.waiting.appendleft(sequence)
 
     def _register(self, sequence: Sequence, held: Held) -> None:
-        """Key the sequence's newly full blocks in the prefix cache."""
+        """Key the sequence's newly full blocks in the prefix cache (of its tokens known)."""
         if not self.pool.prefix_caching:
             return
         size = self.pool.block_size
-        for i in range(len(held.keys), held.computed // size):
+        for i in range(len(held.keys), min(held.computed, _length(sequence)) // size):
             tokens = _tokens(sequence, i * size, (i + 1) * size)
             held.keys.append(block_key(held.keys[-1] if held.keys else None, tokens))
             self.pool.register(held.blocks[i], held.keys[-1], tokens)
@@ -433,9 +530,9 @@ class Scheduler:
             found = token_logprobs(logits[: len(targets)], ids, sequence.params.prompt_logprobs)
             sequence.prompt_logprobs = (sequence.prompt_logprobs or [None]) + _logprobs(*found)
 
-    def _retire(self) -> None:
-        """Give the rows and blocks of finished and cancelled requests back."""
-        for sequence in [s for s in self.running if s.cancelled or s.finish_reason is not None]:
+    def _retire(self, keep: set[Sequence] | frozenset = frozenset()) -> None:
+        """Give the rows and blocks of finished and cancelled requests back (not those in `keep`)."""
+        for sequence in [s for s in self.running if (s.cancelled or s.finish_reason is not None) and s not in keep]:
             sequence.finish("cancelled")
             self.finished += sequence.finish_reason != "cancelled"
             self._release(sequence)

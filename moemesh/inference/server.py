@@ -69,9 +69,12 @@ class Service:
         max_request_bytes: int = 1 << 20,
         reply_window_ms: float = 25.0,  # serve's --reply-window-ms (inference/scheduler.py says why)
         prefill_first: bool = False,  # serve's --schedule prefill-first (inference/scheduler.py)
+        overlap: bool = True,  # not serve's --no-overlap (inference/scheduler.py)
     ):
         self.engine = engine
-        self.scheduler = Scheduler(engine, tokenizer, max_waiting, reply_window_ms / 1e3, prefill_first)
+        self.scheduler = Scheduler(
+            engine, tokenizer, max_waiting, reply_window_ms / 1e3, prefill_first, overlap=overlap
+        )
         self.settings = HttpSettings(
             tokenizer, model_name, api_key, max_request_bytes, engine.max_len, engine.vocab, max_waiting
         )

@@ -19,10 +19,10 @@ sequence number; a follower waits for the number it expects, copies the bytes, c
 reads again) and acknowledges the number in its own word. The leader reuses a slot only once
 every follower has acknowledged what it held. Followers spin for SPIN_S, then sleep in growing
 steps up to a millisecond: an idle server's followers use little CPU, a busy one's wake within
-microseconds (the engine's followers wait for their own GPU first, so their spin starts when
-their step has ended, a host's turn before the next message). A follower that hears nothing for
-`timeout_s` (NCCL's default, 10 minutes; the engine's leader sends keep-alives while idle) raises
-instead of hanging.
+microseconds (an engine's follower spins while its GPU runs the last step it enqueued, so the
+spin's SPIN_S counts from when its device went idle, a host's turn before the next message). A
+follower that hears nothing for `timeout_s` (NCCL's default, 10 minutes; the engine's leader
+sends keep-alives while idle) raises instead of hanging.
 
 Counted as one `broadcast` a message (`comm.calls`), as the broadcast it replaces.
 """
@@ -33,6 +33,7 @@ import secrets
 import time
 import weakref
 import zlib
+from collections.abc import Callable
 from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
@@ -86,20 +87,24 @@ class SharedMemoryChannel:
         self.sent = number
         comm._count("broadcast", "forward", data.nbytes)
 
-    def receive(self) -> np.ndarray:
-        """A follower: the next message (a copy, int64)."""
+    def receive(self, busy: Callable[[], bool] | None = None) -> np.ndarray:
+        """A follower: the next message (a copy, int64). While `busy()` is true (the follower's
+        device still runs its last step) it spins; SPIN_S after it is not, it sleeps."""
         number = self.received + 1
         slot = self.slots[number % SLOTS]
-        start, pause = time.monotonic(), 0.0
+        start = idle_since = time.monotonic()
+        pause = 0.0
         while True:
             if int(slot[0]) == number:  # its bytes copied, then checked: a number seen before them reads again
                 data = slot[HEADER : HEADER + int(slot[1])].copy()
                 if int(slot[0]) == number and zlib.crc32(data.tobytes()) == int(slot[2]):
                     break
-            waited = time.monotonic() - start
-            if waited > self.timeout_s:
+            now = time.monotonic()
+            if now - start > self.timeout_s:
                 raise ChannelTimeout(f"no message from the group's leader for {self.timeout_s:.0f} s")
-            if waited > SPIN_S:
+            if busy is not None and pause == 0.0 and busy():
+                idle_since = now
+            if now - idle_since > SPIN_S:
                 pause = min(LONGEST_SLEEP_S, max(pause * 2, 1e-5))
                 time.sleep(pause)
         self.acks[self.rank] = number
@@ -129,7 +134,7 @@ class BroadcastChannel:
         self.buffer[1 : 1 + data.numel()].copy_(data)
         comm.broadcast_(self.buffer, self.group)
 
-    def receive(self) -> np.ndarray:
+    def receive(self, busy: Callable[[], bool] | None = None) -> np.ndarray:
         host = comm.broadcast_(self.buffer, self.group).cpu().numpy()
         return host[1 : 1 + int(host[0])].copy()
 
