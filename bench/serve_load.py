@@ -222,7 +222,7 @@ def serve_child(args) -> None:
     tokenizer = ByteTokenizer()
     tokenizer.eos_id = None  # every request makes --max-tokens tokens
     warm_up = engine.warm_up()
-    scheduler = Scheduler(engine, tokenizer, max_waiting=1 << 20)
+    scheduler = Scheduler(engine, tokenizer, max_waiting=1 << 20, overlap=not serve_args.no_overlap)
     clock = StepClock(scheduler)
     report = {
         "capacity": f"{engine.capacity:,} tokens in {engine.cache.num_blocks - 1:,} blocks of {engine.block_size}, "
@@ -261,6 +261,7 @@ def serve_child(args) -> None:
         max_waiting=max(args.client_counts) + 1,
         reply_window_ms=serve_args.reply_window_ms,
         prefill_first=serve_args.schedule == "prefill-first",
+        overlap=not serve_args.no_overlap,
     )
     timed_inside(service, args.port + 1)
     service.serve("127.0.0.1", args.port, announce=True)
@@ -411,8 +412,8 @@ def start_server(args) -> tuple[subprocess.Popen, str, dict]:
         value = getattr(args, name)
         if value is True:
             command.append(f"--{name.replace('_', '-')}")
-        elif value is not None and value is not False:  # 0 too: --long-prompt 0
-            command += [f"--{name.replace('_', '-')}", str(value)]
+        elif value is not None and value is not False:  # 0 too: --long-prompt 0; "=": a value may start with "--"
+            command.append(f"--{name.replace('_', '-')}={value}")
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     report = None
     for line in child.stdout:
