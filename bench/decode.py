@@ -55,21 +55,23 @@ over N ranks, everything else whole on each, as `serve --ep N`; with --layout tp
 vocabulary split, the experts whole, as `serve --tp N --ep N`) and materialised from the seed, the
 engine made with the TP group; the engine's decode step alone (ms/step, as "engine ms/step" above,
 and "overlapped": each step launched before the one before it is read, its tokens PREVIOUS, as the
-scheduler's overlap runs them) for each way of summing the model's all-reduces (--ways: NCCL; the
-peer buffer's one-shot; its two-shot; as shipped, `comm.PEER_ALL_REDUCE`), with the collectives of a
-step counted (those inside the captured graphs included) and whether its greedy tokens equal the
-first way's; beside it the step's graph replayed back to back on every rank ("graph alone ms": the
-GPUs without the host's work between steps) and, during the timed steps, each rank's GPU time in a
-step's graph and idle before it (CUDA events around each replay). With N = 1 it gives the one-GPU
-row; with --profile-steps, rank 0's kernels of a step instead (under the first of --step-variants:
-plain-launch gives each kernel's own time, where a dependent launch's includes its wait for the
-kernel before). --step-variants shipped,before (or plain-launch, no-prefetch, unfused-adds,
-sums-apart, dot-gemv) also times the step with the kernels launched plainly, the GEMV's weights read
-after its wait, the residual adds apart from the norms, the all-reduces apart from the norms
-(ops/summed_norm.py), one row through the GEMV's tl.dot (ops/gemv.py), or all five. Ceilings (timing
-only, wrong tokens): skip-topk (a fixed routing), skip-rope (no rotary and cache-write kernel),
-skip-combine (no weighted sum of the pairs), free-sums (no rank adds another's partial): what fusing
-that launch away could gain at most; no-split runs attention's keys unsplit (no merge kernel).
+scheduler's overlap runs them; and so with a row's block table sent before each step, as a loaded
+server's rows grow into new blocks: the engine's pageable copy of it waits for the step before) for
+each way of summing the model's all-reduces (--ways: NCCL; the peer buffer's one-shot; its two-shot;
+as shipped, `comm.PEER_ALL_REDUCE`), with the collectives of a step counted (those inside the
+captured graphs included) and whether its greedy tokens equal the first way's; beside it the step's
+graph replayed back to back on every rank ("graph alone ms": the GPUs without the host's work
+between steps) and, during the timed steps, each rank's GPU time in a step's graph and idle before
+it (CUDA events around each replay). With N = 1 it gives the one-GPU row; with --profile-steps, rank
+0's kernels of a step instead (under the first of --step-variants: plain-launch gives each kernel's
+own time, where a dependent launch's includes its wait for the kernel before). --step-variants
+shipped,before (or plain-launch, no-prefetch, unfused-adds, sums-apart, dot-gemv) also times the
+step with the kernels launched plainly, the GEMV's weights read after its wait, the residual adds
+apart from the norms, the all-reduces apart from the norms (ops/summed_norm.py), one row through the
+GEMV's tl.dot (ops/gemv.py), or all five. Ceilings (timing only, wrong tokens): skip-topk (a fixed
+routing), skip-rope (no rotary and cache-write kernel), skip-combine (no weighted sum of the pairs),
+free-sums (no rank adds another's partial): what fusing that launch away could gain at most;
+no-split runs attention's keys unsplit (no merge kernel).
 --all-reduce: one all-reduce of bf16 [--all-reduce-sizes KB] in microseconds, 32 of them captured
 in a CUDA graph and replayed, each way, with the largest difference from an fp32 sum and whether
 every rank got the same bits; then the sum with the residual add and RMSNorm after it, as the
@@ -186,13 +188,15 @@ def scheduler_step_ms(engine: DecodeEngine, tokenizer, prompts: list[list[int]],
     return (time.perf_counter() - start) / steps * 1e3, sequences
 
 
-def engine_steps(engine: DecodeEngine, prompts: list[list[int]], overlapped: bool = False):
+def engine_steps(engine: DecodeEngine, prompts: list[list[int]], overlapped: bool = False, tables: bool = False):
     """The engine alone, without the scheduler and the text: every row given the blocks of a
     whole sequence, the prompts prefilled (packed, within the token budget) and one decode step
     run (graphs captured); returns step(i), the (i+1)-th decode step of all rows (it reads the
     new tokens back, as the scheduler does), drain(), which reads the last step's, and the blocks
     to release. `overlapped`: as the scheduler's overlap runs them, each step launched with
-    PREVIOUS tokens before the step before it is read."""
+    PREVIOUS tokens before the step before it is read; `tables`: a row's block table sent again
+    before each step, as a loaded server's rows grow into new blocks (64 rows of blocks of 16:
+    ~4 a step)."""
     sampling = Sampling()
     held = []
     for row in range(len(prompts)):
@@ -213,6 +217,9 @@ def engine_steps(engine: DecodeEngine, prompts: list[list[int]], overlapped: boo
             )
             return
         chunks = [Chunk(row, [PREVIOUS], len(p) + i, True, i + 1, sampling) for row, p in enumerate(prompts)]
+        if tables:
+            row = i % len(prompts)
+            engine.set_blocks(row, engine.tables[row].tolist())
         previous, launched[0] = launched[0], engine.launch(chunks)
         if previous is not None:
             tokens[:] = previous.tokens()
@@ -228,10 +235,10 @@ def engine_steps(engine: DecodeEngine, prompts: list[list[int]], overlapped: boo
     return step, drain, held
 
 
-def engine_step_ms(engine: DecodeEngine, prompts: list[list[int]], steps: int, overlapped: bool = False) -> float:
+def engine_step_ms(engine: DecodeEngine, prompts: list[list[int]], steps: int, overlapped=False, tables=False) -> float:
     """Milliseconds a decode step of all rows, the engine alone, over `steps` - 1 steps (the
-    collectives counted from their start: `comm.calls`); `overlapped`: see engine_steps."""
-    step, drain, held = engine_steps(engine, prompts, overlapped)
+    collectives counted from their start: `comm.calls`); `overlapped`, `tables`: see engine_steps."""
+    step, drain, held = engine_steps(engine, prompts, overlapped, tables)
     comm.reset_counts()
     start = time.perf_counter()
     for i in range(1, steps):
@@ -651,11 +658,12 @@ def tensor_parallel_row(engine: DecodeEngine, args, prompts: list[list[int]], wo
     """The leader's timing of one engine, with the collectives of a step and the greedy tokens
     (against the first way's, in `first`)."""
     batch = len(prompts)
-    timings, overlapped = [], []
+    timings, overlapped, tables = [], [], []
     for _ in range(2):
         timings.append(engine_step_ms(engine, prompts, args.new_tokens - 1))
         counted = {kind: n / (args.new_tokens - 2) for (kind, _), n in comm.calls.items()}
         overlapped.append(engine_step_ms(engine, prompts, args.new_tokens - 1, overlapped=True))
+        tables.append(engine_step_ms(engine, prompts, args.new_tokens - 1, overlapped=True, tables=True))
     tokens = greedy_tokens(engine, prompts, args.new_tokens - 1)
     first.setdefault(batch, tokens)
     ms = min(timings)
@@ -666,6 +674,7 @@ def tensor_parallel_row(engine: DecodeEngine, args, prompts: list[list[int]], wo
         "batch": batch,
         "engine ms/step": f"{ms:.2f}",
         "overlapped ms/step": f"{min(overlapped):.2f}",
+        "overlapped, a table sent each step, ms": f"{min(tables):.2f}",
         "tokens/s (overlapped)": f"{batch * 1e3 / min(overlapped):,.0f}",
         "all-reduces/step": f"{counted.get('all_reduce', 0):.0f}",
         "others/step": ", ".join(f"{k} {n:.0f}" for k, n in counted.items() if k != "all_reduce"),
