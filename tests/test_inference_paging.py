@@ -244,10 +244,10 @@ def test_overlapped_rounds_read_a_step_s_tokens_after_launching_the_next_and_cha
     read, its decode tokens PREVIOUS (the engine takes them from its own last sample), and a
     sequence that ended meanwhile drops the extra token. Against the same requests without
     overlap: the same tokens, finish reasons and log-probabilities, for greedy and seeded
-    sampling, a stop token (found by a first run), max_tokens of 1, a request with
+    sampling, a stop token (found by a first run), max_tokens of 1, the end of the context, a request with
     log-probabilities (processed on the host: its rounds are not overlapped) and preemption
     (blocks run out while a round is in flight); every block comes back."""
-    batch = prompts([9, 8, 10, 7, 5, 12], seed=4)
+    batch = prompts([9, 8, 10, 7, 5, 12, 26], seed=4)
     params = [
         SamplingParams(max_tokens=14),
         SamplingParams(max_tokens=15, temperature=1.0, top_p=0.9, seed=3),
@@ -255,6 +255,7 @@ def test_overlapped_rounds_read_a_step_s_tokens_after_launching_the_next_and_cha
         SamplingParams(max_tokens=16, temperature=0.7, seed=4),
         SamplingParams(max_tokens=6, logprobs=2),
         SamplingParams(max_tokens=1),
+        SamplingParams(max_tokens=20),  # ends at the context (32) first
     ]
     first, *_ = overlap_run(model, batch, params, overlap=False)
     params[2] = SamplingParams(max_tokens=13, stop_token_ids=(first[2].token_ids[5],))
@@ -269,6 +270,7 @@ def test_overlapped_rounds_read_a_step_s_tokens_after_launching_the_next_and_cha
             values = zip([a.logprob, *dict(a.top).values()], [b.logprob, *dict(b.top).values()])
             assert max(abs(x - y) for x, y in values) < 1e-5, i
     assert runs[True][0][2].finish_reason == "stop" and len(runs[True][0][2].token_ids) <= 5
+    assert runs[True][0][6].finish_reason == "length" and len(runs[True][0][6].token_ids) == 32 - 26
     assert runs[True][0][4].logprobs and len(runs[True][0][4].logprobs) == len(runs[True][0][4].token_ids)
     for overlap, (_, scheduler, engine, order) in runs.items():
         assert scheduler.preemptions > 0
