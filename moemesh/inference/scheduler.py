@@ -142,6 +142,9 @@ class Round:
     needs_host: bool
     routing: torch.Tensor | None = None
 
+    def __post_init__(self):
+        self.sampling = {sequence for (sequence, _), chunk in zip(self.work, self.chunks) if chunk.sample}
+
 
 class Scheduler:
     def __init__(
@@ -157,7 +160,6 @@ class Scheduler:
         self.engine, self.tokenizer, self.max_waiting = engine, tokenizer, max_waiting
         self.overlap = overlap
         self._launched: Round | None = None  # the round whose tokens the host has not read yet
-        self._pending: Counter[Sequence] = Counter()  # its sampled tokens, a sequence
         if record_routing and engine.cuda_graphs:
             raise ValueError(
                 "record_routing needs an eager engine (cuda_graphs=False): a graph's replay records nothing"
@@ -217,7 +219,6 @@ class Scheduler:
             if self._launched is None:
                 return False
             self._settle()
-            self._retire()
             return True
         chunks = [self._chunk(sequence, count) for sequence, count in work]
         self.decode_batches[len(work)] += 1
@@ -228,17 +229,15 @@ class Scheduler:
             s.sampler is not None or c.all_logits for (s, _), c in zip(work, chunks)
         )
         routing = self.routing.take() if self.routing is not None else None  # [tokens, layers, k], chunk by chunk
-        for (sequence, count), chunk in zip(work, chunks):  # its blocks' keys and values on their way
+        previous, self._launched = self._launched, Round(work, chunks, launched, needs_host, routing)
+        for sequence, count in work:  # its blocks' keys and values on their way
             self.held[sequence].computed += count
             self._register(sequence, self.held[sequence])
-            self._pending[sequence] += chunk.sample
-        previous, self._launched = self._launched, Round(work, chunks, launched, needs_host, routing)
         if previous is not None:
             self._take_round(previous)
         self._retire()
         if not self.overlap or needs_host or not self.running:
             self._settle()
-            self._retire()
         return True
 
     def _chunk(self, sequence: Sequence, count: int) -> Chunk:
@@ -250,20 +249,27 @@ class Scheduler:
             known + [PREVIOUS] * (count - len(known)),
             computed,
             computed + count == end,
-            len(sequence.token_ids) + self._pending[sequence],
+            len(sequence.token_ids) + self._in_flight(sequence),
             sequence.params.sampling,
             _wants_prompt_logprobs(sequence, computed),
         )
 
-    def _end(self, sequence: Sequence) -> int:
-        """The sequence's length with the tokens launched rounds sampled for it, not read yet."""
-        return _length(sequence) + self._pending[sequence]
+    def _in_flight(self, sequence: Sequence) -> bool:
+        """Whether the launched round samples the sequence's next token (not read yet). Only one
+        round is launched while rounds are scheduled: the one before was read when it launched."""
+        return self._launched is not None and sequence in self._launched.sampling
 
-    def _settle(self) -> None:
-        """The launched round's tokens read and taken (the host waits for its step)."""
+    def _end(self, sequence: Sequence) -> int:
+        """The sequence's length with its token in flight."""
+        return _length(sequence) + self._in_flight(sequence)
+
+    def _settle(self, keep: set[Sequence] | frozenset = frozenset()) -> None:
+        """The launched round's tokens read and taken (the host waits for its step), and the
+        requests that ended given back (not those in `keep`)."""
         launched, self._launched = self._launched, None
         if launched is not None:
             self._take_round(launched)
+        self._retire(keep)
 
     def _take_round(self, round: Round) -> None:
         """A round's tokens to its sequences: those that ended meanwhile (finished, cancelled or
@@ -279,9 +285,6 @@ class Scheduler:
             if chunk.all_logits and held is not None:
                 self._prompt_logprobs(sequence, chunk, round.launched.all_logits[i])
             if chunk.sample:
-                self._pending[sequence] -= 1
-                if self._pending[sequence] == 0:
-                    del self._pending[sequence]
                 if sequence.finish_reason is None and held is not None:
                     self._take(sequence, tokens[sampled], round.launched.logits[sampled])
                 sampled += 1
@@ -342,7 +345,6 @@ class Scheduler:
                 self._wake.wait(timeout=left if self._launched is None else min(left, WINDOW_POLL_S))
             if self._launched is not None and self._launched.launched.done():
                 self._settle()
-                self._retire()
                 if after_step is not None:
                     after_step()
         self.reply_windows["caught" if came >= expected else "partly" if came else "missed"] += 1
@@ -354,7 +356,6 @@ class Scheduler:
         (the round was admitting it), so that a failure that repeats every round ends instead of
         holding the queue."""
         self._launched = None
-        self._pending.clear()
         failed = list(self.running)
         with self._wake:
             if not failed and self.waiting:
@@ -393,7 +394,7 @@ class Scheduler:
         for sequence in sequences:
             if budget == 0:
                 break
-            if sequence not in self.held or self._last_pending(sequence):  # preempted; ends with its token in flight
+            if sequence not in self.held or self._last_in_flight(sequence):  # preempted; ends with its token in flight
                 continue
             left = self._end(sequence) - self.held[sequence].computed
             count = min(left, budget)
@@ -442,9 +443,9 @@ class Scheduler:
         self.cached_tokens += computed
         return sequence, count
 
-    def _last_pending(self, sequence: Sequence) -> bool:
+    def _last_in_flight(self, sequence: Sequence) -> bool:
         """Whether the token in flight for the sequence will be its last (max_tokens, the context)."""
-        return self._pending[sequence] > 0 and (
+        return self._in_flight(sequence) and (
             len(sequence.token_ids) + 1 >= sequence.params.max_tokens or _length(sequence) + 1 >= self.engine.max_len
         )
 
@@ -455,8 +456,7 @@ class Scheduler:
         held = self.held[sequence]
         need = math.ceil(entries / self.pool.block_size) - len(held.blocks)
         if need > self.pool.num_free and self._launched is not None:
-            self._settle()
-            self._retire(keep=scheduled)
+            self._settle(keep=scheduled)
             if sequence not in self.held:
                 return False
         while need > self.pool.num_free:
