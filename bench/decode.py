@@ -56,7 +56,7 @@ vocabulary split, the experts whole, as `serve --tp N --ep N`) and materialised 
 engine made with the TP group; the engine's decode step alone (ms/step, as "engine ms/step" above,
 and "overlapped": each step launched before the one before it is read, its tokens PREVIOUS, as the
 scheduler's overlap runs them; and so with a row's block table sent before each step, as a loaded
-server's rows grow into new blocks: the engine's pageable copy of it waits for the step before) for
+server's rows grow into new blocks: it reaches the device through pinned memory, without waiting) for
 each way of summing the model's all-reduces (--ways: NCCL; the peer buffer's one-shot; its two-shot;
 as shipped, `comm.PEER_ALL_REDUCE`), with the collectives of a step counted (those inside the
 captured graphs included) and whether its greedy tokens equal the first way's; beside it the step's
