@@ -261,6 +261,40 @@ def check_generation_with_kernels(rank, whole_experts=False):
     assert comm.calls[("all_reduce", "forward")] == forwards * (1 + 2 * config.num_hidden_layers)
 
 
+def check_packed_steps_in_buckets(rank):
+    """Packed steps under TP with a bucket (as captured on a GPU; replayed plainly here): a step of
+    prompts goes through the bucket, one with a prompt that wants its every token's logits runs
+    eagerly, on every rank alike (the follower reads which from the message: it no longer reads
+    the step's inputs back); the sampled tokens and those logits are one process's."""
+    config = CONFIG.replace(head_dim=16)
+    mesh = init_mesh(ParallelDims(tp=TP))
+
+    def engine_of(model, group=None):
+        engine = DecodeEngine(model.eval(), max_batch=2, max_len=16, packed_graph_tokens=16, group=group)
+        engine.paths, replay = [], engine._replay
+        engine._replay = lambda key, step: (engine.paths.append(key[0]), replay(key, step))[1]
+        for row in range(2):
+            engine.set_blocks(row, [row + 1])
+        return engine
+
+    steps = [
+        [Chunk(0, [5, 6, 7], 0), Chunk(1, [9, 10], 0)],  # a bucket of 16
+        [Chunk(0, [8, 11], 3, all_logits=True), Chunk(1, [12], 2)],  # eager: every logit of chunk 0
+    ]
+    engine = engine_of(apply_tp(build(config, seed=5), mesh), mesh.group("tp"))
+    if not engine.leader:
+        engine.follow()
+        return engine.paths
+    alone = engine_of(build(config, seed=5))
+    for chunks in steps:
+        assert engine.step(chunks) == alone.step(chunks)
+    # fp32 sums split over the ranks round apart by ~1e-6
+    torch.testing.assert_close(engine.last_all_logits[0], alone.last_all_logits[0], rtol=1e-4, atol=1e-4)
+    engine.close()
+    assert engine.paths == alone.paths == ["packed"]
+    return engine.paths
+
+
 def test_tp_generation_with_the_decoding_kernels(monkeypatch):
     """The Triton decoding kernels (ops/gemv.py, decode_attention.py, topk_softmax.py, the fused
     expert GEMVs) on each rank's heads and expert slices, the block's reduce after the fused
@@ -274,6 +308,7 @@ def test_tp_generation_with_the_decoding_kernels(monkeypatch):
     try:
         pool.run(check_generation_with_kernels)
         pool.run(check_generation_with_kernels, True)
+        assert pool.run(check_packed_steps_in_buckets) == [["packed"]] * TP
     finally:
         pool.close()
 

@@ -362,8 +362,9 @@ class DecodeEngine:
                     ints = comm.broadcast_(torch.empty(a, 4, dtype=torch.long, device=self.device), self.group)
                     samples = comm.broadcast_(torch.empty(b, 4, dtype=torch.long, device=self.device), self.group)
                     floats = comm.broadcast_(torch.empty(b, 2, dtype=torch.float32, device=self.device), self.group)
-                    host = ints.tolist()
-                    self._forward(ints, samples, floats, _segments(host), MODES[c], any(t[3] for t in host))
+                    # the rows' runs only for an eager step, read back then: a bucket's replay needs no host
+                    # view of its inputs, and reading one would wait for the step in flight
+                    self._forward(ints, samples, floats, None, MODES[c % len(MODES)], c >= len(MODES))
                 else:  # a decode step: its inputs came with the message
                     self._staging_for_write()[:] = message
                     self._copy_staged()
@@ -452,13 +453,13 @@ class DecodeEngine:
             ints += [[token, c.start + i, c.row, c.all_logits] for i, token in enumerate(c.tokens)]
         sampled = [c for c in chunks if c.sample]
         mode = mode_for([c.sampling.temperature for c in sampled], [c.sampling.top_p for c in sampled])
-        segments = _segments(ints)
+        host, flagged = ints, any(c.all_logits for c in chunks)
         ints = self._to_device(torch.tensor(ints, dtype=torch.long))
         samples = self._to_device(torch.tensor(samples, dtype=torch.long).view(-1, 4))
         floats = self._to_device(torch.tensor(floats, dtype=torch.float32).view(-1, 2))
-        self._announce(_FORWARD, len(ints), len(samples), MODES.index(mode), ints, samples, floats)
-        flagged = any(c.all_logits for c in chunks)
-        tokens, self.last_logits, rest = self._forward(ints, samples, floats, segments, mode, flagged)
+        code = MODES.index(mode) + len(MODES) * flagged  # the mode, and whether any token wants its logits
+        self._announce(_FORWARD, len(ints), len(samples), code, ints, samples, floats)
+        tokens, self.last_logits, rest = self._forward(ints, samples, floats, host, mode, flagged)
         for i, c in enumerate(chunks):
             if c.all_logits:
                 self.last_all_logits[i], rest = rest[: len(c.tokens)], rest[len(c.tokens) :]
@@ -470,11 +471,12 @@ class DecodeEngine:
         return next((b for b in self.packed_buckets if b >= tokens), None)
 
     def _forward(
-        self, ints, samples, floats, segments, mode: str, flagged: bool
+        self, ints, samples, floats, host: list[list[int]] | None, mode: str, flagged: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The packed step: ints [N, 4] (token, position, table row, all logits wanted), samples
-        [S, 4] (token index, seed, step, table row) and floats [S, 2] (temperature, top_p); `flagged`
-        whether any token wants all its logits. Returns the S sampled tokens, their logits
+        [S, 4] (token index, seed, step, table row) and floats [S, 2] (temperature, top_p); `host`
+        the ints as lists where the caller has them (else read back if the step runs eagerly);
+        `flagged` whether any token wants all its logits. Returns the S sampled tokens, their logits
         [S, V], and the logits of the tokens flagged [F, V]. In a bucket when one takes it."""
         count = len(samples)
         bucket = self.packed_bucket(len(ints))
@@ -485,10 +487,11 @@ class DecodeEngine:
                 return tokens[:count], logits[:count], logits[:0]
             except HostLayoutMissing:  # this model's attention reads the runs on the host: eager from now on
                 self.packed_buckets = []
-        return self._eager_forward(ints, samples, floats, segments, mode)
+        return self._eager_forward(ints, samples, floats, host, mode)
 
-    def _eager_forward(self, ints, samples, floats, segments, mode: str) -> tuple[torch.Tensor, ...]:
+    def _eager_forward(self, ints, samples, floats, host, mode: str) -> tuple[torch.Tensor, ...]:
         count = len(samples)
+        segments = _segments(ints.tolist() if host is None else host)
         self.cache.set_step(ints[:, 2], ints[:, 1], max(s[3] for s in segments), segments)
         if not count:  # only chunks of prompts that go on: the last token stands in (never read)
             samples, floats = ints.new_tensor([[len(ints) - 1, 0, 0, self.max_batch]]), floats.new_tensor([[0.0, 1.0]])
@@ -588,7 +591,7 @@ class DecodeEngine:
         samples = self._padding[2][None]
         floats = torch.tensor([[0.0, 1.0]], device=self.device)
         with torch.no_grad(), backend.agreed_tiles(self.group):
-            self._eager_forward(ints_on_device, samples, floats, _segments(ints), "greedy")
+            self._eager_forward(ints_on_device, samples, floats, ints, "greedy")
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         if self.cuda_graphs and self.packed_buckets:
