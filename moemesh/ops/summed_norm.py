@@ -23,6 +23,18 @@ all-reduce and `add_rms_norm` took 8.0 and 8.3; the 48-layer Qwen3-30B-A3B shape
 batch 1 went 1.14x (TP=2) and 1.22x (TP=4) faster, at batch 64 1.05x and 1.02x (docs/benchmarks.md,
 2026-11-28). Flags of PyTorch's kind (compare-and-swap, a rank at a time, a meeting before and one
 after the reads) were slower than the two kernels: 9.5 and 17.1 µs.
+With `MEET_BY_VALUES` the rows are their own signal (TensorRT-LLM's "Lamport" one-shot): a slot
+holds EMPTY (-0.0) until a rank's rows land in it, each rank writes its rows with -0.0 made +0.0
+(the fp32 sum, from +0.0, is the same either way), polls its own slots until no element is EMPTY,
+and empties them again after it has read them. No flag, and no fence before one: one crossing of
+NVLink a sum where the flags take a write, a fence (which waits for the writes' acknowledgement)
+and the flag's own write. Its two halves are the buffer's third and fourth (the flags' leave
+their rows behind, which would read as landed), chosen by the same count: a half emptied at a
+program's meeting m is written again at m + 2 or later, which a rank reaches only after every
+rank's meeting m + 1 (either way) -- a later launch, after the whole of m. Checked on one H200
+with 2 and 4 ranks as concurrent streams (tests/test_ops_summed_norm.py; 2026-11-28, before its
+halves were split from the flags'); not yet timed on several GPUs: False (the flags) stays the
+default until `bench/decode.py --step-variants by-values` measures it there.
 Elsewhere (a CPU, gloo, rows past what the buffer holds) the left sum is the all-reduce as before,
 then `add_rms_norm`: the same ops in the same order.
 
@@ -43,12 +55,15 @@ from moemesh.ops.backend import dependent_launch, tl, triton, wait_for_inputs
 from moemesh.ops.rms_norm import add_rms_norm, fuses_add, normalised_rows, rms_norm_blocks
 
 MAX_PROGRAMS = 256  # blocks of rows (of 2 rows at a width of 2048: 512 rows), a flag each
+# The rows as their own signal, EMPTY marking a slot not yet written (see the module docstring).
+MEET_BY_VALUES = False
+EMPTY = -0.0  # what every slot of the buffer holds at first (`PeerMemory.empty`)
 
 
 @dataclass(frozen=True)
 class PeerMemory:
     """What the kernel needs of the memory every rank of a group maps: device addresses of tables
-    (one entry a rank, in rank order) of the ranks' buffers ([2, world, capacity] each, of
+    (one entry a rank, in rank order) of the ranks' buffers ([4, world, capacity] each, of
     `dtype`) and of their flags (`flags_numel(world)` int32 zeros, at first), this rank's index
     and the rank count."""
 
@@ -63,11 +78,17 @@ class PeerMemory:
     def buffer_numel(world: int, capacity: int) -> int:
         if capacity % 16:
             raise ValueError(f"PeerMemory: a capacity of {capacity} elements, not a multiple of 16")
-        return 2 * world * capacity
+        return 4 * world * capacity  # two halves meeting by flags, two by values
 
     @staticmethod
     def flags_numel(world: int) -> int:
-        return MAX_PROGRAMS * (world + 1)  # a flag a (program, rank), and each program's meetings
+        # a flag a (program, rank), each program's meetings, and of them those by flags
+        return MAX_PROGRAMS * (world + 2)
+
+    @staticmethod
+    def empty(buffer: torch.Tensor) -> torch.Tensor:
+        """The buffer as the kernel expects it at first: every slot EMPTY."""
+        return buffer.fill_(EMPTY)
 
     def holds(self, rows: torch.Tensor) -> bool:
         """Whether the kernel can sum these rows [..., width] here."""
@@ -159,7 +180,9 @@ def summed_add_rms_norm_triton(
         _summed_add_rms_norm_kernel[(triton.cdiv(n, block_rows),)](
             partial.contiguous().view_as(rows), rows, total, weight.contiguous(), out, n, width, eps,
             peers.buffer_ptrs, peers.flag_ptrs, peers.rank, peers.capacity, WORLD=peers.world,
-            MEETINGS=MAX_PROGRAMS * peers.world, BLOCK_ROWS=block_rows, BLOCK_W=block_w, num_warps=warps,
+            MEETINGS=MAX_PROGRAMS * peers.world, PROGRAMS=MAX_PROGRAMS, BY_VALUES=MEET_BY_VALUES,
+            BITS=8 * partial.element_size(),
+            BLOCK_ROWS=block_rows, BLOCK_W=block_w, num_warps=warps,
             **dependent_launch(h),
         )  # fmt: skip
     return total.view(h.shape), out.view(h.shape)
@@ -183,9 +206,26 @@ def _meet_peers(flag_ptrs, program, rank, meeting, WORLD: tl.constexpr):
 
 
 @triton.jit
+def _read_and_empty(slot, mask, BITS: tl.constexpr):
+    """A rank's rows from this rank's slot, once every element has landed (none EMPTY), in fp32;
+    the slot EMPTY again after."""
+    empty: tl.constexpr = -(1 << (BITS - 1))  # -0.0's bits, compared as bits: -0.0 == 0.0 as floats
+    if BITS == 16:
+        bits_at = slot.to(tl.pointer_type(tl.int16))
+    else:
+        bits_at = slot.to(tl.pointer_type(tl.int32))
+    bits = tl.load(bits_at, mask=mask, other=0, volatile=True)
+    while tl.sum((bits == empty).to(tl.int32)) > 0:
+        bits = tl.load(bits_at, mask=mask, other=0, volatile=True)
+    tl.store(bits_at, tl.full(bits.shape, empty, bits.dtype), mask=mask)
+    return bits.to(slot.dtype.element_ty, bitcast=True).to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["rank"])  # one binary for every rank (ranks of one GPU: a compile would wait)
 def _summed_add_rms_norm_kernel(partial_ptr, h_ptr, total_ptr, weight_ptr, out_ptr, n, width, eps,
                                 buffer_ptrs, flag_ptrs, rank, capacity, WORLD: tl.constexpr,
-                                MEETINGS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_W: tl.constexpr,
+                                MEETINGS: tl.constexpr, PROGRAMS: tl.constexpr, BY_VALUES: tl.constexpr,
+                                BITS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_W: tl.constexpr,
                                 GDC: tl.constexpr):  # fmt: skip
     wait_for_inputs(GDC)
     program = tl.program_id(0)
@@ -197,17 +237,27 @@ def _summed_add_rms_norm_kernel(partial_ptr, h_ptr, total_ptr, weight_ptr, out_p
     count = tl.load(flag_ptrs.to(tl.pointer_type(tl.uint64)) + rank).to(tl.pointer_type(tl.int32)) + MEETINGS + program
     meeting = tl.load(count) + 1
     buffers = buffer_ptrs.to(tl.pointer_type(tl.uint64))
-    half = tl.multiple_of((meeting & 1).to(tl.int64) * WORLD * capacity, 16)  # capacity: a multiple of 16
+    half = (meeting & 1).to(tl.int64) + (2 if BY_VALUES else 0)  # the flags' halves, or the values'
+    half = tl.multiple_of(half * WORLD * capacity, 16)  # capacity: a multiple of 16
     partial = tl.load(partial_ptr + offsets, mask=mask)
+    if BY_VALUES:  # -0.0 is EMPTY: written as +0.0
+        partial = tl.where(partial == 0.0, tl.zeros_like(partial), partial)
     for peer in tl.static_range(WORLD):  # this rank's rows into its slot of every rank's buffer
         buffer = tl.multiple_of(tl.load(buffers + peer).to(tl.pointer_type(partial_ptr.dtype.element_ty)), 16)
         tl.store(buffer + half + tl.multiple_of(rank * capacity, 16) + offsets, partial, mask=mask)
-    _meet_peers(flag_ptrs, program, rank, meeting, WORLD)
+    if not BY_VALUES:  # the flags count only the meetings by flags (the ways may change between launches)
+        flagged = count + PROGRAMS
+        flag_meeting = tl.load(flagged) + 1
+        _meet_peers(flag_ptrs, program, rank, flag_meeting, WORLD)
+        tl.store(flagged, flag_meeting)
     own = tl.multiple_of(tl.load(buffers + rank).to(tl.pointer_type(partial_ptr.dtype.element_ty)), 16) + half
     summed = tl.zeros([BLOCK_ROWS, BLOCK_W], dtype=tl.float32)
     for peer in tl.static_range(WORLD):  # in rank order: the same bits on every rank
         rows_of_peer = own + peer * capacity + offsets
-        summed += tl.load(rows_of_peer, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        if BY_VALUES:
+            summed += _read_and_empty(rows_of_peer, mask, BITS)
+        else:
+            summed += tl.load(rows_of_peer, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
     # Rounded as the all-reduce's result is, then the residual add, rounded as the add alone is.
     x = tl.load(h_ptr + offsets, mask=mask, other=0.0)
     x = (x.to(tl.float32) + summed.to(x.dtype).to(tl.float32)).to(x.dtype)

@@ -335,9 +335,10 @@ class _PeerBuffer:
         )
         flags = symmetric_memory.empty(summed_norm.PeerMemory.flags_numel(self.ranks), dtype=torch.int32, device=device)
         flags.zero_()
+        summed_norm.PeerMemory.empty(pushed)
         pushed_handle, flags_handle = (symmetric_memory.rendezvous(t, group) for t in (pushed, flags))
         torch.cuda.synchronize(device)
-        dist.barrier(group)  # every rank's flags zero before any rank's kernel counts on them
+        dist.barrier(group)  # every rank's flags zero and slots empty before any rank's kernel counts on them
         self.kept = pushed, flags  # alive as long as this: the kernel reaches them by address alone
         self.memory = summed_norm.PeerMemory(
             pushed_handle.buffer_ptrs_dev, flags_handle.buffer_ptrs_dev, pushed_handle.rank,
