@@ -221,7 +221,7 @@ def _read_and_empty(slot, mask, BITS: tl.constexpr):
     return bits.to(slot.dtype.element_ty, bitcast=True).to(tl.float32)
 
 
-@triton.jit(do_not_specialize=["rank"])  # one binary for every rank (ranks of one GPU: a compile would wait)
+@triton.jit(do_not_specialize=["rank"])  # one binary for every rank (Triton specialises an argument of 1)
 def _summed_add_rms_norm_kernel(partial_ptr, h_ptr, total_ptr, weight_ptr, out_ptr, n, width, eps,
                                 buffer_ptrs, flag_ptrs, rank, capacity, WORLD: tl.constexpr,
                                 MEETINGS: tl.constexpr, PROGRAMS: tl.constexpr, BY_VALUES: tl.constexpr,
