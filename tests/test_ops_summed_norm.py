@@ -14,8 +14,10 @@ generation test (tests/test_parallel_generate.py, test_parallel_serve.py), where
 the all-reduce as before.
 """
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -114,10 +116,8 @@ def _ranks_on_streams(world: int, by_values: bool) -> None:
     streams = [torch.cuda.Stream(device) for _ in range(world)]
     for stream in streams:  # memory cached for each stream: no allocation (which may wait) while ranks meet
         with torch.cuda.stream(stream):
-            (
-                torch.empty(64 << 20, dtype=torch.uint8, device=device),
-                torch.empty(1 << 20, dtype=torch.uint8, device=device),
-            )
+            for nbytes in (64 << 20, 1 << 20):  # the allocator's large and small pools
+                torch.empty(nbytes, dtype=torch.uint8, device=device)
     weight = torch.randn(width, dtype=dtype, device=device)
     for n in (64, 3, 64, 1, 40):
         h = torch.randn(n, width, dtype=dtype, device=device)
@@ -140,8 +140,14 @@ def _ranks_on_streams(world: int, by_values: bool) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("by_values", [False, True])
 def test_ranks_on_one_gpu_meet_and_sum_in_rank_order(world, by_values):
+    root = str(Path(__file__).resolve().parents[1])  # moemesh, for the subprocess's import
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     done = subprocess.run(
-        [sys.executable, __file__, str(world), str(int(by_values))], capture_output=True, text=True, timeout=300
+        [sys.executable, __file__, str(world), str(int(by_values))],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
 
