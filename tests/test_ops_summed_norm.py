@@ -33,7 +33,7 @@ def _ranks(world: int, dtype: torch.dtype, capacity: int, device=None):
     by the returned tuple)."""
     device = device or torch.get_default_device()
     buffers = [
-        summed_norm.PeerMemory.empty(
+        summed_norm.PeerMemory.emptied(
             torch.empty(summed_norm.PeerMemory.buffer_numel(world, capacity), dtype=dtype, device=device)
         )
         for _ in range(world)

@@ -288,8 +288,8 @@ def check_packed_steps_in_buckets(rank):
     alone = engine_of(build(config, seed=5))
     for chunks in steps:
         assert engine.step(chunks) == alone.step(chunks)
-    # fp32 sums split over the ranks round apart by ~1e-6
-    torch.testing.assert_close(engine.last_all_logits[0], alone.last_all_logits[0], rtol=1e-4, atol=1e-4)
+    # fp32 sums split over the ranks round apart: measured 9.5e-7 on logits up to 3.6
+    torch.testing.assert_close(engine.last_all_logits[0], alone.last_all_logits[0], rtol=1e-5, atol=1e-5)
     engine.close()
     assert engine.paths == alone.paths == ["packed"]
     return engine.paths

@@ -141,6 +141,7 @@ class Round:
     launched: Launched
     needs_host: bool
     routing: torch.Tensor | None = None
+    sampling: set[Sequence] = field(init=False)  # the sequences whose next token it samples
 
     def __post_init__(self):
         self.sampling = {sequence for (sequence, _), chunk in zip(self.work, self.chunks) if chunk.sample}
@@ -211,8 +212,6 @@ class Scheduler:
             for sequence in [s for s in self.waiting if s.cancelled]:
                 self.waiting.remove(sequence)
                 sequence.finish("cancelled")
-        if self._launched is not None and self._launched.needs_host:
-            self._settle()
         self._retire()
         work = self._schedule()
         if not work:

@@ -57,7 +57,7 @@ from moemesh.ops.rms_norm import add_rms_norm, fuses_add, normalised_rows, rms_n
 MAX_PROGRAMS = 256  # blocks of rows (of 2 rows at a width of 2048: 512 rows), a flag each
 # The rows as their own signal, EMPTY marking a slot not yet written (see the module docstring).
 MEET_BY_VALUES = False
-EMPTY = -0.0  # what every slot of the buffer holds at first (`PeerMemory.empty`)
+EMPTY = -0.0  # what every slot of the buffer holds at first (`PeerMemory.emptied`)
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class PeerMemory:
         return MAX_PROGRAMS * (world + 2)
 
     @staticmethod
-    def empty(buffer: torch.Tensor) -> torch.Tensor:
+    def emptied(buffer: torch.Tensor) -> torch.Tensor:
         """The buffer as the kernel expects it at first: every slot EMPTY."""
         return buffer.fill_(EMPTY)
 

@@ -335,7 +335,7 @@ class _PeerBuffer:
         )
         flags = symmetric_memory.empty(summed_norm.PeerMemory.flags_numel(self.ranks), dtype=torch.int32, device=device)
         flags.zero_()
-        summed_norm.PeerMemory.empty(pushed)
+        summed_norm.PeerMemory.emptied(pushed)
         pushed_handle, flags_handle = (symmetric_memory.rendezvous(t, group) for t in (pushed, flags))
         torch.cuda.synchronize(device)
         dist.barrier(group)  # every rank's flags zero and slots empty before any rank's kernel counts on them
