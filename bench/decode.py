@@ -71,13 +71,12 @@ apart from the norms, the all-reduces apart from the norms (ops/summed_norm.py),
 GEMV's tl.dot (ops/gemv.py), or all five. Ceilings (timing only, wrong tokens): skip-topk (a fixed
 routing), skip-rope (no rotary and cache-write kernel), skip-combine (no weighted sum of the pairs),
 free-sums (no rank adds another's partial): what fusing that launch away could gain at most;
-no-split runs attention's keys unsplit (no merge kernel); by-values: the sums in the norms meet by
-their values rather than by flags (`summed_norm.MEET_BY_VALUES`).
+no-split runs attention's keys unsplit (no merge kernel).
 --all-reduce: one all-reduce of bf16 [--all-reduce-sizes KB] in microseconds, 32 of them captured
 in a CUDA graph and replayed, each way, with the largest difference from an fp32 sum and whether
 every rank got the same bits; then the sum with the residual add and RMSNorm after it, as the
-all-reduce and `add_rms_norm` against the one kernel of `ops/summed_norm.py`, meeting by flags and
-by values (each checked bit for bit against the fp32 sum rounded once, on every rank).
+all-reduce and `add_rms_norm` against the one kernel of `ops/summed_norm.py` (checked bit for bit
+against the fp32 sum rounded once, on every rank).
 """
 
 from __future__ import annotations
@@ -110,7 +109,7 @@ from moemesh.inference.request import SamplingParams
 from moemesh.inference.scheduler import Scheduler
 from moemesh.models import build, moe
 from moemesh.models.transformer import DecoderLayer
-from moemesh.ops import backend, decode_attention, gemv, summed_norm
+from moemesh.ops import backend, decode_attention, gemv
 from moemesh.parallel import comm
 
 
@@ -517,7 +516,6 @@ STEP_VARIANTS = {
     "unfused-adds": ("fused adds",),
     "sums-apart": ("sums in norms",),
     "dot-gemv": ("one-row reduction",),
-    "by-values": ("meeting by flags",),  # the sums in the norms meet by their values (ops/summed_norm.py)
     "before": ("dependent launch", "prefetch", "fused adds", "sums in norms", "one-row reduction"),
 }
 
@@ -566,7 +564,6 @@ def step_variant(name: str) -> None:
     DecoderLayer.fuses_residual_adds = "fused adds" not in off
     comm.SUMS_IN_NORMS = "sums in norms" not in off
     gemv.ONE_ROW_REDUCTION = "one-row reduction" not in off
-    summed_norm.MEET_BY_VALUES = "meeting by flags" in off
     patches = {
         "topk": (moe, "topk_softmax", fixed_routing),
         "rope": (decode_attention, "rope_to_cache", unwritten_queries),
@@ -759,28 +756,18 @@ def sum_in_norm_columns(x, exact, group) -> dict:
     comm.PEER_ALL_REDUCE.update(WAYS["shipped"])
     peers = comm._peer_buffers[group].memory
     x = x.view(-1, 2048)
+    if not peers.holds(x):  # more blocks of rows than the kernel has meetings for: the engine sums those apart
+        return {}
     h = torch.randn(x.shape, generator=torch.Generator(device=x.device).manual_seed(7), device=x.device).to(x.dtype)
     weight = torch.rand(2048, device=x.device, dtype=x.dtype) + 0.5
-    ways = {  # name: (the step, meeting by values)
-        "all-reduce + add & norm µs": (lambda: add_rms_norm(h, comm.all_reduce_sum(x, group), weight, 1e-6), None),
-        "sum in the norm µs": (lambda: summed_add_rms_norm_triton(h, x, weight, 1e-6, peers), False),
-        "by values µs": (lambda: summed_add_rms_norm_triton(h, x, weight, 1e-6, peers), True),
-    }
-    columns, equal = {}, []
     with torch.no_grad():
         want = add_rms_norm(h, exact.view_as(x).to(x.dtype), weight, 1e-6)
-        for name, (way, by_values) in ways.items():
-            summed_norm.MEET_BY_VALUES = bool(by_values)
-            out, _, microseconds = graph_microseconds(way)
-            columns[name] = f"{microseconds:.1f}"
-            if by_values is not None:
-                equal.append(float(all(torch.equal(a, b) for a, b in zip(out, want))))
-        summed_norm.MEET_BY_VALUES = False
-    equal = torch.tensor(equal, device=x.device)
+        _, _, apart = graph_microseconds(lambda: add_rms_norm(h, comm.all_reduce_sum(x, group), weight, 1e-6))
+        out, _, fused = graph_microseconds(lambda: summed_add_rms_norm_triton(h, x, weight, 1e-6, peers))
+    equal = torch.tensor([float(all(torch.equal(a, b) for a, b in zip(out, want)))], device=x.device)
     dist.all_reduce(equal, op=dist.ReduceOp.MIN, group=group)
-    columns["in the norm = fp32 sum's, every rank (flags / values)"] = " / ".join(
-        "yes" if e == 1 else "NO" for e in equal.tolist()
-    )
+    columns = {"all-reduce + add & norm µs": f"{apart:.1f}", "sum in the norm µs": f"{fused:.1f}"}
+    columns["in the norm = fp32 sum's, every rank"] = "yes" if equal.item() == 1 else "NO"
     return columns
 
 

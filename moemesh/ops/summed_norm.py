@@ -8,33 +8,24 @@ residual add and an RMSNorm (`rms_norm.add_rms_norm`). So the engine's layers (`
 over (`leave`) instead of summing it, and `add_summed_rms_norm` takes it.
 
 Where the ranks map common memory (PyTorch's symmetric memory, without NVLink multicast), the
-sum is in the norm's kernel, a program a block of rows: each program writes its rows of the
-partial into every rank's buffer (its own slot there), raises its flag at every rank and waits for
-every rank's flag at its own (atomics at system scope, all ranks at once, a thread each), then
-reads every rank's rows from its own memory, adds them in rank order in fp32 and rounds once --
-every rank gets the same bits -- and adds the residual and normalises as `add_rms_norm` does. The
-flags are counters, and each program keeps the count of its meetings: nothing is reset, so a CUDA
-graph replays it. The buffer has two halves, by the parity of that count, so one meeting a launch
-is enough: a rank writes a half again only after every rank has begun the launch that follows the
-one that read it. That is a one-shot all-reduce inside the norm's kernel and inside the chain of
-dependent launches (`ops/backend.py`), which PyTorch's all-reduce kernel ends twice a layer. On
-H200s a decode step's sum, add and norm took 4.0 µs on two GPUs and 5.2 on four, where the
-all-reduce and `add_rms_norm` took 8.0 and 8.3; the 48-layer Qwen3-30B-A3B shape's decode step at
-batch 1 went 1.14x (TP=2) and 1.22x (TP=4) faster, at batch 64 1.05x and 1.02x (docs/benchmarks.md,
-2026-11-28). Flags of PyTorch's kind (compare-and-swap, a rank at a time, a meeting before and one
-after the reads) were slower than the two kernels: 9.5 and 17.1 µs.
-With `MEET_BY_VALUES` the rows are their own signal (TensorRT-LLM's "Lamport" one-shot): a slot
-holds EMPTY (-0.0) until a rank's rows land in it, each rank writes its rows with -0.0 made +0.0
-(the fp32 sum, from +0.0, is the same either way), polls its own slots until no element is EMPTY,
-and empties them again after it has read them. No flag, and no fence before one: one crossing of
-NVLink a sum where the flags take a write, a fence (which waits for the writes' acknowledgement)
-and the flag's own write. Its two halves are the buffer's third and fourth (the flags' leave
-their rows behind, which would read as landed), chosen by the same count: a half emptied at a
-program's meeting m is written again at m + 2 or later, which a rank reaches only after every
-rank's meeting m + 1 (either way) -- a later launch, after the whole of m. Checked on one H200
-with 2 and 4 ranks as concurrent streams (tests/test_ops_summed_norm.py; 2026-11-28, before its
-halves were split from the flags'); not yet timed on several GPUs: False (the flags) stays the
-default until `bench/decode.py --step-variants by-values` measures it there.
+sum is in the norm's kernel, a program a block of rows. The rows are their own signal
+(TensorRT-LLM's "Lamport" one-shot): every slot of every rank's buffer holds EMPTY (-0.0) until a
+rank's rows land in it. Each program writes its rows of the partial, -0.0 made +0.0 (the fp32 sum,
+from +0.0, is the same either way), into its own slot of every rank's buffer, polls its slots at
+its own rank until no element is EMPTY, adds them in rank order in fp32 and rounds once -- every
+rank gets the same bits -- empties them again, and adds the residual and normalises as
+`add_rms_norm` does. No flag and no fence: one crossing of NVLink a sum. The buffer has two
+halves, by the parity of each program's count of its meetings (kept at its rank; nothing is reset,
+so a CUDA graph replays it): a half emptied at a program's meeting m is written again at m + 2,
+which a rank reaches only after it has read every rank's rows of m + 1 -- written in a launch after
+the whole of m. That is a one-shot all-reduce inside the norm's kernel and inside the chain of
+dependent launches (`ops/backend.py`), which PyTorch's all-reduce kernel ends twice a layer.
+On H200s, meeting by flags (each program raising a flag at every rank after a fence and waiting for
+every rank's) took a decode step's sum, add and norm to 4.0 µs on two GPUs and 5.2 on four, where
+the all-reduce and `add_rms_norm` took 8.0 and 8.3: the 48-layer Qwen3-30B-A3B shape's decode
+step went 1.14x (TP=2) and 1.22x (TP=4) faster at batch 1. Meeting by values then took that step
+2.62 -> 2.57 ms at batch 1 and 10.61 -> 10.49 at batch 64 on two H200s (whole experts: 10.41 ->
+10.35), the same tokens, so the flags were removed (docs/benchmarks.md, 2026-11-28 and -29).
 Elsewhere (a CPU, gloo, rows past what the buffer holds) the left sum is the all-reduce as before,
 then `add_rms_norm`: the same ops in the same order.
 
@@ -54,21 +45,19 @@ import torch
 from moemesh.ops.backend import dependent_launch, tl, triton, wait_for_inputs
 from moemesh.ops.rms_norm import add_rms_norm, fuses_add, normalised_rows, rms_norm_blocks
 
-MAX_PROGRAMS = 256  # blocks of rows (of 2 rows at a width of 2048: 512 rows), a flag each
-# The rows as their own signal, EMPTY marking a slot not yet written (see the module docstring).
-MEET_BY_VALUES = False
-EMPTY = -0.0  # what every slot of the buffer holds at first (`PeerMemory.emptied`)
+MAX_PROGRAMS = 256  # blocks of rows (of 2 rows at a width of 2048: 512 rows), a count of meetings each
+EMPTY = -0.0  # what a slot of the buffer holds until a rank's rows land in it (`PeerMemory.emptied`)
 
 
 @dataclass(frozen=True)
 class PeerMemory:
-    """What the kernel needs of the memory every rank of a group maps: device addresses of tables
-    (one entry a rank, in rank order) of the ranks' buffers ([4, world, capacity] each, of
-    `dtype`) and of their flags (`flags_numel(world)` int32 zeros, at first), this rank's index
-    and the rank count."""
+    """What the kernel needs of the memory every rank of a group maps: the device address of a
+    table (one entry a rank, in rank order) of the ranks' buffers ([2, world, capacity] each, of
+    `dtype`, `emptied` at first), the address of this rank's counts of meetings (MAX_PROGRAMS int32
+    zeros at first, its own memory), this rank's index and the rank count."""
 
     buffer_ptrs: int
-    flag_ptrs: int
+    meetings_ptr: int
     rank: int
     world: int
     capacity: int
@@ -78,12 +67,7 @@ class PeerMemory:
     def buffer_numel(world: int, capacity: int) -> int:
         if capacity % 16:
             raise ValueError(f"PeerMemory: a capacity of {capacity} elements, not a multiple of 16")
-        return 4 * world * capacity  # two halves meeting by flags, two by values
-
-    @staticmethod
-    def flags_numel(world: int) -> int:
-        # a flag a (program, rank), each program's meetings, and of them those by flags
-        return MAX_PROGRAMS * (world + 2)
+        return 2 * world * capacity  # two halves, by the parity of a meeting
 
     @staticmethod
     def emptied(buffer: torch.Tensor) -> torch.Tensor:
@@ -179,8 +163,7 @@ def summed_add_rms_norm_triton(
     if n:
         _summed_add_rms_norm_kernel[(triton.cdiv(n, block_rows),)](
             partial.contiguous().view_as(rows), rows, total, weight.contiguous(), out, n, width, eps,
-            peers.buffer_ptrs, peers.flag_ptrs, peers.rank, peers.capacity, WORLD=peers.world,
-            MEETINGS=MAX_PROGRAMS * peers.world, PROGRAMS=MAX_PROGRAMS, BY_VALUES=MEET_BY_VALUES,
+            peers.buffer_ptrs, peers.meetings_ptr, peers.rank, peers.capacity, WORLD=peers.world,
             BITS=8 * partial.element_size(),
             BLOCK_ROWS=block_rows, BLOCK_W=block_w, num_warps=warps,
             **dependent_launch(h),
@@ -189,20 +172,15 @@ def summed_add_rms_norm_triton(
 
 
 @triton.jit
-def _meet_peers(flag_ptrs, program, rank, meeting, WORLD: tl.constexpr):
-    """This program and those of the same index on every rank wait for each other, for the
-    `meeting`-th time: each adds one to its flag (program, rank) at every rank (release: its
-    writes before it), then waits until the flag of every rank at its own reads `meeting`
-    (acquire: their writes after it)."""
-    tables = flag_ptrs.to(tl.pointer_type(tl.uint64))
-    theirs = tl.load(tables + tl.arange(0, WORLD)).to(tl.pointer_type(tl.int32)) + program * WORLD + rank
-    mine = tl.load(tables + rank).to(tl.pointer_type(tl.int32)) + program * WORLD
-    tl.debug_barrier()  # every thread's writes done before the flags go up
-    tl.atomic_add(theirs, 1, sem="release", scope="sys")  # to every rank at once
-    for peer in tl.static_range(WORLD):  # a difference: right across the counters' wrap
-        while tl.atomic_add(mine + peer, 0, sem="acquire", scope="sys") - meeting < 0:
-            pass
-    tl.debug_barrier()
+def _written(values, BITS: tl.constexpr):
+    """values as a rank writes them into a slot: -0.0 (EMPTY) as +0.0, compared as bits (which
+    Triton's interpreter does right for bf16, where it compares -0.0 and 0.0 as floats wrongly)."""
+    empty: tl.constexpr = -(1 << (BITS - 1))
+    if BITS == 16:
+        bits = values.to(tl.int16, bitcast=True)
+    else:
+        bits = values.to(tl.int32, bitcast=True)
+    return tl.where(bits == empty, tl.zeros_like(bits), bits).to(values.dtype, bitcast=True)
 
 
 @triton.jit
@@ -223,8 +201,7 @@ def _read_and_empty(slot, mask, BITS: tl.constexpr):
 
 @triton.jit(do_not_specialize=["rank"])  # one binary for every rank (Triton specialises an argument of 1)
 def _summed_add_rms_norm_kernel(partial_ptr, h_ptr, total_ptr, weight_ptr, out_ptr, n, width, eps,
-                                buffer_ptrs, flag_ptrs, rank, capacity, WORLD: tl.constexpr,
-                                MEETINGS: tl.constexpr, PROGRAMS: tl.constexpr, BY_VALUES: tl.constexpr,
+                                buffer_ptrs, meetings_ptr, rank, capacity, WORLD: tl.constexpr,
                                 BITS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_W: tl.constexpr,
                                 GDC: tl.constexpr):  # fmt: skip
     wait_for_inputs(GDC)
@@ -233,34 +210,21 @@ def _summed_add_rms_norm_kernel(partial_ptr, h_ptr, total_ptr, weight_ptr, out_p
     cols = tl.arange(0, BLOCK_W)
     mask = (rows < n)[:, None] & (cols < width)[None, :]
     offsets = rows[:, None] * width + cols[None, :]
-    # This program's meetings so far, kept after the flags in this rank's own table.
-    count = tl.load(flag_ptrs.to(tl.pointer_type(tl.uint64)) + rank).to(tl.pointer_type(tl.int32)) + MEETINGS + program
-    meeting = tl.load(count) + 1
+    meetings = meetings_ptr.to(tl.pointer_type(tl.int32)) + program  # this program's count, at this rank
+    meeting = tl.load(meetings) + 1
+    half = tl.multiple_of((meeting & 1).to(tl.int64) * WORLD * capacity, 16)  # capacity: a multiple of 16
+    partial = _written(tl.load(partial_ptr + offsets, mask=mask), BITS)
     buffers = buffer_ptrs.to(tl.pointer_type(tl.uint64))
-    half = (meeting & 1).to(tl.int64) + (2 if BY_VALUES else 0)  # the flags' halves, or the values'
-    half = tl.multiple_of(half * WORLD * capacity, 16)  # capacity: a multiple of 16
-    partial = tl.load(partial_ptr + offsets, mask=mask)
-    if BY_VALUES:  # -0.0 is EMPTY: written as +0.0
-        partial = tl.where(partial == 0.0, tl.zeros_like(partial), partial)
     for peer in tl.static_range(WORLD):  # this rank's rows into its slot of every rank's buffer
         buffer = tl.multiple_of(tl.load(buffers + peer).to(tl.pointer_type(partial_ptr.dtype.element_ty)), 16)
         tl.store(buffer + half + tl.multiple_of(rank * capacity, 16) + offsets, partial, mask=mask)
-    if not BY_VALUES:  # the flags count only the meetings by flags (the ways may change between launches)
-        flagged = count + PROGRAMS
-        flag_meeting = tl.load(flagged) + 1
-        _meet_peers(flag_ptrs, program, rank, flag_meeting, WORLD)
-        tl.store(flagged, flag_meeting)
     own = tl.multiple_of(tl.load(buffers + rank).to(tl.pointer_type(partial_ptr.dtype.element_ty)), 16) + half
     summed = tl.zeros([BLOCK_ROWS, BLOCK_W], dtype=tl.float32)
     for peer in tl.static_range(WORLD):  # in rank order: the same bits on every rank
-        rows_of_peer = own + peer * capacity + offsets
-        if BY_VALUES:
-            summed += _read_and_empty(rows_of_peer, mask, BITS)
-        else:
-            summed += tl.load(rows_of_peer, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        summed += _read_and_empty(own + peer * capacity + offsets, mask, BITS)
     # Rounded as the all-reduce's result is, then the residual add, rounded as the add alone is.
     x = tl.load(h_ptr + offsets, mask=mask, other=0.0)
     x = (x.to(tl.float32) + summed.to(x.dtype).to(tl.float32)).to(x.dtype)
     tl.store(total_ptr + offsets, x, mask=mask)
     normalised_rows(x, cols, mask, offsets, width, eps, weight_ptr, out_ptr)
-    tl.store(count, meeting)
+    tl.store(meetings, meeting)

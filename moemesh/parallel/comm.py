@@ -317,7 +317,7 @@ class _PeerBuffer:
     that need no NVLink multicast: one-shot (each rank copies its tensor in, then reads every
     peer's and adds them: one kernel, lowest latency) and two-shot (a reduce-scatter, then an
     all-gather, through the same buffer: less traffic for larger tensors). Both add the ranks in
-    rank order, so every rank gets the same sum, as with NCCL. Beside it, the buffer and flags
+    rank order, so every rank gets the same sum, as with NCCL. Beside it, the buffer
     through which the norms of the engine's layers take their sums (`memory`, ops/summed_norm.py)."""
 
     def __init__(self, group, device: torch.device, dtype: torch.dtype, max_bytes: int):
@@ -327,23 +327,21 @@ class _PeerBuffer:
         symmetric_memory.rendezvous(self.buffer, group)
         self.group_name = group.group_name
         self.ranks = dist.get_world_size(group)
-        # And the buffer and flags of the sums in the norms' kernel (`ops/summed_norm.py`), of the
-        # tensors one-shot sums.
+        # And the buffer of the sums in the norms' kernel (`ops/summed_norm.py`), of the tensors
+        # one-shot sums, with this rank's counts of its programs' meetings.
         capacity = min(max_bytes, PEER_ALL_REDUCE["one_shot"] * 2 // self.ranks) // dtype.itemsize // 16 * 16
         pushed = symmetric_memory.empty(
             summed_norm.PeerMemory.buffer_numel(self.ranks, capacity), dtype=dtype, device=device
         )
-        flags = symmetric_memory.empty(summed_norm.PeerMemory.flags_numel(self.ranks), dtype=torch.int32, device=device)
-        flags.zero_()
         summed_norm.PeerMemory.emptied(pushed)
-        pushed_handle, flags_handle = (symmetric_memory.rendezvous(t, group) for t in (pushed, flags))
+        meetings = torch.zeros(summed_norm.MAX_PROGRAMS, dtype=torch.int32, device=device)
+        handle = symmetric_memory.rendezvous(pushed, group)
         torch.cuda.synchronize(device)
-        dist.barrier(group)  # every rank's flags zero and slots empty before any rank's kernel counts on them
-        self.kept = pushed, flags  # alive as long as this: the kernel reaches them by address alone
+        dist.barrier(group)  # every rank's slots empty before any rank's kernel writes into them
+        self.kept = pushed, meetings  # alive as long as this: the kernel reaches them by address alone
         self.memory = summed_norm.PeerMemory(
-            pushed_handle.buffer_ptrs_dev, flags_handle.buffer_ptrs_dev, pushed_handle.rank,
-            self.ranks, capacity, dtype,
-        )  # fmt: skip
+            handle.buffer_ptrs_dev, meetings.data_ptr(), handle.rank, self.ranks, capacity, dtype
+        )
 
     def _fits(self, x: torch.Tensor) -> bool:
         nbytes = x.numel() * x.element_size()
