@@ -428,22 +428,27 @@ def invariant_tile_rows():
     report(f"configs with the old bits for every weight and row count: {len(same)} of {len(configs)}")
 
 
-# Decoding's per-expert kernel (`expert_gemv._by_expert_kernel`) at the Qwen3-30B-A3B expert bank
-# and a tensor-parallel rank's slice of it (intermediate 768 / tp): at TP=4 the kernel took 35% of
-# one GPU's time at batch 64 where a quarter would be 25% (docs/benchmarks.md, issue 49).
+# Decoding's per-expert kernel (`expert_gemv._by_expert_kernel`) at the Qwen3-30B-A3B expert bank, a
+# tensor-parallel rank's slice of it (intermediate 768 / tp) and a rank's whole experts under `--tp N
+# --ep N` (E / tp of them, the step's global ids), timed as a step's graph runs it: at 64 tokens one
+# GPU's gate/up and down read at 99% and 92% of the copy rate, a TP=2 rank's whole experts at 95% and
+# 85%, a TP=4 rank's slice of down at 59% (docs/benchmarks.md, 2026-11-29, issue 49).
 EXPERT_TP = (1, 2, 4)
 EXPERT_TOKENS = (32, 64)
 # (BLOCK_OUT, BLOCK_K, num_warps, num_stages): the shipped list, then wider blocks of shorter K.
-EXPERT_EXTRA_CONFIGS = [(128, 64, 4, 3), (256, 64, 8, 3), (256, 128, 8, 3), (128, 32, 4, 4)]
+EXPERT_EXTRA_CONFIGS = [(256, 64, 8, 3), (256, 128, 8, 3)]
 
 
 def expert_tile_rows(copy_gbps):
-    """For gate/up (SwiGLU fused) and down, at one GPU's expert bank and TP=2 and 4 ranks' slices:
-    the kernel under each config of BY_EXPERT_CONFIGS and EXPERT_EXTRA_CONFIGS, and as shipped
-    (its autotuner's pick): microseconds and GB/s over the chosen experts' bytes of the slice."""
+    """For gate/up (SwiGLU fused) and down, at one GPU's expert bank, TP=2 and 4 ranks' slices and
+    their whole experts: the kernel under each config of BY_EXPERT_CONFIGS and EXPERT_EXTRA_CONFIGS,
+    and as shipped (its autotuner's pick): microseconds and GB/s over the bytes of the chosen experts
+    that the rank holds; each a dependent launch, 48 of them in a CUDA graph, as a decode step runs
+    them (a bank of weights is far larger than L2: none is read from there again)."""
     import triton
 
     from moemesh.ops import expert_gemv as module
+    from moemesh.ops.backend import dependent_launch
 
     kernel = module._by_expert_kernel
     jit = getattr(kernel, "fn", None) or kernel.kernel  # triton's autotuner, or the CPU's first config
@@ -455,29 +460,32 @@ def expert_tile_rows(copy_gbps):
     e = torch.finfo(DTYPE).bits // 8
     report(f"decoding's per-expert kernel: configs (BLOCK_OUT, BLOCK_K, warps, stages), E={experts}, top-{k}")
     report(
-        f"{'projection':<22}{'tokens':>7}{'shipped us':>11}{'GB/s':>7}{'best config':>22}{'us':>8}{'GB/s':>7}"
+        f"{'projection':<30}{'tokens':>7}{'shipped us':>11}{'GB/s':>7}{'best config':>22}{'us':>8}{'GB/s':>7}"
         f"{'%copy':>7}"
     )
-    for tp in EXPERT_TP:
-        part = inner // tp
+    layouts = [(1, "")] + [(tp, how) for tp in EXPERT_TP[1:] for how in ("slices", "whole")]
+    for tp, how in layouts:
+        bank, part = (experts // tp, inner) if how == "whole" else (experts, inner // tp)
         for name, out_features, width, glu in (("gate/up", part, hidden, True), ("down", hidden, part, False)):
             rows_per_expert = 2 * out_features if glu else out_features
-            weight = torch.randn(experts, rows_per_expert, width, dtype=DTYPE, device=DEVICE) / width**0.5
+            weight = torch.randn(bank, rows_per_expert, width, dtype=DTYPE, device=DEVICE) / width**0.5
             for tokens in (2, 3) if SMOKE else EXPERT_TOKENS:
                 x = torch.randn(tokens, width, dtype=DTYPE, device=DEVICE)
                 ids = torch.stack([torch.randperm(experts, device=DEVICE)[:k] for _ in range(tokens)]).contiguous()
-                nbytes = int(ids.unique().numel()) * rows_per_expert * width * e
+                held = ids.unique()
+                nbytes = int((held < bank).sum()) * rows_per_expert * width * e  # the bank: experts 0 .. bank - 1
                 out = x.new_empty(tokens * k, out_features)
 
                 def run(config):
                     block_out, block_k, warps, stages = config
-                    grid = (experts, triton.cdiv(out_features, block_out))
+                    grid = (bank, triton.cdiv(out_features, block_out))
                     launch = functools.partial(
                         jit[grid], x, weight, ids, out, tokens * k, width, out_features,
-                        triton.next_power_of_2(tokens * k), PAIRS_PER_X=k, GLU=glu, PRECISION="tf32", GDC=False,
+                        triton.next_power_of_2(tokens * k), 0, PAIRS_PER_X=k, GLU=glu, PRECISION="tf32",
                         BLOCK_OUT=block_out, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+                        **dependent_launch(x),
                     )  # fmt: skip
-                    return bench_ms(launch, rep=25)
+                    return launches_us(lambda i: launch(), 1) / 1e3
 
                 times = {}
                 for config in configs:
@@ -486,10 +494,11 @@ def expert_tile_rows(copy_gbps):
                     except Exception as error:  # a config past the GPU's registers or shared memory
                         times[config] = float("inf")
                         report(f"  {config}: {type(error).__name__}")
-                as_shipped = bench_ms(lambda: module.expert_gemv_triton(x, weight, ids, glu=glu), rep=25)
+                as_shipped = launches_us(lambda i: module.expert_gemv_triton(x, weight, ids, glu=glu), 1) / 1e3
                 best = min(times, key=times.get)
+                what = f"{name}, tp={tp} {how} [{bank}x{rows_per_expert}x{width}]"
                 report(
-                    f"{f'{name}, tp={tp} [{rows_per_expert}x{width}]':<22}{tokens:>7}{as_shipped * 1e3:>11.1f}"
+                    f"{what:<30}{tokens:>7}{as_shipped * 1e3:>11.1f}"
                     f"{nbytes / as_shipped / 1e6:>7.0f}{str(best):>22}{times[best] * 1e3:>8.1f}"
                     f"{nbytes / times[best] / 1e6:>7.0f}{nbytes / times[best] / 1e6 / copy_gbps:>7.0%}"
                 )
