@@ -472,8 +472,7 @@ def expert_tile_rows(copy_gbps):
             for tokens in (2, 3) if SMOKE else EXPERT_TOKENS:
                 x = torch.randn(tokens, width, dtype=DTYPE, device=DEVICE)
                 ids = torch.stack([torch.randperm(experts, device=DEVICE)[:k] for _ in range(tokens)]).contiguous()
-                held = ids.unique()
-                nbytes = int((held < bank).sum()) * rows_per_expert * width * e  # the bank: experts 0 .. bank - 1
+                nbytes = int((ids.unique() < bank).sum()) * rows_per_expert * width * e  # the bank: 0 .. bank - 1
                 out = x.new_empty(tokens * k, out_features)
 
                 def run(config):
@@ -485,7 +484,7 @@ def expert_tile_rows(copy_gbps):
                         BLOCK_OUT=block_out, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
                         **dependent_launch(x),
                     )  # fmt: skip
-                    return launches_us(lambda i: launch(), 1) / 1e3
+                    return launches_us(lambda i: launch(), 1)
 
                 times = {}
                 for config in configs:
@@ -494,13 +493,13 @@ def expert_tile_rows(copy_gbps):
                     except Exception as error:  # a config past the GPU's registers or shared memory
                         times[config] = float("inf")
                         report(f"  {config}: {type(error).__name__}")
-                as_shipped = launches_us(lambda i: module.expert_gemv_triton(x, weight, ids, glu=glu), 1) / 1e3
+                as_shipped = launches_us(lambda i: module.expert_gemv_triton(x, weight, ids, glu=glu), 1)
                 best = min(times, key=times.get)
                 what = f"{name}, tp={tp} {how} [{bank}x{rows_per_expert}x{width}]"
                 report(
-                    f"{what:<30}{tokens:>7}{as_shipped * 1e3:>11.1f}"
-                    f"{nbytes / as_shipped / 1e6:>7.0f}{str(best):>22}{times[best] * 1e3:>8.1f}"
-                    f"{nbytes / times[best] / 1e6:>7.0f}{nbytes / times[best] / 1e6 / copy_gbps:>7.0%}"
+                    f"{what:<30}{tokens:>7}{as_shipped:>11.1f}{nbytes / as_shipped / 1e3:>7.0f}{str(best):>22}"
+                    f"{times[best]:>8.1f}{nbytes / times[best] / 1e3:>7.0f}"
+                    f"{nbytes / times[best] / 1e3 / copy_gbps:>7.0%}"
                 )
 
 

@@ -59,7 +59,7 @@ def test_the_kernel_on_one_rank_is_the_add_and_norm(triton_kernels, shape, dtype
     empty = _bits(torch.tensor([summed_norm.EMPTY], dtype=dtype))
     with torch.no_grad():
         want_total, want_out = add_rms_norm(h, partial, weight, EPS)
-        for meeting in (1, 2, 3):  # one half of the buffer, then the other, then the first again
+        for meeting in (1, 2, 3):  # (the count's parity picks the half written: one, the other, the first)
             total, out = summed_norm.summed_add_rms_norm_triton(h, partial, weight, EPS, peers)
             assert torch.equal(total, want_total) and torch.equal(out, want_out)
             assert (meetings[:programs] == meeting).all() and not meetings[programs:].any()  # a count a program
