@@ -508,7 +508,8 @@ def tensor_parallel_rows(config, args, prompts) -> list[dict]:
 # GEMV's first weights read after its wait rather than before (ops/gemv.py); the residual adds
 # apart from the norms (DecoderLayer.infer); the all-reduces apart from the norms, by the peer
 # buffer's one-shot kernel (ops/summed_norm.py); one row through the GEMV's tl.dot, padded to 16,
-# rather than its reduction (ops/gemv.py); or all of them (the step before any).
+# rather than its reduction (ops/gemv.py); attention's tiles and first keys read after its wait
+# rather than before (ops/decode_attention.py); or all of them (the step before any).
 STEP_VARIANTS = {
     "shipped": (),
     "plain-launch": ("dependent launch",),
@@ -516,7 +517,8 @@ STEP_VARIANTS = {
     "unfused-adds": ("fused adds",),
     "sums-apart": ("sums in norms",),
     "dot-gemv": ("one-row reduction",),
-    "before": ("dependent launch", "prefetch", "fused adds", "sums in norms", "one-row reduction"),
+    "late-reads": ("early reads",),
+    "before": ("dependent launch", "prefetch", "fused adds", "sums in norms", "one-row reduction", "early reads"),
 }
 
 
@@ -564,6 +566,7 @@ def step_variant(name: str) -> None:
     DecoderLayer.fuses_residual_adds = "fused adds" not in off
     comm.SUMS_IN_NORMS = "sums in norms" not in off
     gemv.ONE_ROW_REDUCTION = "one-row reduction" not in off
+    decode_attention.EARLY_READS = "early reads" not in off
     patches = {
         "topk": (moe, "topk_softmax", fixed_routing),
         "rope": (decode_attention, "rope_to_cache", unwritten_queries),

@@ -146,7 +146,8 @@ def test_paged_attention_equals_the_contiguous_reference(triton_kernels, dtype, 
     written at their slots, then attending over their own sequence up to their own position,
     against each sequence's keys held contiguously and attended explicitly (700 entries: in 8
     splits when decoding, 4 packed, each every 8th or 4th block of keys, some empty, a window
-    across blocks)."""
+    across blocks). A decode step reads its first block of earlier keys apart from the step's
+    own (EARLY_READS): the sequence of one token has only its own."""
     heads, kv_heads, dim, block_size = 8, 2, 32, 16
     ends = [1, 18 if max_len < 200 else 301, max_len]  # each sequence's last position + 1
     per_tile = decode_attention.tile_tokens(heads // kv_heads)
@@ -201,6 +202,7 @@ def test_paged_attention_equals_the_contiguous_reference(triton_kernels, dtype, 
         max_len,
         dim**-0.5,
         window,
+        token_a_sequence=step == "decode",  # its first block of earlier keys read before the wait
     )
 
     def heads_of(t, n):  # [N, n·D] -> [N, n, 1, D], normed and rotated as the eager path does

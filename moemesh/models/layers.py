@@ -181,11 +181,13 @@ class Attention(nn.Module):
         else:
             q, k, v = (proj(rows) for proj in projections)
         keys, values = cache.pools(self.layer_idx, k.view(batch * seq, -1, self.head_dim), self.head_dim)
+        # The tiles before rope_to_cache (their kernels, at a step's first layer, not between it
+        # and the attention kernel: see decode_attention.paged_attention's token_a_sequence).
+        starts, lengths, count, per_tile = cache.tiles(decode_attention.tile_tokens(q.shape[1] // k.shape[1]))
         cos, sin = (torch.broadcast_to(t, (batch, seq, self.head_dim)).reshape(-1, self.head_dim) for t in rope)
         norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
         eps = self.q_norm.eps if self.q_norm is not None else 0.0
         q = decode_attention.rope_to_cache(q, k, v, cos, sin, *norms, eps, keys, values, cache.slots)
-        starts, lengths, count, per_tile = cache.tiles(decode_attention.tile_tokens(q.shape[1] // keys.shape[1]))
         out = decode_attention.paged_attention(
             q,
             keys,
@@ -201,6 +203,7 @@ class Attention(nn.Module):
             cache.kv_len,
             self.head_dim**-0.5,
             self.sliding_window,
+            token_a_sequence=not cache.packed,
         )
         return self.o_proj(out.view(batch, seq, -1))
 

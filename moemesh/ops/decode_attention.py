@@ -50,6 +50,13 @@ SPLIT_BLOCKS, MAX_SPLITS, SPLIT_PROGRAMS = 2, 16, 512  # see split_count
 # on an H200, 256 tokens from 185 to 103 µs and one token from 10.7 to 7.4 µs (blocks of 64 in 3
 # stages, splits by kv_len alone; `bench/paged_attention.py --decode-sweep`).
 TILE_ROWS, PACKED_STAGES, DECODE_STAGES = 64, 2, 2
+# A decode step's attention reads what does not depend on the kernel before it (rope_to_cache: the
+# queries and the step's keys and values) before it waits for that kernel under a dependent launch
+# (ops/backend.py): the tiles, the positions, the block table and its first block of earlier
+# steps' keys and values; the step's own key, if in that block, after. The 48-layer Qwen3-30B-A3B
+# shape's decode step at batch 1 on an H200: 3.03 -> 2.99 ms (twice in one call), at batch 64 the
+# same (docs/benchmarks.md, 2026-11-29). False: all after the wait (for measuring).
+EARLY_READS = True
 # rope_to_cache's tokens a program (one head of each) in steps of more than ROPE_SMALL_STEP tokens:
 # a program a (token, head) made a 2,048-token prefill launch 82k programs of a few hundred bytes
 # each, 67 µs a layer on an H200 (13 µs in blocks of 16). Decode steps keep a program a token, as
@@ -132,11 +139,15 @@ def paged_attention(
     kv_len: int,
     scale: float,
     window: int | None,
+    token_a_sequence: bool = False,
 ) -> torch.Tensor:
     """q [N, h, D] of tokens at `positions` [N] of the sequences in table rows `token_rows` [N]
     against the pools [slots, h_kv, D] through `block_tables` [rows, W]; the tiles (first token,
     tokens) each a run of one sequence's tokens, the first `tile_count` [1] of the table's;
-    kv_len bounds the keys read (the splits) -> [N, h·D]."""
+    kv_len bounds the keys read (the splits) -> [N, h·D]. `token_a_sequence` (a decode step: no
+    two tokens of one sequence, and the tiles made before the kernel before this one): every key
+    before a token's own is an earlier step's, and each program reads its first block of them,
+    and the tiles, before it waits for that kernel (see EARLY_READS)."""
     tokens, heads, head_dim = q.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
@@ -173,6 +184,7 @@ def paged_attention(
             BLOCK_N=block_keys,
             SPLITS=splits,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            EARLY_READS=EARLY_READS and token_a_sequence and tokens_per_tile == 1,
             num_warps=4 if rows <= 64 else 8,
             num_stages=DECODE_STAGES if decoding else PACKED_STAGES,
             **dependent_launch(q),
@@ -270,6 +282,30 @@ def _rope_to_cache_kernel(
 
 
 @triton.jit
+def _key_slots(table, keys_at, present, block_size, slot_stride, head_stride, kv_head):
+    """Where keys `keys_at` of a sequence (its block table at `table`) are in the pools, for one
+    key/value head."""
+    block = tl.load(table + keys_at // block_size, mask=present, other=0).to(tl.int64)
+    return (block * block_size + keys_at % block_size) * slot_stride + kv_head * head_stride
+
+
+@triton.jit
+def _attend_block(q, k, v, keys_at, present, position, lowest, running_max, total, acc, scale, PRECISION: tl.constexpr):
+    """One block of keys and values into the running softmax (flash attention): the new
+    (maximum, total, unnormalised sum) of each query row."""
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    visible = present[None, :] & (keys_at[None, :] <= position[:, None]) & (keys_at[None, :] >= lowest[:, None])
+    scores = tl.where(visible, scores, float("-inf"))
+    new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row that sees no key yet
+    alpha = tl.exp(running_max - shift)
+    p = tl.exp(scores - shift[:, None])
+    total = total * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return new_max, total, acc
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr,
     keys_ptr,
@@ -294,9 +330,11 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
+    EARLY_READS: tl.constexpr,
     GDC: tl.constexpr,
 ):
-    wait_for_inputs(GDC)
+    if not EARLY_READS:
+        wait_for_inputs(GDC)
     kv_head = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2).to(tl.int64)
     tile = tl.program_id(0)
@@ -314,29 +352,38 @@ def _paged_attention_kernel(
         first_key = tl.maximum(tl.min(tl.where(valid, lowest, last), axis=0), 0)
         lo, hi = first_key, last + 1  # the tile's keys [lo, hi): this program takes every SPLITS-th block
         d = tl.arange(0, D)
-        at = (token * HEADS + head) * D  # q's and the output's [N, h, D]
-        q = tl.load(q_ptr + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         running_max = tl.full([ROWS], float("-inf"), dtype=tl.float32)
         total = tl.zeros([ROWS], dtype=tl.float32)
         acc = tl.zeros([ROWS, D], dtype=tl.float32)
         begin = lo // BLOCK_N * BLOCK_N + split * BLOCK_N
+        if EARLY_READS:  # the first block's keys of earlier steps, then the wait, then this step's
+            keys_at = begin + tl.arange(0, BLOCK_N)
+            present = (keys_at >= lo) & (keys_at < hi)
+            slot = _key_slots(table, keys_at, present, block_size, slot_stride, head_stride, kv_head)
+            earlier = present & (keys_at < last)  # (a decode step's tile is one token at `last`)
+            k = tl.load(keys_ptr + slot[:, None] + d[None, :], mask=earlier[:, None], other=0.0)
+            v = tl.load(values_ptr + slot[:, None] + d[None, :], mask=earlier[:, None], other=0.0)
+            wait_for_inputs(GDC)
+            now = (present & (keys_at >= last))[:, None]  # the key rope_to_cache just wrote, if here
+            k = tl.where(now, tl.load(keys_ptr + slot[:, None] + d[None, :], mask=now, other=0.0), k)
+            v = tl.where(now, tl.load(values_ptr + slot[:, None] + d[None, :], mask=now, other=0.0), v)
+        at = (token * HEADS + head) * D  # q's and the output's [N, h, D]
+        q = tl.load(q_ptr + at[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        if EARLY_READS:
+            if begin < hi:
+                running_max, total, acc = _attend_block(
+                    q, k, v, keys_at, present, position, lowest, running_max, total, acc, scale, PRECISION
+                )
+            begin += SPLITS * BLOCK_N
         for start in range(begin, hi, SPLITS * BLOCK_N):  # no block when no key is here
             keys_at = start + tl.arange(0, BLOCK_N)
             present = (keys_at >= lo) & (keys_at < hi)
-            block = tl.load(table + keys_at // block_size, mask=present, other=0).to(tl.int64)
-            slot = (block * block_size + keys_at % block_size) * slot_stride + kv_head * head_stride
+            slot = _key_slots(table, keys_at, present, block_size, slot_stride, head_stride, kv_head)
             k = tl.load(keys_ptr + slot[:, None] + d[None, :], mask=present[:, None], other=0.0)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            visible = present[None, :] & (keys_at[None, :] <= position[:, None]) & (keys_at[None, :] >= lowest[:, None])
-            scores = tl.where(visible, scores, float("-inf"))
-            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-            shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row that sees no key yet
-            alpha = tl.exp(running_max - shift)
-            p = tl.exp(scores - shift[:, None])
-            total = total * alpha + tl.sum(p, axis=1)
             v = tl.load(values_ptr + slot[:, None] + d[None, :], mask=present[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            running_max = new_max
+            running_max, total, acc = _attend_block(
+                q, k, v, keys_at, present, position, lowest, running_max, total, acc, scale, PRECISION
+            )
         if SPLITS == 1:
             out = acc / tl.where(total > 0, total, 1.0)[:, None]  # a padding row has no key
             tl.store(out_ptr + at[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
