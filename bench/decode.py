@@ -109,7 +109,7 @@ from moemesh.inference.request import SamplingParams
 from moemesh.inference.scheduler import Scheduler
 from moemesh.models import build, moe
 from moemesh.models.transformer import DecoderLayer
-from moemesh.ops import backend, decode_attention, gemv
+from moemesh.ops import backend, decode_attention, expert_gemv, gemv
 from moemesh.parallel import comm
 
 
@@ -509,7 +509,8 @@ def tensor_parallel_rows(config, args, prompts) -> list[dict]:
 # apart from the norms (DecoderLayer.infer); the all-reduces apart from the norms, by the peer
 # buffer's one-shot kernel (ops/summed_norm.py); one row through the GEMV's tl.dot, padded to 16,
 # rather than its reduction (ops/gemv.py); attention's tiles and first keys read after its wait
-# rather than before (ops/decode_attention.py); or all of them (the step before any).
+# rather than before (ops/decode_attention.py); the per-token down projection's ids and first weights
+# read after its wait (ops/expert_gemv.py); or all of them (the step before any).
 STEP_VARIANTS = {
     "shipped": (),
     "plain-launch": ("dependent launch",),
@@ -518,7 +519,16 @@ STEP_VARIANTS = {
     "sums-apart": ("sums in norms",),
     "dot-gemv": ("one-row reduction",),
     "late-reads": ("early reads",),
-    "before": ("dependent launch", "prefetch", "fused adds", "sums in norms", "one-row reduction", "early reads"),
+    "late-expert-weights": ("early expert weights",),
+    "before": (
+        "dependent launch",
+        "prefetch",
+        "fused adds",
+        "sums in norms",
+        "one-row reduction",
+        "early reads",
+        "early expert weights",
+    ),
 }
 
 
@@ -567,6 +577,7 @@ def step_variant(name: str) -> None:
     comm.SUMS_IN_NORMS = "sums in norms" not in off
     gemv.ONE_ROW_REDUCTION = "one-row reduction" not in off
     decode_attention.EARLY_READS = "early reads" not in off
+    expert_gemv.EARLY_WEIGHTS = "early expert weights" not in off
     patches = {
         "topk": (moe, "topk_softmax", fixed_routing),
         "rope": (decode_attention, "rope_to_cache", unwritten_queries),

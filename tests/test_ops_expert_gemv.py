@@ -55,7 +55,7 @@ def test_per_token_expert_gemvs(triton_kernels, dtype, k):
     """silu(gate)·up straight from each token's experts, and the down projection summed with the
     routing weights, against the gather + bmm reference, SwiGLU and combine in fp64 (k = 3: the
     kernel pads the experts to 4)."""
-    tokens, experts, inner, hidden = 3, 6, 40, 70
+    tokens, experts, inner, hidden = 3, 6, 300, 70  # inner: more than a block of K at every config
     x = torch.randn(tokens, hidden).to(dtype)
     gate_up, down = torch.randn(experts, 2 * inner, hidden).to(dtype), torch.randn(experts, hidden, inner).to(dtype)
     ids = torch.stack([torch.randperm(experts)[:k] for _ in range(tokens)])
@@ -66,7 +66,9 @@ def test_per_token_expert_gemvs(triton_kernels, dtype, k):
     expected = combine_reference(
         expert_gemv_reference(gated.double(), down.double(), ids.view(-1, 1)), positions, weights.double()
     )
-    assert rel_err(expert_gemv_combine(gated, down, ids, weights), expected) <= tol(dtype)
+    got = expert_gemv_combine(gated, down, ids, weights)
+    assert rel_err(got, expected) <= tol(dtype)
+    assert torch.equal(expert_gemv_combine(gated, down, ids, weights, early_ids=True), got)  # first weights early
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

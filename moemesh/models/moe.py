@@ -286,7 +286,7 @@ class Experts(nn.Module):
         first = first_expert or 0
         if plain and use_triton(x) and expert_ids.numel() <= PER_TOKEN_ROWS:
             gated = expert_swiglu_gemv(x, self.gate_up_proj, expert_ids, first)
-            return expert_gemv_combine(gated, self.down_proj, expert_ids, weights, first)
+            return expert_gemv_combine(gated, self.down_proj, expert_ids, weights, first, early_ids=True)
         if plain:
             gated = expert_gemv(x, self.gate_up_proj, expert_ids, glu=True, first_expert=first)
         else:

@@ -204,6 +204,11 @@ def _by_expert_kernel(
         )
 
 
+# The per-token down projection reads the ids and its first block of the chosen experts' weights
+# before it waits for the gate/up kernel (`expert_gemv_combine`'s early_ids): the 48-layer
+# Qwen3-30B-A3B shape's decode step at batch 1 on an H200 took 0.08 ms (2.5%) less in three pairs
+# of runs, batch 8 the same (docs/benchmarks.md, 2026-11-29). False: after (for measuring).
+EARLY_WEIGHTS = True
 # Tiles tried at a shape's first launch (backend.tuned), for each of the two fused kernels.
 SWIGLU_CONFIGS = [
     triton.Config({"BLOCK_OUT": o, "BLOCK_K": k}, num_warps=w)
@@ -242,11 +247,20 @@ def expert_swiglu_gemv(
 
 
 def expert_gemv_combine(
-    a: torch.Tensor, down: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, first_expert: int = 0
+    a: torch.Tensor,
+    down: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+    first_expert: int = 0,
+    early_ids: bool = False,
 ) -> torch.Tensor:
     """a [T·k, I], down [E, H, I], expert_ids and weights [T, k] -> [T, H]: the slots whose expert
     is in the bank, summed (Triton only: the reference is combine_pairs(expert_gemv(a, down,
-    ids.view(-1, 1), first_expert=...), ids, weights, first_expert, E))."""
+    ids.view(-1, 1), first_expert=...), ids, weights, first_expert, E)). `early_ids`: the ids were
+    written before the kernel that writes `a` (the router's, before `expert_swiglu_gemv`), so each
+    program reads them and its first block of the chosen experts' weights before it waits for that
+    kernel under a dependent launch (ops/backend.py), as the GEMV reads its first weights."""
+    early_ids = early_ids and EARLY_WEIGHTS and expert_ids.is_contiguous()  # (a copy: the kernel just before)
     a, down = a.contiguous(), down.contiguous()
     tokens, k = expert_ids.shape
     hidden = down.shape[1]
@@ -265,6 +279,7 @@ def expert_gemv_combine(
             down.shape[0],
             K=k,
             K_PAD=triton.next_power_of_2(k),
+            EARLY_IDS=early_ids,
             **dependent_launch(a),
         )
     return out
@@ -309,6 +324,20 @@ def _expert_swiglu_gemv_kernel(
         tl.store(out_ptr + row * inner + cols, out.to(out_ptr.dtype.element_ty), mask=cols < inner)
 
 
+@triton.jit
+def _slot_mask(here, cols, hidden, ks, inner):
+    """[K_PAD, BLOCK_OUT, BLOCK_K]: the weights of a block of K that the slots in the bank read."""
+    return here[:, None, None] & (cols[None, :, None] < hidden) & (ks[None, None, :] < inner)
+
+
+@triton.jit
+def _slot_products(a_ptr, rows, here, ks, inner, w):
+    """Each slot's activations `a` over a block of K times that block of its expert's weights `w`:
+    [K_PAD, BLOCK_OUT] in fp32."""
+    xs = tl.load(a_ptr + rows[:, None] * inner + ks[None, :], mask=here[:, None] & (ks[None, :] < inner), other=0.0)
+    return tl.sum(w.to(tl.float32) * xs.to(tl.float32)[:, None, :], axis=2)
+
+
 @tuned(COMBINE_CONFIGS, key=["size_class", "inner", "hidden", "K"])
 @triton.jit
 def _expert_gemv_combine_kernel(
@@ -324,11 +353,13 @@ def _expert_gemv_combine_kernel(
     experts,
     K: tl.constexpr,
     K_PAD: tl.constexpr,
+    EARLY_IDS: tl.constexpr,
     GDC: tl.constexpr,
     BLOCK_OUT: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    wait_for_inputs(GDC)
+    if not EARLY_IDS:
+        wait_for_inputs(GDC)
     # The token's K experts at once, a [K, BLOCK_OUT, BLOCK_K] tile of their weights a step: more
     # bytes in flight than one expert after another.
     token = tl.program_id(0).to(tl.int64)
@@ -338,15 +369,15 @@ def _expert_gemv_combine_kernel(
     chosen = tl.load(ids_ptr + rows, mask=slots < K, other=-1).to(tl.int64) - first_expert
     here = (slots < K) & (chosen >= 0) & (chosen < experts)  # a slot of another rank's expert adds nothing
     matrices = weight_ptr + chosen[:, None, None] * hidden * inner + cols[None, :, None].to(tl.int64) * inner
-    acc = tl.zeros([K_PAD, BLOCK_OUT], dtype=tl.float32)
-    for start in range(0, inner, BLOCK_K):
+    ks = tl.arange(0, BLOCK_K)  # the first block of K (with early ids: read before the wait), then the rest
+    w = tl.load(matrices + ks[None, None, :], mask=_slot_mask(here, cols, hidden, ks, inner), other=0.0)
+    if EARLY_IDS:
+        wait_for_inputs(GDC)
+    acc = _slot_products(a_ptr, rows, here, ks, inner, w)
+    for start in range(BLOCK_K, inner, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
-        xs = tl.load(
-            a_ptr + rows[:, None] * inner + ks[None, :], mask=here[:, None] & (ks[None, :] < inner), other=0.0
-        ).to(tl.float32)
-        mask = here[:, None, None] & (cols[None, :, None] < hidden) & (ks[None, None, :] < inner)
-        w = tl.load(matrices + ks[None, None, :], mask=mask, other=0.0)
-        acc += tl.sum(w.to(tl.float32) * xs[:, None, :], axis=2)
+        w = tl.load(matrices + ks[None, None, :], mask=_slot_mask(here, cols, hidden, ks, inner), other=0.0)
+        acc += _slot_products(a_ptr, rows, here, ks, inner, w)
     expert_out = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as the unfused GEMV's output
     weights = tl.load(weights_ptr + rows, mask=here, other=0.0).to(tl.float32)
     total = tl.sum(weights[:, None] * expert_out, axis=0)
