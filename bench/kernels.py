@@ -10,6 +10,7 @@
     PYTHONPATH=. python3 bench/kernels.py --invariant-attention   # only: batch-invariant attention's tiles
     PYTHONPATH=. python3 bench/kernels.py --gemv-tiles        # only: decoding's projections (ops/gemv.py)
     PYTHONPATH=. python3 bench/kernels.py --selected-tiles    # only: batch-invariant decode's experts
+    PYTHONPATH=. python3 bench/kernels.py --grid-barrier      # only: a dependent launch against a grid barrier
 
 Prints: effective bandwidth of permute / combine / swiglu (forward and backward) as a fraction of
 a measured device copy, against the plain PyTorch index path; expert_gemv (decoding's MoE path,
@@ -41,6 +42,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from moemesh.ops import combine, linear_cross_entropy, permute, swiglu  # noqa: E402
+from moemesh.ops.backend import tl, triton, wait_for_inputs  # noqa: E402
 from moemesh.ops.combine import _Combine, combine_reference  # noqa: E402
 from moemesh.ops.expert_gemv import expert_gemv_reference, expert_gemv_triton  # noqa: E402
 from moemesh.ops.grouped_mm import grouped_mm  # noqa: E402
@@ -837,6 +839,75 @@ class _LinearFunction(torch.autograd.Function):
         return F.linear(x, w)
 
 
+# --grid-barrier: what a boundary between two dependent kernels of a decode step costs, against the
+# same boundary inside one persistent kernel (every program resident, meeting at a counter). A
+# phase is a program's one read of what another program wrote in the phase before, and one write.
+BARRIER_PHASES = 48 * 11  # a 48-layer step's boundaries, about 11 a layer
+
+
+def grid_barrier_rows() -> None:
+    """µs a phase: PHASES one-phase kernels as dependent launches (as a step's) in a CUDA graph,
+    and one persistent kernel of PHASES phases with a grid barrier after each, at several numbers
+    of programs (at most one a streaming multiprocessor for the persistent kernel: all resident)."""
+    from moemesh.ops.backend import dependent_launch
+
+    sms = 1 if SMOKE else torch.cuda.get_device_properties(0).multi_processor_count
+    phases = 4 if SMOKE else BARRIER_PHASES
+    report(f"{'programs':>9}{'dependent launches µs a phase':>32}{'grid barrier µs a phase':>26}")
+    for programs in sorted({sms, max(1, sms // 2), max(1, sms // 4)}):
+        buffers = torch.zeros(2, programs, dtype=torch.float32, device=DEVICE)
+        counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+
+        def launches(buffers=buffers, programs=programs):
+            for p in range(phases):
+                _phase_kernel[(programs,)](buffers[p % 2], buffers[1 - p % 2], programs, **dependent_launch(buffers))
+
+        def persistent(buffers=buffers, counter=counter, programs=programs):
+            counter.zero_()
+            _phases_kernel[(programs,)](buffers, counter, programs, phases)
+
+        launched, met = launches_us_once(launches) / phases, launches_us_once(persistent) / phases
+        report(f"{programs:>9}{launched:>32.2f}{met:>26.2f}")
+        buffers.zero_()
+        persistent()
+        sync()  # each phase adds one to each value, read from another program's
+        assert int(buffers[phases % 2].min()) == phases, "the grid barrier let a program read too early"
+
+
+def launches_us_once(run) -> float:
+    """µs of run() captured in one CUDA graph and replayed (the host's launch cost left out)."""
+    if SMOKE:
+        start = time.perf_counter()
+        run()
+        return (time.perf_counter() - start) * 1e6
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return bench_ms(graph.replay, rep=25) * 1e3
+
+
+@triton.jit
+def _phase_kernel(src_ptr, dst_ptr, programs, GDC: tl.constexpr):
+    wait_for_inputs(GDC)
+    i = tl.program_id(0)
+    tl.store(dst_ptr + i, tl.load(src_ptr + (i + 1) % programs) + 1.0)
+
+
+@triton.jit
+def _phases_kernel(buffers_ptr, counter_ptr, programs, phases):
+    i = tl.program_id(0)
+    for p in range(phases):
+        src = buffers_ptr + (p % 2) * programs
+        dst = buffers_ptr + (1 - p % 2) * programs
+        tl.store(dst + i, tl.load(src + (i + 1) % programs, volatile=True) + 1.0)
+        tl.debug_barrier()  # every thread's store issued before the program arrives
+        tl.atomic_add(counter_ptr, 1, sem="release")
+        while tl.atomic_add(counter_ptr, 0, sem="acquire") < (p + 1) * programs:
+            pass
+
+
 @torch.no_grad()
 def no_grad_linear(x, w):
     from moemesh.ops import invariant
@@ -895,6 +966,9 @@ def main():
         return 0
     if "--launches" in sys.argv:
         launch_rows()
+        return 0
+    if "--grid-barrier" in sys.argv:
+        grid_barrier_rows()
         return 0
     if "--invariant-attention" in sys.argv:
         invariant_attention_rows()
