@@ -110,6 +110,7 @@ from moemesh.inference.scheduler import Scheduler
 from moemesh.models import build, moe
 from moemesh.models.transformer import DecoderLayer
 from moemesh.ops import backend, decode_attention, expert_gemv, gemv
+from moemesh.ops import topk_softmax as topk_kernel
 from moemesh.parallel import comm
 
 
@@ -510,7 +511,8 @@ def tensor_parallel_rows(config, args, prompts) -> list[dict]:
 # buffer's one-shot kernel (ops/summed_norm.py); one row through the GEMV's tl.dot, padded to 16,
 # rather than its reduction (ops/gemv.py); attention's tiles and first keys read after its wait
 # rather than before (ops/decode_attention.py); the per-token down projection's ids and first weights
-# read after its wait (ops/expert_gemv.py); or all of them (the step before any).
+# read after its wait (ops/expert_gemv.py); the router's choice as a maximum, then the index at it,
+# in four warps (ops/topk_softmax.py); or all of them (the step before any).
 STEP_VARIANTS = {
     "shipped": (),
     "plain-launch": ("dependent launch",),
@@ -520,6 +522,7 @@ STEP_VARIANTS = {
     "dot-gemv": ("one-row reduction",),
     "late-reads": ("early reads",),
     "late-expert-weights": ("early expert weights",),
+    "old-topk": ("packed choice",),
     "before": (
         "dependent launch",
         "prefetch",
@@ -528,6 +531,7 @@ STEP_VARIANTS = {
         "one-row reduction",
         "early reads",
         "early expert weights",
+        "packed choice",
     ),
 }
 
@@ -578,6 +582,7 @@ def step_variant(name: str) -> None:
     gemv.ONE_ROW_REDUCTION = "one-row reduction" not in off
     decode_attention.EARLY_READS = "early reads" not in off
     expert_gemv.EARLY_WEIGHTS = "early expert weights" not in off
+    topk_kernel.PACKED_CHOICE = "packed choice" not in off
     patches = {
         "topk": (moe, "topk_softmax", fixed_routing),
         "rope": (decode_attention, "rope_to_cache", unwritten_queries),

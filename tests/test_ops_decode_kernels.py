@@ -17,6 +17,7 @@ import torch
 from moemesh.models import build
 from moemesh.models.layers import attention_mask, grouped_attention, rms_norm
 from moemesh.ops import decode_attention, gemv
+from moemesh.ops import topk_softmax as topk_softmax_module
 from moemesh.ops.rotary import rotary
 from moemesh.ops.topk_softmax import topk_softmax, topk_softmax_reference
 from numerics import rel_err
@@ -47,6 +48,21 @@ def test_topk_softmax(triton_kernels, tokens, experts, k, renormalize):
     assert ids.dtype == torch.long and weights.dtype == torch.float32
     assert torch.equal(ids, expected_ids)  # random logits: no ties, descending order as torch.topk
     assert tokens == 0 or rel_err(weights, expected_weights) <= 1e-6
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_topk_softmax_picks_the_lowest_index_among_equal_probabilities(triton_kernels, monkeypatch, packed):
+    """Logits of a few distinct values (many ties, one row all equal): the k largest probabilities
+    in descending order, the lowest index first among equal ones (a stable descending sort), both
+    ways of choosing (`PACKED_CHOICE`: one maximum of packed keys, or a maximum then an index)."""
+    monkeypatch.setattr(topk_softmax_module, "PACKED_CHOICE", packed)
+    logits = torch.randint(0, 4, (6, 128)).float()
+    logits[0] = 1.0
+    weights, ids = topk_softmax(logits, 8, False)
+    probs = torch.softmax(logits, dim=-1)
+    order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    assert torch.equal(ids, order.indices[:, :8])
+    assert rel_err(weights, probs.gather(1, ids)) <= 1e-6  # the kernel's softmax, not torch's: ulps apart
 
 
 def test_topk_softmax_refuses_a_k_beyond_the_experts():
