@@ -42,7 +42,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from moemesh.ops import combine, linear_cross_entropy, permute, swiglu  # noqa: E402
-from moemesh.ops.backend import tl, triton, wait_for_inputs  # noqa: E402
+from moemesh.ops.backend import dependent_launch, tl, triton, wait_for_inputs  # noqa: E402
 from moemesh.ops.combine import _Combine, combine_reference  # noqa: E402
 from moemesh.ops.expert_gemv import expert_gemv_reference, expert_gemv_triton  # noqa: E402
 from moemesh.ops.grouped_mm import grouped_mm  # noqa: E402
@@ -450,7 +450,6 @@ def expert_tile_rows(copy_gbps):
     import triton
 
     from moemesh.ops import expert_gemv as module
-    from moemesh.ops.backend import dependent_launch
 
     kernel = module._by_expert_kernel
     jit = getattr(kernel, "fn", None) or kernel.kernel  # triton's autotuner, or the CPU's first config
@@ -576,8 +575,8 @@ GEMV_EXTRA_CONFIGS = [(64, 64, 4), (128, 64, 4), (64, 256, 8), (128, 128, 8)]
 GEMV_LAUNCHES = 48  # a layer's worth each, captured in one CUDA graph
 
 
-def launches_us(launch, copies):
-    """µs a launch of `launch(i)`, GEMV_LAUNCHES of them cycling over `copies` sets of weights
+def launches_us(launch, copies, launches=GEMV_LAUNCHES):
+    """µs a launch of `launch(i)`, `launches` of them cycling over `copies` sets of weights
     (a set read again only after the others have passed through L2, and triton's benchmark empties
     L2 before each replay: weights from memory, as a decode step's) captured in one CUDA graph and
     replayed: the kernel's time as a decode step's graph runs it, without the host's cost of a
@@ -590,9 +589,9 @@ def launches_us(launch, copies):
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for i in range(GEMV_LAUNCHES):
+        for i in range(launches):
             launch(i % copies)
-    return bench_ms(graph.replay, rep=25) * 1e3 / GEMV_LAUNCHES
+    return bench_ms(graph.replay, rep=25) * 1e3 / launches
 
 
 def gemv_tile_rows(copy_gbps):
@@ -603,7 +602,6 @@ def gemv_tile_rows(copy_gbps):
     import triton
 
     from moemesh.ops import gemv as module
-    from moemesh.ops.backend import dependent_launch
 
     kernel = module._gemv_kernel
     jit = getattr(kernel, "fn", None) or kernel.kernel  # triton's autotuner, or the CPU's first config
@@ -849,8 +847,6 @@ def grid_barrier_rows() -> None:
     """µs a phase: PHASES one-phase kernels as dependent launches (as a step's) in a CUDA graph,
     and one persistent kernel of PHASES phases with a grid barrier after each, at several numbers
     of programs (at most one a streaming multiprocessor for the persistent kernel: all resident)."""
-    from moemesh.ops.backend import dependent_launch
-
     sms = 1 if SMOKE else torch.cuda.get_device_properties(0).multi_processor_count
     phases = 4 if SMOKE else BARRIER_PHASES
     report(f"{'programs':>9}{'dependent launches µs a phase':>32}{'grid barrier µs a phase':>26}")
@@ -866,26 +862,13 @@ def grid_barrier_rows() -> None:
             counter.zero_()
             _phases_kernel[(programs,)](buffers, counter, programs, phases)
 
-        launched, met = launches_us_once(launches) / phases, launches_us_once(persistent) / phases
+        launched = launches_us(lambda i: launches(), 1, launches=1) / phases  # all the phases, one graph
+        met = launches_us(lambda i: persistent(), 1, launches=1) / phases
         report(f"{programs:>9}{launched:>32.2f}{met:>26.2f}")
         buffers.zero_()
         persistent()
         sync()  # each phase adds one to each value, read from another program's
         assert int(buffers[phases % 2].min()) == phases, "the grid barrier let a program read too early"
-
-
-def launches_us_once(run) -> float:
-    """µs of run() captured in one CUDA graph and replayed (the host's launch cost left out)."""
-    if SMOKE:
-        start = time.perf_counter()
-        run()
-        return (time.perf_counter() - start) * 1e6
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    return bench_ms(graph.replay, rep=25) * 1e3
 
 
 @triton.jit
