@@ -140,8 +140,6 @@ def _jit(*varying: str):
     """triton.jit with the integer arguments `varying` (those that change with the batch or with
     who calls: a row count, the cache's block size, a table's width) neither specialised on the
     value 1 nor on their alignment, so that every call of a kernel runs one compiled program."""
-    if not HAVE_TRITON:
-        return triton.jit
     return triton.jit(do_not_specialize=varying, do_not_specialize_on_alignment=varying)
 
 
