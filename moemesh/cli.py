@@ -452,8 +452,7 @@ def _loaded(args: argparse.Namespace):
     import torch.distributed as dist
 
     from moemesh.config import device_for
-    from moemesh.data.tokenizer import load_tokenizer
-    from moemesh.inference.generate import drawn_for_generation, load_for_generation
+    from moemesh.inference.generate import drawn_for_generation, load_for_generation, model_tokenizer
     from moemesh.parallel.mesh import init_mesh
 
     for flag in ("max_batch", "max_num_batched_tokens", "kv_blocks", "block_size"):
@@ -481,7 +480,7 @@ def _loaded(args: argparse.Namespace):
         else:
             model, tokenizer = drawn_for_generation(args.config, device, dtype, mesh, whole_experts)
             if args.tokenizer is not None:
-                tokenizer = load_tokenizer(args.tokenizer)
+                tokenizer = model_tokenizer(args.tokenizer, model.config.vocab_size, "--tokenizer")
         yield model, tokenizer, mesh.group("ep" if mesh.dims.ep > 1 else "tp")
     finally:
         if dist.is_initialized():

@@ -59,6 +59,7 @@ class TrainConfig:
     # (then the whole step is one graph, collectives included); bf16, no LoRA dropout.
     cuda_graphs: bool = False
     device: str = "auto"  # auto: cuda when available, else cpu
+    threads: int = 0  # CPU runs: compute threads; 0: OMP_NUM_THREADS if set, else the cores idle at the start
     resume: bool = False
     overwrite: bool = False  # start afresh in a run_dir that holds checkpoints, deleting them
     # Start from these weights (fresh optimizer, step 0): a Hugging Face directory, or a moemesh
@@ -288,8 +289,48 @@ def _all_keys() -> list[str]:
     return keys
 
 
+# What other trainers call a key (transformers' TrainingArguments, Axolotl, torchtitan, nanoGPT),
+# for the hint of an unknown one: spelling alone would take `learning_rate` to `min_lr_ratio`.
+OTHER_NAMES = {
+    "learning_rate": "train.lr",
+    "max_lr": "train.lr",
+    "lr_warmup_steps": "train.warmup_steps",
+    "num_warmup_steps": "train.warmup_steps",
+    "warmup_iters": "train.warmup_steps",
+    "batch_size": "train.global_batch",
+    "total_batch_size": "train.global_batch",
+    "global_batch_size": "train.global_batch",
+    "micro_batch_size": "train.micro_batch",
+    "per_device_train_batch_size": "train.micro_batch",
+    "local_batch_size": "train.micro_batch",
+    "max_steps": "train.steps",
+    "training_steps": "train.steps",
+    "max_iters": "train.steps",
+    "num_steps": "train.steps",
+    "max_seq_length": "train.seq_len",
+    "max_length": "train.seq_len",
+    "sequence_len": "train.seq_len",
+    "seq_length": "train.seq_len",
+    "block_size": "train.seq_len",
+    "max_grad_norm": "train.grad_clip",
+    "output_dir": "train.run_dir",
+    "resume_from_checkpoint": "train.resume",
+    "save_steps": "train.save_every",
+    "eval_steps": "train.eval_every",
+    "logging_steps": "train.log_every",
+    "model_name_or_path": "train.init_from",
+    "base_model": "train.init_from",
+    "num_threads": "train.threads",
+    "dataset": "data.path",
+    "datasets": "data.path",
+}
+
+
 def _unknown_key(key: str, candidates: list[str] | None = None) -> typing.NoReturn:
     candidates = candidates if candidates is not None else _all_keys()
+    other = OTHER_NAMES.get(key.rpartition(".")[2])
+    if other is not None:
+        raise ConfigError(f"unknown config key '{key}' (did you mean '{other}'?)")
     # Compare the part after the dot too, so that `steps` finds `train.steps`.
     by_name = {c.rpartition(".")[2]: c for c in candidates}
     close = difflib.get_close_matches(key, candidates, n=1) or [
@@ -362,6 +403,7 @@ def _validate(config: RunConfig) -> None:
         "grad_clip",
         "router_bias_update_rate",
         "keep_checkpoints",
+        "threads",
     ]:
         need(getattr(train, name) >= 0, f"train.{name} must be >= 0, got {getattr(train, name)}")
     need(train.lr > 0, f"train.lr must be > 0, got {train.lr}")

@@ -3,6 +3,7 @@ convert on a trained checkpoint."""
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import os
@@ -233,6 +234,29 @@ def test_each_bad_generate_argument_is_named(capsys, trained, args, message):
     as "caf\\xe9" in Latin-1 does here)."""
     err = _fails(capsys, ["generate", "--checkpoint", str(trained), "--prompt", "x", *args])
     assert err == f"moemesh generate: error: {message}\n"
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused_at_load(tmp_path, capsys, trained):
+    """generate and serve name a tokenizer with ids past the model's embedding before any weight is
+    read (a prompt would fail later with only "token id 300 is not in [0, 256)")."""
+    from tokenizers import Tokenizer, models
+
+    big = tmp_path / "tokenizer.json"
+    Tokenizer(models.WordLevel({f"t{i}": i for i in range(300)}, unk_token="t0")).save(str(big))
+    err = _fails(capsys, ["generate", "--checkpoint", str(trained), "--prompt", "x", "--tokenizer", str(big)])
+    assert err == (
+        f"moemesh generate: error: the tokenizer {big} (--tokenizer) has 300 tokens, more than the model's "
+        "vocab_size 256: its ids from 256 on have no embedding (name the model's own tokenizer with --tokenizer)\n"
+    )
+    hf = tmp_path / "hf"
+    assert main(["convert", str(trained), str(hf)]) == 0
+    shutil.copy(big, hf / "tokenizer.json")
+    capsys.readouterr()
+    err = _fails(capsys, ["generate", "--checkpoint", str(hf), "--prompt", "x"])
+    assert f"the tokenizer {hf / 'tokenizer.json'} (the checkpoint's) has 300 tokens" in err
+    if importlib.util.find_spec("fastapi") is not None:
+        err = _fails(capsys, ["serve", "--checkpoint", str(hf), "--port", "0"])
+        assert err.startswith("moemesh serve: error: the tokenizer ") and "has 300 tokens" in err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from moemesh.config import DEFAULT_CONFIG, config_from_dict, load_config
+from moemesh.config import DEFAULT_CONFIG, OTHER_NAMES, _all_keys, config_from_dict, load_config
 from moemesh.errors import ConfigError
 from tiny_run import tiny_raw
 
@@ -56,6 +56,12 @@ def test_overrides_are_toml_values_or_bare_strings():
             "unknown config section [trian] (did you mean [train]?); sections: model, parallel, train, data, lora",
         ),
         ("parallel.ep_size=2", "unknown config key 'parallel.ep_size' (did you mean 'parallel.ep'?)"),
+        # Other trainers' names, which spelling alone takes elsewhere (learning_rate -> min_lr_ratio):
+        ("train.learning_rate=1e-3", "unknown config key 'train.learning_rate' (did you mean 'train.lr'?)"),
+        ("train.lr_warmup_steps=5", "unknown config key 'train.lr_warmup_steps' (did you mean 'train.warmup_steps'?)"),
+        ("train.batch_size=8", "unknown config key 'train.batch_size' (did you mean 'train.global_batch'?)"),
+        ("train.max_steps=5", "unknown config key 'train.max_steps' (did you mean 'train.steps'?)"),
+        ("model.learning_rate=1e-3", "unknown config key 'model.learning_rate' (did you mean 'train.lr'?)"),
     ],
 )
 def test_unknown_keys_name_the_closest_valid_key(override, message):
@@ -185,3 +191,11 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
     config = config_from_dict(tiny_raw(tmp_path / "run", tmp_path / "data.txt"))
     again = config_from_dict(tomllib.loads(config.to_toml()))
     assert again == config
+
+
+def test_other_trainers_names_point_at_real_keys():
+    """Each name another trainer uses points at a key that exists, and none is one of ours."""
+    keys = _all_keys()
+    names = {key.rpartition(".")[2] for key in keys}
+    assert all(target in keys for target in OTHER_NAMES.values())
+    assert not names & OTHER_NAMES.keys()

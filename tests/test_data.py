@@ -114,7 +114,14 @@ def test_data_parallel_ranks_take_contiguous_slices_of_each_micro_batch():
         (None, "data file not found"),
         (lambda p: p.with_suffix(".npy").write_bytes(b"not numpy"), "cannot read token file"),
         (lambda p: p.with_suffix(".bin").write_bytes(b"abc"), "not a whole number of uint16 tokens"),
-        (lambda p: p.with_suffix(".jsonl").write_text('{"text": "ok"}\n{"text": \n'), "line 2: invalid JSON"),
+        (
+            lambda p: p.with_suffix(".jsonl").write_text('{"text": "ok"}\n{"text": "cut\n'),
+            "line 2 column 10: invalid JSON: Unterminated string starting at column 10$",
+        ),
+        (
+            lambda p: p.with_suffix(".jsonl").write_text('{"text": "a" "b"}\n'),
+            "line 1 column 14: invalid JSON: Expecting ',' delimiter at column 14$",
+        ),
         (lambda p: p.with_suffix(".jsonl").write_text('{"body": "x"}\n'), 'line 1: expected an object with a "text"'),
         (lambda p: p.with_suffix(".txt").write_bytes(b"caf\xe9"), "is not UTF-8 text"),
         (lambda p: p.with_suffix(".txt").write_text(""), "holds no tokens"),

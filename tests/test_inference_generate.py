@@ -174,7 +174,7 @@ def test_prompts_files(tmp_path):
     with pytest.raises(DataError, match="has no prompt"):
         read_prompts(tmp_path / "empty.txt", defaults)
     for line, message in [
-        ("{oops", "line 1: invalid JSON"),
+        ("{oops", "line 1 column 2: invalid JSON: Expecting property name enclosed in double quotes at column 2"),
         ('{"text": "a"}', "line 1: expected an object"),
         ('{"prompt": "a", "temp": 1}', "line 1: unknown field 'temp'"),
         ('{"prompt": "a", "top_p": 2}', r"line 1: top_p must be in \(0, 1\]"),

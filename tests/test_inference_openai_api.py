@@ -260,7 +260,7 @@ def test_streamed_logprobs_add_up_to_the_whole(client):
 
 def test_structured_output_with_the_byte_tokenizer():
     """The byte tokenizer's one-byte tokens, under a schema, through generate (no server)."""
-    pytest.importorskip("llguidance", reason="structured output needs llguidance (pip install moemesh[structured])")
+    pytest.importorskip("llguidance", reason="structured output needs llguidance (pip install moemesh[serve])")
     from moemesh.data.tokenizer import ByteTokenizer
     from moemesh.inference.generate import generate
     from moemesh.inference.grammar import Grammars
@@ -408,7 +408,7 @@ def test_logit_bias(client, server, submitted):
 
 
 def test_response_format_json_schema_is_followed(client):
-    pytest.importorskip("llguidance", reason="structured output needs llguidance (pip install moemesh[structured])")
+    pytest.importorskip("llguidance", reason="structured output needs llguidance (pip install moemesh[serve])")
     schema = {
         "type": "object",
         "properties": {"answer": {"enum": ["yes", "no"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},

@@ -238,3 +238,39 @@ def test_the_lora_recipe_runs_after_the_quick_start(tmp_path, monkeypatch, capsy
     assert (tmp_path / "runs" / "my-adapter" / "adapter_config.json").is_file()
     assert (tmp_path / "runs" / "merged" / "config.json").is_file()
     assert sorted(p.name for p in quick_start_checkpoint.parent.iterdir()) == ["step_1"]
+
+
+def test_ci_runs_the_quick_start_install_as_the_readme_writes_it():
+    """.ci/run runs .ci/quickstart, which takes the install from the README's first bash block and
+    installs nothing of its own; that block installs the CPU build of torch by its version, then
+    the package with no extra, then runs `moemesh train`; and the package itself needs no triton
+    (the CPU build of torch brings none: its stand-in must do)."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    quickstart = (ROOT / ".ci" / "quickstart").read_text()
+    assert re.search(r"^\.ci/quickstart$", ci, re.M)
+    assert ci.index(".ci/quickstart") < ci.index("python -m pytest")
+    assert "pip install" not in "".join(line for line in quickstart.splitlines(True) if not line.startswith("#"))
+    first = bash_blocks(README.read_text())[0].strip()
+    assert re.fullmatch(
+        r"python3 -m venv \.venv && \. \.venv/bin/activate && pip install torch==[\d.]+ && pip install -e \. && "
+        r"moemesh train",
+        first,
+    ), first
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert not [d for d in dependencies if re.match(r"triton|pytest|transformers", d)]
+
+
+def test_the_serve_extra_brings_every_package_the_server_imports():
+    """`pip install -e '.[serve]'` is the server's install: every package outside the standard
+    library and the base dependencies that moemesh/inference imports is in that extra
+    (llguidance was not: response_format's JSON schemas were a 400 after the documented install)."""
+    import sys
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    base = {re.match(r"[\w-]+", d)[0] for d in project["dependencies"]}
+    imported = set()
+    for file in (ROOT / "moemesh" / "inference").glob("*.py"):
+        imported |= set(re.findall(r"^\s*(?:import|from) (\w+)", file.read_text(), re.M))
+    outside = imported - set(sys.stdlib_module_names) - base - {"moemesh", "__future__"}
+    brought = {"starlette"}  # fastapi's own requirement, imported for its types
+    assert outside and outside - brought <= set(project["optional-dependencies"]["serve"]), outside

@@ -46,7 +46,9 @@ def jsonl_values(file: Path, text: str) -> Iterator[tuple[int, object]]:
         try:
             yield number, json.loads(line)
         except json.JSONDecodeError as e:
-            raise DataError(f"{file} line {number}: invalid JSON ({e.msg})") from None
+            at = "" if e.msg.endswith(" at") else " at"  # "Unterminated string starting at" names no place
+            where = f"{file} line {number} column {e.colno}"
+            raise DataError(f"{where}: invalid JSON: {e.msg}{at} column {e.colno}") from None
 
 
 def _read_documents(file: Path) -> Iterator[str]:

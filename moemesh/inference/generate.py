@@ -18,8 +18,7 @@ from pathlib import Path
 import torch
 
 from moemesh.checkpoint.adapters import read_adapter
-from moemesh.checkpoint.dcp import TOKENIZER_FILE
-from moemesh.checkpoint.load import load_weights, read_model_config
+from moemesh.checkpoint.load import init_source, load_weights
 from moemesh.config import load_config
 from moemesh.data.sources import jsonl_values
 from moemesh.data.tokenizer import Tokenizer, load_tokenizer
@@ -53,19 +52,34 @@ def load_for_generation(
     tokenizer: the one named, else the directory's tokenizer.json, else bytes. `adapter`: LoRA
     adapters (a PEFT directory or a LoRA run), laid out with their base, merged into its weights
     (each rank its shard, in fp32) and dropped: decoding then runs the base's kernels."""
-    config = read_model_config(path)
+    config, found = init_source(path)
+    if tokenizer is None:
+        tokenizer, origin = (str(found), "the checkpoint's") if found is not None else ("bytes", "the default")
+    else:
+        origin = "--tokenizer"
+    tokenizer = model_tokenizer(tokenizer, config.vocab_size, origin)  # before the weights are read
     if adapter is not None:
         adapter = read_adapter(adapter, config)
     model = _laid_out(config, device, dtype, mesh, adapter, whole_experts)
     materialize(model, device)
-    source = load_weights(model, path, mesh)
+    load_weights(model, path, mesh)
     if adapter is not None:
         adapter.load_into(model)
         merge_adapters(model)
-    model.eval()
-    if tokenizer is None:
-        tokenizer = str(source / TOKENIZER_FILE) if (Path(source) / TOKENIZER_FILE).is_file() else "bytes"
-    return model, load_tokenizer(tokenizer)
+    return model.eval(), tokenizer
+
+
+def model_tokenizer(name: str, vocab_size: int, origin: str) -> Tokenizer:
+    """The tokenizer `name` (where it came from: `origin`), refused in one line when it has more
+    tokens than the model's vocabulary: its ids past the embedding would fail only at a prompt."""
+    tokenizer = load_tokenizer(name)
+    if tokenizer.vocab_size > vocab_size:
+        raise DataError(
+            f"the tokenizer {name} ({origin}) has {tokenizer.vocab_size} tokens, more than the model's "
+            f"vocab_size {vocab_size}: its ids from {vocab_size} on have no embedding (name the model's own "
+            "tokenizer with --tokenizer)"
+        )
+    return tokenizer
 
 
 def drawn_for_generation(
@@ -80,8 +94,9 @@ def drawn_for_generation(
     the config's data.tokenizer. Its answers are noise: this is for measuring a model's speed and
     memory, served or not, before a checkpoint of it exists (Qwen3-235B-A22B is 470 GB in bf16)."""
     run = load_config(config_path, launched=False)
+    tokenizer = model_tokenizer(run.data.tokenizer, run.model.vocab_size, "data.tokenizer")
     model = materialize(_laid_out(run.model, device, dtype, mesh, None, whole_experts), device, seed=run.train.seed)
-    return model.eval(), load_tokenizer(run.data.tokenizer)
+    return model.eval(), tokenizer
 
 
 def _laid_out(

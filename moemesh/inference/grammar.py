@@ -2,7 +2,7 @@
 decoding with llguidance, the library behind vLLM's "guidance" backend (vLLM and SGLang default
 to xgrammar, which reads the tokenizer as transformers loads it and brings a second runtime;
 llguidance reads a tokenizer.json or a list of byte strings, installs alone as one wheel, and its
-JSON-schema coverage is the widest). `pip install moemesh[structured]`; without it such a request
+JSON-schema coverage is the widest). `pip install moemesh[serve]`; without it such a request
 gets a 400 naming response_format.
 
 Before each token, a request's matcher says which tokens keep the text a prefix of something the
@@ -73,7 +73,7 @@ class Grammars:
         if not available():
             raise RequestError(
                 "response_format json_object / json_schema needs llguidance, not installed on this server "
-                "(pip install moemesh[structured])",
+                "(pip install moemesh[serve])",
                 "response_format",
             )
         import llguidance

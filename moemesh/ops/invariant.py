@@ -105,7 +105,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from moemesh.ops.backend import HAVE_TRITON, tl, triton, use_triton
+from moemesh.ops.backend import tl, triton, use_triton
 from moemesh.ops.expert_gemv import count_expert_pairs, expert_pair_block
 from moemesh.ops.grouped_mm import group_offsets, product, weight_gradient
 

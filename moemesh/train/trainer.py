@@ -80,6 +80,7 @@ from moemesh.train.plot import plot_losses
 from moemesh.train.progress import Progress, format_count, format_duration
 from moemesh.train.report import Report
 from moemesh.train.router_bias import update_router_bias
+from moemesh.train.threads import Threads, cpu_threads
 
 # Python's cyclic garbage collector, left to itself, stops a rank for tens of milliseconds every few
 # steps at a moment of its own; the other ranks then wait for it at the next collective. The loop
@@ -206,6 +207,7 @@ class Trainer:
         if self.gathers:
             start_capacity(self.model, parallel.ep_capacity)
         self.notes: list[str] = []  # said between progress lines (`run`)
+        self.threads: Threads | None = None  # a CPU run's, as `train` chose them (said in the first lines)
         self.step = 0
         self.data_position = 0  # sequences of the training order consumed so far
         self.bad_steps = 0  # skipped steps in a row (non-finite loss or gradient norm), up to now
@@ -408,6 +410,7 @@ class Trainer:
             "step": self.step,
             "data_position": self.data_position,
             "bad_steps": self.bad_steps,
+            "threads": torch.get_num_threads(),  # a loss's last bits depend on it (train/threads.py)
             **_rng_state(self.device),
         }
         return training_state(self.model, self.optimizer, self.scheduler, trainer, trainable_only=self.lora.enabled)
@@ -428,7 +431,8 @@ class Trainer:
         return path
 
     def restore(self, path: Path) -> None:
-        trainer = {"step": 0, "data_position": 0, "bad_steps": 0, **_rng_state(self.device)}
+        trainer = {"step": 0, "data_position": 0, "bad_steps": 0, "threads": torch.get_num_threads()}
+        trainer.update(_rng_state(self.device))
         if (path / LORA_FILE).is_file() and not self.lora.enabled:
             raise CheckpointError(
                 f"{path} holds LoRA adapters ({LORA_FILE}), but this run trains the whole model: resume it with "
@@ -442,6 +446,22 @@ class Trainer:
         self.step, self.data_position = int(trainer["step"]), int(trainer["data_position"])
         self.bad_steps = int(trainer["bad_steps"])
         _set_rng_state(trainer, self.device)
+        self._resume_threads(int(trainer["threads"]))  # (a checkpoint of an older moemesh: this run's)
+
+    def _resume_threads(self, saved: int) -> None:
+        """A CPU run resumed on the thread count its checkpoint was written with (its losses' last
+        bits depend on it), unless train.threads or OMP_NUM_THREADS set another: then it is said."""
+        if self.threads is None or saved == self.threads.count:
+            return
+        if self.threads.chosen_here:
+            torch.set_num_threads(saved)
+            self.threads = Threads(saved, "the resumed run's, to reproduce its losses exactly", chosen_here=False)
+            self._say(f"threads {saved}: {self.threads.why} (train.threads sets another)")
+        else:
+            self._say(
+                f"threads {self.threads.count} ({self.threads.why}); the resumed run computed on {saved}, so "
+                "its losses from here may differ from an uninterrupted run's in the last bits"
+            )
 
     # ---- the run ----------------------------------------------------------------------------
     def _start(self) -> MetricsLog:
@@ -511,9 +531,10 @@ class Trainer:
             f"{format_count(len(self.dataset.train_tokens))} training tokens, "
             f"{format_count(len(self.dataset.val_tokens))} validation tokens"
         )
+        threads = f" ({_threads(self.threads)})" if self.threads is not None else ""
         self._say(
             f"train   {train.steps} steps × {train.global_batch} sequences × {train.seq_len} tokens "
-            f"on {self.device} in {train.dtype}; run directory {self.run_dir}"
+            f"on {self.device}{threads} in {train.dtype}; run directory {self.run_dir}"
         )
         if self.init_source is not None:
             self._say(f"init    weights of {self.init_source} (optimizer and step afresh)")
@@ -644,6 +665,10 @@ class Trainer:
         )
 
 
+def _threads(threads: Threads) -> str:
+    return f"{threads.count} thread{'s' if threads.count > 1 else ''}: {threads.why}"
+
+
 def _non_finite(record: dict) -> str:
     """What is not finite in a skipped step's record: "loss nan and gradient norm nan", ..."""
     names = {"loss": "loss", "grad_norm": "gradient norm"}
@@ -652,9 +677,12 @@ def _non_finite(record: dict) -> str:
 
 def train(config: RunConfig, stream: TextIO | None = None) -> TrainResult:
     trainer = None
+    config = resolve_device(config)
     try:
-        trainer = Trainer(config, stream)
-        return trainer.run()
+        with cpu_threads(torch.device(config.train.device), config.train.threads) as threads:
+            trainer = Trainer(config, stream)
+            trainer.threads = threads
+            return trainer.run()
     finally:
         if trainer is not None:
             trainer.close()
