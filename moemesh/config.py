@@ -35,17 +35,17 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.toml
 
 @dataclass
 class TrainConfig:
-    steps: int = 300
-    seed: int = 0
-    run_dir: str = "runs/default"
+    steps: int = 300  # optimizer steps
+    seed: int = 0  # initial weights and data order
+    run_dir: str = "runs/default"  # where metrics, plot, config and checkpoints go
     global_batch: int = 16  # sequences per optimizer step, whatever the layout
     micro_batch: int = 8  # sequences per forward/backward, summed over the data-parallel ranks
-    seq_len: int = 256
-    lr: float = 1e-3
+    seq_len: int = 256  # tokens per sequence; at most model.max_position_embeddings
+    lr: float = 1e-3  # peak learning rate of AdamW
     min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    warmup_steps: int = 20  # linear warmup, then cosine decay
+    weight_decay: float = 0.1  # AdamW decay of matrices (not of norms and biases)
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
     grad_clip: float = 1.0  # global gradient-norm limit; 0 turns clipping off
     router_bias_update_rate: float = 0.001  # DeepSeek-V3's expert-bias step per optimizer step; 0: off
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU (autocast; weights stay fp32)
@@ -60,7 +60,7 @@ class TrainConfig:
     cuda_graphs: bool = False
     device: str = "auto"  # auto: cuda when available, else cpu
     threads: int = 0  # CPU runs: compute threads; 0: OMP_NUM_THREADS if set, else the cores idle at the start
-    resume: bool = False
+    resume: bool = False  # continue from the newest checkpoint of run_dir that verifies
     overwrite: bool = False  # start afresh in a run_dir that holds checkpoints, deleting them
     # Start from these weights (fresh optimizer, step 0): a Hugging Face directory, or a moemesh
     # checkpoint or run directory. The model is the one its config.json describes; "" : from the seed.

@@ -22,37 +22,37 @@ from moemesh.models.rope import KEYS
 
 @dataclass
 class ModelConfig:
-    model_type: str = "qwen3_moe"
-    vocab_size: int = 256
-    hidden_size: int = 64
+    model_type: str = "qwen3_moe"  # the family: qwen3_moe, mixtral, gpt_oss, deepseek_v2, deepseek_v3, gemma4_text
+    vocab_size: int = 256  # embedding and head rows; must cover the tokenizer
+    hidden_size: int = 64  # the residual stream's width
     intermediate_size: int = 128  # dense MLP layers
     moe_intermediate_size: int = 32  # each expert
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
+    num_hidden_layers: int = 2  # decoder layers
+    num_attention_heads: int = 4  # query heads
+    num_key_value_heads: int = 2  # key/value heads (grouped-query attention when fewer than the query heads)
     head_dim: int | None = None  # None: hidden_size // num_attention_heads
-    num_experts: int = 8
-    num_experts_per_tok: int = 2
-    norm_topk_prob: bool = False
-    decoder_sparse_step: int = 1
-    mlp_only_layers: list[int] = field(default_factory=list)
-    hidden_act: str = "silu"
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
+    num_experts: int = 8  # routed experts of an MoE layer; 0: every layer dense
+    num_experts_per_tok: int = 2  # experts each token is routed to (top-k)
+    norm_topk_prob: bool = False  # renormalise the chosen experts' weights to sum to 1
+    decoder_sparse_step: int = 1  # every n-th layer is MoE (Qwen3-MoE's rule)
+    mlp_only_layers: list[int] = field(default_factory=list)  # indices of layers that are dense instead of MoE
+    hidden_act: str = "silu"  # the MLPs' activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU, Gemma 4)
+    rms_norm_eps: float = 1e-6  # RMSNorm's epsilon
+    rope_theta: float = 10000.0  # RoPE's base
     # The rest of config.json's rope_parameters, for scaled RoPE (rope.py: rope_type "yarn" or
     # "proportional", factor, ...); None: plain RoPE.
     rope_scaling: dict[str, Any] | None = None
-    max_position_embeddings: int = 32768
-    sliding_window: int | None = None
-    attention_bias: bool = False
+    max_position_embeddings: int = 32768  # the longest sequence (train.seq_len and a served context at most this)
+    sliding_window: int | None = None  # local attention window (on the layers layer_types marks); none: full attention
+    attention_bias: bool = False  # biases on the q/k/v/o projections
     qk_norm: bool = True  # RMSNorm on each query/key head (Qwen3), not an HF field
-    tie_word_embeddings: bool = False
-    initializer_range: float = 0.02
-    router_aux_loss_coef: float = 0.001
-    output_router_logits: bool = False
-    bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = None
-    pad_token_id: int | None = None
+    tie_word_embeddings: bool = False  # the head shares the embedding's weights
+    initializer_range: float = 0.02  # std of the normal initialisation of a model drawn from the seed
+    router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss in the training loss
+    output_router_logits: bool = False  # train (and log) the load-balancing loss
+    bos_token_id: int | None = None  # config.json's beginning-of-text token (kept for a round trip)
+    eos_token_id: int | list[int] | None = None  # end-of-text token(s): generation stops there
+    pad_token_id: int | None = None  # config.json's padding token (kept for a round trip)
     # ---- family-specific (written to config.json only by the families that use them) ----------
     layer_types: list[str] | None = None  # per layer "sliding_attention" | "full_attention" (GPT-OSS)
     attention_sinks: bool = False  # a learned per-head logit in the softmax denominator (GPT-OSS)
@@ -62,10 +62,10 @@ class ModelConfig:
     swiglu_limit: float | None = None  # ... with gate <= limit and |up| <= limit
     # Multi-head latent attention (DeepSeek V2/V3): on when kv_lora_rank is set.
     q_lora_rank: int | None = None  # None: a full-rank q_proj (V2-Lite)
-    kv_lora_rank: int | None = None
-    qk_nope_head_dim: int | None = None
-    qk_rope_head_dim: int | None = None
-    v_head_dim: int | None = None
+    kv_lora_rank: int | None = None  # rank of the compressed key/value latent (the cached part)
+    qk_nope_head_dim: int | None = None  # per head: query/key dims without RoPE
+    qk_rope_head_dim: int | None = None  # per head: query/key dims with RoPE (one rope key shared by the heads)
+    v_head_dim: int | None = None  # per head: value dims
     rope_interleave: bool = False  # the rope dims come in (even, odd) pairs
     n_shared_experts: int = 0  # a dense SwiGLU of n × moe_intermediate_size beside the routed experts
     first_k_dense_replace: int = 0  # the first k layers are dense
@@ -74,15 +74,15 @@ class ModelConfig:
     # (V3: groups limited, bias-corrected choice); None: the softmax top-k router (moe.Router).
     topk_method: str | None = None
     n_group: int | None = None  # experts are chosen from the best topk_group of n_group groups
-    topk_group: int | None = None
-    routed_scaling_factor: float = 1.0
+    topk_group: int | None = None  # ... the best topk_group groups
+    routed_scaling_factor: float = 1.0  # the routed experts' output is scaled by this
     # Gemma 4 (text): the full_attention layers have their own head size, key/value heads (with
     # attention_k_eq_v) and rope_parameters (with rope_theta); logits are soft-capped.
     global_head_dim: int | None = None
-    num_global_key_value_heads: int | None = None
+    num_global_key_value_heads: int | None = None  # the full_attention layers' key/value heads
     attention_k_eq_v: bool = False  # the full layers' values are their keys before the key norm
-    full_attention_rope: dict[str, Any] | None = None
-    final_logit_softcapping: float | None = None
+    full_attention_rope: dict[str, Any] | None = None  # the full_attention layers' rope_parameters
+    final_logit_softcapping: float | None = None  # logits soft-capped to this bound (tanh); none: not capped
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):

@@ -14,9 +14,9 @@ class ParallelConfig:
 
     dp_replicate: int = 1  # data-parallel replicas (with dp_shard > 1: HSDP)
     dp_shard: int = 1  # FSDP: weights, gradients and optimizer state split over these ranks
-    ep: int = 1
-    tp: int = 1
-    pp: int = 1
+    ep: int = 1  # expert-parallel size: each rank holds num_experts / ep experts
+    tp: int = 1  # tensor-parallel size: heads, vocabulary and MLP/expert widths split tp ways
+    pp: int = 1  # pipeline-parallel ranks
     # How tokens reach their experts under ep > 1 (`expert.py`): "gather" queues the step without
     # waiting for the host; "all_to_all" sends exact splits, the host waiting once per MoE layer.
     ep_dispatch: str = "gather"
