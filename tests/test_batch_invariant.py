@@ -402,7 +402,7 @@ def test_the_selected_kernel_s_own_tiles_keep_the_grouped_row_and_k_blocks():
     BLOCK_M (which rows share a tile, as the trainer's grouped kernel cuts them) and BLOCK_K (the
     K loop) stay; columns, warps and stages are its own at a decode step's few rows an expert in
     bf16 and fp16 (every such config gave the grouped config's bits on an H200:
-    `bench/kernels.py --selected-tiles`). fp32 and more rows an expert keep the grouped config."""
+    `bench/kernels/ops.py --selected-tiles`). fp32 and more rows an expert keep the grouped config."""
 
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for rows, n, k in [(0, 1536, 2048), (4, 2048, 768), (16, 384, 2048), (40, 1536, 2048), (300, 2048, 768)]:
@@ -500,7 +500,7 @@ def test_the_attention_kernel_gives_a_query_the_same_bits_in_any_step(triton_ker
 
 
 def test_with_the_kernels_the_engine_and_the_trainer_agree_bit_for_bit(triton_kernels, monkeypatch):
-    """The tiny model through the kernels (interpreted on CPU, fp32; bf16 on a GPU: bench/decode.py
+    """The tiny model through the kernels (interpreted on CPU, fp32; bf16 on a GPU: bench/serve/decode.py
     --batch-invariant): generated together (prompts in chunks at other split points, a prefix
     reused) each sequence's tokens and log-probabilities are those it gets alone, and equal the
     trainer's, with its routing — the engine's experts by `selected_experts` (no gradients, few

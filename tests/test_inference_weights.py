@@ -5,7 +5,7 @@ reset it would, and the tokens would change: checked) — from a model, a state 
 model whose adapters are merged on the way (the source keeps them). Names or shapes that do not
 fit, and sequences still holding blocks, are refused before anything changes. The same from
 another process (`send_weights` / `receive_weights`): a spawned child sends its model over a pipe,
-through shared memory on CPU (CUDA IPC on a GPU: bench/load.py --hand-over N --ipc).
+through shared memory on CPU (CUDA IPC on a GPU: bench/serve/model_load.py --hand-over N --ipc).
 
 Exact token equality is safe for the reason test_inference_generate gives: random weights at
 std 0.2 keep the top two logits far apart compared with the ~1e-6 by which differently batched

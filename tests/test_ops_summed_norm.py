@@ -7,7 +7,7 @@ same conversions in the same order); each launch must count one meeting a progra
 slot EMPTY again. Several ranks run on one GPU as concurrent streams, each its own buffer and
 counts in that GPU's memory: they give the rank-order sum of every rank's rows, launch after
 launch, bit for bit (in a subprocess with a time limit: a meeting that never ends hangs its GPU).
-On several GPUs `bench/decode.py --all-reduce` checks the kernel against the all-reduce followed
+On several GPUs `bench/serve/decode.py --all-reduce` checks the kernel against the all-reduce followed
 by `add_rms_norm`, bit for bit. The hand-over itself runs on CPU under gloo in every tensor-parallel
 generation test (tests/test_parallel_generate.py, test_parallel_serve.py), where each left sum is
 the all-reduce as before.

@@ -306,7 +306,7 @@ def test_tp_generation_with_the_decoding_kernels(monkeypatch):
     if not INTERPRETED:
         pytest.skip(
             "its ranks are CPU processes (gloo) whose kernels run in Triton's interpreter, which a GPU host "
-            "leaves off (tests/conftest.py); across GPUs, bench/decode.py --tensor-parallel checks the tokens"
+            "leaves off (tests/conftest.py); across GPUs, bench/serve/decode.py --tensor-parallel checks the tokens"
         )
     monkeypatch.setenv("MOEMESH_KERNELS", "triton")  # before the workers start: they inherit it
     pool = WorkerPool(TP, timeout_s=600)

@@ -332,8 +332,8 @@ def test_family_plans_fit_their_models(config):
 
 def check_per_slot_reduce_moves_k_times_the_bytes(rank):
     """The alternative to the delayed all-reduce — reducing each expert slot's output before the
-    routing-weight multiply (bench/tp_moe.py) — computes the same block but moves k× the bytes."""
-    from bench.tp_moe import reduce_per_slot
+    routing-weight multiply (bench/parallel/tp_moe.py) — computes the same block but moves k× the bytes."""
+    from bench.parallel.tp_moe import reduce_per_slot
 
     mesh = init_mesh(ParallelDims(tp=WORLD))
     config = QWEN3.replace(num_hidden_layers=1, mlp_only_layers=[])

@@ -9,7 +9,7 @@ that publishes it; and removals that never leave half a checkpoint under a check
 Why a checksum and not only sizes: a file of the right size can still hold the wrong bytes (a disk
 or a copy that went bad), and DCP would load them without a word. Hashing costs a read of every
 file: the files are split over the ranks (each takes every world-th one) and each rank hashes its
-share in threads (hashlib releases the GIL), one file per thread; `bench/checkpoint_io.py` measures
+share in threads (hashlib releases the GIL), one file per thread; `bench/train/checkpoint_io.py` measures
 what that adds to a save. A checkpoint written before SHA256SUMS existed is checked for its files'
 sizes only. SHA256SUMS has no checksum of its own: a damaged line makes its file look corrupted,
 which errs on the safe side.

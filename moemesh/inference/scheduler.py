@@ -38,7 +38,7 @@ least its last token left to compute (its logits are needed). When a running seq
 block and none is free, the youngest running sequence not in this step is preempted — its blocks
 released, its row given back, and it returns to the front of the queue with its tokens so far,
 recomputed when it is admitted again (its full blocks stay in the prefix cache meanwhile, so
-re-admission may find them). Recompute, not swap, by measurement (bench/preemption.py, one H200,
+re-admission may find them). Recompute, not swap, by measurement (bench/serve/decode.py --preemption, one H200,
 the 48-layer shape): with a quarter of the blocks a run needs, recomputing costs 5.5% of what the
 small pool adds, swap's copies alone half of that, and the rest is fewer sequences at once, which
 swapping would not change. A request that does not fit waits. None is lost: a sequence leaves
@@ -56,7 +56,7 @@ host must see a step's output before the next: a request processed on the host (
 biases, grammars, log-probabilities), prompt log-probabilities, routing records; and preemption
 reads the round in flight first (a preempted sequence's tokens must all be known). The price: a
 request that arrives, or a reply that comes, while a step runs joins the round after next. On
-two H200s under tensor parallelism (the 48-layer Qwen3-30B-A3B shape, `bench/serve_load.py --tp 2`,
+two H200s under tensor parallelism (the 48-layer Qwen3-30B-A3B shape, `bench/serve/serve_load.py --tp 2`,
 64 streaming clients; docs/benchmarks.md, 2026-11-28, ninth session) served tokens/s rose 25% and
 27% in two calls (3,182 -> 3,964 beside the code before; 3,089 -> 3,910 against --no-overlap), the
 first token's p50 44 -> 62 ms in the first, 72 -> 64 in the second; the engine's decode step alone

@@ -2,7 +2,7 @@
 
     y = x·Wᵀ + b + s · dropout(x)·Aᵀ·Bᵀ
 
-A LoRA step is bound by the host's kernel launches (bench/lora.py --count-ops), so the adapters
+A LoRA step is bound by the host's kernel launches (bench/train/lora.py --count-ops), so the adapters
 never run as separate modules: each forward casts A and s·B to the compute dtype once
 (`ops/low_rank.py`), and the update runs in the base's own autograd node (`ops/linear.py`).
 Projections of one input — attention's q, k and v, the dense MLP's gate and up — share one node

@@ -17,7 +17,7 @@ What takes adapters (`apply_lora`, from the run's `[lora]` section):
 Everything else is frozen: no gradient, no optimizer state. The adapters keep the dtype they are
 made in (train.param_dtype); the base may be bf16.
 
-How it computes (a LoRA step is bound by the host's kernel launches, bench/lora.py --count-ops):
+How it computes (a LoRA step is bound by the host's kernel launches, bench/train/lora.py --count-ops):
 each forward casts A and s·B to the compute dtype once (`ops/low_rank.py`: the scale rides B's
 cast, and a checkpointed layer's recomputation reuses the copies), and the update runs in the
 base's own autograd node (`models/adapted.py`, `ops/linear.py`, `ops/grouped_mm.py`): its rank-r

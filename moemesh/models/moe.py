@@ -49,7 +49,7 @@ from moemesh.ops.topk_softmax import choice_counts, routed, topk_softmax
 # (token, expert) pairs up to which a block without gradients reads only the chosen experts'
 # weights, each once (`MoEBlock.selected_experts`); beyond, the grouped GEMM (prefill, training).
 # Up to PER_TOKEN_ROWS pairs the SwiGLU experts run per token instead (`ops/expert_gemv.py`).
-# bench/decode.py measures the paths at each batch size (batch 64 of top-8 is 512 pairs).
+# bench/serve/decode.py measures the paths at each batch size (batch 64 of top-8 is 512 pairs).
 SELECTED_EXPERT_ROWS = 1024
 PER_TOKEN_ROWS = 64
 

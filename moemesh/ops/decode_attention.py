@@ -45,10 +45,10 @@ SPLIT_BLOCKS, MAX_SPLITS, SPLIT_PROGRAMS = 2, 16, 512  # see split_count
 # A tile's query rows: its tokens × the query heads of one key/value head. The pipeline depth of
 # the key loop: packed steps and decode steps. 64 rows and 2 stages took a loaded server's prefill
 # round (60 decode tokens beside 4 prompts of 497) from 182 to 138 µs a layer on an H100, and one
-# prompt of 512 from 40 to 34 µs (`bench/paged_attention.py --sweep`). Decode steps' 32-key blocks in
+# prompt of 512 from 40 to 34 µs (`bench/kernels/paged_attention.py --sweep`). Decode steps' 32-key blocks in
 # 2 stages and their splits (split_count) took 64 tokens at ~576 cached from 53.6 to 33.5 µs a layer
 # on an H200, 256 tokens from 185 to 103 µs and one token from 10.7 to 7.4 µs (blocks of 64 in 3
-# stages, splits by kv_len alone; `bench/paged_attention.py --decode-sweep`).
+# stages, splits by kv_len alone; `bench/kernels/paged_attention.py --decode-sweep`).
 TILE_ROWS, PACKED_STAGES, DECODE_STAGES = 64, 2, 2
 # A decode step's attention reads what does not depend on the kernel before it (rope_to_cache: the
 # queries and the step's keys and values) before it waits for that kernel under a dependent launch

@@ -87,7 +87,7 @@ BY_EXPERT_CONFIGS = [
         (32, 128, 4, 4),
         (16, 256, 4, 4),
         (128, 64, 4, 3),  # wider blocks of shorter K: a TP=4 rank's slice of down [2048 x 192] read
-        (128, 32, 4, 4),  # 1.17x faster in a step's graph (bench/kernels.py --expert-tiles, 2026-11-29)
+        (128, 32, 4, 4),  # 1.17x faster in a step's graph (bench/kernels/ops.py --expert-tiles, 2026-11-29)
     )
 ]
 

@@ -8,7 +8,7 @@ is a loop over experts, which is exact and needs the group sizes on the host.
 LoRA on an expert bank (`models/lora.py`) rides the same autograd node: each group's rows times
 its expert's A_e, then B_e, two grouped GEMMs of rank r over all experts at once, the update added
 in place to the base product; in backward the update's share of the input gradient is added to the
-base's the same way. A LoRA step is bound by the host's kernel launches (bench/lora.py
+base's the same way. A LoRA step is bound by the host's kernel launches (bench/train/lora.py
 --count-ops), so a layer computes the kernel's group offsets once for all its grouped GEMMs
 (`group_offsets`) and backward reuses them, and the factors come cast (and B scaled) once a
 forward by the caller, not at each use.

@@ -24,7 +24,7 @@ or MOEMESH_KERNELS=triton under Triton's interpreter):
     row count (`_tiles`: small for a decode step, larger for training's thousands of rows) — in
     bf16 that changes no bit, which is measured, not proven: on an H200 every one of 38 configs
     gave every weight of the Qwen3-30B-A3B shape the same bits at 1, 64 and 8,192 rows
-    (`bench/kernels.py --invariant-tiles`; the GPU tests below compare 1 row with 130). fp32 (the
+    (`bench/kernels/ops.py --invariant-tiles`; the GPU tests below compare 1 row with 130). fp32 (the
     CPU tests' interpreter, whose tl.dot is numpy's) keeps one config whatever the rows. The
     programs take TILE_GROUP M tiles at a time across every N tile (`_tile_of`: a group's rows and
     weight tiles come from L2 after their first read; the experts' gate_up at 8,192 rows 1.23×
@@ -85,8 +85,8 @@ softmax and log_softmax pick their kernel by the row's width, not the number of 
 Exactness is tested on CPUs (tests/test_batch_invariant.py): the reference in fp32 and bf16, the
 kernels under Triton's interpreter in fp32 (its bf16 tl.dot is wrong), the tiny model's engine and
 trainer through them included. On a GPU in bf16 the claim is measured, not proven by a test here:
-`bench/gpu_checks_inference.sh invariant` (bench/decode.py --batch-invariant) counts what differs
-over 10k tokens of the 48-layer Qwen3-30B-A3B shape. Limits: decode at batch 1 has only a
+`bench/serve/decode.py --layers 48 --batch-invariant` (bench/README.md) counts what differs over
+10k tokens of the 48-layer Qwen3-30B-A3B shape. Limits: decode at batch 1 has only a
 program per key/value head in attention (no split: a split would have to be fixed per key
 position, and the trainer would have to take it too); the matmul stays 1.1-1.3× cuBLAS's time at
 training's row counts (docs/benchmarks.md; reading its blocks by TMA was measured and did not
@@ -125,7 +125,7 @@ ATTENTION_ROWS, ATTENTION_KEYS = 64, 64
 # rows. A query's bits do not change with them — measured, not proven: on an H200, at the
 # Qwen3-30B-A3B shape's heads (4 × 2,048 tokens), tiles of 64, 128 and 256 rows gave every query
 # the same bits, and 256 rows in 16 warps took 460 µs where 64 took 794 (in 8 warps 528); 32 rows,
-# or a decode step's 16 in 2 warps (MMAs of other shapes), did change bits (bench/kernels.py
+# or a decode step's 16 in 2 warps (MMAs of other shapes), did change bits (bench/kernels/ops.py
 # --invariant-attention; docs/benchmarks.md, 2026-11-28, fourth, fifth and seventh sessions). That
 # many rows for heads of up to 128 dims, fewer for wider ones (the accumulator, rows × dims in
 # fp32, stays that of 256 × 128). fp32 (the CPU tests' interpreter, whose tl.dot is numpy's)
@@ -204,7 +204,7 @@ def _tiles(rows: int, n: int, dtype: torch.dtype) -> tuple[int, int, int, int, i
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of a launch over `rows` rows (a grouped launch:
     its mean rows an expert) of a weight `n` wide. fp32: one config (see BLOCK_M). bf16 and fp16:
     narrow tiles for a decode step's few rows, 128 × 256 for training's many — the fastest of the
-    configs below on an H200 (`bench/kernels.py --invariant-tiles`), which all give the same bits:
+    configs below on an H200 (`bench/kernels/ops.py --invariant-tiles`), which all give the same bits:
     there 38 configs (BLOCK_M 16-128, BLOCK_N 32-256, BLOCK_K 64 or 128, 4 warps up to 64 × 64
     tiles and 8 above, 3 or 4 stages) computed every weight of the Qwen3-30B-A3B shape at 1, 64
     and 8,192 rows to the same bits: the tensor cores add a row's products k-block by k-block in
@@ -224,7 +224,7 @@ def _launch_matmul(x, weight, out, group_sizes, rows: int, config, tile_group: i
     (weight [E, N, K], x's rows sorted by expert in groups of group_sizes [E] from row 0: the
     kernel cuts each group in M tiles of BLOCK_M from its first row, `_expert_tile`). The
     programs run `tile_group` M tiles at a time across every N tile (TILE_GROUP; one group of all
-    the M tiles is the order before, M tile fastest, which bench/kernels.py compares)."""
+    the M tiles is the order before, M tile fastest, which bench/kernels/ops.py compares)."""
     n, k = weight.shape[-2:]
     block_m, block_n = config[:2]
     grouped = group_sizes is not None
@@ -511,7 +511,7 @@ def _launch_attention(
 ) -> torch.Tensor:  # fmt: skip
     """`paged_attention`'s launch for tiles of `tokens_a_tile` tokens (× the group's query heads:
     the program's rows), with `warps` (by default by the tile's size) and `stages`
-    (bench/kernels.py --invariant-attention tries others than the shipped ones). `aligned`: the
+    (bench/kernels/ops.py --invariant-attention tries others than the shipped ones). `aligned`: the
     pools' strides told to the kernel as multiples of 16 (by default where they are), so that it
     reads a key's row in 16-byte loads. `lse` [B, h, T] fp32, where the tokens are B whole
     sequences of T: each query's log-sum-exp written there too.
@@ -981,7 +981,7 @@ def _selected_tiles(grouped: tuple[int, int, int, int, int], k: int) -> tuple[in
     """The selected kernel's config from the grouped launch's (`_tiles`): at up to 16 rows an
     expert in bf16 or fp16, the same BLOCK_M and BLOCK_K with 64 or 128 columns a program (128
     where K is 2,048 or more), 4 warps and 3 stages. At 64 tokens of the Qwen3-30B-A3B shape on an
-    H200 (`bench/kernels.py --selected-tiles`): gate_up 207 -> 196 µs, down 139 -> 110 (95% and
+    H200 (`bench/kernels/ops.py --selected-tiles`): gate_up 207 -> 196 µs, down 139 -> 110 (95% and
     85% of the copy rate), and every config of that sweep gave the grouped config's bits."""
     block_m, _, block_k, _, _ = grouped
     if block_m != 16 or block_k != 128:  # fp32's one config; the wider tiles of more rows

@@ -9,7 +9,7 @@ is the same as `torch.nn.Linear`'s, under autocast too (the inputs are cast as a
 them for F.linear).
 
 Why one node for the base and its update: a LoRA step is bound by the host's kernel launches
-(bench/lora.py --count-ops). Here the update is added by the rank-r GEMM itself (addmm_ into the
+(bench/train/lora.py --count-ops). Here the update is added by the rank-r GEMM itself (addmm_ into the
 base product), and in backward the input gradient of the update is accumulated the same way into
 the base's: no separate scale, add or gradient-sum kernels. A and B come in the compute dtype,
 cast (and B scaled) once a forward by the caller, not at each use.

@@ -7,7 +7,7 @@ autograd nodes send the gradients back to the fp32 parameters (s·grad for B). U
 checkpointing the recomputation in backward reuses the forward's copies (`recompute.reused`), and
 the backward of `ops/linear.py` and `ops/grouped_mm.py` takes them as they are.
 
-Why: a LoRA step is bound by the host's kernel launches (bench/lora.py --count-ops). Casting at
+Why: a LoRA step is bound by the host's kernel launches (bench/train/lora.py --count-ops). Casting at
 each use cast every factor four times a step (forward, recomputation, backward, and its gradient
 back to fp32), and the scale was one more elementwise kernel over the update's output in forward,
 recomputation and backward. Now: one kernel a factor in forward, one in backward (the scale rides

@@ -305,7 +305,7 @@ def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
 
 # Bytes up to which a sum over a group with a peer buffer (`use_peer_all_reduce`) takes each way;
 # larger tensors go through NCCL. One-shot's limit is for 2 ranks and halves as the ranks double
-# (each rank reads every peer's whole tensor). The thresholds come from `bench/decode.py
+# (each rank reads every peer's whole tensor). The thresholds come from `bench/serve/decode.py
 # --all-reduce` on 2 and 4 H200s (docs/benchmarks.md, issue 49: one-shot is the fastest up to 1 MB
 # on 2, up to 512 KB on 4; two-shot then, NCCL from past 4 MB); a benchmark sets them to compare
 # the ways.

@@ -1,9 +1,20 @@
-"""Decoding speed: moemesh's engine beside transformers' `generate`, in one run, on one GPU.
+"""The engine's decoding and serving throughput offline, one script in four modes:
 
-    PYTHONPATH=. python3 bench/decode.py                      # 6-layer Qwen3-30B-A3B shape, bf16
-    PYTHONPATH=. python3 bench/decode.py --layers 48          # the full 48-layer shape
-    PYTHONPATH=. python3 bench/decode.py --config configs/tiny.toml --prompt-len 32 --new-tokens 8 \\
-        --batches 1,4                                         # CPU: checks that the script runs
+    (none)        decode steps: moemesh's engine beside transformers' `generate` (below)
+    --offline     many prompts through `generate` beside transformers' `generate_batch`, a prompt's
+                  prefill, and what a cached prefix saves
+    --round-cost  what one round of the server costs: decode tokens, prompts, and the two mixed
+    --preemption  what preemption costs: the same requests through pools of fewer and fewer blocks
+
+Each mode has options of its own (`bench/serve/decode.py --offline --help` lists them); --record
+(decode steps and --offline) writes the headline figures to the results file (bench/harness.py).
+
+Decode steps: moemesh's engine beside transformers' `generate`, in one run, on one GPU.
+
+    PYTHONPATH=. python3 bench/serve/decode.py                      # 6-layer Qwen3-30B-A3B shape, bf16
+    PYTHONPATH=. python3 bench/serve/decode.py --layers 48          # the full 48-layer shape
+    PYTHONPATH=. python3 bench/serve/decode.py --config configs/tiny.toml --prompt-len 32 --new-tokens 8 \\
+        --batches 1,4                                               # CPU: checks that the script runs
 
 Random weights, a random prompt of --prompt-len tokens per sequence, greedy, --new-tokens
 tokens. For each batch size B, a decode step of B sequences in milliseconds, the prompts' cost
@@ -21,12 +32,12 @@ Also printed: the share of moemesh's tokens at batch B equal to batch 1's for th
 (bf16 greedy: rows batched differently round differently, and a near-tie can flip).
 
 Sides run one after the other, each model freed before the next (the 48-layer model is 61 GB in
-bf16). Prints a table per model; nothing is written.
+bf16). Prints a table per model; nothing is written but --record's rows.
 
 --batch-invariant (issue 50): the engine in batch-invariant mode (ops/invariant.py's kernels)
 beside the default, and its claim checked in bf16:
 
-    PYTHONPATH=. python3 bench/decode.py --layers 48 --batch-invariant --batches 1,64
+    PYTHONPATH=. python3 bench/serve/decode.py --layers 48 --batch-invariant --batches 1,64
 
 For each batch, the engine's decode step alone (ms/step, as "engine ms/step" above) as shipped,
 in the mode (eager, its default) and in the mode with its steps as CUDA graphs, and the ratios.
@@ -47,8 +58,8 @@ operators (a step of a few thousand tokens is bound by its host).
 
 Under torchrun, tensor parallelism over the ranks launched (issue 49):
 
-    torchrun --nproc-per-node N bench/decode.py --layers 48 --tensor-parallel --batches 1,64
-    torchrun --nproc-per-node N bench/decode.py --all-reduce
+    torchrun --nproc-per-node N bench/serve/decode.py --layers 48 --tensor-parallel --batches 1,64
+    torchrun --nproc-per-node N bench/serve/decode.py --all-reduce
 
 --tensor-parallel: the model built on meta, laid out for tp=N (with --layout ep: the experts split
 over N ranks, everything else whole on each, as `serve --ep N`; with --layout tp-ep: heads and
@@ -77,6 +88,75 @@ in a CUDA graph and replayed, each way, with the largest difference from an fp32
 every rank got the same bits; then the sum with the residual add and RMSNorm after it, as the
 all-reduce and `add_rms_norm` against the one kernel of `ops/summed_norm.py` (checked bit for bit
 against the fp32 sum rounded once, on every rank).
+
+--offline: serving throughput offline: many prompts of random lengths through moemesh's
+`generate` (scheduler, paged cache, chunked prefill beside decoding) beside transformers'
+continuous batching (`generate_batch`), in one run, on one GPU; then how fast a prompt is
+prefilled, and what a cached prefix saves.
+
+    PYTHONPATH=. python3 bench/serve/decode.py --offline                 # 6-layer Qwen3-30B-A3B shape, bf16
+    PYTHONPATH=. python3 bench/serve/decode.py --offline --layers 48 --prompts 256 --new-tokens 256
+    PYTHONPATH=. python3 bench/serve/decode.py --offline --config configs/tiny.toml --prompts 6 \\
+        --prompt-lens 16,48 --new-tokens 4 --prefill-len 96 --prefix-len 32   # CPU: checks that it runs
+
+Random weights, greedy, no early stop (every request makes --new-tokens tokens). Tables:
+  workload    (--no-workload: none) --prompts prompts of uniformly random lengths in --prompt-lens,
+              each continued by --new-tokens: wall time and output tokens/s. moemesh runs the workload twice on one
+              engine: "cold" includes compiling kernels and capturing CUDA graphs, "warm" is the
+              steady state a server reaches (the figure to quote). With it: steps, preemptions,
+              and the agreement of --check requests' tokens with each prompt generated alone
+              (bf16: sequences batched differently round differently; a near-tie can flip).
+              transformers: `generate_batch` (paged cache, continuous batching) of the same
+              prompts, after a warm-up call, unless --no-transformers. With --batch-invariant
+              the workload runs again on an engine in that mode (issue 50): its warm seconds
+              against the default's, and its requests must equal each prompt alone, bit for bit.
+  prefill     one --prefill-len prompt, and a batch of short prompts (--prefill-len tokens in all)
+              in one packed step: milliseconds and tokens/s (the engine's step, after a warm-up).
+  prefix      time to first token of a request whose first --prefix-len tokens another request
+              just computed (prefix caching), against the first's; followers one at a time.
+
+Sides run one after the other, each model freed before the next (the 48-layer model is 61 GB in
+bf16). Nothing is written but --record's rows.
+
+--round-cost: what one round of the server costs on the random-weight Qwen3-30B-A3B shape: decode
+tokens alone, 1-4 prompts alone, and the two mixed (60 decode tokens beside 1-4 prompts), each one
+engine step as the scheduler makes it (CUDA graphs), median of --repeat, and of it the graph's own
+time on the GPU (the rest is the host's: the step's inputs built, its tokens read); with the random
+weights' routing and spread (bench/harness.py's `spread_routing`). The kernels of one such step:
+`bench/serve/decode.py --offline --no-workload --profile-step 512 --profile-prompts 1 --profile-decodes 60`.
+
+    PYTHONPATH=. python3 bench/serve/decode.py --round-cost --layers 48
+    PYTHONPATH=. python3 bench/serve/decode.py --round-cost --layers 48 --selected-expert-rows 1024,20000
+    PYTHONPATH=. python3 bench/serve/decode.py --round-cost --config configs/tiny.toml --prompt-len 32 \\
+        --decode 4                                                                           # CPU
+
+--preemption: what preemption costs: the same requests through pools of fewer and fewer blocks,
+and what the scheduler's choice, recomputation, computes again against what swapping would copy.
+
+    PYTHONPATH=. python3 bench/serve/decode.py --preemption --config configs/tiny.toml     # CPU, fp32
+    PYTHONPATH=. python3 bench/serve/decode.py --preemption --layers 48 --prompts 256 --prompt-lens 128,1024 \\
+        --new-tokens 256 --max-batch 128 --max-num-batched-tokens 8192                      # one GPU, bf16
+
+When a running sequence needs a block and none is free, the scheduler preempts the youngest
+running sequence: its blocks are released, and it waits at the front of the queue with its tokens
+so far, to be computed again when it is admitted (inference/scheduler.py). Its full blocks keep
+their keys in the prefix cache, freed last block first, so that what the others take first is its
+tail: re-admitted, it finds the rest of its tokens cached and computes only what was taken. Swap
+would copy every block of the sequence to the host and back instead (vLLM's V0 had both modes;
+V1 recomputes only).
+
+Each pool holds --pools × the blocks every request holds at its end (prompt + new tokens, all at
+once: 1 never preempts with --max-batch ≥ --prompts). A table row: blocks, preemptions, the
+tokens re-admitted sequences held (what a swap would copy out and back), of them found in the
+prefix cache, the tokens recomputed, the run's time and what it took over the largest pool's
+run, and whether every request's tokens equal the largest pool's. The time over the largest pool
+need not be recomputation: a smaller pool also runs fewer sequences at once, which neither mode
+changes. So beside it: what recomputing those tokens costs at this engine's prefill rate (the
+same prompts prefilled alone, timed on the same engine), and on a GPU what swapping them costs at
+least: copying their bytes to pinned host memory and back in one piece each way.
+
+Random weights, greedy, no early stop. fp32 on a CPU: equal tokens are exact; bf16 on a GPU,
+a batch's company rounds differently, so equality is reported, not required.
 """
 
 from __future__ import annotations
@@ -87,21 +167,32 @@ import itertools
 import math
 import os
 import statistics
+import sys
 import time
 import types
 
 import torch
 
-from bench.common import (
+from bench.harness import (
     add_model_arguments,
+    add_modes,
+    add_record_flag,
     bench_model_config,
+    chosen_mode,
+    describe_device,
+    free,
+    kernels_by_name,
     median_ms,
+    model_at,
+    moemesh_model,
     print_table,
+    record,
+    spread_routing,
     sync,
     tensor_parallel_model,
     timed,
+    transformers_model,
 )
-from bench.e2e import free, transformers_model
 from moemesh.data.tokenizer import ByteTokenizer
 from moemesh.inference.engine import PREVIOUS, Chunk, DecodeEngine, Sampling
 from moemesh.inference.generate import generate
@@ -113,18 +204,23 @@ from moemesh.ops import backend, decode_attention, expert_gemv, gemv
 from moemesh.ops import topk_softmax as topk_kernel
 from moemesh.parallel import comm
 
+MODES = {
+    "--offline": "many prompts through `generate` beside transformers' generate_batch; prefill; prefix reuse",
+    "--round-cost": "what one round of the server costs: decode tokens, prompts, the two mixed",
+    "--preemption": "what preemption costs: the same requests through pools of fewer and fewer blocks",
+}
 
-def built(config, device, dtype):
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # built in bf16 directly: the 48-layer model has no room for an fp32 copy
-    try:
-        return build(config, seed=0, device=device).eval()
-    finally:
-        torch.set_default_dtype(previous)
+
+def where(device: torch.device) -> str:
+    """The device and versions for a table's title (on a CPU: that its timings only check the script)."""
+    return describe_device(device) + ("" if device.type == "cuda" else " (CPU: timings are only a smoke check)")
+
+
+# ---- decode steps (no mode) ----------------------------------------------------------------------------
 
 
 def moemesh_rows(config, args, device, dtype, prompts) -> tuple[list[dict], dict]:
-    model = built(config, device, dtype)
+    model = moemesh_model(config, device, dtype)
     tokenizer = ByteTokenizer()  # never decodes real text here: the ids are random
     tokenizer.eos_id = None  # no early stop: every sequence makes --new-tokens tokens
     rows, first_row = [], {}
@@ -162,6 +258,7 @@ def moemesh_rows(config, args, device, dtype, prompts) -> tuple[list[dict], dict
                         if name == "moemesh" and 1 in first_row
                         else ""
                     ),
+                    "_ms": step_ms,
                 }
             )
             del engine
@@ -256,7 +353,7 @@ INVARIANT_WAYS = [("default", False, None), ("batch-invariant, eager", True, Fal
 
 def batch_invariant_rows(config, args, device, dtype, prompts) -> tuple[list[dict], list[dict]]:
     """--batch-invariant: (the decode step's timing rows, the check's rows); see the docstring."""
-    model = built(config, device, dtype)
+    model = moemesh_model(config, device, dtype)
     timing = []
     for batch in args.batches:
         row = {"batch": batch}
@@ -325,7 +422,7 @@ def invariant_check(model, args, prompts) -> list[dict]:
     tokens = differ_tokens = differ_logprobs = 0
     for i in picked:
         engine = DecodeEngine(model, max_batch=1, max_len=max_len, batch_invariant=True, block_size=32)
-        (alone,) = generate_sequences(engine, tokenizer, [chosen[i]], params)
+        _, _, (alone,) = run_scheduler(engine, tokenizer, [chosen[i]], params)
         ours, theirs = alone.token_ids, together[i].token_ids
         same = next((j for j, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(ours))
         tokens += len(ours)
@@ -415,7 +512,7 @@ def scoring_rows(model, sequences, args) -> list[dict]:
         row[f"{name} tokens/s"] = f"{tokens * 1e3 / ms:,.0f}"
     row["batch-invariant / default"] = f"{float(row['batch-invariant ms']) / float(row['default ms']):.2f}"
     if args.profile_scoring and torch.cuda.is_available():  # where each way's step goes: its kernels, and their share
-        from bench.common import profiled_kernels
+        from bench.harness import profiled_kernels
 
         for name, invariant in ways:
             start = time.perf_counter()
@@ -445,14 +542,6 @@ def host_table(fn) -> list[dict]:
         }
         for e in events[:30]
     ]
-
-
-def generate_sequences(engine: DecodeEngine, tokenizer, prompts: list[list[int]], params) -> list:
-    """The prompts through a scheduler of `engine` -> their sequences."""
-    scheduler = Scheduler(engine, tokenizer, max_waiting=len(prompts))
-    sequences = [scheduler.submit(p, params) for p in prompts]
-    scheduler.run_until_idle()
-    return sequences
 
 
 # The ways of `--ways`: comm.PEER_ALL_REDUCE's thresholds (bytes) for each; "shipped" keeps its own.
@@ -802,7 +891,7 @@ def profile_rows(config, args, device, prompts) -> list[dict]:
 
 def kernel_rows(engine: DecodeEngine, args, prompts) -> list[dict]:
     """The kernels of --profile-steps decode steps of `engine` (this rank's), by name."""
-    from bench.common import profiled_kernels
+    from bench.harness import profiled_kernels
 
     steps, batch = args.profile_steps, args.profile_batch
     step, _, _ = engine_steps(engine, prompts[:batch])
@@ -812,21 +901,16 @@ def kernel_rows(engine: DecodeEngine, args, prompts) -> list[dict]:
 def kernel_table(kernels: list[dict], steps: int, what: str) -> list[dict]:
     """Profiled kernels of `steps` steps, by name: calls and microseconds a step, the busiest first
     (30 rows, the first all of them)."""
-    from collections import defaultdict
-
-    by_name = defaultdict(lambda: [0, 0.0])
-    for kernel in kernels:
-        by_name[kernel["name"]][0] += 1
-        by_name[kernel["name"]][1] += kernel["dur"]
-    busy = sum(d for _, d in by_name.values())
+    by_name = kernels_by_name(kernels)
+    busy = sum(us for _, us, _ in by_name)
     rows = [
         {
-            "kernel": name[:70],
+            "kernel": name,
             "calls/step": f"{calls / steps:.1f}",
             "µs/step": f"{total / steps:.1f}",
             "share": f"{total / busy:.1%}",
         }
-        for name, (calls, total) in sorted(by_name.items(), key=lambda kv: -kv[1][1])
+        for name, total, calls in by_name
     ]
     rows.insert(
         0,
@@ -870,13 +954,13 @@ def transformers_rows(config, args, device, prompts) -> list[dict]:
                 "tokens/s": f"{batch * 1e3 / step_ms:,.0f}",
                 "engine ms/step": "",
                 "same tokens as batch 1": "",
+                "_ms": step_ms,
             }
         )
     return rows  # the model is freed here: transformers runs last
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def decode_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, layers=6)
     parser.add_argument("--batches", default="1,4,16,64", help="comma-separated batch sizes")
     parser.add_argument("--prompt-len", type=int, default=512)
@@ -939,7 +1023,10 @@ def main():
         help=f"with --tensor-parallel: comma-separated, of {', '.join(STEP_VARIANTS)} (what each turns off)",
     )
     parser.add_argument("--all-reduce-sizes", default="4,8,16,32,64,128,256,512,1024,4096", help="KB")
-    args = parser.parse_args()
+    add_record_flag(parser)
+
+
+def decode(args, parser: argparse.ArgumentParser) -> None:
     args.ways = args.ways.split(",")
     if unknown := set(args.ways) - set(WAYS):
         parser.error(f"--ways: unknown {sorted(unknown)}; known: {', '.join(WAYS)}")
@@ -961,15 +1048,14 @@ def main():
     count = max(*args.batches, args.profile_batch, args.score_batch)
     prompts = torch.randint(1, config.vocab_size, (count, args.prompt_len), generator=generator).tolist()
     torch.manual_seed(0)
-    where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (timings are only a smoke check)"
     title = (
         f"decode, {config.num_hidden_layers} layers, {str(dtype)[6:]}, prompt {args.prompt_len}, "
-        f"{args.new_tokens} new tokens, greedy, {where}, torch {torch.__version__}"
+        f"{args.new_tokens} new tokens, greedy, {where(device)}"
     )
     rank0 = os.environ.get("RANK", "0") == "0"
     if args.all_reduce:
         rows = all_reduce_rows(args)
-        return print_table(rows, f"all-reduce of bf16, a CUDA graph of 32, {where}") if rank0 else None
+        return print_table(rows, f"all-reduce of bf16, a CUDA graph of 32, {where(device)}") if rank0 else None
     if args.tensor_parallel:
         rows = tensor_parallel_rows(config, args, prompts)
         what = "kernels per decode step (rank 0)" if args.profile_steps else "tensor-parallel engine steps"
@@ -983,7 +1069,7 @@ def main():
         finally:
             torch.set_default_dtype(previous)
     if args.batch_invariant and (args.profile_scoring or args.score_only):
-        model = built(config, device, dtype)
+        model = moemesh_model(config, device, dtype)
         completions = torch.randint(1, config.vocab_size, (args.score_batch, args.check_tokens), generator=generator)
         sequences = [types.SimpleNamespace(prompt_ids=p, token_ids=c) for p, c in zip(prompts, completions.tolist())]
         return print_table(scoring_rows(model, sequences, args), f"{title}: the trainer's forward and backward")
@@ -998,6 +1084,597 @@ def main():
             args.batches = [int(b) for b in args.transformers_batches.split(",")]
         rows += transformers_rows(config, args, device, prompts)
         print_table(rows, title)
+    if args.record:
+        record_decode(args, rows)
+
+
+def record_decode(args, rows: list[dict]) -> None:
+    """--record: moemesh's ms/token and tokens/s at each batch (as shipped), beside transformers'
+    where it ran at that batch."""
+    theirs = {row["batch"]: row["_ms"] for row in rows if row["side"].startswith("transformers")}
+    for row in rows:
+        if row["side"] != "moemesh":
+            continue
+        batch, peer = row["batch"], theirs.get(row["batch"])
+        at, name = {**model_at(args), "batch": batch}, "" if peer is None else "transformers"
+        record("decode ms/token", at, row["_ms"], "ms", name, peer)
+        record("decode tokens/s", at, batch * 1e3 / row["_ms"], "tokens/s", name, peer and batch * 1e3 / peer)
+
+
+# ---- --offline -------------------------------------------------------------------------------------------
+
+
+def workload(config, args) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(0)
+    low, high = args.prompt_lens
+    lengths = torch.randint(low, high + 1, (args.prompts,), generator=generator).tolist()
+    return [torch.randint(1, config.vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+
+def run_scheduler(engine, tokenizer, prompts, params) -> tuple[float, Scheduler, list]:
+    """The prompts through a scheduler of `engine`, all submitted at once: (seconds, the scheduler,
+    the sequences)."""
+    scheduler = Scheduler(engine, tokenizer, max_waiting=len(prompts))
+    seconds, sequences = timed(lambda: ([scheduler.submit(p, params) for p in prompts], scheduler.run_until_idle())[0])
+    return seconds, scheduler, sequences
+
+
+def offline_rows(model, args, prompts, tokenizer) -> list[dict]:
+    """The workload on the default engine; with --batch-invariant on one in that mode as well,
+    its warm seconds against the default's."""
+    rows = engine_offline_rows(model, args, prompts, tokenizer, "moemesh")
+    if args.batch_invariant:
+        graphs = {"on": True, "off": False}.get(args.invariant_graphs)  # auto: the engine's default
+        mode = engine_offline_rows(
+            model, args, prompts, tokenizer, "batch-invariant", batch_invariant=True, cuda_graphs=graphs
+        )
+        mode[1]["vs default"] = f"{float(mode[1]['seconds']) / float(rows[1]['seconds']):.2f}×"
+        rows += mode
+    return rows
+
+
+def workload_row(side: str, prompts: list[list[int]], out: int, seconds: float) -> dict:
+    """The workload table's row of one side's run: `out` tokens made in `seconds`."""
+    return {
+        "side": side,
+        "prompts": len(prompts),
+        "prompt tokens": sum(map(len, prompts)),
+        "output tokens": out,
+        "seconds": f"{seconds:.2f}",
+        "output tok/s": f"{out / seconds:,.0f}",
+        "_tps": out / seconds,
+    }
+
+
+def engine_offline_rows(model, args, prompts, tokenizer, side: str, **engine_options) -> list[dict]:
+    params = SamplingParams(max_tokens=args.new_tokens)
+    engine = make_engine(model, args, max(map(len, prompts)) + args.new_tokens + 1, **engine_options)
+    warm_up_s = engine.warm_up()
+    rows = []
+    for name in (f"{side}, cold", f"{side}, warm"):
+        seconds, scheduler, sequences = run_scheduler(engine, tokenizer, prompts, params)
+        out = sum(len(s.token_ids) for s in sequences)
+        rows.append(
+            workload_row(name, prompts, out, seconds)
+            | {"steps": sum(scheduler.decode_batches.values()), "preemptions": scheduler.preemptions}
+        )
+    rows[0]["seconds"] += f" (+{warm_up_s:.1f} s warm-up)"
+    if args.check:
+        checked = min(args.check, len(prompts))
+        same_tokens = same_sequences = total = 0
+        for prompt, sequence in zip(prompts[: args.check], sequences):
+            alone = generate(engine, tokenizer, [prompt], params)[0].token_ids
+            total += len(alone)
+            same_tokens += next((i for i, (a, b) in enumerate(zip(alone, sequence.token_ids)) if a != b), len(alone))
+            same_sequences += alone == sequence.token_ids
+        rows[1]["same as alone"] = f"{same_sequences}/{checked} requests, {same_tokens / total:.0%} of tokens"
+    rows[1]["blocks"] = f"{engine.cache.num_blocks} of {engine.block_size} ({engine.capacity:,} tokens)"
+    del engine
+    free()
+    return rows
+
+
+def make_engine(model, args, max_len: int, tokens: int | None = None, **options) -> DecodeEngine:
+    """The offline table's engine sizes its cache from free memory, as `serve` does; the others
+    hold `tokens` (sizing from memory again would count what the allocator still caches)."""
+    return DecodeEngine(
+        model,
+        max_batch=args.max_batch,
+        max_len=max_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        packed_graph_tokens=args.packed_graph_tokens,
+        block_size=args.block_size,
+        num_blocks=None if tokens is None else 2 + math.ceil(tokens / args.block_size) + args.max_batch,
+        gpu_memory_fraction=args.gpu_memory_fraction,
+        **options,
+    )
+
+
+def prefill_rows(model, args, config) -> list[dict]:
+    """One long prompt, then --prefill-len tokens of short prompts, each in one packed step."""
+    engine = make_engine(model, args, args.prefill_len + 1, tokens=2 * args.prefill_len)
+    engine.max_num_batched_tokens = args.prefill_len
+    generator = torch.Generator().manual_seed(1)
+    rows = []
+    short = max(1, min(args.short_len, args.prefill_len))
+    for name, count, length in (
+        ("one prompt", 1, args.prefill_len),
+        ("short prompts", args.prefill_len // short, short),
+    ):
+        count = min(count, engine.max_batch)
+        prompts = [torch.randint(1, config.vocab_size, (length,), generator=generator).tolist() for _ in range(count)]
+        held = []
+        for row in range(count):
+            blocks = engine.blocks.allocate(math.ceil(length / engine.block_size))
+            engine.set_blocks(row, blocks)
+            held += blocks
+        chunks = [Chunk(row, prompt, 0) for row, prompt in enumerate(prompts)]
+        engine.step(chunks)  # warm-up: compiles this step's kernels
+        times = [timed(lambda: engine.step(chunks))[0] for _ in range(args.repeat)]
+        engine.blocks.release(held)
+        seconds = statistics.median(times)
+        rows.append(
+            {
+                "prefill": f"{name}: {count} × {length}",
+                "ms": f"{seconds * 1e3:.1f}",
+                "tokens/s": f"{count * length / seconds:,.0f}",
+                "_at": {"prompt": length, "prompts": count},
+                "_tps": count * length / seconds,
+            }
+        )
+    return rows  # the engine is freed by the caller's free()
+
+
+def packed_profile_rows(model, args, config) -> list[dict]:
+    """One packed step profiled: wall, GPU busy, kernels, synchronisations, top kernels. Of
+    --profile-step new tokens after a cached 1,024-token prefix (a prefix reuse follower's step),
+    or, with --profile-prompts K, of K new prompts sharing those tokens beside
+    --profile-decodes decoding sequences 640 tokens in (a loaded server's prefill round)."""
+    import gzip
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from bench.harness import busy_intervals, interval_length, profiled_kernels
+
+    new, prompts, decodes = args.profile_step, args.profile_prompts, args.profile_decodes
+    prefix = 640 if prompts else 1024
+    engine = make_engine(model, args, prefix + new + 1, tokens=2 * (prefix + new) + decodes * (prefix + 1))
+    ids = torch.randint(1, config.vocab_size, (prefix + new,)).tolist()
+    blocks = []
+
+    def hold(row: int, entries: int) -> None:
+        blocks.extend(held := engine.blocks.allocate(math.ceil(entries / engine.block_size)))
+        engine.set_blocks(row, held)
+
+    if not prompts:
+        hold(0, prefix + new)
+        engine.step([Chunk(0, ids[:prefix], 0, False)])
+        chunk = [Chunk(0, ids[prefix:], prefix, True)]
+        what = f"step of {new} tokens after {prefix} cached"
+    else:
+        length = new // prompts
+        chunk = []
+        for row in range(prompts):
+            hold(row, length)
+            chunk.append(Chunk(row, ids[row : row + length], 0, True))
+        for row in range(prompts, prompts + decodes):  # the decoding sequences, their caches filled
+            hold(row, prefix + 1)
+            engine.step([Chunk(row, ids[:prefix], 0, False)])
+            chunk.append(Chunk(row, [ids[row]], prefix, True))
+        what = f"step of {prompts} prompts of {length} tokens and {decodes} decode tokens"
+    for _ in range(3):
+        engine.step(chunk)  # warm-up
+    wall = statistics.median(timed(lambda: engine.step(chunk))[0] for _ in range(5))
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json.gz"
+        kernels = profiled_kernels(lambda: engine.step(chunk), trace, host=True)
+        events = json.loads(gzip.open(trace, "rt").read())["traceEvents"]
+    runtime: dict[str, int] = {}
+    for e in events:
+        if e.get("cat") == "cuda_runtime" and ("Synchronize" in e["name"] or "Memcpy" in e["name"]):
+            runtime[e["name"]] = runtime.get(e["name"], 0) + 1
+    busy = interval_length(busy_intervals(kernels))
+    if args.host_profile:  # where the host's time goes: Python's profiler over 10 steps
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.runcall(lambda: [engine.step(chunk) for _ in range(10)])
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(args.host_profile)
+    engine.blocks.release(blocks)
+    rows = [
+        {
+            "what": what,
+            "wall ms": f"{wall * 1e3:.1f}",
+            "GPU busy ms": f"{busy / 1e3:.1f}",
+            "kernels": len(kernels),
+            "syncs and copies": ", ".join(f"{n} ×{c}" for n, c in sorted(runtime.items())),
+        }
+    ]
+    rows += [
+        {"what": name, "GPU busy ms": f"{t / 1e3:.2f}", "kernels": c} for name, t, c in kernels_by_name(kernels)[:24]
+    ]
+    return rows
+
+
+def first_token(scheduler: Scheduler, request: list[int]) -> tuple[float, int]:
+    """(seconds from submitting the request to its first token, its prompt tokens found cached)."""
+    first, cached = [], scheduler.cached_tokens
+    sync()
+    start = time.perf_counter()
+    scheduler.submit(request, SamplingParams(max_tokens=1), lambda s, text: first.append(time.perf_counter()))
+    scheduler.run_until_idle()
+    return first[0] - start, scheduler.cached_tokens - cached
+
+
+def prefix_rows(model, args, config, tokenizer) -> list[dict]:
+    """Time to first token (submit to the first sampled token, one scheduler throughout): a request
+    of a new --prefix-len prefix and a 64-token suffix, then requests of the same prefix and other
+    suffixes, one at a time; again with prefix caching off."""
+    generator = torch.Generator().manual_seed(2)
+    prefix = torch.randint(1, config.vocab_size, (args.prefix_len,), generator=generator).tolist()
+    suffix = max(1, min(64, args.prefix_len // 4))
+    rows = []
+    for caching in (True, False):
+        engine = make_engine(model, args, args.prefix_len + suffix + 2, tokens=8 * (args.prefix_len + suffix + 2))
+        engine.blocks.prefix_caching = caching
+        scheduler = Scheduler(engine, tokenizer, max_waiting=4)
+        for _ in range(2):  # warm-up: the kernels of steps of both sizes (unrelated prompts)
+            first_token(scheduler, torch.randint(1, config.vocab_size, (args.prefix_len + suffix,)).tolist())
+            first_token(scheduler, torch.randint(1, config.vocab_size, (suffix,)).tolist())
+        suffixes = [torch.randint(1, config.vocab_size, (suffix,), generator=generator) for _ in range(1 + args.repeat)]
+        ttft = [first_token(scheduler, prefix + s.tolist()) for s in suffixes]
+        followers = statistics.median(s for s, _ in ttft[1:])
+        rows.append(
+            {
+                "prefix caching": "on" if caching else "off",
+                "request": f"{args.prefix_len} shared + {suffix}",
+                "first TTFT ms": f"{ttft[0][0] * 1e3:.1f}",
+                "followers' TTFT ms (median)": f"{followers * 1e3:.1f}",
+                "followers / first": f"{followers / ttft[0][0]:.0%}",
+                "cached tokens per follower": ttft[-1][1],
+                "_at": {"prefix": args.prefix_len, "suffix": suffix},
+                "_ms": (followers * 1e3, ttft[0][0] * 1e3),
+            }
+        )
+        del engine, scheduler
+        free()
+    return rows
+
+
+def generate_batch_rows(config, args, device, prompts) -> list[dict]:
+    from transformers import GenerationConfig
+
+    model, title = transformers_model(config, device)
+    model.eval()
+    generation = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        model.generate_batch(inputs=prompts[:4], generation_config=generation, progress_bar=False)  # warm-up
+        seconds, results = timed(
+            lambda: model.generate_batch(inputs=prompts, generation_config=generation, progress_bar=False)
+        )
+    out = sum(len(r.generated_tokens) for r in results.values())
+    return [workload_row(f"{title}, generate_batch", prompts, out, seconds)]
+
+
+def workload_arguments(
+    parser: argparse.ArgumentParser, prompts: int, lengths: str, new_tokens: int, max_batch: int, step_tokens: int
+) -> None:
+    """The options of a workload of random prompts (`workload`) and of its engine, with these defaults."""
+    add_model_arguments(parser, layers=6)
+    parser.add_argument("--prompts", type=int, default=prompts)
+    parser.add_argument("--prompt-lens", default=lengths, help="lowest,highest prompt length")
+    parser.add_argument("--new-tokens", type=int, default=new_tokens)
+    parser.add_argument("--max-batch", type=int, default=max_batch)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=step_tokens)
+    parser.add_argument("--block-size", type=int, default=16)
+
+
+def offline_arguments(parser: argparse.ArgumentParser) -> None:
+    workload_arguments(parser, prompts=64, lengths="128,1024", new_tokens=128, max_batch=128, step_tokens=8192)
+    parser.add_argument("--packed-graph-tokens", type=int, help="the engine's (default its own; 0: packed steps eager)")
+    parser.add_argument("--gpu-memory-fraction", type=float, default=0.9)
+    parser.add_argument("--check", type=int, default=8, help="requests compared with their prompt generated alone")
+    parser.add_argument(
+        "--prefill-len", type=int, default=4096, help="tokens of the prefill table's steps (0: no table)"
+    )
+    parser.add_argument("--short-len", type=int, default=256, help="length of the prefill table's short prompts")
+    parser.add_argument("--prefix-len", type=int, default=1024, help="shared prefix of the prefix table (0: no table)")
+    parser.add_argument("--profile-step", type=int, default=0, help="profile a step of N tokens after a cached prefix")
+    parser.add_argument(
+        "--profile-prompts", type=int, default=0, help="with --profile-step: new prompts in the step (0: a follower)"
+    )
+    parser.add_argument("--profile-decodes", type=int, default=0, help="with --profile-prompts: decode tokens beside")
+    parser.add_argument("--host-profile", type=int, default=0, help="with --profile-step: N costliest functions")
+    parser.add_argument(
+        "--workload", action=argparse.BooleanOptionalAction, default=True, help="the offline workload's table"
+    )
+    parser.add_argument("--no-offline", dest="workload", action="store_false", help="--no-workload's older name")
+    parser.add_argument("--repeat", type=int, default=3, help="timed repetitions of the prefill and prefix tables")
+    parser.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        help="moemesh's weights (default bf16 on a GPU): float32 "
+        "shows whether a disagreement with the prompt alone is bf16's rounding",
+    )
+    parser.add_argument(
+        "--batch-invariant", action="store_true", help="the offline workload also in batch-invariant mode, its ratio"
+    )
+    parser.add_argument(
+        "--invariant-graphs", choices=["auto", "on", "off"], default="auto", help="that engine's CUDA graphs"
+    )
+    parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--no-moemesh", action="store_true", help="transformers alone (a run of its own for 48 layers)")
+    parser.add_argument("--transformers-prompts", type=int, help="transformers' prompts: the first N (default all)")
+    add_record_flag(parser)
+
+
+def offline(args, parser: argparse.ArgumentParser) -> None:
+    args.prompt_lens = [int(n) for n in args.prompt_lens.split(",")]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = bench_model_config(args)
+    longest = max(
+        args.prompt_lens[1] + args.new_tokens + 1, args.prefill_len + 1, args.prefix_len + 66, 1026 + args.profile_step
+    )
+    config = config.replace(
+        max_position_embeddings=max(config.max_position_embeddings, longest), output_router_logits=False
+    )
+    tokenizer = ByteTokenizer()  # never decodes real text here: the ids are random
+    tokenizer.eos_id = None  # no early stop: every request makes --new-tokens tokens
+    prompts = workload(config, args)
+    torch.manual_seed(0)
+    title = (
+        f"{config.num_hidden_layers} layers, {str(dtype)[6:]}, greedy, {where(device)}, "
+        f"max batch {args.max_batch}, {args.max_num_batched_tokens} tokens a step, blocks of {args.block_size}"
+    )
+    offline_title = (
+        f"offline: {args.prompts} prompts of {args.prompt_lens[0]}-{args.prompt_lens[1]} tokens, "
+        f"{args.new_tokens} new tokens each; {title}"
+    )
+    rows, prefill, prefix = [], [], []
+    if not args.no_moemesh:
+        model = moemesh_model(config, device, dtype)
+        if args.workload:
+            rows = offline_rows(model, args, prompts, tokenizer)
+            print_table(rows, offline_title)  # printed at once: a later table may run out of time or memory
+        if args.prefill_len:
+            prefill = prefill_rows(model, args, config)
+            print_table(prefill, f"prefill, one packed step; {title}")
+            free()
+        if args.prefix_len:
+            prefix = prefix_rows(model, args, config, tokenizer)
+            print_table(prefix, f"prefix reuse; {title}")
+        if args.profile_step and device.type == "cuda":
+            print_table(packed_profile_rows(model, args, config), f"one packed step, profiled; {title}")
+        del model
+        free()
+    if not args.no_transformers:
+        sync()
+        rows += generate_batch_rows(config, args, device, prompts[: args.transformers_prompts])
+        print_table(rows, offline_title)
+    if args.record:
+        record_offline(args, rows, prefill, prefix)
+
+
+def record_offline(args, rows: list[dict], prefill: list[dict], prefix: list[dict]) -> None:
+    """--record: the workload's warm output tokens/s beside transformers' generate_batch (where it
+    ran), the prefill table's tokens/s and the prefix-cached first token's time."""
+    model = model_at(args)
+    peer = next((row["_tps"] for row in rows if row["side"].startswith("transformers")), None)
+    name = "" if peer is None else "transformers generate_batch"
+    for row in rows:
+        side, warm = row["side"].rsplit(", ", 1) if ", " in row["side"] else (row["side"], "")
+        if warm != "warm":
+            continue
+        at = {**model, "prompts": row["prompts"]}
+        if side == "moemesh":
+            record("offline tokens/s", at, row["_tps"], "tokens/s", name, peer)
+        else:  # the engine in batch-invariant mode
+            record("offline tokens/s", {**at, "mode": side}, row["_tps"], "tokens/s")
+    for row in prefill:
+        record("prefill tokens/s", {**model, **row["_at"]}, row["_tps"], "tokens/s")
+    for row in prefix[:1]:  # prefix caching on
+        followers, first = row["_ms"]
+        record("prefix-cached TTFT ms", {**model, **row["_at"]}, followers, "ms", "first request (uncached)", first)
+
+
+# ---- --round-cost ------------------------------------------------------------------------------------------
+
+
+BLOCK_SIZE = 16
+
+
+def rounds(args) -> dict[str, tuple[int, int]]:
+    """name -> (decode tokens, prompts)"""
+    named = {f"{args.decode} decode tokens": (args.decode, 0)}
+    for prompts in range(1, 5):
+        some = f"{prompts} prompt{'s' * (prompts > 1)}"
+        named[some] = (0, prompts)
+        named[f"{args.decode} decode + {some}"] = (args.decode, prompts)
+    return named
+
+
+def round_rows(model, args) -> list[dict]:
+    length, context, rows = args.prompt_len, args.context, args.decode + 4
+    entries, tokens = max(length, context) + 1, args.decode + 4 * length  # a row's; the largest step's
+    blocks = math.ceil(entries / BLOCK_SIZE)
+    engine = DecodeEngine(
+        model,
+        max_batch=max(rows, 8),
+        max_len=entries,
+        max_num_batched_tokens=tokens,
+        packed_graph_tokens=tokens,
+        num_blocks=2 + rows * blocks,
+        block_size=BLOCK_SIZE,
+    )
+    for row in range(rows):
+        engine.set_blocks(row, engine.blocks.allocate(blocks))
+    letters = torch.randint(97, 123, (4, length)).tolist()
+    table = []
+    for name, (decode, prompts) in rounds(args).items():
+        chunks = [Chunk(row, [97 + row % 26], context) for row in range(decode)]
+        chunks += [Chunk(args.decode + p, letters[p], 0) for p in range(prompts)]
+        with replays_timed() as replays:
+            engine.step(chunks)  # compiles and captures
+            replays.clear()
+            ms = statistics.median(timed(lambda: engine.step(chunks))[0] for _ in range(args.repeat)) * 1e3
+        row = {"round": name, "tokens": decode + prompts * length, "ms": f"{ms:.1f}"}
+        if replays:
+            gpu = statistics.median(start.elapsed_time(end) for _, start, end in replays)
+            row |= {"graph's GPU ms": f"{gpu:.1f}", "host ms (GPU idle)": f"{ms - gpu:.2f}"}
+        table.append(row)
+    engine.close()
+    return table
+
+
+def round_cost_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser, layers=48)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--decode", type=int, default=60, help="decoding sequences in a round")
+    parser.add_argument("--context", type=int, default=576, help="the decoding sequences' cached tokens")
+    parser.add_argument("--repeat", type=int, default=9)
+    parser.add_argument(
+        "--selected-expert-rows",
+        help="comma-separated (token, expert) pairs up to which MoE blocks read the chosen experts' weights once "
+        "(models/moe.py's SELECTED_EXPERT_ROWS; beyond, the grouped GEMM), each a table",
+    )
+
+
+def round_cost(args, parser: argparse.ArgumentParser) -> None:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    config = bench_model_config(args)
+    model = moemesh_model(config, device)
+    limits = (
+        [int(n) for n in args.selected_expert_rows.split(",")]
+        if args.selected_expert_rows
+        else [moe.SELECTED_EXPERT_ROWS]
+    )
+    rows = []
+    for routing in ("random weights'", "spread"):
+        if routing == "spread":
+            spread_routing(model)
+        for limit in limits:
+            moe.SELECTED_EXPERT_ROWS = limit  # read when a step is captured: each engine anew
+            rows += [{"routing": routing, "selected expert rows": limit, **row} for row in round_rows(model, args)]
+    print_table(rows, f"one engine step, {config.num_hidden_layers} layers, prompts of {args.prompt_len} tokens")
+
+
+# ---- --preemption ------------------------------------------------------------------------------------------
+
+
+def pool_run(model, prompts: list[list[int]], args, num_blocks: int, max_len: int) -> tuple[dict, list[list[int]]]:
+    """Every request through an engine of `num_blocks` blocks, warm (a first pass of other
+    prompts compiles the kernels and captures the graphs): the scheduler's counters and seconds,
+    each request's tokens, the cache's bytes a token, and the seconds a prompt token costs when
+    the same engine prefills the prompts alone."""
+    engine = DecodeEngine(
+        model,
+        max_batch=args.max_batch,
+        max_len=max_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        num_blocks=num_blocks,
+    )
+
+    def salted(salt: int) -> list[list[int]]:  # other prompts: nothing of one pass is cached for another
+        return [[(t + salt) % model.config.vocab_size or 1 for t in p] for p in prompts]
+
+    _pass(engine, salted(1), args.new_tokens)  # warm-up: kernels compiled, graphs captured
+    counters, outputs = _pass(engine, salted(0), args.new_tokens)
+    counters["bytes a token"] = engine.cache.bytes_per_block() // args.block_size
+    prefill, _ = _pass(engine, salted(2), 1)  # the prompts alone: what a token's recomputation costs
+    counters["prefill s a token"] = prefill["seconds"] / prefill["admitted"]
+    del engine
+    free()
+    return counters, outputs
+
+
+def _pass(engine: DecodeEngine, prompts: list[list[int]], new_tokens: int) -> tuple[dict, list[list[int]]]:
+    """Every prompt continued by `new_tokens` tokens: the scheduler's counters, the seconds, the tokens."""
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
+    seconds, scheduler, sequences = run_scheduler(engine, ByteTokenizer(), prompts, params)
+    counters = {
+        "preemptions": scheduler.preemptions,
+        "admitted": scheduler.prompt_tokens,
+        "cached": scheduler.cached_tokens,
+        "seconds": seconds,
+    }
+    return counters, [s.token_ids for s in sequences]
+
+
+def swap_ms(num_bytes: int, device: torch.device) -> float | None:
+    """Milliseconds to copy `num_bytes` from the device to pinned host memory and back (timed on
+    at most 1 GiB, scaled: the link's rate does not change past that size)."""
+    if device.type != "cuda" or num_bytes == 0:
+        return None
+    size = min(num_bytes, 2**30)
+    on_device = torch.empty(size, dtype=torch.uint8, device=device)
+    on_host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    ms = median_ms(lambda: (on_host.copy_(on_device, non_blocking=True), on_device.copy_(on_host, non_blocking=True)))
+    return ms * num_bytes / size
+
+
+def preemption_arguments(parser: argparse.ArgumentParser) -> None:
+    workload_arguments(parser, prompts=32, lengths="64,256", new_tokens=64, max_batch=32, step_tokens=1024)
+    parser.add_argument("--pools", default="1,0.5,0.25", help="pool sizes, as shares of what all requests hold")
+
+
+def preemption(args, parser: argparse.ArgumentParser) -> None:
+    args.prompt_lens = tuple(int(n) for n in args.prompt_lens.split(","))
+    pools = sorted((float(p) for p in args.pools.split(",")), reverse=True)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    config = bench_model_config(args)
+    model = moemesh_model(config, device)
+    prompts = workload(config, args)
+    max_len = max(map(len, prompts)) + args.new_tokens + 1
+    need = sum(len(p) + args.new_tokens for p in prompts)
+    need_blocks = sum(math.ceil((len(p) + args.new_tokens) / args.block_size) for p in prompts)
+    rows, first = [], None
+    for share in pools:  # + the null block
+        blocks = max(math.ceil(share * need_blocks), math.ceil(max_len / args.block_size)) + 1
+        counters, outputs = pool_run(model, prompts, args, blocks, max_len)
+        first = first or (counters, outputs)
+        readmitted = counters["admitted"] - first[0]["admitted"]
+        found = counters["cached"] - first[0]["cached"]
+        swap_bytes = 2 * readmitted * counters["bytes a token"]
+        swap = swap_ms(swap_bytes, device)
+        rows.append(
+            {
+                "pool": f"{share:g} ({(blocks - 1) * args.block_size:,} tokens)",
+                "preemptions": counters["preemptions"],
+                "re-admitted tokens": f"{readmitted:,}",
+                "found cached": f"{found:,}",
+                "recomputed": f"{readmitted - found:,} ({(readmitted - found) / max(readmitted, 1):.0%})",
+                "swap would copy": f"{swap_bytes / 2**20:,.1f} MiB",
+                "seconds": f"{counters['seconds']:.2f}",
+                "over the largest pool": f"{counters['seconds'] - first[0]['seconds']:+.2f} s",
+                "recomputation, at the prefill rate": f"{(readmitted - found) * counters['prefill s a token']:.2f} s",
+                "swap's copies alone": "" if swap is None else f"{swap / 1e3:.2f} s",
+                "tokens equal the largest pool's": sum(a == b for a, b in zip(outputs, first[1])),
+            }
+        )
+    title = (
+        f"{args.prompts} prompts of {args.prompt_lens[0]}–{args.prompt_lens[1]} tokens ({need:,} tokens at their end), "
+        f"{args.new_tokens} new each, {config.num_hidden_layers} layers, {device.type}"
+    )
+    print_table(rows, f"preemption by recomputation; {title}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    mode = chosen_mode(argv, MODES)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    arguments, run = {
+        None: (decode_arguments, decode),
+        "--offline": (offline_arguments, offline),
+        "--round-cost": (round_cost_arguments, round_cost),
+        "--preemption": (preemption_arguments, preemption),
+    }[mode]
+    arguments(parser)
+    add_modes(parser, MODES)
+    run(parser.parse_args(argv), parser)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """LoRA fine-tuning steps of moemesh beside transformers + PEFT, on the same shapes, in one run on
 one GPU (issue 30): step time, tokens/s, MFU, peak memory, trainable parameters.
 
-    PYTHONPATH=. python3 bench/lora.py [--layers 48] [--seq 4096] [--batch 1] [--rank 16 --alpha 32]
-    PYTHONPATH=. python3 bench/lora.py --hf /models/Qwen3-30B-A3B          (read a real directory)
-    PYTHONPATH=. python3 bench/lora.py --config configs/tiny.toml --seq 64 --steps 2 --warmup 1   (CPU smoke)
-    PYTHONPATH=. python3 bench/lora.py --count-ops [N] [--config configs/tiny.toml --seq 256]   (CPU: kernels a layer)
+    PYTHONPATH=. python3 bench/train/lora.py [--layers 48] [--seq 4096] [--batch 1] [--rank 16 --alpha 32]
+    PYTHONPATH=. python3 bench/train/lora.py --hf /models/Qwen3-30B-A3B          (read a real directory)
+    PYTHONPATH=. python3 bench/train/lora.py --config configs/tiny.toml --seq 64 --steps 2 --warmup 1   (CPU smoke)
+    PYTHONPATH=. python3 bench/train/lora.py --count-ops [N] [--config configs/tiny.toml --seq 256]
+        (CPU: kernels a layer)
 
 Model: Qwen3-30B-A3B's shape (hidden 2048, 128 experts top-8, expert width 768, 32/4 heads of
 128, vocabulary 151,936) cut to --layers layers, with random weights built on the GPU (the device
@@ -25,7 +26,9 @@ Each variant is freed before the next, so that each peak is its own (max allocat
 step: the AdamW state is in it; with --cuda-graph, max reserved: the graph's pool is held
 whole). MFU = tokens/s × FLOPs per token / peak bf16 FLOP/s, FLOPs per token from
 moemesh.train.flops: 4 per frozen active parameter (forward, input gradient), 6 per trained one,
-attention's scores and values; recomputation is not counted (the usual convention).
+attention's scores and values; recomputation is not counted (the usual convention). --record: for
+each adapter set the fastest moemesh row's tokens/s and peak memory, beside transformers + PEFT's,
+to the results file (bench/harness.py's `record`).
 
 --count-ops (CPU, no GPU needed): the kernels that one decoder layer of moemesh's LoRA step
 launches, forward and backward (the recomputation inside), per recompute mode: a proxy for the
@@ -43,7 +46,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import gc
 import os
 import sys
 from unittest import mock
@@ -51,7 +53,18 @@ from unittest import mock
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench.common import median_ms, print_table, qwen3_30b_a3b
+from bench.harness import (
+    add_record_flag,
+    describe_device,
+    free,
+    grouped_mm_experts,
+    median_ms,
+    model_at,
+    print_table,
+    qwen3_30b_a3b,
+    record,
+    transformers_model,
+)
 from moemesh.config import load_config
 from moemesh.models import ModelConfig
 from moemesh.models.build import init_weights, meta_model
@@ -76,12 +89,6 @@ def model_config(args) -> ModelConfig:
     return config.replace(max_position_embeddings=max(config.max_position_embeddings, args.seq))
 
 
-def free() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 # ---- transformers + PEFT -----------------------------------------------------------------------
 
 
@@ -93,23 +100,9 @@ def peft_model(config: ModelConfig, args, experts: bool, device, dtype):
         model = transformers.AutoModelForCausalLM.from_pretrained(
             args.hf, dtype=dtype, device_map=device, attn_implementation="sdpa"
         )
+        grouped_mm_experts(model.config)
     else:
-        hf = transformers.Qwen3MoeConfig(**config.to_hf_dict())
-        hf._attn_implementation = "sdpa"
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)  # initialise in bf16 directly: no fp32 copy of the weights
-        try:
-            with torch.device(device):
-                model = transformers.Qwen3MoeForCausalLM(hf)
-        finally:
-            torch.set_default_dtype(previous)
-    try:  # transformers 5: the experts' grouped_mm implementation
-        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-        if "grouped_mm" in ALL_EXPERTS_FUNCTIONS:
-            model.config._experts_implementation = "grouped_mm"
-    except ImportError:
-        pass
+        model, _ = transformers_model(config, device, dtype)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     banks = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if experts else []
     lora = peft.LoraConfig(r=args.rank, lora_alpha=args.alpha, target_modules=ATTENTION, target_parameters=banks)
@@ -194,11 +187,14 @@ def run_variant(
         "step ms": f"{ms:.0f}",
         "tokens/s": f"{tokens_per_s:,.0f}",
         "MFU": f"{tokens_per_s * flops / peak:.1%}" if peak else "n/a",
-        "peak GiB": f"{peak_gib(device, graphed):.1f}" if device.type == "cuda" else "n/a",
+        "peak GiB": "n/a",
         "trainable": f"{sum(p.numel() for p in trained) / 1e6:.1f}M",
         "loss": f"{losses[-1].float().item():.4f}",
         "_tps": tokens_per_s,
+        "_peak": peak_gib(device, graphed) if device.type == "cuda" else None,
     }
+    if row["_peak"] is not None:
+        row["peak GiB"] = f"{row['_peak']:.1f}"
     return row
 
 
@@ -211,20 +207,13 @@ def peak_gib(device, graphed: bool) -> float:
 
 def print_profile(name: str, targets: str, step, top: int) -> None:
     """One step's GPU kernels, grouped by name: the `top` costliest, and how busy the GPU was."""
-    from bench.common import interval_length, merged, profiled_kernels, timed
+    from bench.harness import busy_intervals, interval_length, kernels_by_name, profiled_kernels, timed
 
     wall, kernels = timed(lambda: profiled_kernels(step))
-    by_name: dict[str, list[float]] = {}
-    for k in kernels:
-        entry = by_name.setdefault(k["name"][:90], [0.0, 0])
-        entry[0] += k["dur"]
-        entry[1] += 1
-    busy = interval_length(merged([(k["ts"], k["ts"] + k["dur"]) for k in kernels]))
-    total = sum(v[0] for v in by_name.values())
-    rows = [
-        {"kernel": n, "ms": f"{t / 1e3:.1f}", "share": f"{t / total:.1%}", "calls": c}
-        for n, (t, c) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
-    ]
+    by_name = kernels_by_name(kernels, width=90)
+    busy = interval_length(busy_intervals(kernels))
+    total = sum(us for _, us, _ in by_name)
+    rows = [{"kernel": n, "ms": f"{t / 1e3:.1f}", "share": f"{t / total:.1%}", "calls": c} for n, t, c in by_name[:top]]
     print_table(
         rows,
         f"{name}, LoRA on {targets}: one profiled step {wall * 1e3:.0f} ms wall, GPU busy {busy / 1e3:.0f} ms, "
@@ -368,6 +357,7 @@ def main():
         metavar="N",
         help="count the aten ops a layer dispatches (CPU; with N, also list the N most called)",
     )
+    add_record_flag(parser)
     args = parser.parse_args()
     args.seq = args.seq or (4096 if args.count_ops is None else 256)
     if args.count_ops is not None:
@@ -402,13 +392,30 @@ def main():
                 r for r in rows if r["LoRA on"] == row["LoRA on"] and r["implementation"].startswith("transformers")
             )
             row["tokens/s vs PEFT"] = f"{row['_tps'] / peer['_tps']:.2f}x"
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     source = args.hf or args.config or f"{args.layers}-layer Qwen3-30B-A3B shape, random weights"
     print(
-        f"device: {gpu}, torch {torch.__version__}; model: {source}; {args.batch}×{args.seq} tokens per step; "
+        f"device: {describe_device(device)}; model: {source}; {args.batch}×{args.seq} tokens per step; "
         f"LoRA r={args.rank} alpha={args.alpha:g}; base {str(dtype).removeprefix('torch.')}, frozen"
     )
-    print_table([{k: v for k, v in row.items() if not k.startswith("_")} for row in rows], "LoRA training step")
+    print_table(rows, "LoRA training step")
+    if args.record:
+        record_rows(args, rows)
+
+
+def record_rows(args, rows: list[dict]) -> None:
+    """--record: for each adapter set, the fastest moemesh row's tokens/s and peak memory beside
+    transformers + PEFT's."""
+    for targets in args.targets.split(","):
+        ours = [r for r in rows if r["LoRA on"] == targets and r["implementation"].startswith("moemesh")]
+        if not ours:
+            continue
+        best = max(ours, key=lambda r: r["_tps"])
+        peer = next((r for r in rows if r["LoRA on"] == targets and r not in ours), None)
+        name = "transformers+peft" if peer else ""
+        at = {**model_at(args), "targets": targets}
+        record("lora tokens/s", at, best["_tps"], "tokens/s", name, peer and peer["_tps"])
+        if best["_peak"] is not None:
+            record("lora peak memory GiB", at, best["_peak"], "GiB", name, peer and peer["_peak"])
 
 
 if __name__ == "__main__":

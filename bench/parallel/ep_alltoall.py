@@ -1,6 +1,6 @@
 """Expert-parallel dispatch + combine against a raw `all_to_all_single` of the same bytes.
 
-    PYTHONPATH=. torchrun --nproc-per-node 2 bench/ep_alltoall.py [--tokens 16384]
+    PYTHONPATH=. torchrun --nproc-per-node 2 bench/parallel/ep_alltoall.py [--tokens 16384]
 
 Qwen3-30B-A3B-shaped routing (H=2048, E=128, top-8, bf16), tokens per rank as given. Times the
 dispatch (split-size exchange, token all-to-all, local expansion) and the combine (weighted
@@ -17,7 +17,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from bench.common import median_ms, print_table
+from bench.harness import describe_device, median_ms, print_table
 from moemesh.models import ModelConfig
 from moemesh.models.moe import Router
 from moemesh.parallel import comm
@@ -72,7 +72,7 @@ def main():
                 vs_raw="1.00x",
             ),
         ]
-        print(f"device: {torch.cuda.get_device_name()} x{world}, torch {torch.__version__}, tokens/rank {args.tokens}")
+        print(f"device: {world}× {describe_device(device)}; tokens/rank {args.tokens}")
         print_table(rows, "EP dispatch + combine vs raw all-to-all (bf16, H=2048, E=128, top-8)")
     dist.destroy_process_group()
 

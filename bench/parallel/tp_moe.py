@@ -7,8 +7,8 @@ reduced at one of two places:
     per-slot   an all-reduce of the [T·k, H] expert outputs before the routing-weight multiply
                (k times the bytes; built here only, by moving the block's reduce)
 
-    PYTHONPATH=. torchrun --nproc-per-node 2 bench/tp_moe.py [--tokens 16384]
-    PYTHONPATH=. torchrun --nproc-per-node 2 bench/tp_moe.py --smoke    (tiny sizes; CPU/gloo too)
+    PYTHONPATH=. torchrun --nproc-per-node 2 bench/parallel/tp_moe.py [--tokens 16384]
+    PYTHONPATH=. torchrun --nproc-per-node 2 bench/parallel/tp_moe.py --smoke    (tiny sizes; CPU/gloo too)
 
 Prints on rank 0 the time and the bytes each rank all-reduces (counted by moemesh.parallel.comm)
 per variant, beside the unsharded block on one device, and each variant's output, input gradient
@@ -26,7 +26,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from bench.common import median_ms, print_table, rel_err
+from bench.harness import describe_device, median_ms, print_table, rel_err
 from moemesh.models import ModelConfig, build
 from moemesh.models.moe import MoEBlock
 from moemesh.parallel import comm
@@ -109,9 +109,8 @@ def main() -> int:
     if mesh.rank("tp") == 0:
         for row in rows:
             row["vs_per_slot"] = f"{rows[2]['ms'] / row.pop('ms'):.2f}x"
-        where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
         print(
-            f"device: {where} x{world}, torch {torch.__version__}, tokens {tokens}, H={config.hidden_size}, "
+            f"device: {world}× {describe_device(device)}; tokens {tokens}, H={config.hidden_size}, "
             f"E={config.num_experts}, top-{config.num_experts_per_tok}, I={config.moe_intermediate_size}"
         )
         print_table(rows, f"MoE block forward+backward under TP={world} (bf16)")

@@ -1,7 +1,8 @@
 """Setting a model up on one GPU, and loading one for generation (issue 18):
 
-    PYTHONPATH=. python3 bench/load.py [--layers 6,48] [--cut auto|N] [--dir /tmp/moemesh-cut]
-    PYTHONPATH=. python3 bench/load.py --device cpu --config configs/tiny.toml --layers 2 --cut 2   (a dry run)
+    PYTHONPATH=. python3 bench/serve/model_load.py [--layers 6,48] [--cut auto|N] [--dir /tmp/moemesh-cut]
+    PYTHONPATH=. python3 bench/serve/model_load.py --device cpu --config configs/tiny.toml --layers 2 --cut 2 \\
+        (a dry run)
 
 1. Build from the seed, bf16, on the GPU: the Qwen3-30B-A3B shape cut to each of `--layers`. moemesh
    makes the model on the meta device and initialises each tensor where it lives
@@ -24,14 +25,14 @@ one's engine takes it (`receive_weights(connection, engine.load_weights)`, timed
 go to the reply: the sender's sharing, the receiver's mapping, the copy, the synchronisation).
 The rows run one after the other, so the GPU holds two models at a time.
 
-    PYTHONPATH=. python3 bench/load.py --hand-over 48 [--ipc]
-    PYTHONPATH=. python3 bench/load.py --device cpu --config configs/tiny.toml --hand-over 2 --ipc   (a dry run)
+    PYTHONPATH=. python3 bench/serve/model_load.py --hand-over 48 [--ipc]
+    PYTHONPATH=. python3 bench/serve/model_load.py --device cpu --config configs/tiny.toml --hand-over 2 --ipc \\
+        (a dry run)
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import shutil
 import time
@@ -41,7 +42,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from bench.common import drop_page_cache, print_table, qwen3_30b_a3b, timed
+from bench.harness import ROOT, device_name, drop_page_cache, free, print_table, qwen3_30b_a3b, timed
 from moemesh.checkpoint.hf import write_pretrained
 from moemesh.config import load_config
 from moemesh.inference.engine import DecodeEngine
@@ -51,7 +52,7 @@ from moemesh.models.weights import receive_weights, send_weights
 from moemesh.parallel.parallelize import materialize
 from moemesh.train.trainer import Trainer
 
-CONFIG = Path(__file__).resolve().parent.parent / "configs" / "qwen3_30b_a3b_6l.toml"
+CONFIG = ROOT / "configs" / "qwen3_30b_a3b_6l.toml"
 DEVICE = "cuda"
 
 
@@ -60,12 +61,6 @@ def resident(field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     return 0
-
-
-def release() -> None:
-    gc.collect()
-    if DEVICE == "cuda":
-        torch.cuda.empty_cache()
 
 
 def build_whole_on_cpu_generators(config, seed: int = 0) -> torch.nn.Module:
@@ -93,13 +88,13 @@ def build_rows(layers: list[int]) -> list[dict]:
             }
         )
         del model
-        release()
+        free()
         if n == min(layers):
             before, model = timed(lambda: build_whole_on_cpu_generators(config))
             rows[-1]["before s"] = f"{before:.2f}"
             rows[-1]["ratio"] = f"{before / seconds:.1f}x"
             del model
-            release()
+            free()
     trainer_config = load_config(CONFIG, [f"train.device={DEVICE}"])
     seconds, trainer = timed(lambda: Trainer(trainer_config, stream=open(os.devnull, "w")))
     rows.append(
@@ -110,7 +105,7 @@ def build_rows(layers: list[int]) -> list[dict]:
         }
     )
     del trainer
-    release()
+    free()
     return rows
 
 
@@ -242,10 +237,10 @@ def main() -> None:
     parser.add_argument("--ipc", action="store_true", help="with --hand-over: also from another process")
     args = parser.parse_args()
     DEVICE, CONFIG = args.device, Path(args.config)
-    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    name = device_name(DEVICE)
     if args.hand_over:
         rows = [hand_over_row(args.hand_over)]
-        release()
+        free()
         if args.ipc:
             rows.append(ipc_hand_over_row(args.hand_over))
         return print_table(rows, f"hand-over on {name}")

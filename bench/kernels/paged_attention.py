@@ -1,10 +1,10 @@
 """The paged-attention kernel (ops/decode_attention.py) alone, on the layouts of a packed step:
 how the tile table's size, the programs that walk it and the splits of the keys cost.
 
-    PYTHONPATH=. python3 bench/paged_attention.py            (a GPU; bf16, Qwen3-30B-A3B's heads)
-    PYTHONPATH=. python3 bench/paged_attention.py --sweep    (the kernel's launch settings, each layout)
-    PYTHONPATH=. python3 bench/paged_attention.py --varlen   (new prompts in PyTorch's flash attention)
-    PYTHONPATH=. python3 bench/paged_attention.py --decode-sweep   (a decode step's launch settings)
+    PYTHONPATH=. python3 bench/kernels/paged_attention.py            (a GPU; bf16, Qwen3-30B-A3B's heads)
+    PYTHONPATH=. python3 bench/kernels/paged_attention.py --sweep    (the kernel's launch settings, each layout)
+    PYTHONPATH=. python3 bench/kernels/paged_attention.py --varlen   (new prompts in PyTorch's flash attention)
+    PYTHONPATH=. python3 bench/kernels/paged_attention.py --decode-sweep   (a decode step's launch settings)
 
 Layouts (blocks of 16, random block tables):
   follower  one chunk of 64 tokens after 1,024 cached (a prefix-cache follower's step): 4 tiles
@@ -46,7 +46,7 @@ import functools
 
 import torch
 
-from bench.common import median_ms, print_table
+from bench.harness import describe_device, median_ms, print_table
 from moemesh.inference.engine import PACKED_BUCKET_STEP
 from moemesh.ops import decode_attention
 
@@ -231,8 +231,7 @@ def varlen(args) -> None:
                     "max |diff|": f"{error:.1e}",
                 }
             )
-    device_name = torch.cuda.get_device_name()
-    title = f"a packed step's prompts: the kernel or flash, one layer, bf16, {device_name}, torch {torch.__version__}"
+    title = f"a packed step's prompts: the kernel or flash, one layer, bf16, {describe_device()}"
     print_table(rows_out, title)
 
 
@@ -283,7 +282,7 @@ def decode_sweep(args) -> None:
                 "max |diff|": f"{fastest[4]:.1e}",
             }
         )
-    title = f"decode-step attention, one layer, bf16, {torch.cuda.get_device_name()}"
+    title = f"decode-step attention, one layer, bf16, {describe_device()}"
     if args.out:
         with open(args.out, "w") as f, contextlib.redirect_stdout(f):
             print_table(every, title)
@@ -325,7 +324,7 @@ def sweep(args) -> None:
                 }
             )
         module.BLOCK_KEYS, module.PACKED_STAGES = defaults[:2]
-    print_table(rows_out, f"paged attention launch settings, one layer, bf16, {torch.cuda.get_device_name()}")
+    print_table(rows_out, f"paged attention launch settings, one layer, bf16, {describe_device()}")
 
 
 def main() -> None:
@@ -375,8 +374,7 @@ def main() -> None:
                         "µs a call": f"{kernel_us(run):.1f}",
                     }
                 )
-    device_name = torch.cuda.get_device_name()
-    print_table(rows_out, f"paged attention, one layer, bf16, {device_name}, torch {torch.__version__}")
+    print_table(rows_out, f"paged attention, one layer, bf16, {describe_device()}")
 
 
 if __name__ == "__main__":

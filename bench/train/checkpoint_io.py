@@ -2,7 +2,7 @@
 every file and directory fsynced, then renamed) against a bare `dcp.save` of the same state, the
 verification of the result, and the throughput of the hashes one could have chosen:
 
-    PYTHONPATH=. python3 bench/checkpoint_io.py [--gb 8] [--dir /local/nvme/tmp] [--drop-caches]
+    PYTHONPATH=. python3 bench/train/checkpoint_io.py [--gb 8] [--dir /local/nvme/tmp] [--drop-caches]
 
 The state is --gb GB of fp32 tensors of 64 MiB (a model's weights and AdamW's two moments are
 such a dict), on the CPU: the figures are those of the file system and the hash, not of a GPU copy.
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from bench.common import drop_page_cache, print_table, timed
+from bench.harness import drop_page_cache, print_table, timed
 from moemesh.checkpoint import integrity
 from moemesh.checkpoint.dcp import save_checkpoint
 from moemesh.models import ModelConfig

@@ -3,15 +3,15 @@ prompt's prefill costs with it: the yardstick of issue 28's time-to-first-token 
 prompt's prefill").
 
 A prompt's grouped GEMMs read the weights of every expert its tokens chose, so their time follows
-the experts touched. bench/serve_load.py's prompts are random letters (26 token ids), the other
+the experts touched. bench/serve/serve_load.py's prompts are random letters (26 token ids), the other
 benches' random ids over the vocabulary. This script counts, per MoE layer, the experts touched by
 one prompt of each kind, by four, by 60 decode tokens (the last tokens of 60 sequences) and by a
 loaded server's round (four prompts and the 60), and times one and four prompts' prefill through
 the engine (one packed step, a CUDA graph); with the random weights' routing and with routing
-spread over the experts as a trained router's is (bench/common.py's `spread_routing`).
+spread over the experts as a trained router's is (bench/harness.py's `spread_routing`).
 
-    PYTHONPATH=. python3 bench/routing_coverage.py --layers 48
-    PYTHONPATH=. python3 bench/routing_coverage.py --config configs/tiny.toml   # CPU smoke check
+    PYTHONPATH=. python3 bench/serve/routing_coverage.py --layers 48
+    PYTHONPATH=. python3 bench/serve/routing_coverage.py --config configs/tiny.toml   # CPU smoke check
 """
 
 from __future__ import annotations
@@ -22,8 +22,15 @@ import statistics
 
 import torch
 
-from bench.common import add_model_arguments, bench_model_config, print_table, routers, spread_routing, timed
-from bench.serve_offline import moemesh_model
+from bench.harness import (
+    add_model_arguments,
+    bench_model_config,
+    moemesh_model,
+    print_table,
+    routers,
+    spread_routing,
+    timed,
+)
 from moemesh.inference.engine import Chunk, DecodeEngine
 
 LETTERS = list(range(97, 123))  # the byte tokenizer's ids of a-z
@@ -112,9 +119,9 @@ def main():
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config = bench_model_config(args)
-    model = moemesh_model(config, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model = moemesh_model(config, device)
     rows = []
-    for routing in ("random weights'", "spread (bench/common.py)"):
+    for routing in ("random weights'", "spread (bench/harness.py)"):
         if routing != "random weights'":
             spread_routing(model)
         for kind in ("letters", "vocabulary"):

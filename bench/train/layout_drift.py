@@ -1,8 +1,8 @@
 """How far each parallel layout's loss curve strays from one process's over a whole run, beside
 the noise floor, and whether the step itself is the same:
 
-    PYTHONPATH=. python3 bench/layout_drift.py                       (configs/tiny.toml, 60 steps, CPU)
-    PYTHONPATH=. python3 bench/layout_drift.py --steps 60 --layouts "dp_replicate=2;ep=2;tp=2;dp_shard=2" \\
+    PYTHONPATH=. python3 bench/train/layout_drift.py                       (configs/tiny.toml, 60 steps, CPU)
+    PYTHONPATH=. python3 bench/train/layout_drift.py --steps 60 --layouts "dp_replicate=2;ep=2;tp=2;dp_shard=2" \\
         --plot docs/img/layout_drift.png
 
 Every run is `moemesh train` with one thread per process (torchrun for a layout), from the same
@@ -26,9 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import print_table
-
-ROOT = Path(__file__).resolve().parent.parent
+from bench.harness import ROOT, print_table
 
 
 def launcher(layout: str) -> list[str]:

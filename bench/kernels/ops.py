@@ -1,16 +1,16 @@
 """Benchmark moemesh's Triton kernels against plain PyTorch, side by side, on one GPU.
 
-    PYTHONPATH=. python3 bench/kernels.py            # H100/H200, bf16, well under 3 minutes
-    PYTHONPATH=. python3 bench/kernels.py --smoke    # tiny sizes on CPU under TRITON_INTERPRET=1:
-                                                     # checks the script runs; timings meaningless
-    PYTHONPATH=. python3 bench/kernels.py --invariant-tiles   # only: batch-invariant matmul tiles
-    PYTHONPATH=. python3 bench/kernels.py --invariant-tiles --picked-tiles   # only the picked ones
-    PYTHONPATH=. python3 bench/kernels.py --expert-tiles      # only: decoding's per-expert kernel's tiles
-    PYTHONPATH=. python3 bench/kernels.py --launches          # only: what a launch costs the host
-    PYTHONPATH=. python3 bench/kernels.py --invariant-attention   # only: batch-invariant attention's tiles
-    PYTHONPATH=. python3 bench/kernels.py --gemv-tiles        # only: decoding's projections (ops/gemv.py)
-    PYTHONPATH=. python3 bench/kernels.py --selected-tiles    # only: batch-invariant decode's experts
-    PYTHONPATH=. python3 bench/kernels.py --grid-barrier      # only: a dependent launch against a grid barrier
+    PYTHONPATH=. python3 bench/kernels/ops.py            # H100/H200, bf16, well under 3 minutes
+    PYTHONPATH=. python3 bench/kernels/ops.py --smoke    # tiny sizes on CPU under TRITON_INTERPRET=1:
+                                                         # checks the script runs; timings meaningless
+    PYTHONPATH=. python3 bench/kernels/ops.py --invariant-tiles   # only: batch-invariant matmul tiles
+    PYTHONPATH=. python3 bench/kernels/ops.py --invariant-tiles --picked-tiles   # only the picked ones
+    PYTHONPATH=. python3 bench/kernels/ops.py --expert-tiles      # only: decoding's per-expert kernel's tiles
+    PYTHONPATH=. python3 bench/kernels/ops.py --launches          # only: what a launch costs the host
+    PYTHONPATH=. python3 bench/kernels/ops.py --invariant-attention   # only: batch-invariant attention's tiles
+    PYTHONPATH=. python3 bench/kernels/ops.py --gemv-tiles        # only: decoding's projections (ops/gemv.py)
+    PYTHONPATH=. python3 bench/kernels/ops.py --selected-tiles    # only: batch-invariant decode's experts
+    PYTHONPATH=. python3 bench/kernels/ops.py --grid-barrier      # only: a dependent launch against a grid barrier
 
 Prints: effective bandwidth of permute / combine / swiglu (forward and backward) as a fraction of
 a measured device copy, against the plain PyTorch index path; expert_gemv (decoding's MoE path,
@@ -19,9 +19,11 @@ experts, at 1, 4, 16 and 64 tokens; linear_cross_entropy against
 F.cross_entropy on full fp32 logits (time and peak memory); bf16-vs-fp32-reference errors for every
 op, including one problem whose N*H passes 2**31. Times are medians of triton.testing.do_bench.
 Writes nothing, except, when $OUT is set, the printed report to $OUT/kernels.txt (Triton's compile
-cache goes to a folder under $OUT, removed at exit).
+cache goes to a folder under $OUT, removed at exit), and with --record the headline table's times to
+the results file (bench/harness.py's `record`).
 """
 
+import argparse
 import functools
 import os
 import shutil
@@ -41,6 +43,7 @@ if OUT and "TRITON_CACHE_DIR" not in os.environ:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench.harness import add_record_flag, describe_device, record, rel_err  # noqa: E402
 from moemesh.ops import combine, linear_cross_entropy, permute, swiglu  # noqa: E402
 from moemesh.ops.backend import dependent_launch, tl, triton, wait_for_inputs  # noqa: E402
 from moemesh.ops.combine import _Combine, combine_reference  # noqa: E402
@@ -62,6 +65,7 @@ if SMOKE:
     SIZES = dict(tokens=64, k=2, hidden=130, experts=8, inner=40, vocab=500, copy_bytes=2**20)
 BF16_TOLERANCE = 1e-2  # bf16 keeps 8 mantissa bits: ~4e-3 relative per rounding, a few roundings
 LINES = []
+FIGURES = []  # the headline table's figures, for --record: (figure, at, value, unit, peer, peer_value)
 
 
 def report(line=""):
@@ -96,10 +100,6 @@ def peak_mib(fn):
     fn()
     sync()
     return (torch.cuda.max_memory_allocated() - base) / 2**20
-
-
-def rel_err(actual, expected):
-    return ((actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)).item()
 
 
 def backward(out, inputs, grad):
@@ -178,6 +178,8 @@ def bandwidth_rows(copy_gbps):
                 cells[phase].append((ms, f"{ms:>9.3f}{gbps:>7.0f}{gbps / copy_gbps:>7.0%}{peak:>7.0f}"))
         for phase, ((ours_ms, ours_cell), (plain_ms, plain_cell)) in cells.items():
             report(f"{name + ' ' + phase:<13}{ours_cell}{plain_cell}{plain_ms / ours_ms:>8.2f}x")
+            at = {"op": name, "pass": phase, "tokens": tokens}
+            FIGURES.append(("kernel ms", at, ours_ms, "ms", "torch index path", plain_ms))
     index_ms = bench_ms(lambda: routing_layout(x, topk_ids, experts, 1))
     report(f"permute's index math (torch: sort, searchsorted, one host sync): {index_ms:.3f} ms")
 
@@ -209,6 +211,7 @@ def expert_gemv_rows(copy_gbps):
             f"{tokens:>6}{int(ids.unique().numel()):>8}{gemv:>9.3f}{gbps:>7.0f}{gbps / copy_gbps:>7.0%}"
             f"{gather:>11.3f}{grouped:>11.3f}{err:>9.1e}"
         )
+        FIGURES.append(("kernel ms", {"op": "expert_gemv", "tokens": tokens}, gemv, "ms", "gather+bmm", gather))
 
 
 def linear_cross_entropy_rows():
@@ -235,6 +238,10 @@ def linear_cross_entropy_rows():
         report(f"{name:<28}{ms:>9.2f}{gib:>10.2f}")
     (ours_ms, ours_gib), (plain_ms, plain_gib) = results.values()
     report(f"{'ratio torch / moemesh':<28}{plain_ms / ours_ms:>8.2f}x{plain_gib / ours_gib:>9.2f}x")
+    at, peer = {"op": "linear_cross_entropy", "pass": "fwd+bwd", "tokens": tokens}, "F.cross_entropy fp32 logits"
+    FIGURES.append(("kernel ms", at, ours_ms, "ms", peer, plain_ms))
+    if not SMOKE:  # no peak memory on a CPU
+        FIGURES.append(("kernel peak memory GiB", at, ours_gib, "GiB", peer, plain_gib))
 
 
 def correctness_rows():
@@ -787,7 +794,7 @@ DECODE_ATTENTION_CONFIGS = [(4, 2, 64), (4, 3, 64), (8, 3, 64), (4, 2, 128), (4,
 
 
 def decode_attention_rows(heads, kv_heads, dim):
-    """A decode step's batch-invariant attention (`bench/decode.py --batch-invariant`'s batch 64 at
+    """A decode step's batch-invariant attention (`bench/serve/decode.py --batch-invariant`'s batch 64 at
     288 tokens): each sequence's last token over its keys (the engine's tile of one token), with
     other warps, stages and keys a block than the engine's; µs, and whether every query's output
     has the bits of the first config with its keys a block (64: the shipped launch's)."""
@@ -937,35 +944,45 @@ def launch_rows() -> None:
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU under TRITON_INTERPRET=1")
+    only = parser.add_mutually_exclusive_group()
+    for flag, what in (
+        ("--invariant-tiles", "batch-invariant matmul tiles"),
+        ("--expert-tiles", "decoding's per-expert kernel's tiles"),
+        ("--launches", "what a launch costs the host"),
+        ("--invariant-attention", "batch-invariant attention's tiles"),
+        ("--gemv-tiles", "decoding's projections (ops/gemv.py)"),
+        ("--selected-tiles", "batch-invariant decode's experts"),
+        ("--grid-barrier", "a dependent launch against a grid barrier"),
+    ):
+        only.add_argument(flag, action="store_true", help=f"only: {what}")
+    parser.add_argument("--picked-tiles", action="store_true", help="with --invariant-tiles: only the picked ones")
+    add_record_flag(parser)
+    args = parser.parse_args()
     if not SMOKE and not torch.cuda.is_available():
-        sys.exit("bench/kernels.py needs a CUDA GPU (or --smoke for a CPU dry run)")
+        sys.exit("bench/kernels/ops.py needs a CUDA GPU (or --smoke for a CPU dry run)")
     torch.manual_seed(0)
-    device_name = "CPU smoke run (timings meaningless)" if SMOKE else torch.cuda.get_device_name()
-    import triton
-
-    report(f"moemesh kernel benchmark on {device_name}; torch {torch.__version__}, triton {triton.__version__}")
-    if "--invariant-tiles" in sys.argv:
-        invariant_tile_rows()
-        return 0
-    if "--launches" in sys.argv:
-        launch_rows()
-        return 0
-    if "--grid-barrier" in sys.argv:
-        grid_barrier_rows()
-        return 0
-    if "--invariant-attention" in sys.argv:
-        invariant_attention_rows()
-        return 0
+    smoke = " (CPU smoke run: timings meaningless)" if SMOKE else ""
+    report(f"moemesh kernel benchmark on {describe_device(DEVICE)}{smoke}")
+    for only, rows in (
+        (args.invariant_tiles, invariant_tile_rows),
+        (args.launches, launch_rows),
+        (args.grid_barrier, grid_barrier_rows),
+        (args.invariant_attention, invariant_attention_rows),
+    ):
+        if only:
+            rows()
+            return 0
     copy_gbps = copy_bandwidth()
-    if "--expert-tiles" in sys.argv:
-        expert_tile_rows(copy_gbps)
-        return 0
-    if "--gemv-tiles" in sys.argv:
-        gemv_tile_rows(copy_gbps)
-        return 0
-    if "--selected-tiles" in sys.argv:
-        selected_tile_rows(copy_gbps)
-        return 0
+    for only, rows in (
+        (args.expert_tiles, expert_tile_rows),
+        (args.gemv_tiles, gemv_tile_rows),
+        (args.selected_tiles, selected_tile_rows),
+    ):
+        if only:
+            rows(copy_gbps)
+            return 0
     report(f"device copy bandwidth (dst.copy_(src), {SIZES['copy_bytes'] / 2**20:.0f} MiB): {copy_gbps:.0f} GB/s")
     report()
     bandwidth_rows(copy_gbps)
@@ -975,7 +992,10 @@ def main():
     linear_cross_entropy_rows()
     report()
     all_ok = correctness_rows()
-    report("(the whole MoE layer against transformers: bench/moe_layer.py)")
+    report("(the whole MoE layer against transformers: bench/kernels/moe_layer.py)")
+    if args.record:
+        for figure in FIGURES:
+            record(*figure)
     if OUT:
         with open(os.path.join(OUT, "kernels.txt"), "w") as f:
             f.write("\n".join(LINES) + "\n")

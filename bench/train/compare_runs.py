@@ -1,7 +1,7 @@
 """Per-step training loss of two runs side by side, with the largest relative difference and the
 difference of the mean loss over the last quarter of the steps.
 
-    python3 bench/compare_runs.py RUN_DIR_A RUN_DIR_B [--tolerance 0.03] [--plot FILE.png --labels A B]
+    python3 bench/train/compare_runs.py RUN_DIR_A RUN_DIR_B [--tolerance 0.03] [--plot FILE.png --labels A B]
 
 Exits with status 1 when a step differs by more than the tolerance (or the runs have different
 steps), so a script can use it as a check. In bf16 on a GPU, two runs of the same code on one GPU

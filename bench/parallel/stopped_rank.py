@@ -1,7 +1,7 @@
 """What the other ranks of a run see when one rank stops (SIGSTOP: alive, holding its connections,
 never answering), and how long until the job ends:
 
-    PYTHONPATH=. python3 bench/stopped_rank.py [--nproc 2] [--timeout 60] [--set parallel.dp_shard=2 ...]
+    PYTHONPATH=. python3 bench/parallel/stopped_rank.py [--nproc 2] [--timeout 60] [--set parallel.dp_shard=2 ...]
 
 Starts `torchrun --nproc-per-node N -m moemesh train` on configs/tiny.toml (NCCL on GPUs, gloo on
 CPUs) with parallel.timeout_s=--timeout, stops rank 1 once the run has taken 5 steps, and prints
@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import print_table
+from bench.harness import print_table
 
 
 def _rank_of(pid: int) -> int | None:

@@ -2,10 +2,11 @@
 + backward: moemesh's MoEBlock against transformers' own Qwen3-MoE block (its `grouped_mm`
 experts implementation where it has one), same weights, same input, in one process.
 
-    PYTHONPATH=. python3 bench/moe_layer.py [--tokens 16384]
+    PYTHONPATH=. python3 bench/kernels/moe_layer.py [--tokens 16384]
 
 Prints time, peak memory above the weights and input, and each output's error against an fp32
-evaluation of the same block.
+evaluation of the same block; --record writes moemesh's time and peak memory beside transformers'
+to the results file (bench/harness.py's `record`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,16 @@ import torch
 import transformers
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from bench.common import median_ms, peak_bytes, print_table, rel_err
+from bench.harness import (
+    add_record_flag,
+    describe_device,
+    grouped_mm_experts,
+    median_ms,
+    peak_bytes,
+    print_table,
+    record,
+    rel_err,
+)
 from moemesh.models import ModelConfig
 from moemesh.models.moe import MoEBlock
 
@@ -26,14 +36,7 @@ SHAPE = dict(hidden_size=2048, num_experts=128, num_experts_per_tok=8, moe_inter
 
 def transformers_block(device) -> tuple[torch.nn.Module, str]:
     config = transformers.Qwen3MoeConfig(**SHAPE)
-    implementation = "default"
-    try:  # transformers >= 5 can swap the experts' implementation
-        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-        if "grouped_mm" in ALL_EXPERTS_FUNCTIONS:
-            config._experts_implementation = implementation = "grouped_mm"
-    except ImportError:
-        pass
+    implementation = grouped_mm_experts(config)  # transformers >= 5 can swap the experts' implementation
     return Qwen3MoeSparseMoeBlock(config).to(device), implementation
 
 
@@ -42,8 +45,9 @@ def _output(result):
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=16384)
+    add_record_flag(parser)
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     device = torch.device("cuda")
@@ -90,19 +94,20 @@ def main():
                 fwd_bwd_ms=f"{ms:.2f}",
                 peak_GiB=f"{peak / 2**30:.2f}",
                 rel_err_vs_fp32=f"{error:.2e}",
-                ms=ms,
-                peak=peak,
+                _ms=ms,
+                _peak=peak,
             )
         )
-    base_ms, base_peak = rows[0]["ms"], rows[0]["peak"]
+    theirs = rows[0]
     for row in rows:
-        row["speedup_vs_transformers"] = f"{base_ms / row.pop('ms'):.2f}x"
-        row["memory_vs_transformers"] = f"{row.pop('peak') / base_peak:.2f}x"
-    print(
-        f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, transformers "
-        f"{transformers.__version__}, tokens {args.tokens}"
-    )
+        row["speedup_vs_transformers"] = f"{theirs['_ms'] / row['_ms']:.2f}x"
+        row["memory_vs_transformers"] = f"{row['_peak'] / theirs['_peak']:.2f}x"
+    print(f"device: {describe_device(device)}; tokens {args.tokens}")
     print_table(rows, "MoE layer forward+backward (bf16)")
+    if args.record:  # moemesh as shipped beside transformers
+        ours, at = rows[-1], {"tokens": args.tokens}
+        record("moe layer ms", at, ours["_ms"], "ms", "transformers", theirs["_ms"])
+        record("moe layer peak memory GiB", at, ours["_peak"] / 2**30, "GiB", "transformers", theirs["_peak"] / 2**30)
 
 
 if __name__ == "__main__":

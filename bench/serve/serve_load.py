@@ -4,26 +4,26 @@ token (p50, p99), beside the engine alone on the very same workload (the schedul
 server's process, N requests in flight, no HTTP): the share of the engine the server delivers.
 
     # one GPU: a random-weight Qwen3-30B-A3B shape with `serve`'s default settings, then the load
-    PYTHONPATH=. python3 bench/serve_load.py --layers 48 --clients 1,16,64,256
+    PYTHONPATH=. python3 bench/serve/serve_load.py --layers 48 --clients 1,16,64,256
     # the served side once per reply window (serve --reply-window-ms), one server
-    PYTHONPATH=. python3 bench/serve_load.py --layers 48 --clients 16,64 --reply-windows 0,10
+    PYTHONPATH=. python3 bench/serve/serve_load.py --layers 48 --clients 16,64 --reply-windows 0,10
     # CPU smoke check
-    PYTHONPATH=. python3 bench/serve_load.py --config configs/tiny.toml --clients 1,4 --requests 2 \\
+    PYTHONPATH=. python3 bench/serve/serve_load.py --config configs/tiny.toml --clients 1,4 --requests 2 \\
         --prompt-len 16 --max-tokens 16
     # the server's own cost on a CPU: the forward replaced by waits of the 48-layer shape's times
-    PYTHONPATH=. python3 bench/serve_load.py --config configs/tiny.toml --serve-args '--max-batch 64' \\
+    PYTHONPATH=. python3 bench/serve/serve_load.py --config configs/tiny.toml --serve-args '--max-batch 64' \\
         --clients 16,64 --long-prompt 0 --client-procs 1 --fake-step-ms 18
     # serve's two schedules (--schedule) on one server, with clients whose lengths drift apart
-    PYTHONPATH=. python3 bench/serve_load.py --layers 48 --clients 1,64 --schedules mixed,prefill-first \\
+    PYTHONPATH=. python3 bench/serve/serve_load.py --layers 48 --clients 1,64 --schedules mixed,prefill-first \\
         --max-tokens-spread 0.5 --requests 6
     # serve's tokens a step (--max-num-batched-tokens) on one server: each value's engine alone and served
     # (at most the server's own budget: raise it for larger values)
-    PYTHONPATH=. python3 bench/serve_load.py --layers 48 --clients 1,64 --step-tokens 2048,1536,1024 \\
+    PYTHONPATH=. python3 bench/serve/serve_load.py --layers 48 --clients 1,64 --step-tokens 2048,1536,1024 \\
         --serve-args '--max-num-batched-tokens 2048'
     # against a server that runs already (no engine-alone column)
-    PYTHONPATH=. python3 bench/serve_load.py --url http://127.0.0.1:8000 --clients 1,16
+    PYTHONPATH=. python3 bench/serve/serve_load.py --url http://127.0.0.1:8000 --clients 1,16
     # the server under tensor parallelism: its child under torchrun on N GPUs (issue 49)
-    PYTHONPATH=. python3 bench/serve_load.py --layers 48 --clients 1,64 --tp 4
+    PYTHONPATH=. python3 bench/serve/serve_load.py --layers 48 --clients 1,64 --tp 4
 
 With --layers or --config this script starts the server itself, in a child process: the model
 built on the device with random weights (no 61 GB checkpoint to write and read), the engine
@@ -37,9 +37,9 @@ in --client-procs processes (threads within each), so that their own Python boun
 Prompts are random lowercase letters (the byte tokenizer: a prompt of L letters is L tokens),
 greedy, no end-of-sequence stop (the child's tokenizer has none): every request makes exactly
 --max-tokens tokens. With --spread-routing the routers choose as a trained model's do, spread over
-the experts (bench/common.py's `spread_routing`): the random weights route one prompt's tokens to
+the experts (bench/harness.py's `spread_routing`): the random weights route one prompt's tokens to
 a few experts, which makes one prompt's prefill, the yardstick of the first token's time under
-load, several times cheaper than a served model's (bench/routing_coverage.py).
+load, several times cheaper than a served model's (bench/serve/routing_coverage.py).
 
 Clients that start together and make equally long requests stay in step: every 128 rounds the
 64 of them finish within ~16 rounds of each other, and their next prompts come as a burst, ~4 to
@@ -58,6 +58,9 @@ a wait (GIL released, as while a GPU step is waited for) of that many ms a round
 ms, follow the 48-layer shape on one H200: a decode round of 64 ~20 ms, a round of 4 prompts of
 ~500 tokens ~44 ms), and logits of zeros. The scheduler, the engine's host side, the HTTP server
 and the clients are real; what the GPU's own host calls (launches, copies) cost is not in it.
+
+--record: the served side's tokens/s and TTFT p50 at each client count, beside the engine alone's,
+to the results file (bench/harness.py's `record`).
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ import time
 from collections import Counter
 from itertools import product
 
-from bench.common import add_model_arguments, print_table
+from bench.harness import add_model_arguments, add_record_flag, model_at, print_table, record
 
 
 def client_requests(client: int, args) -> list[tuple[str, int]]:
@@ -190,8 +193,7 @@ def engine_alone(scheduler, clock: StepClock, tokenizer, clients: int, args) -> 
 def serve_child(args) -> None:
     import torch
 
-    from bench.common import bench_model_config, spread_routing, tensor_parallel_model
-    from bench.serve_offline import moemesh_model
+    from bench.harness import bench_model_config, moemesh_model, spread_routing, tensor_parallel_model
     from moemesh.cli import _engine, _parser
     from moemesh.data.tokenizer import ByteTokenizer
     from moemesh.inference.request import SamplingParams
@@ -207,7 +209,7 @@ def serve_child(args) -> None:
     if args.tp > 1:  # under torchrun: rank 0 serves, the others follow its steps
         model, group = tensor_parallel_model(config)
     else:
-        model = moemesh_model(config, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+        model = moemesh_model(config, device)
     if args.spread_routing:
         spread_routing(model)
     if args.fake_step_ms is not None:
@@ -399,6 +401,24 @@ def load(url: str, model: str, clients: int, args) -> dict:
     return summary("moemesh serve", clients, results, wall)
 
 
+def record_served(args, served: str | None, row: dict, alone: dict | None) -> None:
+    """--record: the served side's tokens/s and TTFT p50 at this client count, beside the engine
+    alone's; the model this script started (`served`: the name a running server gave), and the
+    settings the run varies."""
+    at = {
+        **(model_at(args) if served is None else {"model": served}),
+        "clients": row["clients"],
+        "requests": args.requests,
+        "gpus": args.tp if args.tp > 1 else None,
+        "schedule": row.get("schedule") if args.schedules else None,
+        "step_tokens": row.get("step tokens") if args.step_tokens else None,
+        "reply_window_ms": row.get("reply window ms") if args.reply_windows else None,
+    }
+    peer = "engine alone" if alone else ""
+    for figure, key, unit in (("serve tokens/s", "tokens/s", "tokens/s"), ("serve TTFT p50 ms", "TTFT p50 ms", "ms")):
+        record(figure, at, row[key], unit, peer, alone and alone[key], gpus=args.tp)
+
+
 def start_server(args) -> tuple[subprocess.Popen, str, dict]:
     """The child server; returns once it listens, with its URL and its report."""
     port = args.port
@@ -451,7 +471,7 @@ def main():
     parser.add_argument(
         "--spread-routing",
         action="store_true",
-        help="the routers' choices spread over the experts as a trained model's are (bench/common.py)",
+        help="the routers' choices spread over the experts as a trained model's are (bench/harness.py)",
     )
     parser.add_argument("--serve-args", default="", help="moemesh serve options for the child, e.g. '--max-batch 64'")
     parser.add_argument("--long-prompt", type=int, default=32000, help="the capacity check's prompt (0: none)")
@@ -480,6 +500,7 @@ def main():
     parser.add_argument("--fake-token-us", type=float, default=10.0, help="with --fake-step-ms: more a prefill token")
     parser.add_argument("--port", type=int, default=8013, help="the server's (and the next one, its bench control's)")
     parser.add_argument("--tp", type=int, default=1, help="the started server's tensor-parallel GPUs")
+    add_record_flag(parser)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child
     args = parser.parse_args()
     args.client_counts = [int(c) for c in args.clients.split(",")]
@@ -532,6 +553,8 @@ def main():
                     if alone:
                         row["of the engine"] = f"{row['tokens/s'] / alone['tokens/s']:.0%}"
                     rows.append(row)
+                    if args.record:
+                        record_served(args, model if args.url else None, row, alone)
         for row in rows:
             for key, value in row.items():
                 if isinstance(value, float):

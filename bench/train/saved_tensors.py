@@ -2,7 +2,7 @@
 the analytical estimate of `moemesh/parallel/pipeline/memory.py` (which the pipeline's memory
 estimate is built from):
 
-    PYTHONPATH=. python3 bench/saved_tensors.py [--config configs/gpu_small.toml] [--micro 4] [--seq 2048]
+    PYTHONPATH=. python3 bench/train/saved_tensors.py [--config configs/gpu_small.toml] [--micro 4] [--seq 2048]
 
 The model runs as the trainer runs it (fp32 weights under bf16 autocast on a GPU). Each saved
 storage is listed once with its shape, dtype, MiB and the moemesh source line that saved it.
