@@ -140,7 +140,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     convert.add_argument("target", metavar="DST", help="new directory to write")
     convert.add_argument(
-        "--dtype", choices=_DTYPE_NAMES, help="weight dtype of a written Hugging Face directory (default float32)"
+        "--dtype",
+        choices=_DTYPE_NAMES,
+        help="weight dtype of what is written (default: as stored; a quantized source's dequantized weights: "
+        "float32); with --quantize, of the tensors left unquantized",
+    )
+    convert.add_argument(
+        "--quantize",
+        choices=("fp8", "mxfp4"),
+        help="write a quantized Hugging Face directory in the family's published layout: fp8 (128x128 block "
+        "scales: DeepSeek, Qwen3-MoE, Mixtral) or mxfp4 (gpt-oss's experts); SRC any model directory",
     )
     convert.add_argument(
         "--merge",
@@ -531,7 +540,7 @@ def _convert(args: argparse.Namespace) -> None:
     import torch
 
     from moemesh.checkpoint.adapters import PEFT_CONFIG, is_lora_checkpoint
-    from moemesh.checkpoint.convert import export_adapter, export_hf, export_merged, import_hf
+    from moemesh.checkpoint.convert import export_adapter, export_hf, export_merged, export_quantized, import_hf
     from moemesh.checkpoint.load import is_hf_directory
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
@@ -540,7 +549,12 @@ def _convert(args: argparse.Namespace) -> None:
         raise MoemeshError(f"--merge and --base take a LoRA run or a PEFT adapter, and {args.source} is neither")
     if args.base and not args.merge:
         raise MoemeshError("--base goes with --merge")
-    if args.merge:
+    if args.quantize and adapter:
+        raise MoemeshError(f"--quantize takes a model, and {args.source} holds LoRA adapters (--merge them first)")
+    if args.quantize:
+        source = export_quantized(args.source, args.target, args.quantize, dtype)
+        print(f"wrote Hugging Face directory {args.target} ({args.quantize}) from {source}")
+    elif args.merge:
         base = export_merged(args.source, args.target, args.base, dtype)
         print(f"wrote Hugging Face directory {args.target}: {base or 'the seed weights'} merged with {args.source}")
     elif adapter:
@@ -549,7 +563,7 @@ def _convert(args: argparse.Namespace) -> None:
         checkpoint = export_adapter(args.source, args.target)
         print(f"wrote PEFT adapter directory {args.target} from {checkpoint}")
     elif is_hf_directory(args.source):
-        import_hf(args.source, args.target)
+        import_hf(args.source, args.target, dtype)
         print(f"wrote moemesh checkpoint {args.target}")
     else:
         checkpoint = export_hf(args.source, args.target, dtype)

@@ -3,7 +3,14 @@
 A moemesh checkpoint (or a run directory's newest) becomes config.json + safetensors by reading one
 tensor at a time from torch.distributed.checkpoint — whatever layout wrote it, however many ranks —
 and writing each safetensors shard once full: memory holds one tensor and one shard, never the
-model. A Hugging Face directory becomes a checkpoint of its model in the dtype it is stored in.
+model. A Hugging Face directory becomes a checkpoint of its model in the dtype it is stored in (a
+quantized one: its weights dequantized, in float32, where they are exact), or in the one asked for.
+
+Either kind becomes a quantized Hugging Face directory (`export_quantized`: block FP8 or MXFP4, in
+the family's published layout, `checkpoint/quantized_layout.py`), streamed too: one tensor at a
+time is read whole, quantized and written. Weights that came quantized, dequantized in float32,
+are written back with the same bytes (the exceptions, encodings that their values alone cannot
+tell apart, and BF16 scales written F32: `quantized.py`).
 
 A LoRA run's checkpoint (adapters only, `checkpoint/adapters.py`) becomes a PEFT adapter directory,
 or with `merge` a Hugging Face model of its base with the adapters folded in (the base read whole
@@ -24,8 +31,9 @@ import torch.distributed.checkpoint as dcp
 from moemesh.checkpoint import integrity
 from moemesh.checkpoint.adapters import PEFT_CONFIG, read_adapter, read_adapter_base, write_peft
 from moemesh.checkpoint.dcp import TOKENIZER_FILE, _load, resolve_checkpoint, save_checkpoint, tokenizer_files
-from moemesh.checkpoint.hf import save_pretrained, write_pretrained
-from moemesh.checkpoint.load import is_hf_directory, load_model, read_model_config
+from moemesh.checkpoint.hf import read_config, save_pretrained, write_pretrained
+from moemesh.checkpoint.load import hf_state, is_hf_directory, load_model, read_model_config
+from moemesh.checkpoint.quantized_layout import QuantizedWriter
 from moemesh.errors import CheckpointError
 from moemesh.models import ModelConfig
 from moemesh.models.build import build, meta_model
@@ -127,12 +135,49 @@ def export_merged(
     return Path(base) if base is not None else None
 
 
-def import_hf(source: str | os.PathLike, target: str | os.PathLike) -> None:
-    """Hugging Face directory -> moemesh checkpoint holding the model (in its stored dtype)."""
+def export_quantized(
+    source: str | os.PathLike, target: str | os.PathLike, method: str, dtype: torch.dtype | None = None
+) -> Path:
+    """A Hugging Face directory (quantized or not), a moemesh checkpoint or a run directory -> a
+    Hugging Face directory quantized by `method` ("fp8", "mxfp4") in the family's published
+    layout, its unquantized tensors in `dtype` (default: as stored). Streamed; written under a
+    temporary name and renamed when complete. Returns the directory read."""
+    _check_target(target)
+    hf = is_hf_directory(source)
+    checkpoint = Path(source) if hf else resolve_checkpoint(source)
+    config = read_config(checkpoint)[0] if hf else read_model_config(checkpoint)
+    QuantizedWriter(method, config)  # a method or family it cannot write: refused before writing
+    tensors = _hf_tensors(checkpoint, config) if hf else _stored_tensors(checkpoint, config, None)
+    target = Path(target)
+    tmp = target.with_name(integrity.TMP_PREFIX + target.name)
+    with _writing(target, tmp):
+        write_pretrained(tensors, config, tmp, quantize=method, dtype=dtype)
+        tokenizer = checkpoint / TOKENIZER_FILE
+        for name, file in tokenizer_files(tokenizer if tokenizer.is_file() else None).items():
+            shutil.copyfile(file, tmp / name)
+        integrity.publish(tmp, target)
+    return checkpoint
+
+
+def _hf_tensors(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each weight of a Hugging Face directory's model, whole, read one at a time (a quantized one
+    dequantized in float32)."""
+    for name, lazy in hf_state(path, config).items():
+        tensor = torch.empty(lazy.shape, dtype=lazy.dtype)
+        try:
+            lazy.read_into(tensor)
+        except Exception as error:  # a file truncated or damaged after its header
+            raise CheckpointError(f"{path}: cannot read {name!r} ({error})") from None
+        yield name, tensor
+
+
+def import_hf(source: str | os.PathLike, target: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
+    """Hugging Face directory -> moemesh checkpoint holding the model (in `dtype`, default its
+    stored dtype; a quantized directory's: float32)."""
     if not is_hf_directory(source):
         raise CheckpointError(f"{source} is not a Hugging Face model directory (config.json + *.safetensors)")
     _check_target(target)
-    model, _ = load_model(source)
+    model, _ = load_model(source, dtype=dtype)
     tokenizer = Path(source) / TOKENIZER_FILE
     save_checkpoint(
         Path(target), {"model": model.state_dict()}, model.config, tokenizer if tokenizer.is_file() else None
@@ -150,9 +195,12 @@ def _check_target(target: str | os.PathLike) -> None:
 @contextmanager
 def _writing(target: Path, tmp: Path):
     """A write into `tmp` that fails (no space, no permission, no such directory) leaves nothing
-    behind and says so in one line."""
+    behind and says so in one line; so does one whose source fails to read."""
     try:
         yield
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"cannot write {target}: {e.strerror or e}") from None
+    except BaseException:  # a source that fails to read half-way: no half-written target either
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

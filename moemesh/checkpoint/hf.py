@@ -5,6 +5,9 @@ Two expert layouts are read: the fused one of transformers 5 (`mlp.experts.gate_
 the per-expert one of the original Hub checkpoints (`mlp.experts.3.gate_proj.weight`, Mixtral's
 `block_sparse_moe.experts.3.w1.weight`). We write the per-expert one, which every transformers
 version loads. Multimodal checkpoints (Gemma-4's) load their language model (`multimodal.py`).
+Quantized ones (config.json's `quantization_config`: gpt-oss's MXFP4, block FP8) are read
+dequantized (`quantized_layout.py`), any other method refused before a tensor is read; written
+quantized on request, in their families' published layout.
 
 Reading is lazy (`lazy.py`): `read_state` gives every tensor of the language model under moemesh's
 name, fused and re-laid as the family wants, but reads nothing; a rank then reads its block of each
@@ -27,6 +30,8 @@ from safetensors.torch import save_file
 
 from moemesh.checkpoint.lazy import Lazy, SafetensorsFiles
 from moemesh.checkpoint.multimodal import WRAPPERS, Multimodal
+from moemesh.checkpoint.quantized import Scheme, scheme_of
+from moemesh.checkpoint.quantized_layout import QuantizedWriter, dequantized
 from moemesh.errors import CheckpointError
 from moemesh.models.config import ModelConfig
 from moemesh.models.family import Family
@@ -39,16 +44,30 @@ _log = logging.getLogger(__name__)
 
 
 def read_config(path: str | os.PathLike) -> tuple[ModelConfig, Multimodal | None]:
-    """The model config and, for a multimodal checkpoint, what wraps its language model."""
+    """The model config and, for a multimodal checkpoint, what wraps its language model. A
+    quantization moemesh does not read is refused here, before any weight; the config keeps no
+    `quantization_config` (the model is the dequantized one, and is saved so)."""
+    hf = _config_json(path)
+    scheme_of(hf, Path(path))
+    wrapper = WRAPPERS.get(hf.get("model_type"))
+    config = ModelConfig.from_hf_dict(wrapper.text_config(hf) if wrapper else hf)
+    config.extra.pop("quantization_config", None)
+    return config, wrapper
+
+
+def read_quantization(path: str | os.PathLike) -> Scheme | None:
+    """How the directory's weights are quantized (None: they are not)."""
+    return scheme_of(_config_json(path), Path(path))
+
+
+def _config_json(path: str | os.PathLike) -> dict:
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{path}: no config.json (not a Hugging Face model directory)")
     try:
-        hf = json.loads(config_file.read_text())
+        return json.loads(config_file.read_text())
     except json.JSONDecodeError as error:
         raise CheckpointError(f"{config_file}: not valid JSON ({error})") from None
-    wrapper = WRAPPERS.get(hf.get("model_type"))
-    return ModelConfig.from_hf_dict(wrapper.text_config(hf) if wrapper else hf), wrapper
 
 
 def read_state(path: str | os.PathLike, config: ModelConfig, wrapper: Multimodal | None = None) -> dict[str, Lazy]:
@@ -61,6 +80,9 @@ def read_state(path: str | os.PathLike, config: ModelConfig, wrapper: Multimodal
         stored = SafetensorsFiles(files).tensors
     except Exception as error:  # safetensors raises its own types for truncated or corrupt files
         raise CheckpointError(f"{path}: cannot read safetensors file ({error})") from None
+    scheme = read_quantization(path)
+    if scheme is not None:
+        stored = dequantized(stored, scheme, path)
     for key, tensor in stored.items():
         try:
             name = key if wrapper is None else wrapper.text_name(key)
@@ -175,16 +197,21 @@ def write_pretrained(
     config: ModelConfig,
     path: str | os.PathLike,
     max_shard_bytes: int = 5 * 2**30,
+    quantize: str | None = None,
+    dtype: torch.dtype | None = None,
 ) -> None:
     """Write moemesh tensors, given one at a time, as a Hugging Face directory: each shard of at
     most `max_shard_bytes` is written once full, so memory holds one shard. Every file is written
-    under a temporary name and renamed when complete; config.json comes last."""
+    under a temporary name and renamed when complete; config.json comes last. `quantize` ("fp8",
+    "mxfp4"): in that published layout, the tensors it quantizes quantized from the precision they
+    are given in. The others (all of them without `quantize`) in `dtype`, default as given."""
+    writer = QuantizedWriter(quantize, config, dtype) if quantize else None  # refuses before writing
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     shards: list[list[str]] = []  # the hub names in each written shard
     pending: dict[str, torch.Tensor] = {}
     pending_bytes = total = 0
-    dtype = None
+    written_dtype = None
 
     def flush() -> None:
         save_file(pending, str(path / f".shard-{len(shards):05d}.safetensors"), metadata={"format": "pt"})
@@ -192,15 +219,21 @@ def write_pretrained(
         pending.clear()
 
     for name, tensor in tensors:
-        dtype = dtype or tensor.dtype
-        for hub_name, piece in hub_tensors(name, tensor, config).items():
-            size = piece.numel() * piece.element_size()
-            if pending and pending_bytes + size > max_shard_bytes:
-                flush()
-                pending_bytes = 0
-            pending[hub_name] = piece.detach().cpu().contiguous()
-            pending_bytes += size
-            total += size
+        for hub_name, hub_piece in hub_tensors(name, tensor, config).items():
+            if writer is not None:
+                stored = writer.tensors(hub_name, hub_piece.detach().cpu())
+            else:
+                stored = {hub_name: hub_piece if dtype is None else hub_piece.to(dtype)}
+            for stored_name, piece in stored.items():
+                if piece.dtype in DTYPES.values():  # the dtype of the unquantized tensors
+                    written_dtype = written_dtype or piece.dtype
+                size = piece.numel() * piece.element_size()
+                if pending and pending_bytes + size > max_shard_bytes:
+                    flush()
+                    pending_bytes = 0
+                pending[stored_name] = piece.detach().cpu().contiguous()
+                pending_bytes += size
+                total += size
     flush()
     names = (
         ["model.safetensors"]
@@ -217,7 +250,9 @@ def write_pretrained(
         }
         _atomic_write(path / INDEX_FILE, lambda tmp: Path(tmp).write_text(json.dumps(index, indent=2)))
     hf_config = config.to_hf_dict()
-    hf_config["dtype"] = str(dtype).removeprefix("torch.")
+    hf_config["dtype"] = str(written_dtype).removeprefix("torch.")
+    if writer is not None:
+        hf_config["quantization_config"] = writer.config_block()
     _atomic_write(path / "config.json", lambda tmp: Path(tmp).write_text(json.dumps(hf_config, indent=2) + "\n"))
 
 

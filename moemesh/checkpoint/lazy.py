@@ -7,6 +7,8 @@ bank, GPT-OSS's transpose and de-interleave, moemesh/checkpoint/hf.py) runs unch
 values: `torch.cat`, `torch.stack`, indexing with slices, `transpose` and `contiguous` build a
 recipe instead of data. A rank then reads the block it keeps (`read(index)`, per dim the
 rows in the whole tensor) — its experts, its TP slice, its FSDP shard — through the recipe.
+A quantized tensor is one too (`quantized.py`): it reads the quantized elements and the scales
+of the block asked for, and gives it dequantized.
 
 Reads cost what they touch: along each dim the rows from the first to the last wanted one are
 read, except that one dim wanted in a few separate runs (the gate and up halves of a TP slice of a
@@ -32,7 +34,11 @@ _DTYPES = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,  # block-FP8 checkpoints (checkpoint/quantized.py)
+    "F8_E5M2": torch.float8_e5m2,
 }
+if hasattr(torch, "float8_e8m0fnu"):  # one-byte power-of-two scales
+    _DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
 _MAX_RUNS = 16  # a dim wanted in at most this many separate runs is read run by run
 
 

@@ -6,7 +6,8 @@ on the host, and a model larger than any one GPU loads into many.
 
 Two sources, told apart by what the directory holds:
 - a Hugging Face directory (config.json + safetensors, sharded or not, fused or per-expert
-  experts, multimodal wrappers): read by slices through `lazy.py`;
+  experts, multimodal wrappers, quantized in block FP8 or MXFP4): read by slices through
+  `lazy.py` (a quantized tensor: the elements and tile scales of the slice, `quantized.py`);
 - a moemesh checkpoint or run directory (its newest checkpoint): torch.distributed.checkpoint
   reads the pieces a layout presents (`parallel/stored.py`); only the model, no optimizer state.
 """
@@ -21,7 +22,8 @@ import torch
 from torch import nn
 
 from moemesh.checkpoint.dcp import CHECKPOINTS, TOKENIZER_FILE, _load, checkpoint_steps, resolve_checkpoint
-from moemesh.checkpoint.hf import DTYPES, read_config, read_state
+from moemesh.checkpoint.hf import DTYPES, read_config, read_quantization, read_state
+from moemesh.checkpoint.lazy import Lazy
 from moemesh.errors import CheckpointError
 from moemesh.models import ModelConfig, MoECausalLM
 from moemesh.models.build import meta_model
@@ -93,13 +95,27 @@ def load_weights(model: MoECausalLM, path: str | os.PathLike, mesh: Mesh | None 
 
 
 def _load_hf(model: MoECausalLM, path: Path) -> None:
+    tensors = hf_state(path, model.config)
+    for name, target in model.state_dict(keep_vars=True).items():
+        if name in tensors:  # not the tied head
+            local, _, index = local_view(target)
+            try:
+                tensors[name].read_into(local, index)
+            except Exception as error:  # a file truncated or damaged after its header
+                raise CheckpointError(f"{path}: cannot read {name!r} ({error})") from None
+
+
+def hf_state(path: Path, model_config: ModelConfig) -> dict[str, Lazy]:
+    """Every weight of a `model_config` model in the Hugging Face directory `path`, unread, under
+    moemesh's names (not the tied head); CheckpointError for one missing, of another shape, or
+    beyond the model."""
     config, wrapper = read_config(path)
-    if config.model_type != model.config.model_type:
-        raise CheckpointError(f"{path} holds a {config.model_type} model, not {model.config.model_type}")
+    if config.model_type != model_config.model_type:
+        raise CheckpointError(f"{path} holds a {config.model_type} model, not {model_config.model_type}")
     tensors = read_state(path, config, wrapper)
-    # What the whole model holds (this rank may hold part of it): names and shapes.
-    expected = {name: t.shape for name, t in meta_model(model.config).state_dict().items()}
-    if model.config.tie_word_embeddings:
+    # What the whole model holds (a rank may hold part of it): names and shapes.
+    expected = {name: t.shape for name, t in meta_model(model_config).state_dict().items()}
+    if model_config.tie_word_embeddings:
         expected.pop("lm_head.weight")
         tensors.pop("lm_head.weight", None)
     for name, shape in expected.items():
@@ -115,24 +131,20 @@ def _load_hf(model: MoECausalLM, path: Path) -> None:
             f"{path}: unexpected weight {unexpected[0]!r} (not in a {config.model_type} "
             f"model with this config; {len(unexpected)} such weights)"
         )
-    for name, target in model.state_dict(keep_vars=True).items():
-        if name in expected:  # not the tied head
-            local, _, index = local_view(target)
-            try:
-                tensors[name].read_into(local, index)
-            except Exception as error:  # a file truncated or damaged after its header
-                raise CheckpointError(f"{path}: cannot read {name!r} ({error})") from None
+    return tensors
 
 
 def load_model(
     path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
 ) -> tuple[nn.Module, Path]:
     """The whole model of a Hugging Face directory (in `dtype`, default the one its config.json
-    names, else float32) or of a moemesh checkpoint or run directory (default float32), with the
-    directory it came from. One process; no host copy beyond the tensor being read."""
+    names, else float32; a quantized one's: float32, where its dequantized weights are exact) or
+    of a moemesh checkpoint or run directory (default float32), with the directory it came from.
+    One process; no host copy beyond the tensor being read."""
     config = read_model_config(path)
     if dtype is None:
-        named = config.extra.get("dtype") or config.extra.get("torch_dtype") if is_hf_directory(path) else None
+        hf = is_hf_directory(path) and read_quantization(path) is None
+        named = config.extra.get("dtype") or config.extra.get("torch_dtype") if hf else None
         dtype = DTYPES.get(named, torch.float32)
     model = materialize(meta_model(config, dtype), device)
     return model, load_weights(model, path)
