@@ -1,23 +1,32 @@
-"""The README's commands as a newcomer runs them: its ```bash blocks, in order, in the one working
-directory of a fresh clone. The LoRA recipe once could not follow the quick start: without
-`--config` it trained into configs/tiny.toml's runs/tiny, the quick start's (refused, and the
-refusal's way out, train.overwrite=true, deletes the quick start's model), then converted
+"""The README's and the docs pages' commands as a newcomer runs them: their ```bash blocks, in order,
+in the one working directory of a fresh clone. The LoRA recipe once could not follow the quick
+start: without `--config` it trained into configs/tiny.toml's runs/tiny, the quick start's (refused,
+and the refusal's way out, train.overwrite=true, deletes the quick start's model), then converted
 runs/default, which no command wrote.
 
-- Every block, the GPU ones included, is read without running it: a command that trains must write
-  into a run directory that no earlier command wrote (unless it resumes or overwrites by name), and
-  every `runs/...` directory a command reads (a checkpoint, an adapter, what `convert` converts)
-  must have been written by an earlier one.
-- The quick start's `moemesh train` and then the LoRA recipe's block run for real, in one directory.
+- Every block of README.md and docs/*.md (but the archive of dated benchmarks), the GPU ones
+  included, is read without running it: every `moemesh ...` command parses with the real argument
+  parser (`moemesh.cli._parser`, what `main` parses with), its `--set` keys are config keys and its
+  `--config` files exist; a command that trains must write into a run directory that no earlier
+  command of its page wrote (unless it resumes or overwrites by name), and every `runs/...`
+  directory a command reads (a checkpoint, an adapter, what `convert` converts) must have been
+  written by an earlier one. A docs page is read after the README's quick start (its runs/tiny),
+  unless it runs the quick start itself.
+- The quick start's `moemesh train` (the README's) and then the LoRA recipe's block (wherever it
+  lives) run for real, in one directory.
+- The README stays a front page (at most 200 lines), and every relative link of README.md and
+  docs/*.md points at a file that exists, and at a heading of it when it names one.
 
 `moemesh` is the console script `moemesh.cli:main` (pyproject.toml's [project.scripts]): the
-commands run through that function, in this process, with the words the README gives them, so that
+commands run through that function, in this process, with the words the pages give them, so that
 they run the checkout under test whatever `moemesh` a PATH holds."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
+import io
 import json
 import os
 import re
@@ -28,13 +37,19 @@ from pathlib import Path
 
 import pytest
 
-from moemesh.cli import main
-from moemesh.config import DEFAULT_CONFIG, TrainConfig
+from moemesh.cli import _parser, main
+from moemesh.config import DEFAULT_CONFIG, TrainConfig, _all_keys
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-# Flags of moemesh commands that take no value.
-SWITCHES = {"--merge", "--profile", "--no-prefix-caching"}
+DOCS = ROOT / "docs"
+ARCHIVE = DOCS / "benchmarks-archive.md"  # the dated history, kept as it was written
+PAGES = [README, *sorted(page for page in DOCS.glob("*.md") if page != ARCHIVE)]
+SERVING = DOCS / "serving.md"
+
+
+def page_id(page: Path) -> str:
+    return str(page.relative_to(ROOT))
 
 
 def bash_blocks(text: str) -> list[str]:
@@ -63,55 +78,57 @@ def moemesh_args(command: list[str]) -> list[str] | None:
     return None
 
 
-def parse(args: list[str]) -> tuple[dict[str, str], dict[str, str], list[str]]:
-    """A moemesh command's words after the subcommand -> (flags and their values, --set keys and
-    values, positional words)."""
-    flags, settings, positional = {}, {}, []
-    words = iter(args)
-    for word in words:
-        if word == "--set":
-            continue  # its KEY=VALUE words follow
-        if "=" in word:  # a --set KEY=VALUE, or --flag=value
-            key, _, value = word.partition("=")
-            (flags if word.startswith("--") else settings)[key] = value
-        elif word.startswith("--"):
-            flags[word] = "" if word in SWITCHES else next(words)
-        else:
-            positional.append(word)
-    return flags, settings, positional
+def parsed(args: list[str]) -> argparse.Namespace | str:
+    """`moemesh ARGS` as `main` parses it (nothing runs), or argparse's one line of complaint."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return _parser().parse_args(args)
+    except SystemExit:
+        return err.getvalue().strip() or "does not parse"
 
 
-def run_directory(flags: dict[str, str], settings: dict[str, str]) -> str:
+def overrides(namespace: argparse.Namespace) -> dict[str, str]:
+    """A command's `--set KEY=VALUE` words as {KEY: VALUE}."""
+    items = [item for group in getattr(namespace, "overrides", []) for item in group]
+    return dict(item.partition("=")[::2] for item in items)
+
+
+def run_directory(config: str | None, settings: dict[str, str]) -> str:
     """Where `moemesh train` writes: train.run_dir as set, else its config file's, else the default."""
     if "train.run_dir" in settings:
         return settings["train.run_dir"]
-    config = ROOT / flags["--config"] if "--config" in flags else DEFAULT_CONFIG
-    return tomllib.loads(config.read_text()).get("train", {}).get("run_dir", TrainConfig.run_dir)
+    path = ROOT / config if config else DEFAULT_CONFIG
+    return tomllib.loads(path.read_text()).get("train", {}).get("run_dir", TrainConfig.run_dir)
 
 
 def run_directory_mistakes(blocks: list[str]) -> tuple[list[str], int]:
-    """What goes wrong with run directories when `blocks` run in order, and how many moemesh
-    commands were read (synopses such as `moemesh train [--config FILE]` are not commands)."""
+    """What goes wrong with run directories when `blocks` run in order (a command that does not
+    parse is a mistake too), and how many moemesh commands were read."""
     written: set[str] = set()
     mistakes, read = [], 0
     for block in blocks:
         for command in commands(block):
             args = moemesh_args(command)
-            if not args or any(word.startswith("[") for word in args):
+            if args is None:
                 continue
             read += 1
             said = shlex.join(command)
-            flags, settings, positional = parse(args[1:])
-            sources = [flags.get("--checkpoint"), flags.get("--adapter")]
+            namespace = parsed(args)
+            if isinstance(namespace, str):
+                mistakes.append(f"{said}: {namespace}")
+                continue
+            settings = overrides(namespace)
+            sources = [getattr(namespace, "checkpoint", None), getattr(namespace, "adapter", None)]
             sources += [settings.get("train.init_from"), settings.get("lora.init_from")]
             target = None
-            if args[0] == "train":
-                target = run_directory(flags, settings)
+            if namespace.command == "train":
+                target = run_directory(namespace.config, settings)
                 if "true" in (settings.get("train.resume"), settings.get("train.overwrite")):
                     written.discard(os.path.normpath(target))  # continued or replaced, as asked
-            elif args[0] == "convert":
-                sources.append(positional[0])
-                target = positional[1]
+            elif namespace.command == "convert":
+                sources.append(namespace.source)
+                target = namespace.target
             for source in sources:
                 if source and source.startswith("runs/") and os.path.normpath(source) not in written:
                     mistakes.append(f"{said}: reads {source}, which no earlier command wrote")
@@ -122,10 +139,58 @@ def run_directory_mistakes(blocks: list[str]) -> tuple[list[str], int]:
     return mistakes, read
 
 
-def test_each_command_writes_its_own_run_directory_and_reads_what_ran_before():
-    mistakes, read = run_directory_mistakes(bash_blocks(README.read_text()))
+def quick_start() -> str:
+    """The README's first bash block: the install and `moemesh train`."""
+    return bash_blocks(README.read_text())[0]
+
+
+def page_blocks(page: Path) -> list[str]:
+    """A page's bash blocks as a reader runs them: a docs page after the README's quick start,
+    unless it holds the quick start itself."""
+    blocks = bash_blocks(page.read_text())
+    if page == README or quick_start() in blocks:
+        return blocks
+    return [quick_start(), *blocks]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_each_command_writes_its_own_run_directory_and_reads_what_ran_before(page):
+    mistakes, _ = run_directory_mistakes(page_blocks(page))
     assert mistakes == []
-    assert read >= 15  # the README's commands were read, not skipped as synopses
+
+
+def test_the_commands_of_the_pages_were_read():
+    """Not skipped: every page's moemesh commands count (the quick start's once)."""
+    read = {page: run_directory_mistakes(bash_blocks(page.read_text()))[1] for page in PAGES}
+    assert read[README] >= 2 and sum(read.values()) >= 35, read
+    for name in ("training", "parallel", "fine-tuning", "serving", "checkpoints"):
+        assert read[DOCS / f"{name}.md"] >= 3, name
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_every_moemesh_command_parses_with_known_keys_and_existing_configs(page):
+    """Each `moemesh ...` of a bash block, through the real parser (a synopsis such as `moemesh
+    train [--config FILE]` belongs in a ```text block): its `--set` keys are config keys (a typo
+    would stop the run with exit code 2), and the config files it names exist."""
+    keys = set(_all_keys())
+    wrong = []
+    for block in bash_blocks(page.read_text()):
+        for command in commands(block):
+            args = moemesh_args(command)
+            if args is None:
+                continue
+            namespace = parsed(args)
+            if isinstance(namespace, str):
+                wrong.append(f"{shlex.join(command)}: {namespace}")
+                continue
+            unknown = [key for key in overrides(namespace) if key not in keys]
+            if unknown:
+                close = [difflib.get_close_matches(key, keys, n=1) for key in unknown]
+                wrong.append(f"{shlex.join(command)}: unknown keys {unknown} (closest {close})")
+            config = getattr(namespace, "config", None)
+            if config and not (ROOT / config).is_file():
+                wrong.append(f"{shlex.join(command)}: {config} does not exist")
+    assert wrong == []
 
 
 def test_the_check_finds_what_the_lora_recipe_did_wrong():
@@ -151,41 +216,51 @@ def test_the_check_finds_what_the_lora_recipe_did_wrong():
     ]
 
 
+def test_the_check_finds_a_command_that_does_not_parse():
+    mistakes, read = run_directory_mistakes(["moemesh generate --checkpoint runs/tiny --temprature 0.7\n"])
+    assert read == 1 and len(mistakes) == 1 and "--temprature" in mistakes[0], mistakes
+
+
 def test_the_serving_section_says_how_to_get_its_client():
     """`serve` answers the `openai` client, which `pip install -e '.[serve]'` does not bring: the
-    paragraph that says the client works says how to get it."""
-    [serving] = [part for part in README.read_text().split("\n\n") if part.startswith("`serve` (")]
+    paragraph that says the client works says how to get it, and names what `[serve]` brings."""
+    [serving] = [part for part in SERVING.read_text().split("\n\n") if part.startswith("`moemesh serve` (")]
     assert "`openai` client" in serving
     extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["serve"]
     assert "openai" in extra or re.search(r"`pip install [^`]*\bopenai\b[^`]*`", serving)
+    assert "pip install -e '.[serve]'" in serving
+    assert [package for package in extra if package.lower() not in serving.lower()] == []
 
 
 def section(text: str, title: str) -> str:
     return next(part for part in text.split("\n## ") if part.startswith(title))
 
 
-def test_the_quick_start_and_its_config_give_the_same_measured_figures():
+@pytest.mark.parametrize("page", [README, DOCS / "getting-started.md"], ids=page_id)
+def test_the_quick_start_and_its_config_give_the_same_measured_figures(page):
     """How long the quick start takes and where its validation loss ends, as the README's quick
-    start and configs/tiny.toml's header give them: ranges, with the day they were measured, the
-    same in both (they had drifted apart: "about two minutes" against "3–7 minutes", and "about
-    2.05" where 2.01 was measured)."""
-    readme = " ".join(section(README.read_text(), "Quick start").split())
+    start (and Getting started) and configs/tiny.toml's header give them: ranges, with the days
+    they were measured, the same in both (they had drifted apart: "about two minutes" against "3–7
+    minutes", and "about 2.05" where 2.01 was measured)."""
+    text = page.read_text()
+    said = " ".join((section(text, "Quick start") if page == README else text).split())
     header = " ".join(line.removeprefix("#") for line in DEFAULT_CONFIG.read_text().splitlines() if line[:1] == "#")
     header = " ".join(header.split())
     for pattern in (r"(\d[\d.]*–\d[\d.]*) minutes on two CPU cores", r"to (?:a validation loss of )?(\d\.\d+–\d\.\d+)"):
-        said = [re.search(pattern, text) for text in (readme, header)]
-        assert all(said) and said[0][1] == said[1][1], pattern
-    assert "2026-11-27" in readme and "2026-11-27" in header
+        found = [re.search(pattern, text) for text in (said, header)]
+        assert all(found) and found[0][1] == found[1][1], pattern
+    for day in ("2026-11-27", "2026-12-01"):
+        assert day in said and day in header, day
 
 
 def test_the_lora_recipe_runs_after_the_quick_start(tmp_path, monkeypatch, capsys):
     """The quick start's `moemesh train`, then the LoRA recipe's block, in one directory. What the
-    README leaves to the reader is the test's own: the model directory (a tiny Qwen3-MoE that
+    pages leave to the reader is the test's own: the model directory (a tiny Qwen3-MoE that
     transformers makes, random weights, nothing downloaded, with 4,096 positions for the recipe's
     train.seq_len=4096) and the data (my.jsonl, written here); the one GPU-only setting, which the
-    README names as such (train.cuda_graphs: "It takes one GPU"), is turned off.
+    page names as such (train.cuda_graphs: "It takes one GPU"), is turned off.
 
-    Both runs are shortened, by a `--set train.steps=N` of their own after the README's words, so
+    Both runs are shortened, by a `--set train.steps=N` of their own after the pages' words, so
     that the test takes seconds: the quick start to 1 step, the recipe to 2. The collision cannot
     hide behind that: the quick start's run directory is its config's (the override leaves it),
     and a run of one step leaves checkpoints there as one of 300 does (step_1 rather than step_100
@@ -193,9 +268,7 @@ def test_the_lora_recipe_runs_after_the_quick_start(tmp_path, monkeypatch, capsy
     quick start's checkpoint is still there at the end."""
     transformers = pytest.importorskip("transformers")
     assert tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"] == {"moemesh": "moemesh.cli:main"}
-    text = README.read_text()
-    [quick_start] = [block for block in bash_blocks(section(text, "Quick start")) if "moemesh train" in block]
-    [recipe] = [block for block in bash_blocks(text) if "lora.rank=" in block]
+    [recipe] = [block for page in PAGES for block in bash_blocks(page.read_text()) if "lora.rank=" in block]
     base = tmp_path / "base"  # stands for /models/Qwen3-30B-A3B
     substitutes = {"/models/Qwen3-30B-A3B": str(base), "train.cuda_graphs=true": "train.cuda_graphs=false"}
     assert all(word in recipe for word in substitutes)
@@ -219,7 +292,7 @@ def test_the_lora_recipe_runs_after_the_quick_start(tmp_path, monkeypatch, capsy
     documents = [Path(module.__file__).read_text() for module in (argparse, difflib, textwrap)]
     Path("my.jsonl").write_text("".join(json.dumps({"text": doc}) + "\n" for doc in documents))  # ~220 kB
 
-    [train] = [moemesh_args(command) for command in commands(quick_start) if moemesh_args(command)]
+    [train] = [moemesh_args(command) for command in commands(quick_start()) if moemesh_args(command)]
     assert main([*train, "--set", "train.steps=1"]) == 0
     quick_start_checkpoint = tmp_path / "runs" / "tiny" / "checkpoints" / "step_1"
     assert quick_start_checkpoint.is_dir()
@@ -243,19 +316,25 @@ def test_the_lora_recipe_runs_after_the_quick_start(tmp_path, monkeypatch, capsy
 def test_ci_runs_the_quick_start_install_as_the_readme_writes_it():
     """.ci/run runs .ci/quickstart, which takes the install from the README's first bash block and
     installs nothing of its own; that block installs the CPU build of torch by its version, then
-    the package with no extra, then runs `moemesh train`; and the package itself needs no triton
-    (the CPU build of torch brings none: its stand-in must do)."""
+    the package with no extra, then runs `moemesh train`; the README's `moemesh generate` from
+    runs/tiny, which .ci/quickstart runs word for word, is there; and the package itself needs no
+    triton (the CPU build of torch brings none: its stand-in must do)."""
     ci = (ROOT / ".ci" / "run").read_text()
     quickstart = (ROOT / ".ci" / "quickstart").read_text()
     assert re.search(r"^\.ci/quickstart$", ci, re.M)
     assert ci.index(".ci/quickstart") < ci.index("python -m pytest")
     assert "pip install" not in "".join(line for line in quickstart.splitlines(True) if not line.startswith("#"))
-    first = bash_blocks(README.read_text())[0].strip()
+    blocks = bash_blocks(README.read_text())
+    first = blocks[0].strip()
     assert re.fullmatch(
         r"python3 -m venv \.venv && \. \.venv/bin/activate && pip install torch==[\d.]+ && pip install -e \. && "
         r"moemesh train",
         first,
     ), first
+    lines = "".join(blocks).splitlines()
+    assert [line for line in lines if line.startswith("moemesh generate --checkpoint runs/tiny ")]
+    tests = r"python3 -m venv \.venv && .* && pip install -e '\.\[test\]' && python -m pytest -q"
+    assert [line for line in lines if re.fullmatch(tests, line)]
     dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     assert not [d for d in dependencies if re.match(r"triton|pytest|transformers", d)]
 
@@ -274,3 +353,50 @@ def test_the_serve_extra_brings_every_package_the_server_imports():
     outside = imported - set(sys.stdlib_module_names) - base - {"moemesh", "__future__"}
     brought = {"starlette"}  # fastapi's own requirement, imported for its types
     assert outside and outside - brought <= set(project["optional-dependencies"]["serve"]), outside
+
+
+def test_the_readme_is_a_front_page():
+    """The README says what moemesh is, how to start and where to go; the rest lives in docs/."""
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 200, len(lines)
+
+
+def unfenced(text: str) -> str:
+    """Markdown without its fenced code blocks (a `# comment` line there is no heading)."""
+    return re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+
+
+def prose(text: str) -> str:
+    """Markdown without its code: fenced blocks and inline code spans blanked."""
+    return re.sub(r"`[^`\n]*`", "", unfenced(text))
+
+
+def anchors(page: Path) -> set[str]:
+    """The anchors of a page's headings, as GitHub makes them (and mkdocs, for these headings:
+    `mkdocs build --strict` checks its own)."""
+    found, seen = set(), {}
+    for heading in re.findall(r"^#{1,6} (.+?)\s*#*$", unfenced(page.read_text()).replace("`", ""), re.M):
+        heading = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        count = seen.get(slug, 0)
+        seen[slug] = count + 1
+        found.add(slug if count == 0 else f"{slug}-{count}")
+    return found
+
+
+def test_every_relative_link_points_at_a_file_and_heading_that_exist():
+    """A link (or image) of README.md or a docs page that is not a URL resolves from its page to a
+    file of the checkout, and its #anchor, if any, to a heading of that page."""
+    broken = []
+    for page in [README, *sorted(DOCS.glob("*.md"))]:
+        text = prose(page.read_text())
+        for target in re.findall(r"\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)", text):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists():
+                broken.append(f"{page_id(page)}: {target}: no such file")
+            elif anchor and file.suffix == ".md" and anchor not in anchors(file):
+                broken.append(f"{page_id(page)}: {target}: no such heading")
+    assert broken == []
