@@ -549,14 +549,16 @@ def _convert(args: argparse.Namespace) -> None:
         raise MoemeshError(f"--merge and --base take a LoRA run or a PEFT adapter, and {args.source} is neither")
     if args.base and not args.merge:
         raise MoemeshError("--base goes with --merge")
-    if args.quantize and adapter:
-        raise MoemeshError(f"--quantize takes a model, and {args.source} holds LoRA adapters (--merge them first)")
-    if args.quantize:
+    if args.quantize and adapter and not args.merge:
+        raise MoemeshError(f"--quantize takes a model, and {args.source} holds LoRA adapters (add --merge)")
+    if args.merge:
+        base = export_merged(args.source, args.target, args.base, dtype, args.quantize)
+        quantized = f" ({args.quantize})" if args.quantize else ""
+        merged = f"{base or 'the seed weights'} merged with {args.source}"
+        print(f"wrote Hugging Face directory {args.target}{quantized}: {merged}")
+    elif args.quantize:
         source = export_quantized(args.source, args.target, args.quantize, dtype)
         print(f"wrote Hugging Face directory {args.target} ({args.quantize}) from {source}")
-    elif args.merge:
-        base = export_merged(args.source, args.target, args.base, dtype)
-        print(f"wrote Hugging Face directory {args.target}: {base or 'the seed weights'} merged with {args.source}")
     elif adapter:
         if (Path(args.source) / PEFT_CONFIG).is_file():
             raise MoemeshError(f"{args.source} is a PEFT adapter already (--merge writes it merged into its base)")

@@ -19,6 +19,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from moemesh.checkpoint.hf import save_pretrained
 from moemesh.checkpoint.load import init_source
@@ -320,3 +321,26 @@ def test_training_continues_from_a_peft_adapter(tmp_path, base):
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if p.requires_grad}
     trainer.train_step()
     assert all(not torch.equal(before[name], p) for name, p in trainer.model.named_parameters() if p.requires_grad)
+
+
+def test_a_lora_run_merges_into_a_quantized_export(tmp_path, base, capsys):
+    """`convert RUN DST --merge --quantize fp8` writes the same bytes as merging (`--merge`) and then
+    quantizing that directory (`--quantize fp8`): the merged fp32 weights quantized in the
+    published layout; without --merge a LoRA run is refused in one line."""
+    raw = lora_raw(tmp_path, base, {"rank": 4, "alpha": 16.0}, steps=2, lr=5e-2, eval_every=0)
+    train(config_from_dict(raw, init_source=init_source))
+    run, merged, quantized, two_steps = (tmp_path / name for name in ("run", "merged", "fp8", "two-steps"))
+    assert main(["convert", str(run), str(merged), "--merge"]) == 0
+    assert main(["convert", str(run), str(quantized), "--merge", "--quantize", "fp8"]) == 0
+    assert main(["convert", str(merged), str(two_steps), "--quantize", "fp8"]) == 0
+    assert json.loads((quantized / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+    one, two = load_file(quantized / "model.safetensors"), load_file(two_steps / "model.safetensors")
+    assert one.keys() == two.keys() and any(name.endswith("weight_scale_inv") for name in one)
+    for name in one:
+        assert one[name].dtype == two[name].dtype and torch.equal(
+            one[name].contiguous().view(torch.uint8), two[name].contiguous().view(torch.uint8)
+        ), name
+    capsys.readouterr()
+    assert main(["convert", str(run), str(tmp_path / "x"), "--quantize", "fp8"]) == 2
+    assert "holds LoRA adapters (add --merge)" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

@@ -96,10 +96,13 @@ def export_merged(
     target: str | os.PathLike,
     base: str | os.PathLike | None = None,
     dtype: torch.dtype | None = None,
+    quantize: str | None = None,
 ) -> Path:
     """A LoRA run's checkpoint or a PEFT adapter directory, merged into its base (`base`, default
     the one the run started from: its train.init_from, else its seed's weights) -> a Hugging Face
-    directory. Returns the base directory read (None for a seed's)."""
+    directory, with `quantize` ("fp8", "mxfp4") in that published layout, quantized from the merged
+    fp32 weights (the unquantized tensors then in `dtype`). Returns the base directory read (None
+    for a seed's)."""
     _check_target(target)
     adapter_dir = Path(source)
     if (adapter_dir / PEFT_CONFIG).is_file():
@@ -119,15 +122,17 @@ def export_merged(
             base = adapter.base
         else:  # a run from the seed: its base is the seed's initial weights
             model = build(config, seed=adapter.seed)
+    if quantize:
+        QuantizedWriter(quantize, model.config)  # a method or family it cannot write: refused before merging
     adapter.attach(model)
     adapter.load_into(model)
     merge_adapters(model)
-    if dtype is not None:
+    if dtype is not None and not quantize:
         model.to(dtype)
     target = Path(target)
     tmp = target.with_name(integrity.TMP_PREFIX + target.name)
     with _writing(target, tmp):
-        save_pretrained(model, tmp)
+        save_pretrained(model, tmp, quantize=quantize, dtype=dtype if quantize else None)
         tokenizer = Path(base) / TOKENIZER_FILE if base is not None else None
         if tokenizer is not None and tokenizer.is_file():
             shutil.copyfile(tokenizer, tmp / TOKENIZER_FILE)

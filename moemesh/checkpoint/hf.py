@@ -176,12 +176,19 @@ def hub_tensors(name: str, tensor: torch.Tensor, config: ModelConfig) -> dict[st
     return out
 
 
-def save_pretrained(model: MoECausalLM, path: str | os.PathLike, max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write a whole model as config.json and safetensors shards that transformers loads."""
+def save_pretrained(
+    model: MoECausalLM,
+    path: str | os.PathLike,
+    max_shard_bytes: int = 5 * 2**30,
+    quantize: str | None = None,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Write a whole model as config.json and safetensors shards that transformers loads (with
+    `quantize`, in that published layout, the other tensors in `dtype`: `write_pretrained`)."""
     state = model.state_dict()
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight")
-    write_pretrained(state.items(), model.config, path, max_shard_bytes)
+    write_pretrained(state.items(), model.config, path, max_shard_bytes, quantize=quantize, dtype=dtype)
 
 
 def _readable_by_all(file: Path) -> None:
