@@ -433,6 +433,10 @@ def check_lora_matches_single_process(rank, config, targets, dp, ep, tp):
     reference = lora_model(config, lora).double()
     ref_out = reference(input_ids, labels=labels)
     ref_out.loss.backward()
+    # Past the key/value heads (tp > kv heads) a copied head's gradients are summed over its ranks:
+    # qwen3-kv2-tp4's fp32 q_proj.lora_B (a small gradient) was 1.14e-5 from float64 on an AVX-512
+    # Xeon (2026-12-01; 1.04e-5 on the CPU the docstring names; one fp32 process: 2.6e-6): 2 × RTOL.
+    tolerance = 2 * RTOL if tp > config.num_key_value_heads else RTOL
 
     mesh = init_mesh(ParallelDims(dp_replicate=dp, ep=ep, tp=tp))
     model = apply_data_parallel(apply_tp(apply_ep(lora_model(config, lora), mesh), mesh), mesh)
@@ -469,7 +473,7 @@ def check_lora_matches_single_process(rank, config, targets, dp, ep, tp):
             else local_slice(name, full, mesh.rank("tp"), tp, kv_heads(reference, name))
         )
         assert param.shape == expected.shape, name
-        assert expected.norm() > 0 and rel_err(param.grad, expected) <= RTOL, name
+        assert expected.norm() > 0 and rel_err(param.grad, expected) <= tolerance, name
     return True
 
 

@@ -53,11 +53,11 @@ def load_for_generation(
     adapters (a PEFT directory or a LoRA run), laid out with their base, merged into its weights
     (each rank its shard, in fp32) and dropped: decoding then runs the base's kernels."""
     config, found = init_source(path)
-    if tokenizer is None:
-        tokenizer, origin = (str(found), "the checkpoint's") if found is not None else ("bytes", "the default")
+    if tokenizer is None and found is None:  # no tokenizer anywhere: bytes, for a model of any vocabulary
+        tokenizer = load_tokenizer("bytes")  # (one smaller than 256 takes token-id prompts)
     else:
-        origin = "--tokenizer"
-    tokenizer = model_tokenizer(tokenizer, config.vocab_size, origin)  # before the weights are read
+        name, origin = (tokenizer, "--tokenizer") if tokenizer is not None else (str(found), "the checkpoint's")
+        tokenizer = model_tokenizer(name, config.vocab_size, origin)  # before the weights are read
     if adapter is not None:
         adapter = read_adapter(adapter, config)
     model = _laid_out(config, device, dtype, mesh, adapter, whole_experts)
