@@ -13,3 +13,31 @@ GPT_OSS_MXFP4 = {
         "lm_head",
     ],
 }
+# llm-compressor's block FP8 (compressed-tensors), the router and head left as stored
+COMPRESSED_TENSORS = {
+    "quant_method": "compressed-tensors",
+    "format": "float-quantized",
+    "quantization_status": "compressed",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {
+                "num_bits": 8,
+                "type": "float",
+                "strategy": "block",
+                "block_structure": [128, 128],
+                "symmetric": True,
+                "dynamic": False,
+            },
+            "input_activations": {
+                "num_bits": 8,
+                "type": "float",
+                "strategy": "group",
+                "group_size": 128,
+                "dynamic": True,
+            },
+        }
+    },
+    "ignore": ["lm_head", "re:.*mlp.gate$"],
+    "kv_cache_scheme": None,
+}

@@ -42,7 +42,7 @@ from moemesh.checkpoint.quantized import (
 from moemesh.checkpoint.quantized_layout import dequantized
 from moemesh.cli import main
 from moemesh.errors import CheckpointError
-from published_quantization import FP8, GPT_OSS_MXFP4
+from published_quantization import COMPRESSED_TENSORS, FP8, GPT_OSS_MXFP4
 
 E2M1_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]  # codes 0-7; 8-15 their negatives
 
@@ -200,25 +200,12 @@ def test_fp8_of_a_module_left_unconverted_is_read_as_stored(tmp_path):
 
 
 def test_compressed_tensors_block_fp8_is_the_same_arithmetic(tmp_path):
-    config = {
-        "quant_method": "compressed-tensors",
-        "format": "float-quantized",
-        "quantization_status": "compressed",
-        "config_groups": {
-            "group_0": {
-                "targets": ["Linear"],
-                "weights": {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]},
-                "input_activations": {"num_bits": 8, "type": "float", "strategy": "group", "dynamic": True},
-            }
-        },
-        "ignore": ["lm_head", "re:.*mlp.gate$"],
-    }
     weight, scale = random_fp8(300, 160), torch.rand(3, 2).bfloat16()
     router = torch.randn(4, 160).bfloat16()
     tensors = lazy_tensors(
         tmp_path,
         {"l.mlp.down_proj.weight": weight, "l.mlp.down_proj.weight_scale": scale, "l.mlp.gate.weight": router},
-        config,
+        COMPRESSED_TENSORS,
     )
     assert torch.equal(read(tensors["l.mlp.down_proj.weight"]), reference_fp8(weight, scale))
     assert torch.equal(read(tensors["l.mlp.gate.weight"]), router.float())

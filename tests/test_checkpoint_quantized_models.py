@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from moemesh.checkpoint.load import from_pretrained
 from moemesh.cli import main
-from published_quantization import FP8, GPT_OSS_MXFP4
+from published_quantization import COMPRESSED_TENSORS, FP8, GPT_OSS_MXFP4
 from test_checkpoint_quantized import (
     reference_fp8,
     reference_mxfp4,
@@ -38,33 +38,6 @@ from test_checkpoint_quantized import (
 
 WORLD = 2
 ATOL = 1e-5
-COMPRESSED_TENSORS = {
-    "quant_method": "compressed-tensors",
-    "format": "float-quantized",
-    "quantization_status": "compressed",
-    "config_groups": {
-        "group_0": {
-            "targets": ["Linear"],
-            "weights": {
-                "num_bits": 8,
-                "type": "float",
-                "strategy": "block",
-                "block_structure": [128, 128],
-                "symmetric": True,
-                "dynamic": False,
-            },
-            "input_activations": {
-                "num_bits": 8,
-                "type": "float",
-                "strategy": "group",
-                "group_size": 128,
-                "dynamic": True,
-            },
-        }
-    },
-    "ignore": ["lm_head", "re:.*mlp.gate$"],
-    "kv_cache_scheme": None,
-}
 # vocabulary: the byte tokenizer's, for `moemesh generate` and `train.init_from`
 COMMON = dict(vocab_size=256, num_hidden_layers=2, initializer_range=0.1, tie_word_embeddings=False)
 

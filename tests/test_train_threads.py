@@ -134,5 +134,5 @@ def test_a_resumed_run_computes_on_the_threads_of_the_run_it_resumes(tmp_path, m
     shutil.rmtree(run / "checkpoints" / "step_4")
     stream = io.StringIO()
     trainer.train(tiny_config(run, corpus, steps=4, save_every=2, resume=True, threads=2), stream=stream)
-    assert "the resumed run computed on 1, so its losses from here may differ" in stream.getvalue()
+    assert "the run it resumes computed on 1, so its losses from here may differ" in stream.getvalue()
     assert seen[-2:] == [2, 2]

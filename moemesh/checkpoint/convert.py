@@ -32,7 +32,7 @@ from moemesh.checkpoint import integrity
 from moemesh.checkpoint.adapters import PEFT_CONFIG, read_adapter, read_adapter_base, write_peft
 from moemesh.checkpoint.dcp import TOKENIZER_FILE, _load, resolve_checkpoint, save_checkpoint, tokenizer_files
 from moemesh.checkpoint.hf import read_config, save_pretrained, write_pretrained
-from moemesh.checkpoint.load import hf_state, is_hf_directory, load_model, read_model_config
+from moemesh.checkpoint.load import hf_state, is_hf_directory, load_model, read_hf_tensor, read_model_config
 from moemesh.checkpoint.quantized_layout import QuantizedWriter
 from moemesh.errors import CheckpointError
 from moemesh.models import ModelConfig
@@ -127,12 +127,10 @@ def export_merged(
     adapter.attach(model)
     adapter.load_into(model)
     merge_adapters(model)
-    if dtype is not None and not quantize:
-        model.to(dtype)
     target = Path(target)
     tmp = target.with_name(integrity.TMP_PREFIX + target.name)
     with _writing(target, tmp):
-        save_pretrained(model, tmp, quantize=quantize, dtype=dtype if quantize else None)
+        save_pretrained(model, tmp, quantize=quantize, dtype=dtype)
         tokenizer = Path(base) / TOKENIZER_FILE if base is not None else None
         if tokenizer is not None and tokenizer.is_file():
             shutil.copyfile(tokenizer, tmp / TOKENIZER_FILE)
@@ -169,10 +167,7 @@ def _hf_tensors(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Te
     dequantized in float32)."""
     for name, lazy in hf_state(path, config).items():
         tensor = torch.empty(lazy.shape, dtype=lazy.dtype)
-        try:
-            lazy.read_into(tensor)
-        except Exception as error:  # a file truncated or damaged after its header
-            raise CheckpointError(f"{path}: cannot read {name!r} ({error})") from None
+        read_hf_tensor(path, name, lazy, tensor)
         yield name, tensor
 
 
@@ -203,9 +198,8 @@ def _writing(target: Path, tmp: Path):
     behind and says so in one line; so does one whose source fails to read."""
     try:
         yield
-    except OSError as e:
+    except BaseException as e:  # a source that fails to read half-way too: no half-written target
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"cannot write {target}: {e.strerror or e}") from None
-    except BaseException:  # a source that fails to read half-way: no half-written target either
-        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise CheckpointError(f"cannot write {target}: {e.strerror or e}") from None
         raise

@@ -99,10 +99,15 @@ def _load_hf(model: MoECausalLM, path: Path) -> None:
     for name, target in model.state_dict(keep_vars=True).items():
         if name in tensors:  # not the tied head
             local, _, index = local_view(target)
-            try:
-                tensors[name].read_into(local, index)
-            except Exception as error:  # a file truncated or damaged after its header
-                raise CheckpointError(f"{path}: cannot read {name!r} ({error})") from None
+            read_hf_tensor(path, name, tensors[name], local, index)
+
+
+def read_hf_tensor(path: Path, name: str, tensor: Lazy, into: torch.Tensor, index=None) -> None:
+    """Read `tensor` (its block `index`; None: whole) into `into`, a damaged file named in one line."""
+    try:
+        tensor.read_into(into, index)
+    except Exception as error:  # a file truncated or damaged after its header
+        raise CheckpointError(f"{path}: cannot read {name!r} ({error})") from None
 
 
 def hf_state(path: Path, model_config: ModelConfig) -> dict[str, Lazy]:

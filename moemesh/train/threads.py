@@ -4,7 +4,7 @@ Why: torch starts one thread per physical core, and its ops meet at a barrier af
 loop. When other work holds some of the cores, the threads on them arrive late at every barrier
 and the others spin waiting: the default run on a 2-core machine with one core busy trained at 311
 tokens/s on torch's two threads and at 3.7k on one (2026-12-01). So a CPU run counts the cores
-that were idle while it started (from /proc/stat, over a fifth of a second) and computes on that
+that were idle while it started (from /proc/stat, over a tenth of a second) and computes on that
 many, never more than torch's default, at least one; the ranks of a run launched on one machine
 share them. `train.threads` (first) or `OMP_NUM_THREADS` set the number instead.
 
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-SAMPLE_S = 0.2  # how long the cores are watched at the start
+SAMPLE_S = 0.1  # how long the cores are watched at the start: 10 of the kernel's 10-ms ticks a core
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,9 @@ class Threads:
     count: int
     why: str  # said in the run's first lines: where the number came from
     chosen_here: bool = True  # False: set by train.threads or OMP_NUM_THREADS, not by the machine's load
+
+    def __str__(self) -> str:
+        return f"{self.count} thread{'s' if self.count > 1 else ''}: {self.why}"
 
 
 def idle_cores(sample_s: float = SAMPLE_S, stat_path: str = "/proc/stat") -> float | None:

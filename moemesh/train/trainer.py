@@ -133,7 +133,7 @@ def _set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None
 
 
 class Trainer:
-    def __init__(self, config: RunConfig, stream: TextIO | None = None):
+    def __init__(self, config: RunConfig, stream: TextIO | None = None, threads: Threads | None = None):
         self.config = resolve_device(config)
         self.train_config = train = config.train
         parallel = config.parallel
@@ -207,7 +207,7 @@ class Trainer:
         if self.gathers:
             start_capacity(self.model, parallel.ep_capacity)
         self.notes: list[str] = []  # said between progress lines (`run`)
-        self.threads: Threads | None = None  # a CPU run's, as `train` chose them (said in the first lines)
+        self.threads = threads  # a CPU run's, as `train` chose them (said in the first lines)
         self.step = 0
         self.data_position = 0  # sequences of the training order consumed so far
         self.bad_steps = 0  # skipped steps in a row (non-finite loss or gradient norm), up to now
@@ -431,8 +431,13 @@ class Trainer:
         return path
 
     def restore(self, path: Path) -> None:
-        trainer = {"step": 0, "data_position": 0, "bad_steps": 0, "threads": torch.get_num_threads()}
-        trainer.update(_rng_state(self.device))
+        trainer = {
+            "step": 0,
+            "data_position": 0,
+            "bad_steps": 0,
+            "threads": torch.get_num_threads(),
+            **_rng_state(self.device),
+        }
         if (path / LORA_FILE).is_file() and not self.lora.enabled:
             raise CheckpointError(
                 f"{path} holds LoRA adapters ({LORA_FILE}), but this run trains the whole model: resume it with "
@@ -459,7 +464,7 @@ class Trainer:
             self._say(f"threads {saved}: {self.threads.why} (train.threads sets another)")
         else:
             self._say(
-                f"threads {self.threads.count} ({self.threads.why}); the resumed run computed on {saved}, so "
+                f"threads {self.threads.count} ({self.threads.why}); the run it resumes computed on {saved}, so "
                 "its losses from here may differ from an uninterrupted run's in the last bits"
             )
 
@@ -531,7 +536,7 @@ class Trainer:
             f"{format_count(len(self.dataset.train_tokens))} training tokens, "
             f"{format_count(len(self.dataset.val_tokens))} validation tokens"
         )
-        threads = f" ({_threads(self.threads)})" if self.threads is not None else ""
+        threads = f" ({self.threads})" if self.threads is not None else ""
         self._say(
             f"train   {train.steps} steps × {train.global_batch} sequences × {train.seq_len} tokens "
             f"on {self.device}{threads} in {train.dtype}; run directory {self.run_dir}"
@@ -665,10 +670,6 @@ class Trainer:
         )
 
 
-def _threads(threads: Threads) -> str:
-    return f"{threads.count} thread{'s' if threads.count > 1 else ''}: {threads.why}"
-
-
 def _non_finite(record: dict) -> str:
     """What is not finite in a skipped step's record: "loss nan and gradient norm nan", ..."""
     names = {"loss": "loss", "grad_norm": "gradient norm"}
@@ -680,8 +681,7 @@ def train(config: RunConfig, stream: TextIO | None = None) -> TrainResult:
     config = resolve_device(config)
     try:
         with cpu_threads(torch.device(config.train.device), config.train.threads) as threads:
-            trainer = Trainer(config, stream)
-            trainer.threads = threads
+            trainer = Trainer(config, stream, threads)
             return trainer.run()
     finally:
         if trainer is not None:
