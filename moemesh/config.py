@@ -112,8 +112,12 @@ class RunConfig:
     @property
     def step_shape(self) -> StepShape:
         """What the parallel layout depends on of a step (`train.dtype` resolved), LoRA's frozen base
-        included."""
-        return dataclasses.replace(self.train.step_shape, frozen_base=self.lora.enabled)
+        included, and the format it is kept in when the model's config.json (or the run config's
+        [model.quantization_config]) names one."""
+        method = (self.model.extra.get("quantization_config") or {}).get("quant_method", "")
+        quantized = {"fp8": "fp8", "compressed-tensors": "fp8", "mxfp4": "mxfp4"}.get(method, "")
+        kept = quantized if self.lora.enabled and self.lora.keep_quantized else ""
+        return dataclasses.replace(self.train.step_shape, frozen_base=self.lora.enabled, quantized_base=kept)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         model = {name: getattr(self.model, name) for name in ModelConfig.field_names()}
@@ -342,10 +346,18 @@ def _unknown_key(key: str, candidates: list[str] | None = None) -> typing.NoRetu
 
 def _build_model(values: dict[str, Any]) -> ModelConfig:
     model = ModelConfig.from_hf_dict(values)
-    # ModelConfig keeps unrecognised config.json fields in `extra`; in a run config they are typos.
+    # ModelConfig keeps unrecognised config.json fields in `extra`; in a run config they are typos,
+    # but for the few that published config.json files carry and moemesh does not use.
     for key in model.extra:
-        _unknown_key(f"model.{key}", [f"model.{name}" for name in ModelConfig.field_names()])
+        if key not in PUBLISHED_UNUSED:
+            _unknown_key(f"model.{key}", [f"model.{name}" for name in ModelConfig.field_names()])
     return model
+
+
+# config.json keys of published checkpoints that a run config may copy as they are: the quantization
+# the checkpoint is stored in (train.init_from reads the checkpoint's own; `estimate` counts a LoRA
+# run's base in it), gpt-oss's duplicate of num_experts_per_tok and its pre-YaRN context length.
+PUBLISHED_UNUSED = ("quantization_config", "experts_per_token", "initial_context_length")
 
 
 def _build_section(section: str, cls: type, values: dict[str, Any]):

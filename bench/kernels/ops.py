@@ -10,6 +10,7 @@
     PYTHONPATH=. python3 bench/kernels/ops.py --invariant-attention   # only: batch-invariant attention's tiles
     PYTHONPATH=. python3 bench/kernels/ops.py --gemv-tiles        # only: decoding's projections (ops/gemv.py)
     PYTHONPATH=. python3 bench/kernels/ops.py --selected-tiles    # only: batch-invariant decode's experts
+    PYTHONPATH=. python3 bench/kernels/ops.py --dequantize-tiles  # only: a quantized bank's dequantization
     PYTHONPATH=. python3 bench/kernels/ops.py --grid-barrier      # only: a dependent launch against a grid barrier
 
 Prints: effective bandwidth of permute / combine / swiglu (forward and backward) as a fraction of
@@ -905,6 +906,42 @@ def no_grad_linear(x, w):
     return invariant.linear(x, w)
 
 
+def dequantize_tile_rows(copy_gbps):
+    """A LoRA run's quantized expert bank dequantized to bf16 (ops/quantized_weight.py): the
+    Qwen3-30B-A3B gate_up bank in block FP8 and gpt-oss-120b's in MXFP4, per program tile."""
+    from moemesh.checkpoint.quantized import quantize_fp8, quantize_mxfp4
+    from moemesh.ops.quantized_weight import FP8_TILE, QuantizedWeight, dequantize_reference, dequantize_triton
+
+    experts = 8 if SMOKE else 128
+    banks = {}
+    for fmt, (rows, cols) in (("fp8", (1536, 2048)), ("mxfp4", (5760, 2880))):
+        rows, cols = (rows // 16, 64) if SMOKE else (rows, cols)
+        codes, scales = [], []
+        for _ in range(0, experts, 8):
+            w = torch.randn(8, rows, cols, device=DEVICE) * 0.02
+            q, s = quantize_fp8(w) if fmt == "fp8" else quantize_mxfp4(w)
+            codes.append(q)
+            scales.append(s.repeat_interleave(FP8_TILE, -2)[..., :rows, :].contiguous() if fmt == "fp8" else s)
+        banks[fmt] = QuantizedWeight(fmt, torch.cat(codes), torch.cat(scales))
+    report("quantized bank -> bf16, GB/s (codes and scales read + bf16 written) and vs the device copy:")
+    report(f"  {'format':<6} {'bank':<18} {'rows x cols x warps':<20} {'ms':>8} {'GB/s':>8} {'vs copy':>8}  exact")
+    for fmt, bank in banks.items():
+        moved = bank.nbytes + bank.numel() * 2
+        reference = dequantize_reference(bank.experts(slice(0, 2)), torch.bfloat16)
+        for tile in [
+            (r, c, w, b)
+            for b in (False, True)
+            for r, c, w in ((16, 128, 4), (16, 512, 8), (32, 256, 4), (8, 1024, 8), (64, 128, 8))
+        ]:
+            ms = bench_ms(lambda t=tile: dequantize_triton(bank, torch.bfloat16, t))
+            exact = torch.equal(dequantize_triton(bank.experts(slice(0, 2)), torch.bfloat16, tile), reference)
+            shape = "x".join(map(str, bank.shape))
+            report(
+                f"  {fmt:<6} {shape:<18} {'x'.join(map(str, tile)):<20} {ms:>8.3f} {moved / ms / 1e6:>8.0f} "
+                f"{moved / ms / 1e6 / copy_gbps:>8.0%}  {exact}"
+            )
+
+
 def launch_rows() -> None:
     """--launches: what a call costs the host (µs, tiny operands, 2,000 calls queued and then one
     sync), for the ops a training step in batch-invariant mode launches in place of the default
@@ -954,6 +991,7 @@ def main():
         ("--invariant-attention", "batch-invariant attention's tiles"),
         ("--gemv-tiles", "decoding's projections (ops/gemv.py)"),
         ("--selected-tiles", "batch-invariant decode's experts"),
+        ("--dequantize-tiles", "a quantized bank's dequantization (LoRA on a quantized base)"),
         ("--grid-barrier", "a dependent launch against a grid barrier"),
     ):
         only.add_argument(flag, action="store_true", help=f"only: {what}")
@@ -979,6 +1017,7 @@ def main():
         (args.expert_tiles, expert_tile_rows),
         (args.gemv_tiles, gemv_tile_rows),
         (args.selected_tiles, selected_tile_rows),
+        (args.dequantize_tiles, dequantize_tile_rows),
     ):
         if only:
             rows(copy_gbps)

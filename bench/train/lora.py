@@ -84,6 +84,9 @@ def model_config(args) -> ModelConfig:
         config = read_model_config(args.hf)
     elif args.config:
         config = load_config(args.config).model
+    elif args.shape != "qwen3_30b_a3b":
+        config = load_config(f"configs/{args.shape}.toml", launched=False).model
+        config = config.replace(num_hidden_layers=args.layers or config.num_hidden_layers)
     else:
         config = qwen3_30b_a3b(args.layers)
     return config.replace(max_position_embeddings=max(config.max_position_embeddings, args.seq))
@@ -115,10 +118,13 @@ def peft_model(config: ModelConfig, args, experts: bool, device, dtype):
 # ---- moemesh -----------------------------------------------------------------------------------
 
 
-def moemesh_model(config: ModelConfig, args, experts: bool, recompute: str, device, dtype):
+def moemesh_model(config: ModelConfig, args, experts: bool, recompute: str, device, dtype, base: str = "bf16"):
     model = meta_model(config, dtype)  # the frozen base in the compute dtype
-    apply_lora(model, LoraConfig(rank=args.rank, alpha=args.alpha, targets=ATTENTION, experts=experts), torch.float32)
+    adapters = LoraConfig(rank=args.rank, alpha=args.alpha, targets=ATTENTION, experts=experts)
+    apply_lora(model, adapters, getattr(torch, args.adapter_dtype))
     model.activation_checkpointing = recompute
+    if base != "bf16":
+        random_quantized_base(model, base, device, args.seed)
     model.to_empty(device=device)
     model.tie_weights()
     if args.hf:
@@ -138,6 +144,46 @@ def moemesh_model(config: ModelConfig, args, experts: bool, recompute: str, devi
             return model(ids, labels=ids, return_logits=False).loss
 
     return model, forward
+
+
+@torch.no_grad()
+def random_quantized_base(model, base: str, device, seed: int) -> None:
+    """The frozen weights a published checkpoint of `base` quantizes (fp8: every projection and
+    expert bank; mxfp4: the expert banks), as QuantizedWeights of random N(0, 0.02) weights made on
+    the GPU, a few experts at a time (what `lora.keep_quantized` keeps from a checkpoint)."""
+    from moemesh.checkpoint.quantized import quantize_fp8, quantize_mxfp4
+    from moemesh.models.moe import EXPERT_BANKS, Experts
+    from moemesh.ops.linear import Linear
+    from moemesh.ops.quantized_weight import FP8_TILE, QuantizedWeight
+
+    generator = torch.Generator(device).manual_seed(seed)
+    for name, module in model.named_modules():
+        if isinstance(module, Experts):
+            banks = EXPERT_BANKS
+        elif isinstance(module, Linear) and base == "fp8" and not name.endswith("lm_head"):
+            banks = ("weight",)
+        else:
+            continue
+        for bank in banks:
+            param = getattr(module, bank)
+            shape = param.shape if param.ndim == 3 else (1, *param.shape)
+            codes, scales = [], []
+            for first in range(0, shape[0], 8):
+                w = torch.randn(min(8, shape[0] - first), *shape[1:], device=device, generator=generator) * 0.02
+                if base == "fp8":
+                    q, tiles = quantize_fp8(w)
+                    codes.append(q)
+                    scales.append(tiles.repeat_interleave(FP8_TILE, -2)[..., : shape[1], :].contiguous())
+                else:
+                    q, e8m0 = quantize_mxfp4(w)
+                    codes.append(q)
+                    scales.append(e8m0)
+                del w
+            codes, scales = torch.cat(codes), torch.cat(scales)
+            if param.ndim == 2:
+                codes, scales = codes[0], scales[0]
+            del module._parameters[bank]
+            setattr(module, bank, QuantizedWeight(base, codes, scales, param.dtype))
 
 
 # ---- one variant ---------------------------------------------------------------------------------
@@ -324,7 +370,18 @@ def print_op_counts(config: ModelConfig, args) -> None:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--layers", type=int, help="decoder layers (default: the shape's, 48 for Qwen3-30B-A3B)")
+    parser.add_argument(
+        "--shape",
+        default="qwen3_30b_a3b",
+        choices=["qwen3_30b_a3b", "gpt_oss_20b", "gpt_oss_120b"],
+        help="the model's shape (gpt-oss: configs/gpt_oss_*.toml), random weights",
+    )
+    parser.add_argument(
+        "--base",
+        default="bf16",
+        help="moemesh's frozen base, comma-separated: bf16, fp8 (block FP8), mxfp4 (the experts), kept quantized",
+    )
     parser.add_argument("--hf", help="a Hugging Face directory to read the model from (both sides)")
     parser.add_argument("--config", help="take the model from this run config (configs/tiny.toml: a CPU smoke run)")
     parser.add_argument("--seq", type=int, help="tokens a sequence (default 4096; 256 with --count-ops)")
@@ -343,6 +400,12 @@ def main():
         default="off",
         help="moemesh's forward and backward as one CUDA graph (train.cuda_graphs)",
     )
+    parser.add_argument(
+        "--adapter-dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="moemesh's adapters and their AdamW state (train.param_dtype)",
+    )
     parser.add_argument("--skip-peft", action="store_true", help="moemesh alone (no transformers + PEFT rows)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
@@ -360,6 +423,8 @@ def main():
     add_record_flag(parser)
     args = parser.parse_args()
     args.seq = args.seq or (4096 if args.count_ops is None else 256)
+    if args.shape == "qwen3_30b_a3b" and not (args.hf or args.config):
+        args.layers = args.layers or 48
     if args.count_ops is not None:
         if HAVE_TRITON and not INTERPRETED:  # the interpreter is chosen at import: start again with it
             env = {**os.environ, "TRITON_INTERPRET": "1", "MOEMESH_KERNELS": "triton"}
@@ -379,20 +444,22 @@ def main():
             rows.append(run_variant(version, targets, model, forward, args, config, device))
             del model, forward
             free()
-        for recompute in [mode for mode in args.recompute.split(",") if mode]:
-            for graphed in {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graph]:
-                model, forward = moemesh_model(config, args, experts, recompute, device, dtype)
-                name = f"moemesh ({recompute} recompute{', CUDA graph' if graphed else ''})"
-                rows.append(run_variant(name, targets, model, forward, args, config, device, graphed))
-                del model, forward
-                free()
+        for base in args.base.split(","):
+            for recompute in [mode for mode in args.recompute.split(",") if mode]:
+                for graphed in {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graph]:
+                    model, forward = moemesh_model(config, args, experts, recompute, device, dtype, base)
+                    name = f"moemesh ({base} base, {recompute} recompute{', CUDA graph' if graphed else ''})"
+                    rows.append(run_variant(name, targets, model, forward, args, config, device, graphed))
+                    rows[-1]["_base"] = base
+                    del model, forward
+                    free()
     if not args.skip_peft:
         for row in rows:
             peer = next(
                 r for r in rows if r["LoRA on"] == row["LoRA on"] and r["implementation"].startswith("transformers")
             )
             row["tokens/s vs PEFT"] = f"{row['_tps'] / peer['_tps']:.2f}x"
-    source = args.hf or args.config or f"{args.layers}-layer Qwen3-30B-A3B shape, random weights"
+    source = args.hf or args.config or f"{config.num_hidden_layers}-layer {args.shape} shape, random weights"
     print(
         f"device: {describe_device(device)}; model: {source}; {args.batch}×{args.seq} tokens per step; "
         f"LoRA r={args.rank} alpha={args.alpha:g}; base {str(dtype).removeprefix('torch.')}, frozen"
@@ -403,19 +470,27 @@ def main():
 
 
 def record_rows(args, rows: list[dict]) -> None:
-    """--record: for each adapter set, the fastest moemesh row's tokens/s and peak memory beside
-    transformers + PEFT's."""
+    """--record: for each adapter set and base, the fastest moemesh row's tokens/s and peak memory
+    beside its peer of the same run: for the bf16 base transformers + PEFT's (not recorded
+    without it), for a quantized base the bf16 base's fastest row, where the run has one."""
     for targets in args.targets.split(","):
-        ours = [r for r in rows if r["LoRA on"] == targets and r["implementation"].startswith("moemesh")]
-        if not ours:
-            continue
-        best = max(ours, key=lambda r: r["_tps"])
-        peer = next((r for r in rows if r["LoRA on"] == targets and r not in ours), None)
-        name = "transformers+peft" if peer else ""
-        at = {**model_at(args), "targets": targets}
-        record("lora tokens/s", at, best["_tps"], "tokens/s", name, peer and peer["_tps"])
-        if best["_peak"] is not None:
-            record("lora peak memory GiB", at, best["_peak"], "GiB", name, peer and peer["_peak"])
+        peft = next((r for r in rows if r["LoRA on"] == targets and "_base" not in r), None)
+        best = {}
+        for base in args.base.split(","):
+            ours = [r for r in rows if r["LoRA on"] == targets and r.get("_base") == base]
+            if ours:
+                best[base] = max(ours, key=lambda r: r["_tps"])
+        for base, row in best.items():
+            peer, name = (peft, "transformers+peft") if base == "bf16" else (best.get("bf16"), "moemesh bf16 base")
+            if base == "bf16" and peer is None:
+                continue
+            at = model_at(args) if args.shape == "qwen3_30b_a3b" or args.hf or args.config else {"model": args.shape}
+            at = {**at, "targets": targets, **({"base": base} if base != "bf16" else {})}
+            at = {**at, "tokens": args.batch * args.seq} if args.shape != "qwen3_30b_a3b" else at
+            name = name if peer else ""
+            record("lora tokens/s", at, row["_tps"], "tokens/s", name, peer and peer["_tps"])
+            if row["_peak"] is not None:
+                record("lora peak memory GiB", at, row["_peak"], "GiB", name, peer and peer["_peak"])
 
 
 if __name__ == "__main__":

@@ -212,3 +212,30 @@ class _Joined(Lazy):
             rest[self.dim_] = wanted[here] - self.offsets[s]
             # `index` increases, so a source's rows are one run of `out`
             self.sources[s]._read_into(out.narrow(self.dim_, int(here[0]), len(here)), tuple(rest))
+
+
+def map_leaves(tensor: Lazy, leaf) -> Lazy | None:
+    """The same recipe over other leaves: `leaf(t)` for each tensor read from a file (or a
+    quantized one, `quantized.py`), a Lazy of its shape; None where `leaf` gives None for any."""
+    if isinstance(tensor, _Indexed | _Transposed):
+        source = map_leaves(tensor.source, leaf)
+        if source is None:
+            return None
+        if isinstance(tensor, _Indexed):
+            return _Indexed(source, tensor.dim_, tensor.positions)
+        return _Transposed(source, *tensor.dims)
+    if isinstance(tensor, _Joined):
+        sources = [map_leaves(s, leaf) for s in tensor.sources]
+        return None if any(s is None for s in sources) else _Joined(sources, tensor.dim_, tensor.stacked)
+    return leaf(tensor)
+
+
+class Columns(Lazy):
+    """The column (last-dim index) of every element of `source` where it is stored: what a
+    recipe's reshuffles made of each element's place, as int64."""
+
+    def __init__(self, source: Lazy):
+        self.shape, self.dtype = source.shape, torch.int64
+
+    def _read_into(self, out, index):
+        out.copy_(index[-1].expand(out.shape))

@@ -62,12 +62,9 @@ import torch
 
 from moemesh.checkpoint.lazy import Lazy
 from moemesh.errors import CheckpointError
+from moemesh.ops.quantized_weight import E8M0, MX_GROUP, QuantizedWeight, dequantize_reference
 
 FP8_MAX = 448.0  # e4m3's largest finite value
-MX_GROUP = 32  # elements per MXFP4 scale
-E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
-# E8M0: byte b is 2^(b - 127) (b = 0: 2^-127, an fp32 subnormal, exact), 255 is NaN
-_E8M0 = torch.tensor([math.ldexp(1.0, b - 127) for b in range(255)] + [math.nan], dtype=torch.float32)
 _SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, getattr(torch, "float8_e8m0fnu", torch.float32))
 _ROWS = 2048  # rows dequantized at a time
 
@@ -191,9 +188,7 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """blocks U8 [..., out, G, 16] and scales U8 [..., out, G] -> fp32 [..., out, 32 G]."""
-    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # element 2j low, 2j+1 high
-    values = E2M1.to(blocks.device)[codes] * _E8M0.to(blocks.device)[scales.long()].unsqueeze(-1)
-    return values.flatten(-2)
+    return dequantize_reference(QuantizedWeight("mxfp4", blocks, scales), torch.float32)
 
 
 # ---- quantization, whole tensors ---------------------------------------------------------------
@@ -255,7 +250,7 @@ def _quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _, exponent = torch.frexp(amax)  # amax = m * 2^exponent, m in [0.5, 1): floor(log2(amax)) = exponent - 1
     shared = torch.where(amax > 0, exponent - 1 - 2, torch.full_like(exponent, -127)).clamp(-127, 127)
     scales = (shared + 127).to(torch.uint8)
-    x = groups / _E8M0[scales.long()].unsqueeze(-1)
+    x = groups / E8M0.to(groups.device)[scales.long()].unsqueeze(-1)
     magnitude = x.abs()
     code = torch.zeros_like(magnitude, dtype=torch.uint8)
     for midpoint, up in zip(_MIDPOINTS, _TIES_UP):
@@ -284,15 +279,23 @@ class BlockFp8(Lazy):
 
     def _read_into(self, out: torch.Tensor, index: tuple[torch.Tensor, ...]) -> None:
         for piece, at in _pieces(out, index):
-            *lead, rows, cols = at
             quantized = torch.empty([len(i) for i in at], dtype=self.weight.dtype)
             self.weight._read_into(quantized, at)
-            tile_rows, tile_cols = rows // self.block[0], cols // self.block[1]
-            grid_rows, grid_cols = tile_rows.unique(), tile_cols.unique()  # sorted: an index for `lazy`
-            scale = torch.empty([*(len(i) for i in lead), len(grid_rows), len(grid_cols)], dtype=torch.float32)
-            self.scale._read_into(scale, (*lead, grid_rows, grid_cols))
-            scale = scale.index_select(-2, torch.searchsorted(grid_rows, tile_rows))
-            piece.copy_(quantized.float() * scale.index_select(-1, torch.searchsorted(grid_cols, tile_cols)))
+            piece.copy_(quantized.float() * self.element_scales(at))
+
+    def element_scales(self, at: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The fp32 scale of each element of the block `at` (its tile's)."""
+        *lead, rows, cols = at
+        tile_rows, tile_cols = rows // self.block[0], cols // self.block[1]
+        grid_rows, grid_cols = tile_rows.unique(), tile_cols.unique()  # sorted: an index for `lazy`
+        scale = torch.empty([*(len(i) for i in lead), len(grid_rows), len(grid_cols)], dtype=torch.float32)
+        self.scale._read_into(scale, (*lead, grid_rows, grid_cols))
+        scale = scale.index_select(-2, torch.searchsorted(grid_rows, tile_rows))
+        return scale.index_select(-1, torch.searchsorted(grid_cols, tile_cols))
+
+    def parts(self) -> tuple[Lazy, Lazy]:
+        """The e4m3 codes and each element's fp32 scale, as tensors of this one's shape."""
+        return self.weight, _Part(self, torch.float32, lambda at: self.element_scales(at))
 
 
 class Mxfp4(Lazy):
@@ -315,14 +318,44 @@ class Mxfp4(Lazy):
 
     def _read_into(self, out: torch.Tensor, index: tuple[torch.Tensor, ...]) -> None:
         for piece, at in _pieces(out, index):
-            *lead, rows, cols = at
-            groups = (cols // MX_GROUP).unique()
-            blocks = torch.empty([*(len(i) for i in lead), len(rows), len(groups), MX_GROUP // 2], dtype=torch.uint8)
-            self.blocks._read_into(blocks, (*lead, rows, groups, torch.arange(MX_GROUP // 2)))
-            scales = torch.empty(blocks.shape[:-1], dtype=torch.uint8)
-            self.scales._read_into(scales, (*lead, rows, groups))
-            where = torch.searchsorted(groups, cols // MX_GROUP) * MX_GROUP + cols % MX_GROUP
+            blocks, scales, where = self._groups(at)
             piece.copy_(dequantize_mxfp4(blocks, scales).index_select(-1, where))
+
+    def _groups(self, at: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The bytes and scales of the 32-groups holding the block `at`, and where its columns are
+        among the groups' elements."""
+        *lead, rows, cols = at
+        groups = (cols // MX_GROUP).unique()
+        blocks = torch.empty([*(len(i) for i in lead), len(rows), len(groups), MX_GROUP // 2], dtype=torch.uint8)
+        self.blocks._read_into(blocks, (*lead, rows, groups, torch.arange(MX_GROUP // 2)))
+        scales = torch.empty(blocks.shape[:-1], dtype=torch.uint8)
+        self.scales._read_into(scales, (*lead, rows, groups))
+        return blocks, scales, torch.searchsorted(groups, cols // MX_GROUP) * MX_GROUP + cols % MX_GROUP
+
+    def parts(self) -> tuple[Lazy, Lazy]:
+        """Each element's E2M1 code (U8 0-15) and its group's E8M0 scale byte, as tensors of this
+        one's shape."""
+
+        def codes(at):
+            blocks, _, where = self._groups(at)
+            return torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-3).index_select(-1, where)
+
+        def scales(at):
+            _, scales, where = self._groups(at)
+            return scales.repeat_interleave(MX_GROUP, -1).index_select(-1, where)
+
+        return _Part(self, torch.uint8, codes), _Part(self, torch.uint8, scales)
+
+
+class _Part(Lazy):
+    """Something of each element of a quantized tensor (`parts`), read by the same pieces."""
+
+    def __init__(self, source: Lazy, dtype: torch.dtype, block):
+        self.shape, self.dtype, self.block = source.shape, dtype, block
+
+    def _read_into(self, out: torch.Tensor, index: tuple[torch.Tensor, ...]) -> None:
+        for piece, at in _pieces(out, index):
+            piece.copy_(self.block(at))
 
 
 def _pieces(out: torch.Tensor, index: tuple[torch.Tensor, ...]):

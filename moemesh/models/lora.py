@@ -72,6 +72,9 @@ class LoraConfig:
     # Start from these adapters (a PEFT directory or a LoRA run), which then say what is adapted
     # at which rank and alpha (rank, alpha, targets and experts are not used).
     init_from: str = ""
+    # A base read from a quantized checkpoint (block FP8, MXFP4: train.init_from) stays in its
+    # published bytes on the device, dequantized per product; false: read dense, as full training.
+    keep_quantized: bool = True
 
     @property
     def enabled(self) -> bool:

@@ -43,6 +43,7 @@ from moemesh.ops.expert_gemv import expert_gemv, expert_gemv_combine, expert_swi
 from moemesh.ops.grouped_mm import group_offsets, grouped_mm
 from moemesh.ops.linear import linear
 from moemesh.ops.low_rank import low_rank_factors
+from moemesh.ops.quantized_weight import QuantizedWeight
 from moemesh.ops.swiglu import clamped_swiglu
 from moemesh.ops.topk_softmax import choice_counts, routed, topk_softmax
 
@@ -281,20 +282,24 @@ class Experts(nn.Module):
         no biases then."""
         plain = self.activation is swiglu and self.gate_up_proj_bias is None
         num_experts = self.gate_up_proj.shape[0]
+        gate_up_proj, down_proj = (
+            bank.to(x.dtype) if isinstance(bank, QuantizedWeight) else bank
+            for bank in (self.gate_up_proj, self.down_proj)
+        )  # a LoRA run's quantized base (ops/quantized_weight.py), whole for the step
         if first_expert is not None and (self.gate_up_proj_bias is not None or self.down_proj_bias is not None):
             raise ValueError("the selected experts of one rank among several take no expert biases")
         first = first_expert or 0
         if plain and use_triton(x) and expert_ids.numel() <= PER_TOKEN_ROWS:
-            gated = expert_swiglu_gemv(x, self.gate_up_proj, expert_ids, first)
-            return expert_gemv_combine(gated, self.down_proj, expert_ids, weights, first, early_ids=True)
+            gated = expert_swiglu_gemv(x, gate_up_proj, expert_ids, first)
+            return expert_gemv_combine(gated, down_proj, expert_ids, weights, first, early_ids=True)
         if plain:
-            gated = expert_gemv(x, self.gate_up_proj, expert_ids, glu=True, first_expert=first)
+            gated = expert_gemv(x, gate_up_proj, expert_ids, glu=True, first_expert=first)
         else:
-            gate_up = expert_gemv(x, self.gate_up_proj, expert_ids, first_expert=first)
+            gate_up = expert_gemv(x, gate_up_proj, expert_ids, first_expert=first)
             if self.gate_up_proj_bias is not None:
                 gate_up = gate_up + self.gate_up_proj_bias[expert_ids.flatten()].to(gate_up.dtype)
             gated = self.activation(gate_up)
-        out = expert_gemv(gated, self.down_proj, expert_ids.view(-1, 1), first_expert=first)
+        out = expert_gemv(gated, down_proj, expert_ids.view(-1, 1), first_expert=first)
         if self.down_proj_bias is not None:
             out = out + (self.down_proj_bias[expert_ids.flatten()] * self.down_bias_share).to(out.dtype)
         return combine_pairs(out, expert_ids, weights, first, None if first_expert is None else num_experts)

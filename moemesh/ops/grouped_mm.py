@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from moemesh.ops import recompute, weight_grad
 from moemesh.ops.backend import autocast_inputs
+from moemesh.ops.quantized_weight import QuantizedWeight
 
 # torch >= 2.10 exposes the public name; 2.9 only the private one.
 _grouped_mm_kernel = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -62,6 +63,36 @@ def product(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor, of
     )
 
 
+def base_product(x: torch.Tensor, weight, group_sizes: torch.Tensor, offsets, transposed: bool = False) -> torch.Tensor:
+    """`product` with the bank `weight` (its [E, K, O] transpose, `transposed`) in x's dtype. A
+    quantized bank (ops/quantized_weight.py) is dequantized for the product: whole when that takes
+    at most `DENSE_BANK_BYTES`, else a run of experts at a time (the group sizes read on the host),
+    so that a bank of gpt-oss-120b's (4.2 GB in bf16) never lives whole beside the model."""
+    if isinstance(weight, QuantizedWeight) and weight.numel() * x.element_size() > DENSE_BANK_BYTES:
+        return _product_by_runs(x, weight, group_sizes, transposed)
+    dense = weight.to(x.dtype)
+    return product(x, dense.transpose(-2, -1) if transposed else dense, group_sizes, offsets)
+
+
+DENSE_BANK_BYTES = 2**30
+
+
+def _product_by_runs(x: torch.Tensor, weight, group_sizes: torch.Tensor, transposed: bool) -> torch.Tensor:
+    experts = weight.shape[0]
+    run = max(1, DENSE_BANK_BYTES * experts // (weight.numel() * x.element_size()))
+    *sizes, rest = _sizes_and_rest(group_sizes, len(x))
+    pieces, row = [], 0
+    for first in range(0, experts, run):
+        last = min(first + run, experts)
+        rows = sum(sizes[first:last])
+        dense = weight.experts(slice(first, last)).to(x.dtype)
+        here, runs = x.narrow(0, row, rows), group_sizes[first:last]
+        pieces.append(product(here, dense.transpose(-2, -1) if transposed else dense, runs, group_offsets(here, runs)))
+        row += rows
+    out_features = weight.shape[-1] if transposed else weight.shape[-2]
+    return torch.cat([*pieces, x.new_zeros(rest, out_features)])
+
+
 def _sizes_and_rest(group_sizes: torch.Tensor, rows: int) -> list[int]:
     """The group sizes on the host, and last the rows past the last group (a buffer that expert
     parallelism sized before knowing its routing: no group reads them, and their output is 0)."""
@@ -95,10 +126,10 @@ class _GroupedMM(torch.autograd.Function):
         groups = (group_sizes, offsets)
         if a is None:
             ctx.save_for_backward(x, group_sizes, offsets)
-            return recompute.kept(lambda: product(x, weight.to(x.dtype), *groups))
+            return recompute.kept(lambda: base_product(x, weight, *groups))
         low_rank = recompute.kept(lambda: product(x if x_low_rank is None else x_low_rank, a, *groups))
         ctx.save_for_backward(x, group_sizes, offsets, low_rank, x_low_rank)
-        return recompute.kept(lambda: product(x, weight.to(x.dtype), *groups).add_(product(low_rank, b, *groups)))
+        return recompute.kept(lambda: base_product(x, weight, *groups).add_(product(low_rank, b, *groups)))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -106,7 +137,7 @@ class _GroupedMM(torch.autograd.Function):
         weight, a, b, groups = ctx.weight, ctx.a, ctx.b, (group_sizes, offsets)
         needs_x, needs_weight, needs_a, needs_b, needs_x_r = ctx.needs_input_grad[:5]
         grad = grad.contiguous()
-        grad_x = product(grad, weight.to(x.dtype).transpose(-2, -1), *groups) if needs_x else None
+        grad_x = base_product(grad, weight, *groups, transposed=True) if needs_x else None
         grad_x_r = grad_low_rank = None
         if a is not None:
             low_rank, x_low_rank = rest

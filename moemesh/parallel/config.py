@@ -61,4 +61,5 @@ class StepShape:
     param_dtype: str = "float32"
     activation_checkpointing: str = "none"  # "full" or "selective" (ops/recompute.py)
     frozen_base: bool = False  # LoRA: the base keeps its weight alone (no gradient, no AdamW state)
+    quantized_base: str = ""  # LoRA on a quantized base kept so: "fp8" or "mxfp4" (its weights' bytes)
     whole_step: bool = False  # train.cuda_graphs: the step is captured as one CUDA graph

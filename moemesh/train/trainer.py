@@ -56,6 +56,7 @@ from moemesh.checkpoint.dcp import (
     training_state,
 )
 from moemesh.checkpoint.load import load_weights
+from moemesh.checkpoint.quantized_base import keep_base_quantized
 from moemesh.config import RunConfig, resolve_device
 from moemesh.data.dataset import load_dataset, rank_slice
 from moemesh.data.tokenizer import HFTokenizer
@@ -181,6 +182,9 @@ class Trainer:
         self.adapter_params = sum(p.numel() for name, p in self.model.named_parameters() if is_adapter(name))
         self.flops_per_token = flops_per_token(self.model, train.seq_len)
         layout = parallelize(self.model, self.mesh, parallel, self.config.step_shape)
+        self.kept_quantized = None  # a quantized base kept in its bytes (checkpoint/quantized_base.py)
+        if self.lora.enabled and self.lora.keep_quantized and train.init_from:
+            self.kept_quantized = keep_base_quantized(self.model, train.init_from, self.device)
         materialize(self.model, self.device, None if train.init_from else train.seed)
         if train.init_from and is_lora_checkpoint(train.init_from):
             raise ConfigError(
@@ -545,6 +549,8 @@ class Trainer:
             self._say(f"init    weights of {self.init_source} (optimizer and step afresh)")
         if self.lora.enabled:
             self._say(f"lora    {self._what_trains()}")
+        if self.kept_quantized is not None:
+            self._say(f"base    {self.kept_quantized.describe()}")
         if self.mesh.dims.world_size > 1:
             self._say(f"layout  {self.mesh.dims.describe()}")
         if self.kept_whole:

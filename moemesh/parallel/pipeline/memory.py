@@ -58,10 +58,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from moemesh.models.build import meta_model
 from moemesh.models.config import ModelConfig
+from moemesh.models.moe import EXPERT_BANKS, Experts
 from moemesh.models.transformer import MoECausalLM
+from moemesh.ops.linear import Linear
 from moemesh.ops.linear_cross_entropy import LOGITS_CHUNK_ELEMENTS
 from moemesh.parallel.config import ParallelConfig, StepShape
 from moemesh.parallel.expert import apply_ep, is_expert_parameter
@@ -149,22 +152,46 @@ def _items(model: MoECausalLM) -> list[list[tuple[str, torch.Tensor]]]:
     return items
 
 
-def rank_param_counts(config: ModelConfig, parallel: ParallelConfig) -> list[float]:
+def rank_param_counts(
+    config: ModelConfig, parallel: ParallelConfig, quantized: str = "", dtype_bytes: int = 2
+) -> list[float]:
     """Parameters one rank keeps of each item under the expert, tensor and fully sharded
     parallelism of `parallel`: the model laid out by EP and TP on the meta device (rank 0's view;
-    the others' differ by rounding at most), each tensor that FSDP splits counted at its share."""
+    the others' differ by rounding at most), each tensor that FSDP splits counted at its share.
+    `quantized` (a LoRA run's base kept in "fp8" or "mxfp4", `checkpoint/quantized_base.py`): the
+    weights the format stores count at their bytes' share of `dtype_bytes` (fp8: 1 B and a 4-byte
+    scale a row's 128 columns; mxfp4, the experts alone: half a byte and one a 32-group)."""
     dims = ParallelDims(dp_replicate=parallel.dp_replicate, dp_shard=parallel.dp_shard, ep=parallel.ep, tp=parallel.tp)
     mesh = Mesh(dims, None)  # shapes only: no process groups
     model = apply_tp(apply_ep(meta_model(config), mesh), mesh)
+    stored = quantized_names(meta_model(config), quantized)  # names before the layout swaps modules
+    share = QUANTIZED_BYTES.get(quantized, dtype_bytes) / dtype_bytes
     counts = []
     for item in _items(model):
         count = 0.0
         for name, param in item:
             parts = dims.dp_shard if is_expert_parameter(name) else dims.dp_shard * dims.ep
             split = dims.dp_shard > 1 and shard_dim(name, param, dims) is not None
-            count += param.numel() / parts if split else param.numel()
+            count += (param.numel() / parts if split else param.numel()) * (share if name in stored else 1.0)
         counts.append(count)
     return counts
+
+
+QUANTIZED_BYTES = {"fp8": 1 + 4 / 128, "mxfp4": 0.5 + 1 / 32}  # a weight's bytes a parameter, scales in
+
+
+def quantized_names(model: nn.Module, quantized: str) -> set[str]:
+    """The weights a published checkpoint of `quantized` stores so: fp8, every projection and
+    expert bank (not the head, the embeddings, norms or routers); mxfp4, the expert banks."""
+    if not quantized:
+        return set()
+    names = set()
+    for prefix, module in model.named_modules():
+        if isinstance(module, Experts):
+            names.update(f"{prefix}.{bank}" for bank in EXPERT_BANKS)
+        elif quantized == "fp8" and isinstance(module, Linear) and not prefix.endswith("lm_head"):
+            names.add(f"{prefix}.weight")
+    return names
 
 
 def profile_costs(
@@ -349,7 +376,7 @@ def run_costs(config: ModelConfig, parallel: ParallelConfig, step: StepShape) ->
         state_bytes_per_param(step),
         seq_len=step.seq_len,
         residual_bytes=residual_bytes,
-        rank_params=rank_param_counts(config, parallel),
+        rank_params=rank_param_counts(config, parallel, step.quantized_base, dtype_bytes),
         ep=parallel.ep,
         ep_capacity=ep_capacity,
     )

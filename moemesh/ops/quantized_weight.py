@@ -1,0 +1,266 @@
+"""A frozen weight kept in its published quantized form, dequantized when a product needs it.
+
+Why: a LoRA run on a quantized checkpoint (gpt-oss in MXFP4, DeepSeek-V3 or Qwen3-FP8 in block
+FP8) trains adapters only; its base is read-only, so it can stay in the bytes it was published in
+(a quarter or half of bf16's) and be dequantized per product, in the forward and again for the
+input's gradient in backward. It has no weight gradient. The products that take a base weight
+(`ops/linear.py`, `ops/grouped_mm.py`) call `weight.to(dtype)` on it, which for a `QuantizedWeight`
+is `dequantize`: the same dense tensor the checkpoint's formula gives (`checkpoint/quantized.py`),
+in the compute dtype, alive for one product. So a run on the quantized base computes exactly what
+the same run on the base dequantized to that dtype computes.
+
+Formats, per row (a rank's block of a tensor need not start on a tile row, so the scales of each
+row are kept; for block FP8 that is 128 times the tile grid's scales, under 3% of the codes):
+  fp8    codes e4m3 [..., R, C] and fp32 scales [..., R, ceil((offset + C) / 128)]: element (r, c)
+         is code * scales[r, (offset + c) // 128]; `offset` is where the block's first column
+         sits in its 128-wide tile (a TP slice that cuts a tile)
+  mxfp4  blocks U8 [..., R, C/32, 16] (two E2M1 codes a byte, element 2j low) and E8M0 scales U8
+         [..., R, C/32]: element (r, 32g + j) is E2M1[code] * 2^(scales[r, g] - 127)
+The kernel (`_dequantize_kernel`) decodes both from their bits in fp32 and writes the result in the
+output's dtype; `dequantize_reference` is the torch formula. Both give the fp32 product rounded
+once, so they agree bit for bit.
+
+Limits: frozen only (no gradient, no optimizer); not a torch.Tensor: FSDP does not shard it and
+distributed checkpoints do not save it (a LoRA run saves adapters only). A grouped GEMM
+dequantizes its whole bank for the product (one layer's bank in the compute dtype at a time).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from moemesh.ops.backend import tl, triton, use_triton
+
+FP8_TILE = 128  # block FP8's tile width (and height) in the published checkpoints
+MX_GROUP = 32  # elements per MXFP4 scale
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+# E8M0: byte b is 2^(b - 127) (b = 0: 2^-127, an fp32 subnormal, exact), 255 is NaN
+E8M0 = torch.tensor([math.ldexp(1.0, b - 127) for b in range(255)] + [math.nan], dtype=torch.float32)
+FORMATS = ("fp8", "mxfp4")
+
+
+@dataclass
+class QuantizedWeight:
+    """A weight of dense shape `shape` in `format` (module docstring), standing for a tensor of
+    `dtype`: what `.to(dtype)` returns."""
+
+    format: str
+    codes: torch.Tensor  # fp8: e4m3 [..., R, C]; mxfp4: U8 blocks [..., R, C/32, 16]
+    scales: torch.Tensor  # fp8: fp32 [..., R, tiles]; mxfp4: U8 [..., R, C/32]
+    dtype: torch.dtype = torch.bfloat16
+    offset: int = 0  # fp8: the first column's place in its tile
+    requires_grad = False
+
+    def __post_init__(self):
+        if self.format not in FORMATS:
+            raise ValueError(f"a quantized weight is one of {FORMATS}, not {self.format!r}")
+        if self.format == "fp8":
+            rows, cols = self.codes.shape[-2:]
+            tiles = -(-(self.offset + cols) // FP8_TILE)
+            if self.codes.dtype != torch.float8_e4m3fn or self.scales.shape != (*self.codes.shape[:-1], tiles):
+                raise ValueError(
+                    f"fp8 codes {tuple(self.codes.shape)} ({self.codes.dtype}) need e4m3 codes and fp32 scales "
+                    f"{(*self.codes.shape[:-1], tiles)}, got {tuple(self.scales.shape)}"
+                )
+            self.shape = self.codes.shape
+        else:
+            if self.codes.dtype != torch.uint8 or self.codes.shape[:-1] != self.scales.shape:
+                raise ValueError(
+                    f"mxfp4 blocks {tuple(self.codes.shape)} and scales {tuple(self.scales.shape)} do not fit"
+                )
+            self.shape = torch.Size((*self.codes.shape[:-2], self.codes.shape[-2] * MX_GROUP))
+
+    # ---- what the products read of a weight -------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.codes.is_cuda
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def dim(self) -> int:
+        return self.ndim
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes
+
+    def to(self, dtype: torch.dtype) -> torch.Tensor:
+        """The dense weight in `dtype` (the one products call)."""
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError("a quantized weight is converted to a dtype only (it stays on its device)")
+        return dequantize(self, dtype)
+
+    def experts(self, ids: torch.Tensor) -> QuantizedWeight:
+        """The entries `ids` of the leading dim (an expert bank's experts)."""
+        return QuantizedWeight(self.format, self.codes[ids], self.scales[ids], self.dtype, self.offset)
+
+    def __repr__(self) -> str:
+        return f"QuantizedWeight({self.format}, shape={tuple(self.shape)}, stands for {self.dtype})"
+
+
+def dense(weight, dtype: torch.dtype) -> torch.Tensor:
+    """`weight` (a tensor or a QuantizedWeight) as a tensor of `dtype`."""
+    return weight.to(dtype)
+
+
+def dequantize(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The dense weight in `dtype`: the Triton kernel where Triton runs, else the reference."""
+    if use_triton(weight.codes):
+        return dequantize_triton(weight, dtype)
+    return dequantize_reference(weight, dtype)
+
+
+def dequantize_reference(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The published formulas in fp32, then `dtype`."""
+    if weight.format == "fp8":
+        cols = weight.shape[-1]
+        scale = weight.scales.repeat_interleave(FP8_TILE, -1)[..., weight.offset : weight.offset + cols]
+        return (weight.codes.float() * scale).to(dtype)
+    blocks, scales = weight.codes, weight.scales
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # element 2j low, 2j+1 high
+    values = E2M1.to(blocks.device)[codes] * E8M0.to(blocks.device)[scales.long()].unsqueeze(-1)
+    return values.flatten(-2).to(dtype)
+
+
+# ---- the kernel --------------------------------------------------------------------------------
+# A program's tile: measured on an H200 (bench/kernels/ops.py --dequantize-tiles, 2026-12-01), the
+# Qwen3-30B-A3B gate_up bank in FP8 at 3.8 TB/s (89% of a copy), gpt-oss-120b's in MXFP4 at 2.9
+# (68%); 16 x 128 x 4 warps gave 3.2 and 2.2; reading each scale per element, 2.5 and 1.4.
+_BLOCK_ROWS, _BLOCK_COLS, _WARPS = 8, 1024, 8
+
+
+def dequantize_triton(
+    weight: QuantizedWeight, dtype: torch.dtype, tile: tuple[int, int, int] | None = None
+) -> torch.Tensor:
+    """The kernel; `tile`: (rows, columns, warps) a program (bench/kernels/ops.py --dequantize-tiles)."""
+    block_rows, block_cols, warps = tile or (_BLOCK_ROWS, _BLOCK_COLS, _WARPS)
+    *lead, cols = weight.shape
+    rows = math.prod(lead)
+    out = torch.empty(*lead, cols, dtype=dtype, device=weight.device)
+    if out.numel() == 0:
+        return out
+    codes = weight.codes.reshape(rows, -1)
+    if weight.format == "fp8":
+        codes = codes.view(torch.uint8)
+    scales = weight.scales.reshape(rows, -1)
+    grid = (triton.cdiv(rows, block_rows), triton.cdiv(cols, block_cols))
+    _dequantize_kernel[grid](
+        codes,
+        scales,
+        out.view(rows, cols),
+        rows,
+        cols,
+        codes.stride(0),
+        scales.stride(0),
+        weight.offset,
+        MXFP4=weight.format == "mxfp4",
+        ROUND_BF16=dtype == torch.bfloat16,
+        COMPILED=weight.is_cuda,
+        ALIGNED=weight.offset == 0 and block_cols % FP8_TILE == 0,
+        BLOCK_ROWS=block_rows,
+        BLOCK_COLS=block_cols,
+        num_warps=warps,
+    )
+    return out
+
+
+@triton.jit
+def _e4m3(bits):
+    """e4m3fn bits (int32 0-255) -> fp32, exactly: normal 2^(e-7)(1 + m/8), subnormal m 2^-9,
+    S.1111.111 NaN."""
+    sign = bits >> 7
+    exponent = (bits >> 3) & 15
+    mantissa = bits & 7
+    normal = ((sign << 31) | ((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+    subnormal = tl.where(sign == 1, -1.0, 1.0) * mantissa.to(tl.float32) * 0.001953125
+    value = tl.where(exponent == 0, subnormal, normal)
+    return tl.where((exponent == 15) & (mantissa == 7), float("nan"), value)
+
+
+@triton.jit
+def _e2m1(code):
+    """E2M1 codes (int32 0-15) -> fp32: 0, .5 (m < 2: m/2), else 2^(m/2 - 1)(1 + (m odd)/2)."""
+    magnitude = code & 7
+    low = magnitude.to(tl.float32) * 0.5
+    high = (((magnitude >> 1) + 126) << 23).to(tl.float32, bitcast=True) * (1.0 + (magnitude & 1).to(tl.float32) * 0.5)
+    value = tl.where(magnitude < 2, low, high)
+    return tl.where(code >= 8, -value, value)
+
+
+@triton.jit
+def _e8m0(exponent):
+    """E8M0 bytes (int32) -> 2^(b - 127) from its bits: b << 23; b = 0 the subnormal 2^-127 (bit
+    22: 2^22 x 2^-149); 255 NaN."""
+    scale = tl.where(exponent == 0, 1 << 22, exponent << 23).to(tl.float32, bitcast=True)
+    return tl.where(exponent == 255, float("nan"), scale)
+
+
+@triton.jit
+def _dequantize_kernel(
+    codes_ptr,
+    scales_ptr,
+    out_ptr,
+    rows,
+    cols,
+    code_stride,
+    scale_stride,
+    offset,
+    MXFP4: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    COMPILED: tl.constexpr,  # for a GPU, not the interpreter
+    ALIGNED: tl.constexpr,  # fp8: no column offset, BLOCK_COLS a multiple of the tile
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+):
+    row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    col = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    mask = (row[:, None] < rows) & (col[None, :] < cols)
+    row64 = row.to(tl.int64)[:, None]
+    if MXFP4:  # each byte read once for its two codes, each group's scale once
+        pair = tl.program_id(1) * (BLOCK_COLS // 2) + tl.arange(0, BLOCK_COLS // 2)
+        byte = tl.load(
+            codes_ptr + row64 * code_stride + pair[None, :], mask=(row[:, None] < rows) & (pair[None, :] < cols // 2)
+        ).to(tl.int32)
+        group = tl.program_id(1) * (BLOCK_COLS // 32) + tl.arange(0, BLOCK_COLS // 32)
+        exponent = tl.load(
+            scales_ptr + row64 * scale_stride + group[None, :],
+            mask=(row[:, None] < rows) & (group[None, :] < cols // 32),
+            other=127,
+        ).to(tl.int32)
+        values = tl.reshape(tl.join(_e2m1(byte & 15), _e2m1(byte >> 4)), (BLOCK_ROWS, BLOCK_COLS // 32, 32))
+        value = tl.reshape(values * _e8m0(exponent)[:, :, None], (BLOCK_ROWS, BLOCK_COLS))
+    else:
+        bits = tl.load(codes_ptr + row64 * code_stride + col[None, :], mask=mask, other=0)
+        if COMPILED:  # the GPU's conversion (exact: every e4m3 is an fp32)
+            value = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            value = _e4m3(bits.to(tl.int32))
+        if ALIGNED:  # the block's columns start on a tile: each tile's scale read once, broadcast
+            tile = tl.program_id(1) * (BLOCK_COLS // 128) + tl.arange(0, BLOCK_COLS // 128)
+            scale = tl.load(
+                scales_ptr + row64 * scale_stride + tile[None, :],
+                mask=(row[:, None] < rows) & (tile[None, :] < tl.cdiv(cols, 128)),
+                other=1.0,
+            )
+            value = tl.reshape(
+                tl.reshape(value, (BLOCK_ROWS, BLOCK_COLS // 128, 128)) * scale[:, :, None], (BLOCK_ROWS, BLOCK_COLS)
+            )
+        else:
+            value *= tl.load(scales_ptr + row64 * scale_stride + (col[None, :] + offset) // 128, mask=mask, other=1.0)
+    if ROUND_BF16 and not COMPILED:  # to nearest even by hand: Triton's interpreter truncates
+        bits = value.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        value = bits.to(tl.float32, bitcast=True)
+    tl.store(out_ptr + row64 * cols + col[None, :], value.to(out_ptr.dtype.element_ty), mask=mask)
