@@ -122,7 +122,8 @@ def test_sharegpt_prompt_completion_and_alpaca_rows(tmp_path, checkpoint):
         {"conversations": [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "the quick brown fox"}]}
     ] * 3
     out = data_output(tmp_path, checkpoint, write_rows(tmp_path / "sharegpt.jsonl", sharegpt))
-    text, spans = chatml([{"role": "user", "content": "hello"}, {"role": "assistant", "content": "the quick brown fox"}])
+    pair = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "the quick brown fox"}]
+    text, spans = chatml(pair)
     assert rows_of(out) == [expected_labels(tokenizer, text, spans)] * 2
 
     strings = [{"prompt": "def main():\n", "completion": "    return 0\n"}] * 3
@@ -149,7 +150,8 @@ def test_generation_markers_say_what_trains(tmp_path, checkpoint):
     """A template with {% generation %} blocks: the blocks train, whatever the turn-by-turn rule says."""
     marked = (
         "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}{% generation %}"
-        "{{ m.content }}<|im_end|>{% endgeneration %}{% else %}{{ m.content }}<|im_end|>{% endif %}{{ '\\n' }}{% endfor %}"
+        "{{ m.content }}<|im_end|>{% endgeneration %}{% else %}{{ m.content }}<|im_end|>{% endif %}"
+        "{{ '\\n' }}{% endfor %}"
     )
     (tmp_path / "marked.jinja").write_text(marked)
     data = write_rows(tmp_path / "chat.jsonl", [{"messages": m} for m in CONVERSATIONS])
@@ -177,7 +179,7 @@ THINKING = (
             [],
             "chat.jsonl line 2: \"messages\"[0]: unknown role 'robot'",
         ),
-        ([json.dumps({"messages": [{"role": "user", "content": "hi"}]})], [], "line 1: the conversation has no assistant"),
+        ([json.dumps({"messages": [{"role": "user", "content": "hi"}]})], [], "line 1: the conversation has no"),
         ([json.dumps({"conversations": [{"from": "alien", "value": "x"}]})], [], "unknown \"from\" 'alien'"),
         ([json.dumps({"question": "x"})], [], "cannot tell the data's format"),
         ([json.dumps({"messages": CONVERSATIONS[0]})], ["data.too_long=error", "train.seq_len=8"], "more than"),
