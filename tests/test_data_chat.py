@@ -316,3 +316,37 @@ def test_the_trainer_s_step_loss_is_a_mean_over_trained_tokens_whatever_the_micr
     for loss, grad in zip(losses, grads):
         assert abs(loss - alone) <= 1e-5 * alone
         assert ((grad - grads[0]).norm() / grads[0].norm()).item() <= 1e-5
+
+
+def test_the_checkpoint_carries_the_template_the_run_trained_with(tmp_path, checkpoint, capsys):
+    """data.chat_template travels into the checkpoint as chat_template.jinja (which a loaded
+    tokenizer's template prefers), so generate/serve chat as the run trained; a template whose end
+    of turn is not the tokenizer's eos is said, and a served chat stops at both."""
+    from moemesh.data.template import load_chat_template
+    from tiny_run import TINY_TRAIN
+
+    tokenizer_dir = tmp_path / "tok"
+    tokenizer_dir.mkdir()
+    (tokenizer_dir / "tokenizer.json").write_bytes((checkpoint / "tokenizer.json").read_bytes())
+    settings = json.loads((checkpoint / "tokenizer_config.json").read_text())
+    (tokenizer_dir / "tokenizer_config.json").write_text(json.dumps({**settings, "eos_token": "<|endoftext|>"}))
+    template = tmp_path / "chatml.jinja"
+    template.write_text(settings["chat_template"])
+    data = write_rows(tmp_path / "chat.jsonl", [{"messages": m} for m in CONVERSATIONS * 4])
+    args = [
+        "train",
+        "--set",
+        f"data.path={data}",
+        f"data.tokenizer={tokenizer_dir / 'tokenizer.json'}",
+        f"data.chat_template={template}",
+        f"model.vocab_size={VOCAB}",
+        *(f"train.{k}={v}" for k, v in {**TINY_TRAIN, "steps": 1, "seq_len": 96, "eval_every": 0}.items()),
+        f"train.run_dir={tmp_path / 'run'}",
+    ]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "chat    a turn ends with <|im_end|> (trained), not the tokenizer's eos <|endoftext|>" in out
+    saved = tmp_path / "run" / "checkpoints" / "step_1"
+    assert (saved / "chat_template.jinja").read_text() == settings["chat_template"]
+    loaded = load_chat_template(HFTokenizer(saved / "tokenizer.json"))
+    assert loaded.source == settings["chat_template"] and loaded.end_of_turn == "<|im_end|>"
