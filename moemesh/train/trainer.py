@@ -343,9 +343,12 @@ class Trainer:
             update_router_bias(self.model, 0.0, None)  # forget the warm-up's expert loads
         return list(self.captured(tokens))
 
-    def _micro_batch(self, micro_batch: torch.Tensor | Packed, share: float) -> MicroBatch:
+    def _micro_batch(self, micro_batch: torch.Tensor | Packed, share: float | None = None) -> MicroBatch:
+        """The pipeline's micro-batch; `share`: the step's labelled tokens over its micro-batches
+        (`_label_share`; None: this micro-batch's own)."""
         local, batch = self._local(micro_batch)
         tokens, labels, positions = _inputs(batch)
+        share = label_tokens(labels_of(micro_batch)) if share is None else share
         return MicroBatch(tokens, label_tokens(labels_of(local)), share, labels, positions)
 
     def _forward_backward(
@@ -435,7 +438,7 @@ class Trainer:
         auxiliary loss)."""
         what = f"the evaluation after step {self.step}"
         if self.pipeline is not None:
-            batches = [self._micro_batch(batch, label_tokens(labels_of(batch))) for batch in self.val_batches]
+            batches = [self._micro_batch(batch) for batch in self.val_batches]
             total = self._within_capacity(lambda: self.pipeline.evaluate(batches), what)
             tokens_in_all = sum(label_tokens(labels_of(batch)) for batch in self.val_batches)
             comm.all_reduce_sum_([total], self.mesh.group("batch"), kind="metrics")
