@@ -1,4 +1,4 @@
-"""The `moemesh` command: train, generate, serve, estimate, convert.
+"""The `moemesh` command: train, generate, serve, data, estimate, convert.
 
 A mistake in what the user gave (arguments, config, data, checkpoint) or a diverged run prints one
 line and exits with code 2; a collective that failed (a peer that stopped, died or timed out) prints
@@ -109,6 +109,24 @@ def _parser() -> argparse.ArgumentParser:
         help="read each step's tokens before launching the next (by default the next is launched first, so "
         "that the host's work between steps overlaps the GPU's: more tokens/s, but a request that comes while "
         "a step runs joins a step later)",
+    )
+
+    data = commands.add_parser(
+        "data", help="show the training sequences as the trainer reads them, trained tokens marked, and their counts"
+    )
+    data.add_argument("--config", help="TOML config file (default: configs/tiny.toml)")
+    data.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, as for `moemesh train`",
+    )
+    data.add_argument("--show", type=int, default=0, metavar="N", help="print the first N sequences")
+    data.add_argument(
+        "--output", metavar="FILE.jsonl", help='write each sequence as {"input_ids", "labels", "position_ids"}'
     )
 
     estimate = commands.add_parser("estimate", help="per-layer memory and time, pipeline stages, per-rank memory")
@@ -536,6 +554,27 @@ def _estimate(args: argparse.Namespace) -> None:
     print(estimate_run(config, args.pp, args.schedule, args.profile))
 
 
+def _data(args: argparse.Namespace) -> None:
+    from moemesh.checkpoint.load import init_source
+    from moemesh.config import load_config
+    from moemesh.data import show
+    from moemesh.data.dataset import load_dataset
+
+    if args.show < 0:
+        raise MoemeshError(f"--show must be >= 0, got {args.show}")
+    overrides = [item for group in args.overrides for item in group]
+    config = load_config(args.config, overrides, launched=False, init_source=init_source)
+    train = config.train
+    dataset, tokenizer = load_dataset(config.data, train.seq_len, train.seed, config.model.vocab_size)
+    if args.show:
+        colour = sys.stdout.isatty() and "NO_COLOR" not in os.environ
+        print(show.render(tokenizer, show.sequences(dataset, args.show), colour))
+    print(f"{config.data.path} (tokenizer {config.data.tokenizer}): {show.counts(dataset)}")
+    if args.output:
+        written = show.write_jsonl(dataset, Path(args.output))
+        print(f"wrote {written} sequences to {args.output}")
+
+
 def _convert(args: argparse.Namespace) -> None:
     import torch
 
@@ -620,9 +659,14 @@ _MEMORY_ADVICE = {
 
 def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
-    run = {"train": _train, "generate": _generate, "serve": _serve, "estimate": _estimate, "convert": _convert}[
-        args.command
-    ]
+    run = {
+        "train": _train,
+        "generate": _generate,
+        "serve": _serve,
+        "data": _data,
+        "estimate": _estimate,
+        "convert": _convert,
+    }[args.command]
     try:
         run(args)
     except MoemeshError as e:

@@ -96,7 +96,15 @@ REPORT_TO = {"tensorboard": "tensorboard", "wandb": "wandb"}
 class DataConfig:
     path: str = "stdlib"  # "stdlib", a text/JSONL/.npy/.bin file, or a directory of text/JSONL files
     tokenizer: str = "bytes"  # "bytes" or a tokenizer.json file
-    val_fraction: float = 0.05  # the tail of the token stream held out for validation
+    val_fraction: float = 0.05  # the tail of the token stream (of a chat file: of its rows) held out for validation
+    # How a JSONL file's rows read: "auto" (from the first row's keys), "text" ({"text": ...}, one
+    # stream as a text file), "messages" (OpenAI chat), "sharegpt" ("conversations" of from/value),
+    # "prompt_completion" or "alpaca" (instruction/input/output): all but text are packed by row
+    format: str = "auto"
+    chat_template: str = ""  # a Jinja file to render conversations with ("": the tokenizer's template)
+    # A conversation's trained tokens: "assistant" (each reply with its end of turn), "last_assistant", "all"
+    train_on: str = "assistant"
+    too_long: str = "drop"  # a row longer than train.seq_len: "drop", "truncate" (its end) or "error"
 
 
 @dataclass
@@ -395,6 +403,11 @@ def _check_type(key: str, value: Any, expected: Any) -> Any:
 
 
 PARALLEL_AXES = ("dp_replicate", "dp_shard", "ep", "tp", "pp")
+DATA_CHOICES = {
+    "format": ("auto", "text", "messages", "sharegpt", "prompt_completion", "alpaca"),
+    "train_on": ("assistant", "last_assistant", "all"),
+    "too_long": ("drop", "truncate", "error"),
+}
 
 
 def _validate(config: RunConfig) -> None:
@@ -443,6 +456,9 @@ def _validate(config: RunConfig) -> None:
     _check_device_name(train.device, "train.device")
     _check_report_to(train.report_to)
     need(0 < data.val_fraction < 1, f"data.val_fraction must be in (0, 1), got {data.val_fraction}")
+    for key, allowed in DATA_CHOICES.items():
+        value = getattr(data, key)
+        need(value in allowed, f"data.{key} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
     need(
         train.seq_len <= model.max_position_embeddings,
         f"train.seq_len ({train.seq_len}) exceeds model.max_position_embeddings ({model.max_position_embeddings})",

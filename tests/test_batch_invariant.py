@@ -124,9 +124,11 @@ def test_what_the_mode_does_not_cover_is_refused():
     windowed = build(CONFIG.replace(model_type="gpt_oss", sliding_window=4, layer_types=None), seed=1).eval()
     with pytest.raises(ValueError, match="sliding windows"):
         completion_logprobs(windowed, [[0, 1, 2]], [[3]], batch_invariant=True)
-    packed = torch.tensor([0, 1, 2, 0, 1])  # two documents in one row
-    with invariant.batch_invariant(), pytest.raises(ValueError, match="no packed documents"):
-        model(torch.zeros(1, 5, dtype=torch.long), positions=packed)
+    shifted = torch.tensor([1, 2, 3, 4, 5])  # not rows from position 0
+    with invariant.batch_invariant(), pytest.raises(ValueError, match="must be packed rows"):
+        model(torch.zeros(1, 5, dtype=torch.long), positions=shifted)
+    with invariant.batch_invariant():  # two rows packed in one: the CPU reference (tests/test_data_chat.py)
+        model(torch.zeros(1, 5, dtype=torch.long), positions=torch.tensor([0, 1, 2, 0, 1]))
     with invariant.batch_invariant():
         model(torch.zeros(2, 5, dtype=torch.long), positions=torch.arange(5).repeat(2, 1))  # whole rows pass
 

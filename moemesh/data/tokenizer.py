@@ -61,6 +61,15 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids)
 
+    def decode_special(self, ids: list[int]) -> str:
+        """The text of `ids` with the special tokens written out (`<|im_end|>`), for display."""
+        return self._tokenizer.decode(ids, skip_special_tokens=False)
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
+        """(ids, the character where each token starts in `text`)."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        return encoding.ids, [start for start, _ in encoding.offsets]
+
 
 def load_tokenizer(spec: str | Path) -> Tokenizer:
     """ "bytes" or the path of a tokenizer.json."""

@@ -59,9 +59,10 @@ class Front:
         self.api_key, self.max_request_bytes = settings.api_key, settings.max_request_bytes
         self.chat_template: ChatTemplate | None = load_chat_template(settings.tokenizer)
         chat_stop_ids: tuple[int, ...] = ()
-        if self.chat_template is not None and self.chat_template.eos_token:
-            ids = settings.tokenizer.encode(self.chat_template.eos_token)
-            chat_stop_ids = tuple(ids) if len(ids) == 1 else ()
+        if self.chat_template is not None:  # the eos token, and the template's end of turn where it differs
+            for end in dict.fromkeys(e for e in (self.chat_template.eos_token, self.chat_template.end_of_turn) if e):
+                ids = settings.tokenizer.encode(end)
+                chat_stop_ids += tuple(ids) if len(ids) == 1 else ()
         self.served = Served(
             settings.tokenizer,
             settings.max_len,

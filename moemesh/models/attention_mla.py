@@ -26,6 +26,7 @@ from torch import nn
 from moemesh.models.config import ModelConfig
 from moemesh.models.layers import PagedKVCache, RMSNorm, paged_attention
 from moemesh.models.rope import softmax_scale
+from moemesh.ops import documents
 from moemesh.ops.linear import Linear
 from moemesh.ops.rotary import rotary
 
@@ -83,7 +84,10 @@ class MLAttention(nn.Module):
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         q = torch.cat([q_nope, q_rot], dim=-1)
         k = torch.cat([k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        if positions.dim() == 2:  # packed rows, each attending within itself (ops/documents.py)
+            out = documents.attention(q, k, v, positions, scale=self.scale)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def _absorbed(

@@ -51,6 +51,7 @@ from moemesh.models.layers import (
 from moemesh.models.moe import MoEBlock, Routing, count_load, router_stats
 from moemesh.models.rope import RotaryEmbedding
 from moemesh.models.transformer import DecoderLayer
+from moemesh.ops import documents
 from moemesh.ops.linear import Linear
 from moemesh.ops.rotary import rotary
 
@@ -134,6 +135,9 @@ class Gemma4Attention(Attention):
         # scale 1: the query norm takes the place of 1/sqrt(head_dim)
         if cache is not None:
             out = paged_attention(q, k, v, cache, self.layer_idx, 1.0, self.sliding_window)
+        elif positions.dim() == 2:  # packed rows, each attending within itself (ops/documents.py)
+            window = self.sliding_window if self.sliding_window is not None and seq > self.sliding_window else None
+            out = documents.attention(q, k, v, positions, scale=1.0, window=window)
         else:
             plain_causal = self.sliding_window is None or seq <= self.sliding_window
             mask = None if plain_causal else attention_mask(positions, seq, self.sliding_window)

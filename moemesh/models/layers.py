@@ -13,7 +13,7 @@ from torch import nn
 from moemesh.models.adapted import projections
 from moemesh.models.config import ModelConfig
 from moemesh.models.kv_cache import PagedKVCache
-from moemesh.ops import decode_attention, gemv, invariant, summed_norm
+from moemesh.ops import decode_attention, documents, gemv, invariant, summed_norm
 from moemesh.ops.backend import use_triton
 from moemesh.ops.linear import Linear
 from moemesh.ops.rms_norm import rms_norm
@@ -99,8 +99,15 @@ class Attention(nn.Module):
         if cache is not None:
             out = paged_attention(q, k, v, cache, self.layer_idx, self.head_dim**-0.5, self.sliding_window, self.sinks)
         elif self.sinks is not None:  # scaled_dot_product_attention takes no sinks
-            mask = attention_mask(positions, seq, self.sliding_window)
+            mask = (
+                attention_mask(positions, seq, self.sliding_window)
+                if positions.dim() == 1
+                else documents.document_mask(positions, self.sliding_window)
+            )
             out = grouped_attention(q, k, v, mask, self.head_dim**-0.5, self.sinks)
+        elif positions.dim() == 2:  # packed rows, each attending within itself (ops/documents.py)
+            window = self.sliding_window if self.sliding_window is not None and seq > self.sliding_window else None
+            out = documents.attention(q, k, v, positions, window=window)
         else:
             plain_causal = self.sliding_window is None or seq <= self.sliding_window
             mask = None if plain_causal else attention_mask(positions, seq, self.sliding_window)
@@ -118,7 +125,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """The forward in batch-invariant mode (`ops/invariant.py`): each query attends, alone, to
         exactly its keys — without a cache the sequence's up to its place (positions 0, 1, ... of
-        each row: the model's forward checks a caller's, `invariant.check_whole_rows`), with one
+        each row, or of each packed row: the model's forward checks a caller's), with one
         those its table row holds up to its position. On the kernels' device (CUDA) by one
         attention kernel in both cases, else a loop over the queries (the CPU reference)."""
         if self.sinks is not None or self.sliding_window is not None:
@@ -133,7 +140,10 @@ class Attention(nn.Module):
         rows = batch * seq
         if cache is not None:
             cache.write(self.layer_idx, k.reshape(rows, -1, self.head_dim), v.reshape(rows, -1, self.head_dim))
+        packed = cache is None and positions.dim() == 2  # rows packed in a sequence (the forward's check)
         if invariant.kernels(x):  # one kernel for whole sequences and the engine's steps
+            if packed:
+                raise ValueError("batch-invariant mode's attention kernel does not cover packed rows yet")
             if cache is None:
                 out = invariant.causal_attention(q, k, v, scale)
             else:
@@ -152,11 +162,13 @@ class Attention(nn.Module):
                     scale,
                 )
             return self.o_proj(out.reshape(batch, seq, -1))
-        if cache is None:  # [B, T, heads, D]
+        if cache is None:  # [B, T, heads, D]; a packed row's queries attend from the row's start
+            index = torch.arange(seq, device=positions.device)
+            starts = (index - positions).expand(batch, seq).tolist() if packed else [[0] * seq] * batch
             out = [
-                invariant.attend(q[b, t], k[b, : t + 1].transpose(0, 1), v[b, : t + 1].transpose(0, 1), scale)
+                invariant.attend(q[b, t], k[b, s : t + 1].transpose(0, 1), v[b, s : t + 1].transpose(0, 1), scale)
                 for b in range(batch)
-                for t in range(seq)
+                for t, s in zip(range(seq), starts[b])
             ]
         else:
             out = []

@@ -24,7 +24,7 @@ from moemesh.models.family import family
 from moemesh.models.layers import Attention, DenseMLP, PagedKVCache, RMSNorm
 from moemesh.models.moe import Dispatched, MoEBlock, RouterStats, Routing, load_balancing_loss
 from moemesh.models.rope import RotaryEmbedding
-from moemesh.ops import invariant, linear_cross_entropy, recompute, summed_norm
+from moemesh.ops import documents, invariant, linear_cross_entropy, recompute, summed_norm
 from moemesh.ops.backend import autocast_inputs
 
 
@@ -180,13 +180,19 @@ class MoECausalLM(nn.Module):
         linear cross-entropy, which never holds the [tokens, vocab] logits in fp32.
 
         `positions` [B, T]: each token's position in its own sequence (decoding with a KV cache,
-        where rows are at different lengths); default 0..T-1 in every row."""
+        where rows are at different lengths); without a cache, the positions of packed rows,
+        restarting at 0 where each row starts, and attention stays within each (training on
+        rows packed by `data/packing.py`); default 0..T-1 in every row."""
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
         if positions is None:  # one row of positions for all: the training path's rotary tables stay [T, D]
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        elif cache is None and invariant.on():  # a caller's positions (every other path makes them 0..T-1)
-            invariant.check_whole_rows(positions)
+        elif cache is None:  # a caller's positions [B, T] or [T]: packed rows, each attending within itself
+            positions = positions.expand(input_ids.shape[0], -1)
+            if invariant.on():  # checked (a wait for the device) in this mode only
+                documents.check_rows(positions)
+                if invariant.whole_rows(positions):  # the kernels' one-sequence-a-row path
+                    positions = positions[0]
         h, router_stats = self.run_layers(self.model.embed_tokens(input_ids), positions, cache=cache)
         h = self.model.norm(h)
 

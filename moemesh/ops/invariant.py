@@ -159,15 +159,10 @@ def batch_invariant(enabled: bool = True):
         _on = before
 
 
-def check_whole_rows(positions: torch.Tensor) -> None:
-    """Refuses positions [T] or [B, T] of a forward without a cache other than 0..T-1 in every row:
-    the mode reads each row as one sequence from position 0. Called by the model's forward for
-    positions its caller gave (the training path's, the pipeline's and the trainer's log-probs
-    make their own 0..T-1), not by each layer: the check waits for the GPU, and each layer's left
-    it idle while the host queued the next layer's launches — 24 of them cost a training step of
-    4 × 2,048 tokens ~12 ms of 254 on an H200 (docs/benchmarks.md, 2026-11-28, seventh session)."""
-    if not bool((positions == torch.arange(positions.shape[-1], device=positions.device)).all()):
-        raise ValueError("batch-invariant mode reads each row as one sequence from position 0 (no packed documents)")
+def whole_rows(positions: torch.Tensor) -> bool:
+    """Whether positions [B, T] are 0..T-1 in every row (one sequence a row; a wait for the device:
+    the model's forward asks once, not each layer)."""
+    return bool((positions == torch.arange(positions.shape[-1], device=positions.device)).all())
 
 
 def kernels(x: torch.Tensor) -> bool:

@@ -58,7 +58,8 @@ from moemesh.checkpoint.dcp import (
 from moemesh.checkpoint.load import load_weights
 from moemesh.checkpoint.quantized_base import keep_base_quantized
 from moemesh.config import RunConfig, resolve_device
-from moemesh.data.dataset import load_dataset, rank_slice
+from moemesh.data.dataset import labels_of, load_dataset, rank_slice
+from moemesh.data.packing import Packed, PackedDataset
 from moemesh.data.tokenizer import HFTokenizer
 from moemesh.errors import CheckpointError, ConfigError, DivergedError
 from moemesh.models import MoECausalLM
@@ -226,6 +227,11 @@ class Trainer:
                 f"train.cuda_graphs needs a GPU and train.dtype bfloat16 (the experts' grouped GEMMs "
                 f"wait for the host otherwise); this run has {self.device} and {train.dtype}"
             )
+        if train.cuda_graphs and self.pipeline is not None and isinstance(self.dataset, PackedDataset):
+            raise ConfigError(
+                "train.cuda_graphs under expert or pipeline parallelism does not cover packed rows (a chat or "
+                "instruction file) yet: set train.cuda_graphs = false"
+            )
 
     def close(self) -> None:
         """Free the step's CUDA graph, if any: before the process group goes (`CapturedStep.close`)."""
@@ -239,7 +245,7 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def _local(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _local(self, batch: torch.Tensor | Packed) -> tuple[torch.Tensor | Packed, torch.Tensor | Packed]:
         """This rank's contiguous slice of a (micro-)batch, on the host (to count labels without
         waiting for the device) and on the device."""
         local = rank_slice(batch, self.rank, self.ranks)
@@ -277,16 +283,22 @@ class Trainer:
         self.step += 1
         return record
 
-    def forward_backward(self, micro_batches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_backward(
+        self, micro_batches: list[torch.Tensor] | list[Packed]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step's forwards and backwards (through the pipeline, the CUDA graph or in turn),
         its gradients left in the parameters before they are reduced over the ranks; returns this
-        rank's share of the mean cross-entropy and the mean load-balancing loss."""
+        rank's share of the mean cross-entropy over the step's labelled tokens and the mean
+        load-balancing loss."""
         if self.pipeline is not None:  # forwards and backwards interleave: the step is what runs again
-            batches = [self._micro_batch(batch) for batch in micro_batches]
+            share = _label_share(micro_batches)
+            batches = [self._micro_batch(batch, share) for batch in micro_batches]
             train = self._replayed_schedule if self.train_config.cuda_graphs else self.pipeline.train
             ce_sum, aux_sum = self._within_capacity(lambda: train(batches), f"step {self.step + 1}", ran_backward=True)
             return ce_sum, aux_sum if self.config.model.output_router_logits else None
         if self.train_config.cuda_graphs:
+            if isinstance(micro_batches[0], Packed):
+                return self._replayed_packed(micro_batches)
             return self._replayed_forward_backward(micro_batches)
         return self._forward_backward(micro_batches)
 
@@ -335,22 +347,31 @@ class Trainer:
             update_router_bias(self.model, 0.0, None)  # forget the warm-up's expert loads
         return list(self.captured(tokens))
 
-    def _micro_batch(self, micro_batch: torch.Tensor) -> MicroBatch:
-        local, tokens = self._local(micro_batch)
-        return MicroBatch(tokens, label_tokens(local), label_tokens(micro_batch))
+    def _micro_batch(self, micro_batch: torch.Tensor | Packed, share: float | None = None) -> MicroBatch:
+        """The pipeline's micro-batch; `share`: the step's labelled tokens over its micro-batches
+        (`_label_share`; None: this micro-batch's own)."""
+        local, batch = self._local(micro_batch)
+        tokens, labels, positions = _inputs(batch)
+        share = label_tokens(labels_of(micro_batch)) if share is None else share
+        return MicroBatch(tokens, label_tokens(labels_of(local)), share, labels, positions)
 
-    def _forward_backward(self, micro_batches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward_backward(
+        self, micro_batches: list[torch.Tensor] | list[Packed]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Every micro-batch's forward and backward in turn (no pipeline); returns this rank's
         share of the mean cross-entropy and the mean load-balancing loss."""
         coef = self.config.model.router_aux_loss_coef
         ce_sum = torch.zeros((), device=self.device)
         aux_sum = None
+        share = _label_share(micro_batches)  # the step's labelled tokens over the micro-batches
         for micro_batch in micro_batches:
-            local, tokens = self._local(micro_batch)
-            shares = label_tokens(local), label_tokens(micro_batch)
+            local, batch = self._local(micro_batch)
+            tokens, labels, positions = _inputs(batch)
+            shares = label_tokens(labels_of(local)), share
             with self._autocast():  # checked before its backward, which then runs on a full forward
                 out = self._within_capacity(
-                    lambda: self.model(tokens, labels=tokens, return_logits=False), f"step {self.step + 1}"
+                    lambda: self.model(tokens, labels=labels, positions=positions, return_logits=False),
+                    f"step {self.step + 1}",
                 )
             loss = rank_loss(out.ce_loss, out.aux_loss, *shares, coef, self.ranks)
             (loss / len(micro_batches)).backward()
@@ -386,25 +407,59 @@ class Trainer:
                 aux_sum = aux / count if aux_sum is None else aux_sum + aux / count
         return ce_sum, aux_sum
 
+    def _replayed_packed(self, micro_batches: list[Packed]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`_forward_backward` of packed rows as the replays of one CUDA graph, captured at the
+        first call: its inputs the tokens, labels, positions and the micro-batch's weight in the
+        step's mean (its labelled tokens vary from one micro-batch to the next)."""
+        coef, count = self.config.model.router_aux_loss_coef, len(micro_batches)
+
+        def forward_backward(tokens, labels, positions, weight):
+            with self._autocast():
+                out = self.model(tokens, labels=labels, positions=positions, return_logits=False)
+            (rank_loss(out.ce_loss * weight, out.aux_loss, 1, 1, coef, 1) / count).backward()
+            aux = None if out.aux_loss is None else out.aux_loss.detach().float()
+            return (out.ce_loss.detach().float() * weight, aux)
+
+        share = _label_share(micro_batches)
+        ce_sum = torch.zeros((), device=self.device)
+        aux_sum = None
+        for micro_batch in micro_batches:
+            weight = torch.tensor(label_tokens(micro_batch.labels) / max(share, 1), dtype=torch.float32)
+            inputs = [t.to(self.device, non_blocking=True) for t in (*_inputs(micro_batch), weight)]
+            if self.captured is None:
+                trained = [p for p in self.model.parameters() if p.requires_grad]
+                self.captured = CapturedStep(forward_backward, inputs, trained)
+                update_router_bias(self.model, 0.0, None)  # forget the warm-up's expert loads
+            ce, aux = self.captured(*inputs)
+            ce_sum += ce / count
+            if aux is not None:
+                aux_sum = aux / count if aux_sum is None else aux_sum + aux / count
+        return ce_sum, aux_sum
+
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean language-model loss over the fixed validation sequences (no auxiliary loss)."""
+        """Mean language-model loss over the fixed validation sequences' labelled tokens (no
+        auxiliary loss)."""
         what = f"the evaluation after step {self.step}"
         if self.pipeline is not None:
             batches = [self._micro_batch(batch) for batch in self.val_batches]
             total = self._within_capacity(lambda: self.pipeline.evaluate(batches), what)
-            tokens_in_all = sum(label_tokens(batch) for batch in self.val_batches)
+            tokens_in_all = sum(label_tokens(labels_of(batch)) for batch in self.val_batches)
             comm.all_reduce_sum_([total], self.mesh.group("batch"), kind="metrics")
             return total.item() / tokens_in_all
         total, tokens_in_all = torch.zeros((), device=self.device), 0
         for batch in self.val_batches:
-            local, tokens = self._local(batch)
+            local, on_device = self._local(batch)
+            tokens, labels, positions = _inputs(on_device)
             with self._autocast():
                 loss = self._within_capacity(
-                    lambda: self.model(tokens, labels=tokens, output_router_logits=False, return_logits=False), what
+                    lambda: self.model(
+                        tokens, labels=labels, positions=positions, output_router_logits=False, return_logits=False
+                    ),
+                    what,
                 ).ce_loss
-            total += loss.float() * label_tokens(local)
-            tokens_in_all += label_tokens(batch)
+            total += loss.float() * label_tokens(labels_of(local))
+            tokens_in_all += label_tokens(labels_of(batch))
         comm.all_reduce_sum_([total], self.mesh.group("batch"), kind="metrics")
         return total.item() / tokens_in_all
 
@@ -429,7 +484,9 @@ class Trainer:
             )
         path = checkpoint_path(self.run_dir, self.step)
         tokenizer_file = self.tokenizer.path if isinstance(self.tokenizer, HFTokenizer) else None
-        extra = {LORA_FILE: lora_record(self.config, self.adapted)} if self.lora.enabled else None
+        extra = {LORA_FILE: lora_record(self.config, self.adapted)} if self.lora.enabled else {}
+        if self.config.data.chat_template:  # the template the run rendered its rows with, for generate/serve
+            extra["chat_template.jinja"] = Path(self.config.data.chat_template).read_bytes()
         save_checkpoint(path, self._state(), self.config.model, tokenizer_file, self.model, self.mesh, extra)
         self.checkpoint = path
         return path
@@ -535,11 +592,23 @@ class Trainer:
             f"{model.num_experts} experts top-{model.num_experts_per_tok}; "
             f"{format_count(total)} parameters, {format_count(active)} active per token{adapters}"
         )
-        self._say(
-            f"data    {data.path} (tokenizer {data.tokenizer}: {self.config.tokenizer_origin}): "
-            f"{format_count(len(self.dataset.train_tokens))} training tokens, "
-            f"{format_count(len(self.dataset.val_tokens))} validation tokens"
-        )
+        if isinstance(self.dataset, PackedDataset):
+            self._say(
+                f"data    {data.path} ({self.dataset.format} rows, data.train_on = {data.train_on!r}; tokenizer "
+                f"{data.tokenizer}: {self.config.tokenizer_origin}): {self.dataset.describe()}"
+            )
+            template = self.dataset.template
+            if template is not None and template.end_of_turn and template.end_of_turn != template.eos_token:
+                self._say(
+                    f"chat    a turn ends with {template.end_of_turn} (trained), not the tokenizer's eos "
+                    f"{template.eos_token}: a served chat stops at either"
+                )
+        else:
+            self._say(
+                f"data    {data.path} (tokenizer {data.tokenizer}: {self.config.tokenizer_origin}): "
+                f"{format_count(len(self.dataset.train_tokens))} training tokens, "
+                f"{format_count(len(self.dataset.val_tokens))} validation tokens"
+            )
         threads = f" ({self.threads})" if self.threads is not None else ""
         self._say(
             f"train   {train.steps} steps × {train.global_batch} sequences × {train.seq_len} tokens "
@@ -674,6 +743,21 @@ class Trainer:
             val_losses[-1] if val_losses else None,
             self.checkpoint,
         )
+
+
+def _inputs(batch: torch.Tensor | Packed) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(input ids, labels, positions or None) of a (micro-)batch: a text window's labels are its
+    tokens and its positions 0..T-1; packed rows carry theirs."""
+    if isinstance(batch, Packed):
+        return batch.tokens, batch.labels, batch.positions
+    return batch, batch, None
+
+
+def _label_share(micro_batches: list[torch.Tensor] | list[Packed]) -> float:
+    """The step's labelled tokens over its micro-batches: each micro-batch's loss, a mean over its
+    own, weighs its labelled tokens / this, so the step's loss is the mean over all of them (the
+    micro-batches of text windows hold equally many: each weighs 1)."""
+    return sum(label_tokens(labels_of(batch)) for batch in micro_batches) / len(micro_batches)
 
 
 def _non_finite(record: dict) -> str:

@@ -84,9 +84,12 @@ from moemesh.parallel.pipeline.stage import RankStages, Stage
 
 @dataclass
 class MicroBatch:
-    tokens: torch.Tensor  # this rank's slice, on the device: input ids and labels alike
+    tokens: torch.Tensor  # this rank's slice, on the device: input ids (and labels, without `labels`)
     local_label_tokens: int  # labelled positions in the slice
-    label_tokens: int  # ... in the whole micro-batch (all data-parallel ranks)
+    # ... in the whole micro-batch (all data-parallel ranks); of packed rows, the step's mean a micro-batch
+    label_tokens: float
+    labels: torch.Tensor | None = None  # packed rows: -100 where untrained
+    positions: torch.Tensor | None = None  # packed rows: [B, T], 0 where each row starts (its own attention)
 
 
 @dataclass
@@ -211,10 +214,11 @@ class PipelineRunner:
         """Runs the stage; returns the message to post (None from the last stage)."""
         stage, micro = self.stages[s], self.micro[m]
         tokens, message = micro.tokens, None
-        positions = torch.arange(tokens.shape[1], device=self.device)
+        positions = torch.arange(tokens.shape[1], device=self.device) if micro.positions is None else micro.positions
+        labels = tokens if micro.labels is None else micro.labels
         with self.autocast():
             out, layer_counts, prob_sums, prob_totals, num_tokens = self.module(
-                s, x, positions, tokens, reduce_stats=train
+                s, x, positions, labels, reduce_stats=train
             )
             if layer_counts is not None:
                 counts = counts + layer_counts.sum(0).float()

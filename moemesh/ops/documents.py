@@ -1,0 +1,100 @@
+"""Attention within packed rows (documents): block-causal attention for sequences that hold several
+rows, each told by its positions, which restart at 0 where a row starts (`data/packing.py`). A
+query attends to the keys of its own row up to itself, so a packed sequence computes what its rows
+compute one by one.
+
+The mask is made from the positions once per forward, not once per layer: a one-entry cache keyed
+by the positions tensor itself (the one tensor every layer of a forward receives). On CUDA the
+attention is flex attention with a block mask (its kernel skips the blocks of other rows: the work
+of attention over the rows one by one, not over the whole sequence); elsewhere, or while a CUDA
+graph is being captured, torch's scaled_dot_product_attention with the boolean [B, 1, T, T] mask.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+_cache: dict[str, tuple] = {}  # kind -> (weak reference to the positions, window, the mask)
+_flex_failed: list[str] = []  # why flex attention was given up, once
+
+
+def document_ids(positions: torch.Tensor) -> torch.Tensor:
+    """[B, T] positions -> [B, T] row numbers: a row starts where its position is 0."""
+    return (positions == 0).cumsum(-1)
+
+
+def document_mask(positions: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """Boolean [B, T, T]: True where query i may attend key j (same row, j <= i, and within
+    `window` tokens where there is one)."""
+    ids = document_ids(positions)
+    index = torch.arange(positions.shape[-1], device=positions.device)
+    allowed = (ids[:, :, None] == ids[:, None, :]) & (index[None, :] <= index[:, None])
+    if window is not None:
+        allowed &= index[None, :] > index[:, None] - window
+    return allowed
+
+
+def _cached(kind: str, positions: torch.Tensor, window: int | None, make):
+    entry = _cache.get(kind)
+    if entry is not None and entry[0]() is positions and entry[1] == window:
+        return entry[2]
+    value = make()
+    _cache[kind] = (weakref.ref(positions), window, value)
+    return value
+
+
+def _flex_ok(q: torch.Tensor) -> bool:
+    return q.is_cuda and not _flex_failed and not torch.cuda.is_current_stream_capturing()
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """q [B, h, T, D], k [B, h_kv, T, D], v [B, h_kv, T, Dv], positions [B, T] -> [B, h, T, Dv]."""
+    gqa = q.shape[1] != k.shape[1]
+    if _flex_ok(q):
+        try:
+            return _flex(q, k, v, positions, scale, window, gqa)
+        except Exception as e:  # a shape or build flex does not take: the masked SDPA from now on
+            _flex_failed.append(f"{type(e).__name__}: {e}")
+    mask = _cached("dense", positions, window, lambda: document_mask(positions, window)[:, None])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+_compiled_flex = None
+
+
+def _flex(q, k, v, positions, scale, window, gqa):
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+
+    def make():
+        ids = document_ids(positions)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            allowed = (ids[b, q_idx] == ids[b, kv_idx]) & (kv_idx <= q_idx)
+            return allowed & (kv_idx > q_idx - window) if window is not None else allowed
+
+        batch, seq = positions.shape
+        return create_block_mask(mask_mod, batch, None, seq, seq, device=positions.device)
+
+    block_mask = _cached("block", positions, window, make)
+    return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+
+
+def check_rows(positions: torch.Tensor) -> None:
+    """Refuses [B, T] positions that are not packed rows: each 0 or the one before it plus 1."""
+    step = positions[..., 1:] - positions[..., :-1]
+    if not bool(((positions[..., 1:] == 0) | (step == 1)).all()) or not bool((positions[..., :1] == 0).all()):
+        raise ValueError("positions without a cache must be packed rows: 0 where a row starts, then 1, 2, ...")
