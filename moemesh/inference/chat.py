@@ -4,8 +4,11 @@ The template is the tokenizer's: `chat_template.jinja` beside its tokenizer.json
 `chat_template` of tokenizer_config.json there (a string, or a list of named templates of which
 "default" is taken). It is compiled in Jinja's immutable sandbox with transformers' settings
 (trim_blocks, lstrip_blocks, a `tojson` filter, `raise_exception` and `strftime_now`) and
-rendered with the messages, `add_generation_prompt=True` and the config's bos/eos tokens. The
-eos token also ends a reply: a chat turn ends with it, whatever ends a document.
+rendered with the messages, `add_generation_prompt=True` and the config's bos/eos tokens, and
+what a request adds: its `tools` (the list of `{"type": "function", "function": {...}}` as sent,
+which transformers passes too), `reasoning_effort` and its `chat_template_kwargs` (such as
+Qwen3's `enable_thinking`). The eos token also ends a reply: a chat turn ends with it, whatever
+ends a document.
 """
 
 from __future__ import annotations
@@ -34,14 +37,21 @@ class ChatTemplate:
             raise_exception=raise_exception, strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt)
         )
         self.template = env.from_string(source)
+        self.source = source
         self.bos_token, self.eos_token = bos_token, eos_token
 
-    def render(self, messages: list[dict]) -> str:
+    def reads(self, name: str) -> bool:
+        """Whether the template's source names a variable (reasoning_effort, say)."""
+        return name in self.source
+
+    def render(self, messages: list[dict], tools: list[dict] | None = None, **kwargs) -> str:
         from jinja2.exceptions import TemplateError
 
         try:
             return self.template.render(
+                **kwargs,
                 messages=messages,
+                tools=tools,
                 add_generation_prompt=True,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",

@@ -25,6 +25,8 @@ from moemesh.errors import MoemeshError, RequestError
 from moemesh.inference.chat import ChatTemplate, load_chat_template
 from moemesh.inference.grammar import Grammars
 from moemesh.inference.link import HttpLink, Submitted
+from moemesh.inference.parsers.harmony import TURN_ENDS
+from moemesh.inference.parsers.registry import NONE, choose
 from moemesh.inference.protocol import ApiError, Plan, Served, bad, chat_plan, completion_plan
 from moemesh.inference.request import QueueFull, short
 from moemesh.inference.responses import Reply
@@ -49,6 +51,9 @@ class HttpSettings:
     max_len: int
     vocab: int
     max_waiting: int
+    model_type: str | None = None  # the parsers are chosen from it and the chat template
+    tool_call_parser: str | None = None  # serve's --tool-call-parser (None: chosen; "none": no parser)
+    reasoning_parser: str | None = None  # serve's --reasoning-parser (the same)
 
 
 class Front:
@@ -62,6 +67,16 @@ class Front:
         if self.chat_template is not None and self.chat_template.eos_token:
             ids = settings.tokenizer.encode(self.chat_template.eos_token)
             chat_stop_ids = tuple(ids) if len(ids) == 1 else ()
+        source = self.chat_template.source if self.chat_template is not None else None
+        tools, reasoning = choose(settings.model_type, source)
+        tools = tools if settings.tool_call_parser is None else settings.tool_call_parser
+        reasoning = reasoning if settings.reasoning_parser is None else settings.reasoning_parser
+        self.tool_parser, self.reasoning_parser = (None if p == NONE else p for p in (tools, reasoning))
+        if "harmony" in (self.tool_parser, self.reasoning_parser):  # gpt-oss's turn ends at a call too
+            for marker in TURN_ENDS:
+                ids = settings.tokenizer.encode(marker)
+                if len(ids) == 1 and ids[0] not in chat_stop_ids:
+                    chat_stop_ids += tuple(ids)
         self.served = Served(
             settings.tokenizer,
             settings.max_len,
@@ -70,6 +85,8 @@ class Front:
             chat_stop_ids,
             Grammars(settings.tokenizer, settings.vocab),
             settings.max_waiting,  # a request that fits an empty queue (more could be refused with 503 forever)
+            self.tool_parser,
+            self.reasoning_parser,
         )
         self.created = int(time.time())
 
