@@ -32,13 +32,16 @@ Event = tuple[str, str]
 
 
 def held_suffix(text: str, markers: tuple[str, ...]) -> int:
-    """The length of the longest end of `text` that is the start of a marker (but not a whole one)."""
+    """The length of the longest end of `text` that is the start of a marker (but not a whole one):
+    for each marker, only where its first character occurs among the last characters is looked at."""
     longest = 0
     for marker in markers:
-        for k in range(min(len(marker) - 1, len(text)), longest, -1):
-            if text.endswith(marker[:k]):
-                longest = k
-                break
+        low = max(0, len(text) - len(marker) + 1)
+        at = text.rfind(marker[0], low)
+        while at >= 0:
+            if len(text) - at > longest and marker.startswith(text[at:]):
+                longest = len(text) - at
+            at = text.rfind(marker[0], low, at)
     return longest
 
 
