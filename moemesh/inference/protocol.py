@@ -348,7 +348,8 @@ def chat_plan(body: dict, served: Served) -> Plan:
             served.tool_parser,
             served.reasoning_parser,
             tools=calls,
-            reasoning_open=opened_in_prompt(prompt),
+            # a grammar (response_format) constrains the first token on: no reasoning comes first
+            reasoning_open=opened_in_prompt(prompt) and base.grammar is None,
             forced=forced,
         )
         # the parsers read the markers, which are special tokens in some tokenizers (gpt-oss's channels)
