@@ -29,22 +29,9 @@ pytest.importorskip("llguidance", reason="forced tool calls need llguidance (pip
 from moemesh.inference.engine import DecodeEngine  # noqa: E402
 from moemesh.inference.generate import load_for_generation  # noqa: E402
 from moemesh.inference.server import Service  # noqa: E402
+from serving import TOOLS_TEMPLATE as TEMPLATE  # noqa: E402
 from serving import ServerThread, write_checkpoint  # noqa: E402
 
-# A Qwen3-like template: tools in the system turn, calls as Hermes <tool_call>s, tool results as
-# <tool_response>s, and a thinking block the generation prompt opens with enable_thinking.
-TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n"
-    '</tools>\nCall one as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n{% endif %}'
-    "{%- for m in messages %}"
-    "{%- if m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}"
-    '{%- for c in m.tool_calls or [] %}<tool_call>\n{"name": "{{ c.function.name }}", "arguments": '
-    "{{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
-    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
-    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking %}<think>\n{% endif %}{% endif %}"
-)
 CITY = {"type": "string", "enum": ["Paris", "Rome"]}
 WEATHER = {
     "type": "function",

@@ -3,8 +3,8 @@ OpenAI protocol (protocol.py), the chat template and the tokenizer's encoding, a
 engine's process (link.py). The routes, their errors and their streams are server.py's docstring.
 
 It imports no torch (a test checks): the process starts in a fraction of a second and holds no
-torch in its memory. The modules it reads (link, protocol, responses, request, chat, grammar)
-keep to that.
+torch in its memory. The modules it reads (link, protocol, responses, responses_api, request, chat,
+grammar) keep to that.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from moemesh.inference.parsers.registry import NONE, choose
 from moemesh.inference.protocol import ApiError, Plan, Served, bad, chat_plan, completion_plan
 from moemesh.inference.request import QueueFull, short
 from moemesh.inference.responses import Reply
+from moemesh.inference.responses_api import ResponseReply, responses_plan
 
 try:  # one line for the user where `moemesh[serve]`'s packages are missing
     import uvicorn
@@ -258,7 +259,15 @@ def _create_app(service: Front) -> FastAPI:
         authorize(request)
         return await respond(request, chat_plan(await read_json(request), service.served))
 
-    async def respond(request: Request, plan: Plan):
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        authorize(request)
+        planned = responses_plan(await read_json(request), service.served)
+        return await respond(
+            request, planned.plan, lambda views: ResponseReply(service.model_name, planned, views, service.tokenizer)
+        )
+
+    async def respond(request: Request, plan: Plan, make_reply=None):
         asks = [(ids, params) for ids, choices in zip(plan.prompts, plan.params) for params in choices]
         try:
             submitted = await service.link.submit(asks)
@@ -266,7 +275,10 @@ def _create_app(service: Front) -> FastAPI:
             raise ApiError(503, f"the server is busy: {e}", code="server_busy", kind="server_error") from None
         except RequestError as e:
             raise bad(e) from None
-        reply = Reply(service.model_name, plan, submitted.views, service.tokenizer)
+        if make_reply is None:
+            reply = Reply(service.model_name, plan, submitted.views, service.tokenizer)
+        else:
+            reply = make_reply(submitted.views)
         request.state.reply = reply
         if plan.stream:
             return StreamingResponse(stream(submitted, reply, plan.include_usage), media_type="text/event-stream")
@@ -305,14 +317,13 @@ def _create_app(service: Front) -> FastAPI:
                     finished += reason is not None
                     if reason == "error":
                         error = ApiError(500, f"generation failed: {reply.sequences[index].error}", kind="server_error")
-                        events.append("data: " + json.dumps(error.body()) + "\n\n")
+                        events.append(reply.error_event(error))
                     else:
                         events.append(reply.event(index, text, reason, tokens, first=index not in started))
                         started.add(index)
                 yield "".join(events)
-            if include_usage:
-                yield reply.usage_event()
-            yield "data: [DONE]\n\n"
+            for event in reply.last_events(include_usage):
+                yield event
         finally:  # also when the client went away: Starlette cancels this generator
             service.link.cancel(submitted)
 

@@ -36,14 +36,14 @@ class Reply:
         self.id = ("chatcmpl-" if plan.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self._strings: dict[int, str] = {}
-        self._parsed: dict[int, _Parsed] = {}
+        self._parsed: dict[int, Parsed] = {}
 
-    def parsed(self, index: int) -> _Parsed | None:
+    def parsed(self, index: int) -> Parsed | None:
         """Sequence `index`'s reading by the plan's output parsers (None: its text is the content)."""
         if self.plan.output is None:
             return None
         if index not in self._parsed:
-            self._parsed[index] = _Parsed(self.plan.output(), self.plan.one_call)
+            self._parsed[index] = Parsed(self.plan.output(), self.plan.one_call)
         return self._parsed[index]
 
     def _head(self, chunk: bool) -> dict[str, Any]:
@@ -76,7 +76,7 @@ class Reply:
             if self.chat:
                 message, reason = {"role": "assistant", "content": sequence.text}, sequence.finish_reason
                 if self.plan.output is not None:
-                    message, reason = _Parsed(self.plan.output(), self.plan.one_call).whole(
+                    message, reason = Parsed(self.plan.output(), self.plan.one_call).whole(
                         sequence.text, reason, self.plan.reasoning
                     )
                 choice = {
@@ -132,6 +132,13 @@ class Reply:
     def usage_event(self) -> str:
         return _sse({**self._head(True), "choices": [], "usage": self.usage()})
 
+    def error_event(self, error) -> str:
+        """A stream's last event when its generation failed: the error object (an ApiError's)."""
+        return "data: " + json.dumps(error.body()) + "\n\n"
+
+    def last_events(self, include_usage: bool) -> list[str]:
+        return ([self.usage_event()] if include_usage else []) + ["data: [DONE]\n\n"]
+
     # ---- log-probabilities -------------------------------------------------------------------------
     def string(self, token: int) -> str:
         if token not in self._strings:
@@ -181,7 +188,7 @@ class Reply:
         return {"content": content, "refusal": None}
 
 
-class _Parsed:
+class Parsed:
     """One chat choice read by its output parser: the whole message, or a stream's deltas."""
 
     def __init__(self, parser, one_call: bool):
@@ -221,12 +228,17 @@ class _Parsed:
             message["tool_calls"] = calls
         return message, self._reason(reason)
 
-    def deltas(self, text: str, reason: str | None) -> tuple[list[dict], str | None]:
+    def events(self, text: str, final: bool) -> list[tuple[str, str]]:
+        """The events of the next piece of text (and of the end, when `final`), the calls past the
+        first dropped with parallel_tool_calls false."""
         events = self.parser.feed(text) if text else []
-        if reason is not None:
+        if final:
             events += self.parser.finish()
+        return list(self._keep(events))
+
+    def deltas(self, text: str, reason: str | None) -> tuple[list[dict], str | None]:
         out = []
-        for kind, value in self._keep(events):
+        for kind, value in self.events(text, reason is not None):
             if kind == "content":
                 out.append({"content": value})
             elif kind == "reasoning":

@@ -16,6 +16,8 @@ time); and forking a process that holds a GPU is unsafe.
     POST /v1/completions           prompt: text or token ids, one or a list (docs/openai_api.md)
     POST /v1/chat/completions      for tokenizers with a chat template (chat.py); else 400; tool
                                    calls and reasoning read by the family's parsers (parsers/)
+    POST /v1/responses             OpenAI's Responses API, stateless, on the chat path
+                                   (responses_api.py); its stream is its semantic events
 
 Streams are server-sent events, one chunk per token (with the text that became final, maybe ""),
 ending in `data: [DONE]`; the chunks that have come since a stream's last write go in one write.
