@@ -254,8 +254,10 @@ def test_what_is_refused_names_its_field(server):
     def post(**body):
         return httpx.post(server.url + "/v1/responses", json={"model": "tiny", "input": "hi", **body}, timeout=60)
 
-    ok = post(store=False, include=["reasoning.encrypted_content"], max_output_tokens=2, stream_options=None)
-    assert ok.status_code == 200, ok.text
+    # what Codex sends (stateless: store false, reasoning carried by the client)
+    codex = dict(store=False, include=["reasoning.encrypted_content"], prompt_cache_key="k", stream_options=None)
+    ok = post(**codex, reasoning={"effort": "low", "summary": "auto"}, max_output_tokens=2, tools=[NOW])
+    assert ok.status_code == 200 and ok.json()["output"][0]["type"] == "reasoning", ok.text
     for body, param, message in [
         ({"store": True}, "store", "nothing is stored"),
         ({"previous_response_id": "resp_1"}, "previous_response_id", "nothing is stored"),
@@ -272,6 +274,10 @@ def test_what_is_refused_names_its_field(server):
         ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text", "name"),
         ({"reasoning": {"effort": "huge"}}, "reasoning", "effort"),
         ({"max_output_tokens": 5000}, "max_output_tokens", "exceed the context"),
+        ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens must be an integer >= 1"),
+        ({"tools": [NOW, NOW]}, "tools", "two tools are named 'now'"),
+        ({"tools": [NOW], "tool_choice": {"type": "function", "name": "x"}}, "tool_choice", "not one of the tools"),
+        ({"input": None}, "input", "input must be"),
         ({"max_tokens": 5}, "max_tokens", "unknown field"),
         ({"top_logprobs": 2}, "top_logprobs", "not supported"),
     ]:
