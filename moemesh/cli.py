@@ -23,6 +23,10 @@ import time
 from pathlib import Path
 
 from moemesh.errors import MoemeshError
+from moemesh.inference.parsers.registry import REASONING_PARSERS as REASONING_PARSER_NAMES
+from moemesh.inference.parsers.registry import TOOL_CALL_PARSERS
+
+TOOL_CALL_PARSER_NAMES = tuple(TOOL_CALL_PARSERS)
 
 _DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
@@ -109,6 +113,19 @@ def _parser() -> argparse.ArgumentParser:
         help="read each step's tokens before launching the next (by default the next is launched first, so "
         "that the host's work between steps overlaps the GPU's: more tokens/s, but a request that comes while "
         "a step runs joins a step later)",
+    )
+
+    serve.add_argument(
+        "--tool-call-parser",
+        choices=(*TOOL_CALL_PARSER_NAMES, "none"),
+        help="the format of the model's tool calls (default: chosen from its chat template and model type; "
+        "none: replies are content)",
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        choices=(*REASONING_PARSER_NAMES, "none"),
+        help="the format of the model's reasoning, returned as reasoning_content (default: chosen as the tool-call "
+        "parser is; none: reasoning stays in the content)",
     )
 
     data = commands.add_parser(
@@ -408,6 +425,8 @@ def _serve(args: argparse.Namespace) -> None:
             reply_window_ms=args.reply_window_ms,
             prefill_first=args.schedule == "prefill-first",
             overlap=not args.no_overlap,
+            tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
         )
 
 

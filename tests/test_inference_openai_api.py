@@ -463,7 +463,12 @@ REFUSED = [
     ("/v1/completions", {"prompt": "a", "n": 100}, "n", "at most 16 at once"),
     ("/v1/completions", {"prompt": "a", "stop": [""]}, "stop", "non-empty"),
     ("/v1/completions", {"prompt": "hi\ud800"}, "prompt", "a lone surrogate U+D800 at character 2"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "tools": [{}]}, "tools", "tool calling"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "a"}], "tools": [{}]},
+        "tools",
+        "only function tools",
+    ),
     (
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": 0},

@@ -76,15 +76,18 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         tools: list | None = None,
         error: type[MoemeshError] = RequestError,
+        **kwargs,
     ) -> str:
         """The conversation as text; a template that refuses it or fails on it raises `error`
-        (RequestError for a request, naming its messages; DataError for a row of data)."""
+        (RequestError for a request, naming its messages; DataError for a row of data). `kwargs`:
+        what a request adds for the template (`reasoning_effort`, its `chat_template_kwargs`)."""
         from jinja2.exceptions import TemplateError
 
         args = () if error is not RequestError else ("messages",)
         extra = {} if tools is None else {"tools": tools}
         try:
             return self.template.render(
+                **kwargs,
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
@@ -95,6 +98,10 @@ class ChatTemplate:
             raise error(f"the chat template refused the messages: {e}", *args) from None
         except Exception as e:  # a template that trips over the messages (a None where it adds strings, ...)
             raise error(f"the chat template failed on the messages ({type(e).__name__}: {e})", *args) from None
+
+    def reads(self, name: str) -> bool:
+        """Whether the template's source names a variable (reasoning_effort, say)."""
+        return name in self.source
 
     def render_marked(
         self, messages: list[dict], tools: list | None = None, error: type[MoemeshError] = DataError

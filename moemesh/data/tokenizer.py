@@ -14,7 +14,7 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
 class ByteTokenizer:
@@ -27,7 +27,7 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:  # no special tokens
         return bytes(i for i in ids if 0 < i < 256).decode("utf-8", errors="replace")
 
 
@@ -58,8 +58,10 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """The text of `ids`; special tokens (a chat turn's markers, gpt-oss's channels) kept when
+        not `skip_special_tokens` (the output parsers read them)."""
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def decode_special(self, ids: list[int]) -> str:
         """The text of `ids` with the special tokens written out (`<|im_end|>`), for display."""

@@ -3,8 +3,8 @@ OpenAI protocol (protocol.py), the chat template and the tokenizer's encoding, a
 engine's process (link.py). The routes, their errors and their streams are server.py's docstring.
 
 It imports no torch (a test checks): the process starts in a fraction of a second and holds no
-torch in its memory. The modules it reads (link, protocol, responses, request, chat, grammar)
-keep to that.
+torch in its memory. The modules it reads (link, protocol, responses, responses_api, request, chat,
+grammar) keep to that.
 """
 
 from __future__ import annotations
@@ -25,9 +25,12 @@ from moemesh.errors import MoemeshError, RequestError
 from moemesh.inference.chat import ChatTemplate, load_chat_template
 from moemesh.inference.grammar import Grammars
 from moemesh.inference.link import HttpLink, Submitted
+from moemesh.inference.parsers.harmony import TURN_ENDS
+from moemesh.inference.parsers.registry import NONE, choose
 from moemesh.inference.protocol import ApiError, Plan, Served, bad, chat_plan, completion_plan
 from moemesh.inference.request import QueueFull, short
 from moemesh.inference.responses import Reply
+from moemesh.inference.responses_api import ResponseReply, responses_plan
 
 try:  # one line for the user where `moemesh[serve]`'s packages are missing
     import uvicorn
@@ -49,6 +52,9 @@ class HttpSettings:
     max_len: int
     vocab: int
     max_waiting: int
+    model_type: str | None = None  # the parsers are chosen from it and the chat template
+    tool_call_parser: str | None = None  # serve's --tool-call-parser (None: chosen; "none": no parser)
+    reasoning_parser: str | None = None  # serve's --reasoning-parser (the same)
 
 
 class Front:
@@ -63,6 +69,16 @@ class Front:
             for end in dict.fromkeys(e for e in (self.chat_template.eos_token, self.chat_template.end_of_turn) if e):
                 ids = settings.tokenizer.encode(end)
                 chat_stop_ids += tuple(ids) if len(ids) == 1 else ()
+        source = self.chat_template.source if self.chat_template is not None else None
+        tools, reasoning = choose(settings.model_type, source)
+        tools = tools if settings.tool_call_parser is None else settings.tool_call_parser
+        reasoning = reasoning if settings.reasoning_parser is None else settings.reasoning_parser
+        self.tool_parser, self.reasoning_parser = (None if p == NONE else p for p in (tools, reasoning))
+        if "harmony" in (self.tool_parser, self.reasoning_parser):  # gpt-oss's turn ends at a call too
+            for marker in TURN_ENDS:
+                ids = settings.tokenizer.encode(marker)
+                if len(ids) == 1 and ids[0] not in chat_stop_ids:
+                    chat_stop_ids += tuple(ids)
         self.served = Served(
             settings.tokenizer,
             settings.max_len,
@@ -71,6 +87,8 @@ class Front:
             chat_stop_ids,
             Grammars(settings.tokenizer, settings.vocab),
             settings.max_waiting,  # a request that fits an empty queue (more could be refused with 503 forever)
+            self.tool_parser,
+            self.reasoning_parser,
         )
         self.created = int(time.time())
 
@@ -242,7 +260,15 @@ def _create_app(service: Front) -> FastAPI:
         authorize(request)
         return await respond(request, chat_plan(await read_json(request), service.served))
 
-    async def respond(request: Request, plan: Plan):
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        authorize(request)
+        planned = responses_plan(await read_json(request), service.served)
+        return await respond(
+            request, planned.plan, lambda views: ResponseReply(service.model_name, planned, views, service.tokenizer)
+        )
+
+    async def respond(request: Request, plan: Plan, make_reply=None):
         asks = [(ids, params) for ids, choices in zip(plan.prompts, plan.params) for params in choices]
         try:
             submitted = await service.link.submit(asks)
@@ -250,7 +276,10 @@ def _create_app(service: Front) -> FastAPI:
             raise ApiError(503, f"the server is busy: {e}", code="server_busy", kind="server_error") from None
         except RequestError as e:
             raise bad(e) from None
-        reply = Reply(service.model_name, plan, submitted.views, service.tokenizer)
+        if make_reply is None:
+            reply = Reply(service.model_name, plan, submitted.views, service.tokenizer)
+        else:
+            reply = make_reply(submitted.views)
         request.state.reply = reply
         if plan.stream:
             return StreamingResponse(stream(submitted, reply, plan.include_usage), media_type="text/event-stream")
@@ -289,14 +318,13 @@ def _create_app(service: Front) -> FastAPI:
                     finished += reason is not None
                     if reason == "error":
                         error = ApiError(500, f"generation failed: {reply.sequences[index].error}", kind="server_error")
-                        events.append("data: " + json.dumps(error.body()) + "\n\n")
+                        events.append(reply.error_event(error))
                     else:
                         events.append(reply.event(index, text, reason, tokens, first=index not in started))
                         started.add(index)
                 yield "".join(events)
-            if include_usage:
-                yield reply.usage_event()
-            yield "data: [DONE]\n\n"
+            for event in reply.last_events(include_usage):
+                yield event
         finally:  # also when the client went away: Starlette cancels this generator
             service.link.cancel(submitted)
 

@@ -70,11 +70,17 @@ class Grammars:
                 raise RequestError(
                     "response_format.json_schema: schema must be an object and strict a boolean", "response_format"
                 )
+        return self.schema(schema, end_ids, "response_format")
+
+    def schema(self, schema: dict, end_ids: frozenset[int], param: str) -> str:
+        """The llguidance grammar of a JSON schema (response_format's, or tool_choice's: a named
+        tool's parameters, or `required`'s list of calls); a RequestError naming `param` when it
+        cannot compile or llguidance is missing."""
         if not available():
             raise RequestError(
-                "response_format json_object / json_schema needs llguidance, not installed on this server "
-                "(pip install moemesh[serve])",
-                "response_format",
+                f"{param}: constrained decoding (json_object / json_schema, tool_choice required or named, "
+                "strict tools) needs llguidance, not installed on this server (pip install moemesh[serve])",
+                param,
             )
         import llguidance
 
@@ -83,14 +89,10 @@ class Grammars:
                 json.dumps(schema), defaults={"whitespace_flexible": False}
             )
         except (ValueError, TypeError) as e:
-            raise RequestError(
-                f"response_format: the schema is not usable: {short(str(e), 200)}", "response_format"
-            ) from None
+            raise RequestError(f"{param}: the schema is not usable: {short(str(e), 200)}", param) from None
         matcher = self.matcher(grammar, end_ids)
         if matcher.is_error():
-            raise RequestError(
-                f"response_format: the schema is not usable: {short(matcher.get_error(), 200)}", "response_format"
-            )
+            raise RequestError(f"{param}: the schema is not usable: {short(matcher.get_error(), 200)}", param)
         return grammar
 
     def matcher(self, grammar: str, end_ids: frozenset[int]):

@@ -7,19 +7,33 @@ A request becomes a `Plan`: its prompts (token ids, with the text to echo), and 
 `best_of` sequences (n when best_of is not given), each with its own SamplingParams — the same
 settings and its own seed, derived from the request's (choice 0 takes the request's seed itself,
 so n = 1 is what it always was). A field whose value is null is as if it were absent. Fields
-beyond OpenAI's are vLLM's spelling of the same thing (stop_token_ids, repetition_penalty).
+beyond OpenAI's are vLLM's spelling of the same thing (stop_token_ids, repetition_penalty,
+chat_template_kwargs).
+
+Tools: a chat request's function `tools` are given to the template; its replies are read by the
+served model's parsers (parsers/registry.py: the family's tool-call format, its reasoning) into
+the Plan's `output`. `tool_choice` required or named forces the call through the grammar, in
+vLLM's forms (parsers/forced.py). Assistant messages' `tool_calls` reach the template with their
+arguments as objects.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 import secrets
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 from moemesh.data.tokenizer import Tokenizer
 from moemesh.errors import RequestError
 from moemesh.inference.chat import ChatTemplate
 from moemesh.inference.grammar import Grammars
+from moemesh.inference.grammar import available as grammar_available
+from moemesh.inference.parsers.forced import Named, Required
+from moemesh.inference.parsers.registry import Output, output
+from moemesh.inference.parsers.think import opened_in_prompt
 from moemesh.inference.request import (
     MAX_LOGPROBS,
     SEED_MODULUS,
@@ -91,18 +105,20 @@ CHAT_FIELDS = SHARED | {
     "store",
     "service_tier",
     "modalities",
+    # tool calling and reasoning (the model family's parsers: inference/parsers/)
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "reasoning_effort",
+    "chat_template_kwargs",  # vLLM's: variables for the chat template (enable_thinking, ...)
 }
 # Refused unless null: field -> why.
 REFUSED = {
     "suffix": "suffix is not supported (no fill-in-the-middle)",
-    "tools": "tools are not supported (no tool calling)",
-    "tool_choice": "tool_choice is not supported (no tool calling)",
-    "functions": "functions are not supported (no tool calling)",
-    "function_call": "function_call is not supported (no tool calling)",
-    "parallel_tool_calls": "parallel_tool_calls is not supported (no tool calling)",
+    "functions": "functions (the deprecated form of tools) is not supported: send tools",
+    "function_call": "function_call (the deprecated form of tool_choice) is not supported: send tool_choice",
     "audio": "audio output is not supported (a text model)",
     "prediction": "prediction (predicted outputs) is not supported",
-    "reasoning_effort": "reasoning_effort is not supported (not a reasoning model's server)",
     "web_search_options": "web_search_options is not supported (no web search)",
     "verbosity": "verbosity is not supported",
     "metadata": "metadata is not supported (it goes with store, and nothing is stored)",
@@ -123,6 +139,8 @@ class Served:
     chat_stop_ids: tuple[int, ...]
     grammars: Grammars
     max_sequences: int
+    tool_parser: str | None = None  # parsers/registry.py's names
+    reasoning_parser: str | None = None
 
 
 @dataclass
@@ -137,6 +155,10 @@ class Plan:
     include_usage: bool
     logprobs: int | None  # alternatives to report per token (None: no log-probabilities)
     echo: bool = False
+    output: Callable[[], Output] | None = None  # a chat choice's parsing (tool calls, reasoning), per choice
+    one_call: bool = False  # parallel_tool_calls: false
+    reasoning: bool = False  # the reply's message has reasoning fields (a reasoning parser reads it)
+    tool_names: dict = field(default_factory=dict)
 
 
 class Fields:
@@ -276,8 +298,13 @@ def chat_plan(body: dict, served: Served) -> Plan:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     n, best_of, stream, include_usage = _counts(fields, best_of_allowed=False)
     _fits(served, n, "n")
+    tools = _tools(fields.get("tools", None, (list,), "a list of tools"))
+    choice = _tool_choice(body.get("tool_choice"), tools)
+    parallel = fields.bool("parallel_tool_calls", True)
+    template_kwargs = _template_kwargs(fields, served)
     try:
-        ids = served.tokenizer.encode(served.chat_template.render(messages))
+        prompt = served.chat_template.render(messages, tools=tools or None, **template_kwargs)
+        ids = served.tokenizer.encode(prompt)
     except RequestError as e:
         raise bad(e) from None
     # max_completion_tokens is OpenAI's name now, max_tokens the old one: the newer wins (vLLM's rule)
@@ -288,13 +315,183 @@ def chat_plan(body: dict, served: Served) -> Plan:
         max_tokens = served.context - len(ids)
     record = (top or 0) if logprobs else None
     base = _sampling(fields, served, max_tokens, record, None, served.chat_stop_ids)
-    if body.get("response_format") is not None:
+    ends = frozenset({served.tokenizer.eos_id, *base.stop_token_ids} - {None})
+    forced = None
+    if choice not in ("none", "auto"):
+        if body.get("response_format") not in (None, {"type": "text"}):
+            raise ApiError(
+                400, f"tool_choice {_choice_name(choice)} and response_format cannot both be given", "tool_choice"
+            )
+        schema, forced = _forced(choice, tools, parallel)
         try:
-            ends = frozenset({served.tokenizer.eos_id, *base.stop_token_ids} - {None})
+            base = replace(base, grammar=served.grammars.schema(schema, ends, "tool_choice"))
+        except RequestError as e:
+            raise bad(e) from None
+    elif body.get("response_format") is not None:
+        try:
             base = replace(base, grammar=served.grammars.compile(body["response_format"], ends))
         except RequestError as e:
             raise bad(e) from None
-    return Plan(True, [ids], [""], [_choices(base, best_of, ids, served)], n, best_of, stream, include_usage, record)
+    for i, tool in enumerate(tools):  # a strict tool's schema must compile (the grammar enforces it when forced)
+        function = tool["function"]
+        if function.get("strict") and forced is None and grammar_available():
+            try:
+                served.grammars.schema(function.get("parameters") or {"type": "object"}, ends, f"tools[{i}]")
+            except RequestError as e:
+                raise ApiError(400, str(e), "tools") from None
+    parse = None
+    calls = bool(tools) and choice != "none"
+    reads = served.tool_parser is not None or served.reasoning_parser is not None
+    if forced is not None or reads:
+        parse = functools.partial(
+            output,
+            served.tool_parser,
+            served.reasoning_parser,
+            tools=calls,
+            # a grammar (response_format) constrains the first token on: no reasoning comes first
+            reasoning_open=opened_in_prompt(prompt) and base.grammar is None,
+            forced=forced,
+        )
+        # the parsers read the markers, which are special tokens in some tokenizers (gpt-oss's channels)
+        base = replace(base, skip_special_tokens=not reads)
+    return Plan(
+        True,
+        [ids],
+        [""],
+        [_choices(base, best_of, ids, served)],
+        n,
+        best_of,
+        stream,
+        include_usage,
+        record,
+        output=parse,
+        one_call=not parallel,
+        reasoning=served.reasoning_parser is not None,
+    )
+
+
+# ---- tools -------------------------------------------------------------------------------------
+
+
+def _tools(tools) -> list[dict]:
+    """OpenAI's function tools, checked: [{"type": "function", "function": {name, description?,
+    parameters?, strict?}}], names unique. Given to the template as sent."""
+    if tools is None:
+        return []
+    names = set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise ApiError(400, f"{where}: only function tools are supported, got type {short(kind)}", "tools")
+        function = tool.get("function")
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise ApiError(400, f"{where}.function must be an object with a name", "tools")
+        unknown = sorted(set(tool) - {"type", "function"}) or sorted(
+            set(function) - {"name", "description", "parameters", "strict"}
+        )
+        if unknown:
+            raise ApiError(400, f"{where} has an unknown field {short(unknown[0])}", "tools")
+        if not isinstance(function.get("parameters", {}), (dict, type(None))):
+            raise ApiError(400, f"{where}.function.parameters must be a JSON schema (an object)", "tools")
+        if not isinstance(function.get("description", ""), (str, type(None))):
+            raise ApiError(400, f"{where}.function.description must be a string", "tools")
+        if not isinstance(function.get("strict", False), (bool, type(None))):
+            raise ApiError(400, f"{where}.function.strict must be true or false", "tools")
+        if function["name"] in names:
+            raise ApiError(400, f"{where}: two tools are named {short(function['name'])}", "tools")
+        names.add(function["name"])
+        for key in ("name", "description"):
+            if isinstance(function.get(key), str):
+                _text(function[key], f"{where}.function.{key}")
+    return tools
+
+
+def _tool_choice(choice, tools: list[dict]):
+    """ "none" | "auto" | "required" | ("function", name); auto by default (none without tools)."""
+    if choice is None:
+        return "auto" if tools else "none"
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise ApiError(
+                400, f"tool_choice must be none, auto, required or a named function, got {short(choice)}", "tool_choice"
+            )
+        if choice != "none" and not tools:
+            raise ApiError(400, f"tool_choice {choice} needs tools", "tool_choice")
+        return choice
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
+        raise ApiError(
+            400, 'tool_choice must be a string or {"type": "function", "function": {"name": ...}}', "tool_choice"
+        )
+    if name not in {tool["function"]["name"] for tool in tools}:
+        raise ApiError(400, f"tool_choice names {short(name)}, which is not one of the tools", "tool_choice")
+    return ("function", name)
+
+
+def _choice_name(choice) -> str:
+    return choice if isinstance(choice, str) else f"{{function {choice[1]}}}"
+
+
+def _parameters(tool: dict) -> dict:
+    return tool["function"].get("parameters") or {"type": "object", "properties": {}}
+
+
+def _forced(choice, tools: list[dict], parallel: bool) -> tuple[dict, Callable]:
+    """The schema that forces tool_choice (vLLM's forms) and the parser of what it forces."""
+    if choice == "required":
+        items = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "enum": [tool["function"]["name"]]},
+                    "parameters": _parameters(tool),
+                },
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for tool in tools
+        ]
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        if not parallel:
+            schema["maxItems"] = 1
+        return schema, Required
+    name = choice[1]
+    tool = next(t for t in tools if t["function"]["name"] == name)
+    return _parameters(tool), functools.partial(Named, name)
+
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+RESERVED_TEMPLATE_NAMES = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
+
+
+def _template_kwargs(fields: Fields, served: Served) -> dict:
+    """chat_template_kwargs and reasoning_effort, for the template (which must read the latter)."""
+    kwargs = dict(fields.get("chat_template_kwargs", {}, (dict,), "an object"))
+    taken = sorted(RESERVED_TEMPLATE_NAMES & set(kwargs))
+    if taken:
+        raise ApiError(
+            400,
+            f"chat_template_kwargs: {short(taken[0])} is the request's own (not a template variable to set)",
+            "chat_template_kwargs",
+        )
+    effort = fields.get("reasoning_effort", None, (str,), "a string")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise ApiError(
+                400,
+                f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {short(effort)}",
+                "reasoning_effort",
+            )
+        if not served.chat_template.reads("reasoning_effort"):
+            raise ApiError(
+                400,
+                "reasoning_effort: this model's chat template has no reasoning effort (it reads no reasoning_effort)",
+                "reasoning_effort",
+            )
+        kwargs["reasoning_effort"] = effort
+    return kwargs
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -314,9 +511,10 @@ def _messages(messages) -> list[dict]:
         role = message.get("role")
         if role not in ROLES:
             raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}, got {short(role)}", "messages")
-        for name in ("tool_calls", "function_call"):
-            if message.get(name):
-                raise ApiError(400, f"{where}.{name}: tool calling is not supported", "messages")
+        if message.get("function_call"):
+            raise ApiError(
+                400, f"{where}.function_call (the deprecated form) is not supported: send tool_calls", "messages"
+            )
         content = message.get("content")
         if content is None:
             content = ""
@@ -334,12 +532,43 @@ def _messages(messages) -> list[dict]:
             raise ApiError(400, f"{where}.content must be a string or a list of text parts", "messages")
         _text(content, f"{where}.content")
         item = {**message, "role": role, "content": content}
+        if message.get("tool_calls"):
+            if role != "assistant":
+                raise ApiError(400, f"{where}.tool_calls: only an assistant message has tool calls", "messages")
+            item["tool_calls"] = _message_calls(message["tool_calls"], where)
         for name, value in message.items():
             if name in ("name", "tool_call_id") and value is not None and not isinstance(value, str):
                 raise ApiError(400, f"{where}.{name} must be a string", "messages")
             if isinstance(value, str) and name != "content":
                 _text(value, f"{where}.{name}")
         out.append(item)
+    return out
+
+
+def _message_calls(calls, where: str) -> list[dict]:
+    """An assistant message's tool_calls as templates read them: OpenAI's
+    {id, type, function: {name, arguments}} with the arguments (a JSON string) as the object, as
+    transformers' templates expect (Qwen3's writes `arguments | tojson`)."""
+    if not isinstance(calls, list):
+        raise ApiError(400, f"{where}.tool_calls must be a list", "messages")
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}.tool_calls[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ApiError(400, f"{at} must be {{id, type: function, function: {{name, arguments}}}}", "messages")
+        if call.get("type", "function") != "function":
+            raise ApiError(400, f"{at}.type must be function", "messages")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            _text(arguments, f"{at}.function.arguments")
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except (ValueError, RecursionError):
+                raise ApiError(400, f"{at}.function.arguments is not JSON", "messages") from None
+        if not isinstance(arguments, dict):
+            raise ApiError(400, f"{at}.function.arguments must be a JSON object", "messages")
+        out.append({**call, "type": "function", "function": {**function, "arguments": arguments}})
     return out
 
 

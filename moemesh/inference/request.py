@@ -58,6 +58,7 @@ class SamplingParams:
     logprobs: int | None = None  # per generated token: its log-probability and this many alternatives
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (after the first)
     grammar: str | None = None  # an llguidance grammar (grammar.py) that the text must follow
+    skip_special_tokens: bool = True  # False: special tokens' text kept (the output parsers read their markers)
 
     def check(self, vocab: int | None = None) -> None:
         """A RequestError naming the first field out of range (token ids against `vocab` when given)."""
@@ -179,16 +180,16 @@ def check_request(prompt_ids: list[int], params: SamplingParams, context: int, v
 
 
 class IncrementalText:
-    def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer, self.skip = tokenizer, skip_special_tokens
         self.ids: list[int] = []
         self.prefix = self.read = 0  # ids[prefix:read] is the context for decoding what follows
 
     def add(self, token: int) -> str:
         """Append a token; return the text that became final (maybe "")."""
         self.ids.append(token)
-        before = self.tokenizer.decode(self.ids[self.prefix : self.read])
-        now = self.tokenizer.decode(self.ids[self.prefix :])
+        before = self._decode(self.ids[self.prefix : self.read])
+        now = self._decode(self.ids[self.prefix :])
         if len(now) <= len(before) or now.endswith("\ufffd"):
             return ""
         self.prefix, self.read = self.read, len(self.ids)
@@ -196,10 +197,13 @@ class IncrementalText:
 
     def flush(self) -> str:
         """Whatever is left, as it reads now (at the end of the request)."""
-        before = self.tokenizer.decode(self.ids[self.prefix : self.read])
-        now = self.tokenizer.decode(self.ids[self.prefix :])
+        before = self._decode(self.ids[self.prefix : self.read])
+        now = self._decode(self.ids[self.prefix :])
         self.prefix = self.read = len(self.ids)
         return now[len(before) :]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids) if self.skip else self.tokenizer.decode(ids, skip_special_tokens=False)
 
 
 @dataclass(frozen=True)
@@ -247,7 +251,7 @@ class Sequence:
         # position -> the experts each MoE layer chose for that token, [layers, k] (the
         # scheduler's record_routing)
         self.routing: dict = {}
-        self._text = IncrementalText(tokenizer)
+        self._text = IncrementalText(tokenizer, params.skip_special_tokens)
         self._hold = max((len(s) for s in params.stop), default=1) - 1
         self._sent = 0
 

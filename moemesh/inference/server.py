@@ -14,7 +14,10 @@ time); and forking a process that holds a GPU is unsafe.
     GET  /v1/models                the one model
     GET  /v1/models/{id}           it, or a 404 for another id
     POST /v1/completions           prompt: text or token ids, one or a list (docs/openai_api.md)
-    POST /v1/chat/completions      for tokenizers with a chat template (chat.py); else 400
+    POST /v1/chat/completions      for tokenizers with a chat template (chat.py); else 400; tool
+                                   calls and reasoning read by the family's parsers (parsers/)
+    POST /v1/responses             OpenAI's Responses API, stateless, on the chat path
+                                   (responses_api.py); its stream is its semantic events
 
 Streams are server-sent events, one chunk per token (with the text that became final, maybe ""),
 ending in `data: [DONE]`; the chunks that have come since a stream's last write go in one write.
@@ -70,13 +73,25 @@ class Service:
         reply_window_ms: float = 25.0,  # serve's --reply-window-ms (inference/scheduler.py says why)
         prefill_first: bool = False,  # serve's --schedule prefill-first (inference/scheduler.py)
         overlap: bool = True,  # not serve's --no-overlap (inference/scheduler.py)
+        tool_call_parser: str | None = None,  # serve's --tool-call-parser (None: chosen; parsers/registry.py)
+        reasoning_parser: str | None = None,  # serve's --reasoning-parser
     ):
         self.engine = engine
         self.scheduler = Scheduler(
             engine, tokenizer, max_waiting, reply_window_ms / 1e3, prefill_first, overlap=overlap
         )
+        model_type = getattr(getattr(getattr(engine, "model", None), "config", None), "model_type", None)
         self.settings = HttpSettings(
-            tokenizer, model_name, api_key, max_request_bytes, engine.max_len, engine.vocab, max_waiting
+            tokenizer,
+            model_name,
+            api_key,
+            max_request_bytes,
+            engine.max_len,
+            engine.vocab,
+            max_waiting,
+            model_type,
+            tool_call_parser,
+            reasoning_parser,
         )
         self.link: EngineLink | None = None
         self.http: subprocess.Popen | None = None  # the HTTP server's process while it runs
