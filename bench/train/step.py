@@ -5,7 +5,7 @@ trainer's own step (`Trainer.train_step`) under named layouts (--trainer), lists
 (--layouts) or FSDP's variants (--fsdp).
 
     PYTHONPATH=. python3 bench/train/step.py [--layers 6] [--seq 4096] [--batch 4] [--moemesh-fp32-master] \\
-        [--recompute full]
+        [--recompute full] [--packed 512]
     PYTHONPATH=. torchrun --nproc-per-node 2 bench/train/step.py --layout ep [--single-gpu-baseline TOKENS_PER_S]
     PYTHONPATH=. torchrun --nproc-per-node 2 bench/train/step.py --layout dp_shard [--single-gpu-baseline TOKENS_PER_S]
     PYTHONPATH=. python3 bench/train/step.py --config configs/tiny.toml --seq 128 --batch 2 --steps 2 --warmup 1 \\
@@ -23,6 +23,9 @@ Variants on one GPU (transformers first, each freed before the next so peaks are
                 torch.autocast(bf16), as `moemesh train` runs today.
   moemesh with activation checkpointing (--recompute full,selective): the bf16 row again, each
                 decoder layer recomputed in backward (train.activation_checkpointing).
+  moemesh packed (--packed N): the bf16 row on chat rows of ~N tokens packed into each sequence
+                as `data/packing.py` packs them (positions restarting, attention within each row,
+                the second half of each row trained); --record puts it beside the raw-text row.
 Several GPUs (torchrun, moemesh only, --batch sequences per GPU): --layout ep or dp_shard over all
 ranks (FSDP2: the shards gathered before each block, gradients reduce-scattered), bf16 weights and
 AdamW state as on one GPU (or fp32 weights under autocast, FSDP gathering them in bf16, with
@@ -215,6 +218,10 @@ def record_rows(args, rows: list[dict], peer: dict | None = None, baseline: floa
         if row is peer or row.get("_at") is None:
             continue
         at = {**model_at(args), **gpus, **row["_at"]}
+        if "packed" in at:  # packed chat rows beside raw text of the same tokens, both moemesh's
+            raw = next(r for r in rows if r.get("_at") == {})
+            record("train tokens/s", at, row["_tps"], "tokens/s", "moemesh raw text", raw["_tps"])
+            continue
         if peer:
             record("train tokens/s", at, row["_tps"], "tokens/s", "transformers", peer["_tps"])
         else:
@@ -350,13 +357,37 @@ def run_variant(
     return row
 
 
-def moemesh_forward(model, config: ModelConfig, autocast: bool, mesh=None):
+def packed_rows(batch: int, seq: int, mean: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions [batch, seq] of rows packed as `data/packing.py` packs them (lengths uniform in
+    [mean/4, 7 mean/4], positions restarting at 0 for each), and a mask of the tokens trained (the
+    second half of each row: an assistant's reply after its prompt)."""
+    generator = torch.Generator().manual_seed(seed)
+    positions, trained = torch.empty(batch, seq, dtype=torch.long), torch.zeros(batch, seq, dtype=torch.bool)
+    for b in range(batch):
+        at = 0
+        while at < seq:
+            length = min(seq - at, int(torch.randint(mean // 4, 7 * mean // 4 + 1, (1,), generator=generator)))
+            positions[b, at : at + length] = torch.arange(length)
+            trained[b, at + length // 2 : at + length] = True
+            at += length
+    return positions, trained
+
+
+def moemesh_forward(model, config: ModelConfig, autocast: bool, mesh=None, packed=None):
+    """`packed`: (positions, trained mask) of packed chat rows (`packed_rows`), else one document a
+    sequence, every token trained."""
     device_type = next(model.parameters()).device.type
     ranks = mesh.dims.batch_size if mesh is not None else 1
+    if packed is not None:
+        positions, trained = (t.to(next(model.parameters()).device) for t in packed)
 
     def forward(ids, local, batch):
+        labels = ids if packed is None else torch.where(trained, ids, -100)
         with torch.autocast(device_type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
-            out = model(ids, labels=ids, return_logits=False)
+            if packed is None:
+                out = model(ids, labels=labels, return_logits=False)
+            else:
+                out = model(ids, labels=labels, positions=positions, return_logits=False)
         if mesh is None:
             return out.loss  # ce + coef · aux
         # label counts from the host copies: no device sync
@@ -390,6 +421,12 @@ def step_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-reshard",
         action="store_true",
         help="dp_shard: keep each block's gathered weights from forward to backward (one all-gather per step)",
+    )
+    parser.add_argument(
+        "--packed",
+        type=int,
+        metavar="N",
+        help="one GPU: also a step on chat rows of ~N tokens packed (positions restart, half trained)",
     )
     parser.add_argument("--single-gpu-baseline", type=float, help="moemesh tokens/s on one GPU: print the scaling")
     parser.add_argument(
@@ -425,6 +462,16 @@ def assembled_step(args) -> None:
         del model
         free()
         variants = [("moemesh (bf16)", torch.bfloat16, False, "none", {})]  # the last: the keys of --record's rows
+        if args.packed:
+            variants.append(
+                (
+                    f"moemesh (bf16, chat rows of ~{args.packed} tokens packed)",
+                    torch.bfloat16,
+                    False,
+                    "none",
+                    {"packed": args.packed},
+                )
+            )
         for mode in recompute:
             variants.append((f"moemesh (bf16, {mode} recompute)", torch.bfloat16, False, mode, {"recompute": mode}))
         if args.moemesh_fp32_master:
@@ -436,7 +483,12 @@ def assembled_step(args) -> None:
                 run_variant(
                     name,
                     model,
-                    moemesh_forward(model, config, autocast),
+                    moemesh_forward(
+                        model,
+                        config,
+                        autocast,
+                        packed=packed_rows(args.batch, args.seq, at["packed"], args.seed) if "packed" in at else None,
+                    ),
                     args,
                     config,
                     device,
