@@ -533,3 +533,19 @@ def intersection_length(a, b) -> float:
             total += max(0.0, min(end, b[k][1]) - max(start, b[k][0]))
             k += 1
     return total
+
+
+def packed_rows(batch: int, seq: int, mean: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions [batch, seq] of rows packed as `data/packing.py` packs them (lengths uniform in
+    [mean/4, 7 mean/4], positions restarting at 0 for each), and a mask of the tokens trained (the
+    second half of each row: an assistant's reply after its prompt)."""
+    generator = torch.Generator().manual_seed(seed)
+    positions, trained = torch.empty(batch, seq, dtype=torch.long), torch.zeros(batch, seq, dtype=torch.bool)
+    for b in range(batch):
+        at = 0
+        while at < seq:
+            length = min(seq - at, int(torch.randint(mean // 4, 7 * mean // 4 + 1, (1,), generator=generator)))
+            positions[b, at : at + length] = torch.arange(length)
+            trained[b, at + length // 2 : at + length] = True
+            at += length
+    return positions, trained

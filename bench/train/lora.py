@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import itertools
 import os
 import sys
 from unittest import mock
@@ -60,6 +61,7 @@ from bench.harness import (
     grouped_mm_experts,
     median_ms,
     model_at,
+    packed_rows,
     print_table,
     qwen3_30b_a3b,
     record,
@@ -118,7 +120,11 @@ def peft_model(config: ModelConfig, args, experts: bool, device, dtype):
 # ---- moemesh -----------------------------------------------------------------------------------
 
 
-def moemesh_model(config: ModelConfig, args, experts: bool, recompute: str, device, dtype, base: str = "bf16"):
+def moemesh_model(
+    config: ModelConfig, args, experts: bool, recompute: str, device, dtype, base: str = "bf16", packed: int = 0
+):
+    """moemesh's LoRA model and its forward; `packed`: on chat rows of ~N tokens packed into each
+    sequence (`packed_rows`: positions restarting, attention within each row, half trained)."""
     model = meta_model(config, dtype)  # the frozen base in the compute dtype
     adapters = LoraConfig(rank=args.rank, alpha=args.alpha, targets=ATTENTION, experts=experts)
     apply_lora(model, adapters, getattr(torch, args.adapter_dtype))
@@ -139,9 +145,14 @@ def moemesh_model(config: ModelConfig, args, experts: bool, recompute: str, devi
         torch.autocast(device.type, dtype=torch.bfloat16) if dtype == torch.bfloat16 else contextlib.nullcontext()
     )
 
+    if packed:
+        positions, trained = (t.to(device) for t in packed_rows(args.batch, args.seq, packed, args.seed))
+
     def forward(ids):
         with autocast:
-            return model(ids, labels=ids, return_logits=False).loss
+            if not packed:
+                return model(ids, labels=ids, return_logits=False).loss
+            return model(ids, labels=torch.where(trained, ids, -100), positions=positions, return_logits=False).loss
 
     return model, forward
 
@@ -406,6 +417,9 @@ def main():
         choices=["float32", "bfloat16"],
         help="moemesh's adapters and their AdamW state (train.param_dtype)",
     )
+    parser.add_argument(
+        "--packed", type=int, default=0, metavar="N", help="also each moemesh variant on chat rows of ~N tokens packed"
+    )
     parser.add_argument("--skip-peft", action="store_true", help="moemesh alone (no transformers + PEFT rows)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
@@ -446,11 +460,15 @@ def main():
             free()
         for base in args.base.split(","):
             for recompute in [mode for mode in args.recompute.split(",") if mode]:
-                for graphed in {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graph]:
-                    model, forward = moemesh_model(config, args, experts, recompute, device, dtype, base)
-                    name = f"moemesh ({base} base, {recompute} recompute{', CUDA graph' if graphed else ''})"
+                for graphed, packed in itertools.product(
+                    {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graph],
+                    [0, args.packed][: 1 + bool(args.packed)],
+                ):
+                    model, forward = moemesh_model(config, args, experts, recompute, device, dtype, base, packed)
+                    how = f"{', CUDA graph' if graphed else ''}{f', chat rows of ~{packed} packed' if packed else ''}"
+                    name = f"moemesh ({base} base, {recompute} recompute{how})"
                     rows.append(run_variant(name, targets, model, forward, args, config, device, graphed))
-                    rows[-1]["_base"] = base
+                    rows[-1]["_base"], rows[-1]["_packed"] = base, packed
                     del model, forward
                     free()
     if not args.skip_peft:
@@ -477,9 +495,20 @@ def record_rows(args, rows: list[dict]) -> None:
         peft = next((r for r in rows if r["LoRA on"] == targets and "_base" not in r), None)
         best = {}
         for base in args.base.split(","):
-            ours = [r for r in rows if r["LoRA on"] == targets and r.get("_base") == base]
+            ours = [r for r in rows if r["LoRA on"] == targets and r.get("_base") == base and not r.get("_packed")]
             if ours:
                 best[base] = max(ours, key=lambda r: r["_tps"])
+            for row in [r for r in rows if r["LoRA on"] == targets and r.get("_base") == base and r.get("_packed")]:
+                raw = next(
+                    r for r in rows if r["implementation"] == row["implementation"].rsplit(", chat rows", 1)[0] + ")"
+                )
+                at = {
+                    **model_at(args),
+                    "targets": targets,
+                    "packed": row["_packed"],
+                    **({"base": base} if base != "bf16" else {}),
+                }
+                record("lora tokens/s", at, row["_tps"], "tokens/s", "moemesh raw text", raw["_tps"])
         for base, row in best.items():
             peer, name = (peft, "transformers+peft") if base == "bf16" else (best.get("bf16"), "moemesh bf16 base")
             if base == "bf16" and peer is None:

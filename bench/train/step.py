@@ -135,6 +135,7 @@ from bench.harness import (
     median_ms,
     merged,
     model_at,
+    packed_rows,
     print_table,
     profiled_kernels,
     record,
@@ -355,22 +356,6 @@ def run_variant(
                     trace = Path(args.trace_dir) / f"e2e_{layout}_rank{RANK}.json.gz"
                 row["_profile"] = kernel_summary(step, trace)
     return row
-
-
-def packed_rows(batch: int, seq: int, mean: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions [batch, seq] of rows packed as `data/packing.py` packs them (lengths uniform in
-    [mean/4, 7 mean/4], positions restarting at 0 for each), and a mask of the tokens trained (the
-    second half of each row: an assistant's reply after its prompt)."""
-    generator = torch.Generator().manual_seed(seed)
-    positions, trained = torch.empty(batch, seq, dtype=torch.long), torch.zeros(batch, seq, dtype=torch.bool)
-    for b in range(batch):
-        at = 0
-        while at < seq:
-            length = min(seq - at, int(torch.randint(mean // 4, 7 * mean // 4 + 1, (1,), generator=generator)))
-            positions[b, at : at + length] = torch.arange(length)
-            trained[b, at + length // 2 : at + length] = True
-            at += length
-    return positions, trained
 
 
 def moemesh_forward(model, config: ModelConfig, autocast: bool, mesh=None, packed=None):
