@@ -47,7 +47,12 @@ def _cached(kind: str, positions: torch.Tensor, window: int | None, make):
 
 
 def _flex_ok(q: torch.Tensor) -> bool:
-    return q.is_cuda and not _flex_failed and not torch.cuda.is_current_stream_capturing()
+    """Flex attention on CUDA; inside a CUDA graph's capture only once compiled (an eager step ran
+    it: the trainer's warm-up does), its block mask then made inside the graph, so that a replay
+    computes it again from the positions it is given."""
+    if not q.is_cuda or _flex_failed:
+        return False
+    return _compiled_flex is not None or not torch.cuda.is_current_stream_capturing()
 
 
 def attention(
@@ -89,7 +94,8 @@ def _flex(q, k, v, positions, scale, window, gqa):
         batch, seq = positions.shape
         return create_block_mask(mask_mod, batch, None, seq, seq, device=positions.device)
 
-    block_mask = _cached("block", positions, window, make)
+    capturing = torch.cuda.is_current_stream_capturing()  # not the eager warm-up's mask: this graph's own
+    block_mask = _cached("block-captured" if capturing else "block", positions, window, make)
     return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
 
 
