@@ -221,6 +221,19 @@ def _model_arguments(command: argparse.ArgumentParser) -> None:
         default="auto",
         help="weights and KV cache (auto: bfloat16 on a GPU, float32 on a CPU)",
     )
+    quantized = command.add_mutually_exclusive_group()
+    quantized.add_argument(
+        "--quantize",
+        choices=("fp8",),
+        help="keep the projections and expert banks of a bf16 Hugging Face checkpoint in block FP8 (128 x 128 "
+        "tiles, the published rule), quantized at load; the decoding kernels read the codes (an FP8 or MXFP4 "
+        "checkpoint's quantized weights stay quantized without it)",
+    )
+    quantized.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="read an FP8 or MXFP4 checkpoint's quantized weights dense, in --dtype (default: kept in their codes)",
+    )
     command.add_argument(
         "--max-batch",
         type=int,
@@ -519,10 +532,17 @@ def _loaded(args: argparse.Namespace):
         dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
         if args.config is None:
             model, tokenizer = load_for_generation(
-                args.checkpoint, args.tokenizer, device, dtype, mesh, args.adapter, whole_experts
-            )
+                args.checkpoint, args.tokenizer, device, dtype, mesh, args.adapter, whole_experts, args.quantize,
+                args.dequantize,
+            )  # fmt: skip
+            if model.kept_quantized is not None and _is_rank_zero():
+                print(f"moemesh {args.command}: {model.kept_quantized.describe(per_product=False)}", file=sys.stderr)
+            if args.batch_invariant and model.kept_quantized is not None and model.kept_quantized.kept:
+                raise MoemeshError("--batch-invariant does not cover quantized weights yet: add --dequantize")
         elif args.adapter is not None:
             raise MoemeshError("--adapter needs the --checkpoint of its base model, not --config")
+        elif args.quantize is not None:
+            raise MoemeshError("--quantize fp8 quantizes a --checkpoint's weights, not a --config's drawn ones")
         else:
             model, tokenizer = drawn_for_generation(args.config, device, dtype, mesh, whole_experts)
             if args.tokenizer is not None:

@@ -11,6 +11,7 @@
     PYTHONPATH=. python3 bench/kernels/ops.py --gemv-tiles        # only: decoding's projections (ops/gemv.py)
     PYTHONPATH=. python3 bench/kernels/ops.py --selected-tiles    # only: batch-invariant decode's experts
     PYTHONPATH=. python3 bench/kernels/ops.py --dequantize-tiles  # only: a quantized bank's dequantization
+    PYTHONPATH=. python3 bench/kernels/ops.py --quantized-gemv    # only: decoding's kernels on FP8/MXFP4 weights
     PYTHONPATH=. python3 bench/kernels/ops.py --grid-barrier      # only: a dependent launch against a grid barrier
 
 Prints: effective bandwidth of permute / combine / swiglu (forward and backward) as a fraction of
@@ -942,6 +943,105 @@ def dequantize_tile_rows(copy_gbps):
             )
 
 
+def _quantized(weight: torch.Tensor, fmt: str):
+    """`weight` [..., R, C] as the decoding kernels take it: itself (bf16), or a QuantizedWeight
+    by the published rules (fp8: 128 x 128 tiles, the scales per row; mxfp4: 32-groups)."""
+    from moemesh.checkpoint.quantized import quantize_fp8, quantize_mxfp4
+    from moemesh.ops.quantized_weight import FP8_TILE, QuantizedWeight
+
+    if fmt == "bf16":
+        return weight
+    if fmt == "mxfp4":
+        return QuantizedWeight("mxfp4", *quantize_mxfp4(weight), weight.dtype)
+    codes, tiles = quantize_fp8(weight)
+    scales = tiles.repeat_interleave(FP8_TILE, -2)[..., : weight.shape[-2], :].contiguous()
+    return QuantizedWeight("fp8", codes, scales, weight.dtype)
+
+
+def _bank(experts: int, rows: int, cols: int, fmt: str, dtype):
+    """A random bank [experts, rows, cols] in `fmt`, made 8 experts at a time."""
+    from moemesh.ops.quantized_weight import QuantizedWeight
+
+    pieces = [
+        _quantized((torch.randn(min(8, experts - e), rows, cols, device=DEVICE) * 0.02).to(dtype), fmt)
+        for e in range(0, experts, 8)
+    ]
+    if fmt == "bf16":
+        return torch.cat(pieces)
+    return QuantizedWeight(
+        fmt, torch.cat([q.codes for q in pieces]), torch.cat([q.scales for q in pieces]), dtype, pieces[0].offset
+    )
+
+
+def _weight_bytes(weight) -> int:
+    return weight.nbytes if hasattr(weight, "codes") else weight.numel() * weight.element_size()
+
+
+def quantized_gemv_rows(copy_gbps):
+    """--quantized-gemv: decoding's kernels on quantized weights (codes and scales decoded in
+    registers) beside the same kernels on bf16: GB/s of the weight bytes each call reads (codes
+    and scales; the chosen experts') and that against a device copy, and the error against the
+    dequantize-then-reference. Shapes: Qwen3-30B-A3B's attention (q, k, v in one launch; o_proj)
+    and experts (128, top-8, 2048 x 768), gpt-oss-120b's experts (128, top-4, 2880 x 2880)."""
+    from moemesh.ops import gemv
+    from moemesh.ops.expert_gemv import expert_gemv, expert_gemv_combine, expert_swiglu_gemv
+
+    dtype = torch.float32 if SMOKE else DTYPE  # the interpreter's tl.dot is wrong in bf16
+    scale = 16 if SMOKE else 1
+    formats = ("bf16", "fp8", "mxfp4")
+    report("decoding kernels on quantized weights: ms, GB/s of the weight bytes read, vs the device copy, error")
+    report(f"  {'kernel':<44} {'weights':<6} {'tokens':>6} {'ms':>8} {'GB/s':>8} {'vs copy':>8} {'rel err':>9}")
+
+    def row(name, fmt, tokens, fn, reference, read):
+        ms = bench_ms(fn)
+        err = rel_err(fn(), reference())
+        report(
+            f"  {name:<44} {fmt:<6} {tokens:>6} {ms:>8.3f} {read / ms / 1e6:>8.0f} "
+            f"{read / ms / 1e6 / copy_gbps:>8.0%} {err:>9.1e}"
+        )
+
+    hidden, heads = 2048 // scale, 4096 // scale
+    for fmt in formats:
+        qkv = [_quantized((torch.randn(n, hidden, device=DEVICE) * 0.02).to(dtype), fmt) for n in (heads, 512, 512)]
+        o_proj = _quantized((torch.randn(hidden, heads, device=DEVICE) * 0.02).to(dtype), fmt)
+        for tokens in (1, 64):
+            x = torch.randn(tokens, hidden, device=DEVICE, dtype=dtype)
+            a = torch.randn(tokens, heads, device=DEVICE, dtype=dtype)
+            with torch.no_grad():
+                row("gemv q, k, v (Qwen3-30B-A3B)", fmt, tokens, lambda: gemv.gemv(x, qkv)[0],
+                    lambda: gemv.gemv_reference(x, qkv)[0], sum(map(_weight_bytes, qkv)))  # fmt: skip
+                row("gemv o_proj", fmt, tokens, lambda: gemv.gemv(a, [o_proj])[0],
+                    lambda: gemv.gemv_reference(a, [o_proj])[0], _weight_bytes(o_proj))  # fmt: skip
+    for shape, experts, k, hidden, inner in (
+        ("Qwen3-30B-A3B", 128, 8, 2048, 768),
+        ("gpt-oss-120b", 128, 4, 2880, 2880),
+    ):
+        experts, hidden, inner = (8, 96, 64) if SMOKE else (experts, hidden, inner)
+        k = min(k, experts)
+        for fmt in formats:
+            if fmt == "mxfp4" and (hidden % 32 or inner % 32):
+                continue
+            gate_up, down = _bank(experts, 2 * inner, hidden, fmt, dtype), _bank(experts, hidden, inner, fmt, dtype)
+            per_expert = (_weight_bytes(gate_up) + _weight_bytes(down)) / experts
+            dense_up = gate_up if fmt == "bf16" else gate_up.to(dtype)
+            dense_down = down if fmt == "bf16" else down.to(dtype)
+            for tokens in (1, 64):
+                x = torch.randn(tokens, hidden, device=DEVICE, dtype=dtype)
+                ids = torch.stack([torch.randperm(experts, device=DEVICE)[:k] for _ in range(tokens)])
+                weights = torch.rand(tokens, k, device=DEVICE)
+                read = per_expert * (tokens * k if tokens == 1 else len(torch.unique(ids)))
+                with torch.no_grad():
+                    gated = expert_swiglu_gemv(x, dense_up, ids)
+                    if tokens == 1:  # per token: SwiGLU, then the down projection with the weighted sum
+                        row(f"expert_swiglu_gemv + combine ({shape})", fmt, tokens,
+                            lambda: expert_gemv_combine(expert_swiglu_gemv(x, gate_up, ids), down, ids, weights),
+                            lambda: expert_gemv_combine(gated, dense_down, ids, weights), read)  # fmt: skip
+                    else:  # per expert: gate/up with SwiGLU, down
+                        row(f"expert_gemv glu + down ({shape})", fmt, tokens,
+                            lambda: expert_gemv(expert_gemv(x, gate_up, ids, glu=True), down, ids.view(-1, 1)),
+                            lambda: expert_gemv(gated, dense_down, ids.view(-1, 1)), read)  # fmt: skip
+
+
 def launch_rows() -> None:
     """--launches: what a call costs the host (µs, tiny operands, 2,000 calls queued and then one
     sync), for the ops a training step in batch-invariant mode launches in place of the default
@@ -992,6 +1092,7 @@ def main():
         ("--gemv-tiles", "decoding's projections (ops/gemv.py)"),
         ("--selected-tiles", "batch-invariant decode's experts"),
         ("--dequantize-tiles", "a quantized bank's dequantization (LoRA on a quantized base)"),
+        ("--quantized-gemv", "decoding's GEMV kernels on FP8/MXFP4 weights against bf16"),
         ("--grid-barrier", "a dependent launch against a grid barrier"),
     ):
         only.add_argument(flag, action="store_true", help=f"only: {what}")
@@ -1018,6 +1119,7 @@ def main():
         (args.gemv_tiles, gemv_tile_rows),
         (args.selected_tiles, selected_tile_rows),
         (args.dequantize_tiles, dequantize_tile_rows),
+        (args.quantized_gemv, quantized_gemv_rows),
     ):
         if only:
             rows(copy_gbps)

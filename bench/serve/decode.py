@@ -16,6 +16,21 @@ Decode steps: moemesh's engine beside transformers' `generate`, in one run, on o
     PYTHONPATH=. python3 bench/serve/decode.py --config configs/tiny.toml --prompt-len 32 --new-tokens 8 \\
         --batches 1,4                                               # CPU: checks that the script runs
 
+Quantized weights (--quantize fp8, mxfp4 or both): the same steps with the weights kept quantized
+as a published checkpoint keeps them (fp8: every projection but the head and the expert banks,
+block FP8 of 128 x 128 tiles; mxfp4: the expert banks, gpt-oss's layout), random N(0, 0.02)
+weights quantized at build on the GPU, printed beside the bf16 rows of the same run (a model whose
+bf16 weights do not fit says so in its row), with the weights' GiB. --shape picks gpt-oss-120b's
+or -20b's shape (configs/gpt_oss_*.toml) or DeepSeek-V3's cut to --layers (its first three layers
+dense), instead of Qwen3-30B-A3B's:
+
+    PYTHONPATH=. python3 bench/serve/decode.py --layers 48 --batches 1,64 --no-transformers --prompt-len 128 \
+        --variants 1 --quantize fp8
+    PYTHONPATH=. python3 bench/serve/decode.py --shape gpt_oss_120b --batches 1,64 --no-transformers \
+        --prompt-len 128 --variants 1 --quantize mxfp4          # its bf16 row: out of memory on one H200
+    PYTHONPATH=. python3 bench/serve/decode.py --shape deepseek_v3 --layers 5 --batches 1,64 \
+        --no-transformers --prompt-len 128 --variants 1 --quantize fp8
+
 Random weights, a random prompt of --prompt-len tokens per sequence, greedy, --new-tokens
 tokens. For each batch size B, a decode step of B sequences in milliseconds, the prompts' cost
 left out. moemesh: "ms/token" is a step as `generate` runs it (scheduler, engine with CUDA graphs,
@@ -219,11 +234,53 @@ def where(device: torch.device) -> str:
 # ---- decode steps (no mode) ----------------------------------------------------------------------------
 
 
+def quantized_model(config, device, dtype, fmt: str) -> torch.nn.Module:
+    """moemesh's model of `config` for inference with the weights a published `fmt` checkpoint
+    quantizes kept quantized (bench/train/lora.py's `random_quantized_base`: random weights
+    quantized on the device, a few experts at a time, never a whole bf16 bank), the rest from seed 0."""
+    from bench.train.lora import random_quantized_base
+    from moemesh.models.build import meta_model
+    from moemesh.parallel.parallelize import materialize
+
+    model = meta_model(config, dtype)
+    model.requires_grad_(False)
+    random_quantized_base(model, fmt, device, seed=0)
+    return materialize(model, device, seed=0).eval()
+
+
+def weight_gib(model) -> float:
+    """The bytes of the model's weights, quantized ones at their codes and scales."""
+    from moemesh.ops.quantized_weight import QuantizedWeight
+
+    dense = sum(t.numel() * t.element_size() for t in {p.data_ptr(): p for p in model.parameters()}.values())
+    kept = sum(w.nbytes for m in model.modules() for w in vars(m).values() if isinstance(w, QuantizedWeight))
+    return (dense + kept) / 2**30
+
+
 def moemesh_rows(config, args, device, dtype, prompts) -> tuple[list[dict], dict]:
-    model = moemesh_model(config, device, dtype)
+    rows, first_row = [], {}
+    for fmt in ["bf16", *args.quantize]:
+        try:
+            model = (
+                moemesh_model(config, device, dtype) if fmt == "bf16" else quantized_model(config, device, dtype, fmt)
+            )
+        except torch.OutOfMemoryError:
+            free()
+            rows.append({"side": f"moemesh, {fmt}", "batch": "-", "ms/token": "out of memory", "_ms": math.inf})
+            continue
+        more, first = weights_rows(model, config, args, prompts, fmt)
+        rows += more
+        first_row = first_row or first
+        del model
+        free()
+    return rows, first_row
+
+
+def weights_rows(model, config, args, prompts, fmt: str) -> tuple[list[dict], dict]:
     tokenizer = ByteTokenizer()  # never decodes real text here: the ids are random
     tokenizer.eos_id = None  # no early stop: every sequence makes --new-tokens tokens
     rows, first_row = [], {}
+    gib = weight_gib(model)
     shipped = (moe.SELECTED_EXPERT_ROWS, moe.PER_TOKEN_ROWS, gemv.MAX_ROWS)
     variants = {
         "moemesh": shipped,
@@ -248,7 +305,8 @@ def moemesh_rows(config, args, device, dtype, prompts) -> tuple[list[dict], dict
                 first_row[batch] = tokens
             rows.append(
                 {
-                    "side": name,
+                    "side": name if fmt == "bf16" else f"{name}, {fmt}",
+                    "weights GiB": f"{gib:.3g}",
                     "batch": batch,
                     "ms/token": f"{step_ms:.2f}",
                     "tokens/s": f"{batch * 1e3 / step_ms:,.0f}",
@@ -264,8 +322,6 @@ def moemesh_rows(config, args, device, dtype, prompts) -> tuple[list[dict], dict
             del engine
             free()
     moe.SELECTED_EXPERT_ROWS, moe.PER_TOKEN_ROWS, gemv.MAX_ROWS = shipped
-    del model
-    free()
     return rows, first_row
 
 
@@ -963,6 +1019,18 @@ def transformers_rows(config, args, device, prompts) -> list[dict]:
 def decode_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, layers=6)
     parser.add_argument("--batches", default="1,4,16,64", help="comma-separated batch sizes")
+    parser.add_argument(
+        "--quantize",
+        default="",
+        help="comma-separated, of fp8 and mxfp4: rows with the weights kept quantized too, beside bf16's",
+    )
+    parser.add_argument(
+        "--shape",
+        choices=["qwen3_30b_a3b", *SHAPES],
+        default="qwen3_30b_a3b",
+        help="the model's shape, random weights (gpt-oss: configs/gpt_oss_*.toml, all its layers unless --layers "
+        "is given; deepseek_v3: configs/deepseek_v3_671b.toml cut to --layers)",
+    )
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--no-transformers", action="store_true")
@@ -1026,7 +1094,26 @@ def decode_arguments(parser: argparse.ArgumentParser) -> None:
     add_record_flag(parser)
 
 
+SHAPES = {"gpt_oss_120b": "gpt_oss_120b", "gpt_oss_20b": "gpt_oss_20b", "deepseek_v3": "deepseek_v3_671b"}
+
+
+def shaped_config(args, parser: argparse.ArgumentParser):
+    """--shape's model (--layers of it where given), else `bench_model_config`'s."""
+    from moemesh.config import load_config
+
+    if args.shape == "qwen3_30b_a3b" or args.config:
+        return bench_model_config(args)
+    config = load_config(f"configs/{SHAPES[args.shape]}.toml", launched=False).model
+    layers = args.layers if "--layers" in sys.argv else None
+    if args.shape == "deepseek_v3" and layers is None:
+        parser.error("--shape deepseek_v3: give --layers (its cut; the first 3 are dense, 5 fit one H200 in bf16)")
+    return config.replace(num_hidden_layers=layers or config.num_hidden_layers)
+
+
 def decode(args, parser: argparse.ArgumentParser) -> None:
+    args.quantize = [f for f in args.quantize.split(",") if f]
+    if unknown := set(args.quantize) - {"fp8", "mxfp4"}:
+        parser.error(f"--quantize: unknown {sorted(unknown)}; known: fp8, mxfp4")
     args.ways = args.ways.split(",")
     if unknown := set(args.ways) - set(WAYS):
         parser.error(f"--ways: unknown {sorted(unknown)}; known: {', '.join(WAYS)}")
@@ -1039,7 +1126,7 @@ def decode(args, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--step-variants: unknown {sorted(unknown)}; known: {', '.join(STEP_VARIANTS)}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    config = bench_model_config(args)
+    config = shaped_config(args, parser)
     config = config.replace(
         max_position_embeddings=max(config.max_position_embeddings, args.prompt_len + args.new_tokens + 1),
         output_router_logits=False,
@@ -1096,7 +1183,8 @@ def record_decode(args, rows: list[dict]) -> None:
         if row["side"] != "moemesh":
             continue
         batch, peer = row["batch"], theirs.get(row["batch"])
-        at, name = {**model_at(args), "batch": batch}, "" if peer is None else "transformers"
+        shape = model_at(args) if args.shape == "qwen3_30b_a3b" else {"model": args.shape.replace("_", "-")}
+        at, name = {**shape, "batch": batch}, "" if peer is None else "transformers"
         record("decode ms/token", at, row["_ms"], "ms", name, peer)
         record("decode tokens/s", at, batch * 1e3 / row["_ms"], "tokens/s", name, peer and batch * 1e3 / peer)
 

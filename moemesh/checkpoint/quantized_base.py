@@ -1,6 +1,10 @@
-"""A LoRA run's frozen base read as it is published: each weight a quantized checkpoint stores in
-block FP8 or MXFP4 becomes an `ops.quantized_weight.QuantizedWeight` of this rank's block, its
-codes and scales as stored, instead of a dense parameter.
+"""A LoRA run's frozen base, or a model loaded for generate and serve, read as it is published:
+each weight a quantized checkpoint stores in block FP8 or MXFP4 becomes an
+`ops.quantized_weight.QuantizedWeight` of this rank's block, its codes and scales as stored,
+instead of a dense parameter. `keep_for_inference` also quantizes a dense checkpoint's
+projections and expert banks at load (`--quantize fp8`): block FP8 on the whole tensor's
+128 x 128 tile grid by the published rule (`quantized.quantize_fp8`), so that every layout keeps
+the codes and scales one process would.
 
 Why: the base trains no further, so it can stay in a quarter (MXFP4) or half (FP8) of bf16's
 bytes: gpt-oss-120b's experts are ~61 GB in MXFP4 and 230 in bf16. The products dequantize it per
@@ -33,10 +37,12 @@ from torch.distributed.tensor import DTensor
 from moemesh.checkpoint.hf import read_quantization
 from moemesh.checkpoint.lazy import Columns, Lazy, map_leaves
 from moemesh.checkpoint.load import hf_state, is_hf_directory, weights_directory
-from moemesh.checkpoint.quantized import BlockFp8, Mxfp4
+from moemesh.checkpoint.quantized import BlockFp8, Mxfp4, quantize_fp8
 from moemesh.errors import ConfigError
+from moemesh.models.moe import EXPERT_BANKS, Experts
 from moemesh.ops.quantized_weight import FP8_TILE, MX_GROUP, QuantizedWeight
 from moemesh.parallel.pieces import full_index
+from moemesh.parallel.tensor import RowwiseLinear
 
 
 @dataclass
@@ -48,11 +54,14 @@ class KeptQuantized:
     dense_bytes: int = 0  # what they would take dense, in their dtype
     read_dense: list[str] = field(default_factory=list)  # quantized in the checkpoint, read dense
 
-    def describe(self) -> str:
+    def describe(self, per_product: bool = True) -> str:
+        """One line; `per_product`: a LoRA base's products dequantize it (else the decoding
+        kernels read the codes, the other products dequantize)."""
         kinds = ", ".join(f"{n} in {fmt}" for fmt, n in sorted(self.kept.items()))
         line = (
             f"kept quantized: {kinds or 'no weight'} ({_gib(self.kept_bytes)} instead of "
-            f"{_gib(self.dense_bytes)}), dequantized per product"
+            f"{_gib(self.dense_bytes)}), "
+            + ("dequantized per product" if per_product else "read in their codes by the decoding kernels")
         )
         if self.read_dense:
             line += f"; {len(self.read_dense)} read dense (their blocks cut a tile or group: {self.read_dense[0]}, ...)"
@@ -80,15 +89,20 @@ def keep_quantized(model: nn.Module, tensors: dict[str, Lazy], device: torch.dev
             if weight is None:
                 report.read_dense.append(full)
                 continue
-            weight = QuantizedWeight(
-                weight.format, weight.codes.to(device), weight.scales.to(device), param.dtype, weight.offset
-            )
-            del module._parameters[name]
-            setattr(module, name, weight)
-            report.kept[weight.format] = report.kept.get(weight.format, 0) + 1
-            report.kept_bytes += weight.nbytes
-            report.dense_bytes += weight.numel() * param.element_size()
+            _swap(module, name, weight, device, report)
     return report
+
+
+def _swap(module: nn.Module, name: str, weight: QuantizedWeight, device: torch.device, report: KeptQuantized) -> None:
+    """The parameter `name` of `module` replaced by `weight`, moved to `device`, and counted."""
+    param = module._parameters.pop(name)
+    weight = QuantizedWeight(
+        weight.format, weight.codes.to(device), weight.scales.to(device), param.dtype, weight.offset
+    )
+    setattr(module, name, weight)
+    report.kept[weight.format] = report.kept.get(weight.format, 0) + 1
+    report.kept_bytes += weight.nbytes
+    report.dense_bytes += weight.numel() * param.element_size()
 
 
 @dataclass
@@ -179,3 +193,81 @@ def keep_base_quantized(model: nn.Module, path: str | Path, device: torch.device
             "set lora.keep_quantized = false to train on it dequantized, or lay it out with ep/tp"
         )
     return keep_quantized(model, hf_state(directory, model.config), device)
+
+
+# What `--quantize fp8` quantizes: every linear projection but the head, and the expert banks.
+QUANTIZED_AT_LOAD = ("fp8",)
+
+
+def keep_for_inference(
+    model: nn.Module, path: str | Path, device: torch.device, quantize: str | None = None
+) -> KeptQuantized | None:
+    """Before `model` (laid out on meta, its parameters frozen) is materialised for generation:
+    the weights the checkpoint at `path` stores quantized kept as QuantizedWeights of this rank's
+    block (`keep_quantized`), and with `quantize="fp8"` the projections and expert banks still
+    dense quantized from the checkpoint's values (`quantize_fp8_block`). None: nothing kept (a
+    dense checkpoint without `quantize`)."""
+    if quantize is not None and quantize not in QUANTIZED_AT_LOAD:
+        raise ConfigError(f"--quantize {quantize}: moemesh quantizes at load to {', '.join(QUANTIZED_AT_LOAD)}")
+    directory = weights_directory(path)
+    if not is_hf_directory(directory):
+        if quantize is not None:
+            raise ConfigError(
+                f"--quantize {quantize} reads a Hugging Face directory; {path} is a moemesh checkpoint "
+                "(write one with `moemesh convert`, or give --quantize to none)"
+            )
+        return None
+    tensors = hf_state(directory, model.config)
+    report = keep_quantized(model, tensors, device) if read_quantization(directory) is not None else KeptQuantized()
+    if quantize is None:
+        return report if report.kept or report.read_dense else None
+    for module_name, module in model.named_modules():
+        for name in _quantizable(module_name, module):
+            param = module._parameters.get(name)
+            full = f"{module_name}.{name}"
+            if param is None or full not in tensors:
+                continue
+            weight = quantize_fp8_block(tensors[full], full_index(param), param.dtype)
+            if weight is None:
+                report.read_dense.append(full)
+                continue
+            _swap(module, name, weight, device, report)
+    return report
+
+
+def _quantizable(module_name: str, module: nn.Module) -> tuple[str, ...]:
+    """The parameters of `module` that `--quantize fp8` quantizes: a linear layer's weight (a
+    tensor-parallel row split's too; not the head's: the logits stay as trained), an expert bank's
+    two matrices (not their biases)."""
+    if isinstance(module, Experts):
+        return EXPERT_BANKS
+    if isinstance(module, (nn.Linear, RowwiseLinear)) and module_name.rsplit(".", 1)[-1] != "lm_head":
+        return ("weight",)
+    return ()
+
+
+def quantize_fp8_block(tensor: Lazy, index: tuple[torch.Tensor, ...], dtype: torch.dtype) -> QuantizedWeight | None:
+    """The block `index` (rows per dim) of the dense checkpoint tensor `tensor` in block FP8 on
+    the whole tensor's 128 x 128 tiles: each tile that the block touches read whole (one leading
+    entry, an expert, at a time), quantized by `quantize_fp8`, the block's codes and its rows'
+    scales kept. None where the block's columns are not one contiguous run."""
+    *lead, rows, cols = index
+    if len(lead) > 1 or len(cols) == 0 or not torch.equal(cols, cols[0] + torch.arange(len(cols))):
+        return None
+    height, width = tensor.shape[-2:]
+    tiles = torch.unique(rows // FP8_TILE)
+    region_rows = torch.cat([torch.arange(t * FP8_TILE, min((t + 1) * FP8_TILE, height)) for t in tiles.tolist()])
+    first, last = int(cols[0]), int(cols[-1]) + 1
+    start = first // FP8_TILE * FP8_TILE
+    region_cols = torch.arange(start, min(-(-last // FP8_TILE) * FP8_TILE, width))
+    place = torch.searchsorted(region_rows, rows)  # each row's place in the region
+    codes, scales = [], []
+    for entry in [None] if not lead else [i.view(1) for i in lead[0]]:
+        at = (*([] if entry is None else [entry]), region_rows, region_cols)
+        region = torch.empty([len(i) for i in at], dtype=torch.float32)
+        tensor._read_into(region, at)
+        code, scale = quantize_fp8(region if entry is None else region[0])
+        codes.append(code[place][:, first - start : last - start])
+        scales.append(scale[place // FP8_TILE])
+    join = torch.stack if lead else (lambda pieces: pieces[0])
+    return QuantizedWeight("fp8", join(codes).contiguous(), join(scales).contiguous(), dtype, first - start)

@@ -87,6 +87,7 @@ from moemesh.models import MoECausalLM, PagedKVCache
 from moemesh.models.kv_cache import HostLayoutMissing
 from moemesh.models.weights import copy_weights
 from moemesh.ops import backend, invariant
+from moemesh.ops.quantized_weight import QuantizedWeight
 from moemesh.parallel import comm
 from moemesh.parallel.channel import open_channel
 
@@ -152,6 +153,10 @@ class DecodeEngine:
         # Each sequence's numbers independent of the rest of its step (ops/invariant.py); its
         # kernels need no host sync, so its steps are captured too.
         self.batch_invariant = batch_invariant
+        if batch_invariant and any(isinstance(w, QuantizedWeight) for m in model.modules() for w in vars(m).values()):
+            raise ValueError(
+                "batch-invariant mode does not cover quantized weights yet: load the model dense (--dequantize)"
+            )
         self.device = next(model.parameters()).device
         if batch_invariant and cuda_graphs and self.device.type != "cuda":
             raise ValueError("batch-invariant mode's CPU reference runs eagerly (no CUDA graphs)")

@@ -19,10 +19,11 @@ import torch
 
 from moemesh.checkpoint.adapters import read_adapter
 from moemesh.checkpoint.load import init_source, load_weights
+from moemesh.checkpoint.quantized_base import keep_for_inference
 from moemesh.config import load_config
 from moemesh.data.sources import jsonl_values
 from moemesh.data.tokenizer import Tokenizer, load_tokenizer
-from moemesh.errors import DataError, RequestError
+from moemesh.errors import ConfigError, DataError, RequestError
 from moemesh.inference.engine import DecodeEngine
 from moemesh.inference.request import SamplingParams, Sequence, prompt_ids
 from moemesh.inference.scheduler import Scheduler
@@ -44,6 +45,8 @@ def load_for_generation(
     mesh: Mesh | None = None,
     adapter: str | os.PathLike | None = None,
     whole_experts: bool = False,
+    quantize: str | None = None,
+    dequantize: bool = False,
 ) -> tuple[MoECausalLM, Tokenizer]:
     """A model from a checkpoint, run directory or Hugging Face directory, laid out for `mesh`
     (tensor parallelism: each rank reads only its heads, expert slices and vocabulary slice; with
@@ -51,7 +54,15 @@ def load_for_generation(
     read straight into `dtype` on `device` (default bfloat16 on a GPU, float32 on a CPU), with its
     tokenizer: the one named, else the directory's tokenizer.json, else bytes. `adapter`: LoRA
     adapters (a PEFT directory or a LoRA run), laid out with their base, merged into its weights
-    (each rank its shard, in fp32) and dropped: decoding then runs the base's kernels."""
+    (each rank its shard, in fp32) and dropped: decoding then runs the base's kernels.
+
+    Quantized weights: the weights a Hugging Face checkpoint stores in block FP8 or MXFP4 stay in
+    their codes and scales (QuantizedWeights of each rank's block, `keep_for_inference`), read as
+    they are by the decoding kernels and dequantized per product elsewhere; `quantize="fp8"`
+    quantizes a dense checkpoint's projections and expert banks at load (128 x 128 tiles, the
+    published rule); `dequantize` reads every weight dense in `dtype` instead (as with adapters,
+    which merge into dense weights). The model's `kept_quantized` says what was kept (None:
+    nothing)."""
     config, found = init_source(path)
     if tokenizer is None and found is None:  # no tokenizer anywhere: bytes, for a model of any vocabulary
         tokenizer = load_tokenizer("bytes")  # (one smaller than 256 takes token-id prompts)
@@ -60,9 +71,19 @@ def load_for_generation(
         tokenizer = model_tokenizer(name, config.vocab_size, origin)  # before the weights are read
     if adapter is not None:
         adapter = read_adapter(adapter, config)
+    if quantize is not None and (dequantize or adapter is not None):
+        raise ConfigError(
+            f"--quantize {quantize} keeps weights quantized: not with "
+            f"{'--dequantize' if dequantize else '--adapter (merged into dense weights)'}"
+        )
     model = _laid_out(config, device, dtype, mesh, adapter, whole_experts)
+    kept = None
+    if not dequantize and adapter is None:  # frozen inference weights, kept in their codes
+        model.requires_grad_(False)
+        kept = keep_for_inference(model, path, torch.device(device), quantize)
     materialize(model, device)
     load_weights(model, path, mesh)
+    model.kept_quantized = kept
     if adapter is not None:
         adapter.load_into(model)
         merge_adapters(model)

@@ -101,9 +101,10 @@ class MLAttention(nn.Module):
         """Attention over the cached latent: q_nope [B, h, T, nope], q_rot [B, h, T, rope], the
         step's latent [B, T, rank] and rotated key [B, 1, T, rope] -> [B, T, hidden]."""
         batch, heads, seq, _ = q_nope.shape
-        weight = self.kv_b_proj.weight.view(heads, self.nope + self.v_dim, self.kv_lora_rank)
+        # (a quantized weight, ops/quantized_weight.py: dequantized to the step's dtype)
+        weight = self.kv_b_proj.weight.to(q_nope.dtype).view(heads, self.nope + self.v_dim, self.kv_lora_rank)
         w_k, w_v = weight.split([self.nope, self.v_dim], dim=1)  # this rank's heads under tensor parallelism
-        q = torch.cat([q_nope @ w_k.to(q_nope.dtype), q_rot], dim=-1)  # [B, h, T, rank + rope]
+        q = torch.cat([q_nope @ w_k, q_rot], dim=-1)  # [B, h, T, rank + rope]
         entry = torch.cat([latent[:, None], k_rot], dim=-1)  # [B, 1, T, rank + rope]
         out = paged_attention(q, entry, None, cache, self.layer_idx, self.scale, value_dim=self.kv_lora_rank)
         out = out @ w_v.transpose(1, 2).to(out.dtype)  # [B, h, T, v_dim]

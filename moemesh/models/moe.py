@@ -43,7 +43,6 @@ from moemesh.ops.expert_gemv import expert_gemv, expert_gemv_combine, expert_swi
 from moemesh.ops.grouped_mm import group_offsets, grouped_mm
 from moemesh.ops.linear import linear
 from moemesh.ops.low_rank import low_rank_factors
-from moemesh.ops.quantized_weight import QuantizedWeight
 from moemesh.ops.swiglu import clamped_swiglu
 from moemesh.ops.topk_softmax import choice_counts, routed, topk_softmax
 
@@ -276,16 +275,16 @@ class Experts(nn.Module):
         """x [T, H] through each token's experts expert_ids [T, k], summed with the routing
         weights [T, k] -> [T, H] (no autograd through the kernels: inference). SwiGLU experts
         without biases fuse the activation into the gate/up GEMV, and for the fewest tokens run
-        per token with the weighted sum fused too (`ops/expert_gemv.py`). `first_expert`: this
+        per token with the weighted sum fused too (`ops/expert_gemv.py`); quantized banks are
+        read in their codes by the same kernels, with no host sync. `first_expert`: this
         bank holds the experts first_expert .. first_expert + E - 1 of the ids (expert
         parallelism over tokens every rank holds); the other ranks' pairs add nothing here, and
         no biases then."""
         plain = self.activation is swiglu and self.gate_up_proj_bias is None
         num_experts = self.gate_up_proj.shape[0]
-        gate_up_proj, down_proj = (
-            bank.to(x.dtype) if isinstance(bank, QuantizedWeight) else bank
-            for bank in (self.gate_up_proj, self.down_proj)
-        )  # a LoRA run's quantized base (ops/quantized_weight.py), whole for the step
+        # A quantized bank (ops/quantized_weight.py) is read as it is: the kernels decode the
+        # chosen experts' tiles in registers, the references dequantize the chosen experts.
+        gate_up_proj, down_proj = self.gate_up_proj, self.down_proj
         if first_expert is not None and (self.gate_up_proj_bias is not None or self.down_proj_bias is not None):
             raise ValueError("the selected experts of one rank among several take no expert biases")
         first = first_expert or 0

@@ -31,17 +31,33 @@ before the kernels cost a four-GPU decode step at batch 64 about 440 small launc
 0.54 ms of its 7.5 ms of kernels; docs/benchmarks.md, 2026-11-28, fourth session).
 
 All round where the unfused path rounds (gate and up, each expert's output) and add up in fp32.
+
+A bank may be a QuantizedWeight (`ops/quantized_weight.py`: FP8 codes with per-row tile scales,
+or MXFP4): every kernel here reads its codes and scales and decodes each tile in registers
+(`load_rows`) to the values `bank.to(x.dtype)` gives, an expert's bytes read as above; the
+references take the chosen experts' entries of the bank dequantized (`QuantizedWeight.experts`).
+
 Limits: forward only (inference: no autograd); SwiGLU is the only activation fused.
 """
 
 import torch
 
 from moemesh.ops.backend import dependent_launch, tl, triton, tuned, use_triton, wait_for_inputs
+from moemesh.ops.quantized_weight import QuantizedWeight, kernel_operands, load_rows
 from moemesh.ops.swiglu import swiglu
 
 
+def _contiguous(weight):
+    """A dense bank contiguous (a quantized one's codes and scales are as read: contiguous)."""
+    if isinstance(weight, QuantizedWeight):
+        return QuantizedWeight(
+            weight.format, weight.codes.contiguous(), weight.scales.contiguous(), weight.dtype, weight.offset
+        )
+    return weight.contiguous()
+
+
 def expert_gemv(
-    x: torch.Tensor, weight: torch.Tensor, expert_ids: torch.Tensor, glu: bool = False, first_expert: int = 0
+    x: torch.Tensor, weight, expert_ids: torch.Tensor, glu: bool = False, first_expert: int = 0
 ) -> torch.Tensor:
     """x [T, K], weight [E, O, K] (the experts first_expert .. first_expert + E - 1), expert_ids
     [T, k] -> [T·k, O]; with `glu`, weight is [E, 2I, K] (gate rows, then up rows) and the result
@@ -66,13 +82,14 @@ def expert_gemv(
     return swiglu(out) if glu else out
 
 
-def expert_gemv_reference(
-    x: torch.Tensor, weight: torch.Tensor, expert_ids: torch.Tensor, first_expert: int = 0
-) -> torch.Tensor:
+def expert_gemv_reference(x: torch.Tensor, weight, expert_ids: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
+    """A quantized bank: its chosen experts dequantized to x's dtype, then the same."""
     rows = x.repeat_interleave(expert_ids.shape[1], dim=0)
     ids = expert_ids.flatten() - first_expert
     outside = (ids < 0) | (ids >= weight.shape[0])  # another rank's expert: a row of zeros
-    out = torch.bmm(weight[ids.clamp(0, weight.shape[0] - 1)], rows.to(weight.dtype).unsqueeze(-1)).squeeze(-1)
+    chosen = ids.clamp(0, weight.shape[0] - 1)
+    matrices = weight.experts(chosen).to(x.dtype) if isinstance(weight, QuantizedWeight) else weight[chosen]
+    out = torch.bmm(matrices, rows.to(matrices.dtype).unsqueeze(-1)).squeeze(-1)
     return out.masked_fill(outside[:, None], 0).to(x.dtype)
 
 
@@ -93,16 +110,18 @@ BY_EXPERT_CONFIGS = [
 
 
 def expert_gemv_triton(
-    x: torch.Tensor, weight: torch.Tensor, expert_ids: torch.Tensor, glu: bool = False, first_expert: int = 0
+    x: torch.Tensor, weight, expert_ids: torch.Tensor, glu: bool = False, first_expert: int = 0
 ) -> torch.Tensor:
-    x, weight, expert_ids = x.contiguous(), weight.contiguous(), expert_ids.contiguous()
+    x, weight, expert_ids = x.contiguous(), _contiguous(weight), expert_ids.contiguous()
     tokens, k = expert_ids.shape
     out_features = weight.shape[1] // 2 if glu else weight.shape[1]
     out = x.new_empty(tokens * k, out_features)
+    codes, scales, stride, offset, constants = kernel_operands(weight, x.dtype)
     if tokens and k and out_features:  # a launch grid must not be empty
         _by_expert_kernel[lambda meta: (weight.shape[0], triton.cdiv(out_features, meta["BLOCK_OUT"]))](
             x,
-            weight,
+            codes,
+            scales,
             expert_ids,
             out,
             tokens * k,
@@ -110,9 +129,12 @@ def expert_gemv_triton(
             out_features,
             triton.next_power_of_2(tokens * k),
             first_expert,
+            stride,
+            offset,
             PAIRS_PER_X=k,
             GLU=glu,
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            **constants,
             **dependent_launch(x),
         )
     return out
@@ -146,11 +168,12 @@ def expert_pair_block(ids_ptr, pairs, expert, first, ROWS: tl.constexpr, SCAN: t
     return pair
 
 
-@tuned(BY_EXPERT_CONFIGS, key=["size_class", "inner", "out_features", "PAIRS_PER_X", "GLU"])
+@tuned(BY_EXPERT_CONFIGS, key=["size_class", "inner", "out_features", "PAIRS_PER_X", "GLU", "FORMAT"])
 @triton.jit
 def _by_expert_kernel(
     x_ptr,
     weight_ptr,
+    scales_ptr,
     ids_ptr,
     out_ptr,
     pairs,
@@ -158,9 +181,15 @@ def _by_expert_kernel(
     out_features,
     size_class,
     first_expert,
+    scale_stride,
+    offset,
     PAIRS_PER_X: tl.constexpr,
     GLU: tl.constexpr,
     PRECISION: tl.constexpr,
+    FORMAT: tl.constexpr,  # 0: a dense bank; 1: fp8, 2: mxfp4 (quantized_weight.load_rows)
+    ALIGNED: tl.constexpr,
+    COMPILED: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
     GDC: tl.constexpr,
     BLOCK_OUT: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -176,6 +205,7 @@ def _by_expert_kernel(
     count = count_expert_pairs(ids_ptr, pairs, expert + first_expert, SCAN)
     rows_per_expert = 2 * out_features if GLU else out_features
     matrix = weight_ptr + expert.to(tl.int64) * rows_per_expert * inner + cols[None, :].to(tl.int64) * inner
+    gate_rows = expert.to(tl.int64) * rows_per_expert + cols.to(tl.int64)  # a quantized bank's rows
     m = tl.arange(0, ROWS)
     for first in range(0, count, ROWS):
         pair = expert_pair_block(ids_ptr, pairs, expert + first_expert, first, ROWS, SCAN)
@@ -186,14 +216,28 @@ def _by_expert_kernel(
         for k0 in range(0, inner, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             xs = tl.load(x_rows + ks[None, :], mask=valid[:, None] & (ks[None, :] < inner), other=0.0)
-            w_mask = (cols[None, :] < out_features) & (ks[:, None] < inner)  # [BLOCK_K, BLOCK_OUT]
-            acc += tl.dot(xs, tl.load(matrix + ks[:, None], mask=w_mask, other=0.0), input_precision=PRECISION)
+            if FORMAT == 0:
+                w_mask = (cols[None, :] < out_features) & (ks[:, None] < inner)  # [BLOCK_K, BLOCK_OUT]
+                w = tl.load(matrix + ks[:, None], mask=w_mask, other=0.0)
+            else:  # the tile's codes and scales, decoded in registers
+                w = tl.trans(
+                    load_rows(
+                        weight_ptr, scales_ptr, gate_rows, cols < out_features, k0, inner, scale_stride, offset,
+                        FORMAT, ALIGNED, COMPILED, ROUND_BF16, BLOCK_K,
+                    )
+                ).to(x_ptr.dtype.element_ty)  # fmt: skip
+            acc += tl.dot(xs, w, input_precision=PRECISION)
             if GLU:
-                up += tl.dot(
-                    xs,
-                    tl.load(matrix + out_features * inner + ks[:, None], mask=w_mask, other=0.0),
-                    input_precision=PRECISION,
-                )
+                if FORMAT == 0:
+                    w = tl.load(matrix + out_features * inner + ks[:, None], mask=w_mask, other=0.0)
+                else:
+                    w = tl.trans(
+                        load_rows(
+                            weight_ptr, scales_ptr, gate_rows + out_features, cols < out_features, k0, inner,
+                            scale_stride, offset, FORMAT, ALIGNED, COMPILED, ROUND_BF16, BLOCK_K,
+                        )
+                    ).to(x_ptr.dtype.element_ty)  # fmt: skip
+                up += tl.dot(xs, w, input_precision=PRECISION)
         if GLU:  # gate and up rounded as the unfused path's GEMV output, SwiGLU in fp32
             gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
             acc = gate / (1.0 + tl.exp(-gate)) * up.to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -220,19 +264,19 @@ COMBINE_CONFIGS = [
 ]
 
 
-def expert_swiglu_gemv(
-    x: torch.Tensor, gate_up: torch.Tensor, expert_ids: torch.Tensor, first_expert: int = 0
-) -> torch.Tensor:
+def expert_swiglu_gemv(x: torch.Tensor, gate_up, expert_ids: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
     """x [T, K], gate_up [E, 2I, K] (gate rows, then up rows), expert_ids [T, k] -> [T·k, I]
     (Triton only: the reference is expert_gemv(x, gate_up, ids, glu=True, first_expert=...))."""
-    x, gate_up = x.contiguous(), gate_up.contiguous()
+    x, gate_up = x.contiguous(), _contiguous(gate_up)
     tokens, k = expert_ids.shape
     inner = gate_up.shape[1] // 2
     out = x.new_empty(tokens * k, inner)
+    codes, scales, stride, offset, constants = kernel_operands(gate_up, x.dtype)
     if tokens:
         _expert_swiglu_gemv_kernel[lambda meta: (tokens * k, triton.cdiv(inner, meta["BLOCK_OUT"]))](
             x,
-            gate_up,
+            codes,
+            scales,
             expert_ids.contiguous(),
             out,
             triton.next_power_of_2(tokens),
@@ -240,7 +284,10 @@ def expert_swiglu_gemv(
             inner,
             first_expert,
             gate_up.shape[0],
+            stride,
+            offset,
             K=k,
+            **constants,
             **dependent_launch(x),
         )
     return out
@@ -248,7 +295,7 @@ def expert_swiglu_gemv(
 
 def expert_gemv_combine(
     a: torch.Tensor,
-    down: torch.Tensor,
+    down,
     expert_ids: torch.Tensor,
     weights: torch.Tensor,
     first_expert: int = 0,
@@ -261,14 +308,16 @@ def expert_gemv_combine(
     program reads them and its first block of the chosen experts' weights before it waits for that
     kernel under a dependent launch (ops/backend.py), as the GEMV reads its first weights."""
     early_ids = early_ids and EARLY_WEIGHTS and expert_ids.is_contiguous()  # (a copy: the kernel just before)
-    a, down = a.contiguous(), down.contiguous()
+    a, down = a.contiguous(), _contiguous(down)
     tokens, k = expert_ids.shape
     hidden = down.shape[1]
     out = a.new_empty(tokens, hidden)
+    codes, scales, stride, offset, constants = kernel_operands(down, a.dtype)
     if tokens:
         _expert_gemv_combine_kernel[lambda meta: (tokens, triton.cdiv(hidden, meta["BLOCK_OUT"]))](
             a,
-            down,
+            codes,
+            scales,
             expert_ids.contiguous(),
             weights.contiguous(),
             out,
@@ -277,19 +326,23 @@ def expert_gemv_combine(
             hidden,
             first_expert,
             down.shape[0],
+            stride,
+            offset,
             K=k,
             K_PAD=triton.next_power_of_2(k),
             EARLY_IDS=early_ids,
+            **constants,
             **dependent_launch(a),
         )
     return out
 
 
-@tuned(SWIGLU_CONFIGS, key=["size_class", "hidden", "inner", "K"])
+@tuned(SWIGLU_CONFIGS, key=["size_class", "hidden", "inner", "K", "FORMAT"])
 @triton.jit
 def _expert_swiglu_gemv_kernel(
     x_ptr,
     weight_ptr,
+    scales_ptr,
     ids_ptr,
     out_ptr,
     size_class,
@@ -297,7 +350,13 @@ def _expert_swiglu_gemv_kernel(
     inner,
     first_expert,
     experts,
+    scale_stride,
+    offset,
     K: tl.constexpr,
+    FORMAT: tl.constexpr,  # 0: a dense bank; 1: fp8, 2: mxfp4 (quantized_weight.load_rows)
+    ALIGNED: tl.constexpr,
+    COMPILED: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
     GDC: tl.constexpr,
     BLOCK_OUT: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -309,15 +368,28 @@ def _expert_swiglu_gemv_kernel(
     if (expert >= 0) & (expert < experts):  # else another rank's expert: nothing read or written
         gate_rows = weight_ptr + expert * 2 * inner * hidden + cols[:, None].to(tl.int64) * hidden
         up_rows = gate_rows + inner * hidden
+        gate_row = expert * 2 * inner + cols.to(tl.int64)  # a quantized bank's rows
         x_row = x_ptr + (row // K) * hidden
         gate = tl.zeros([BLOCK_OUT], dtype=tl.float32)
         up = tl.zeros([BLOCK_OUT], dtype=tl.float32)
         for start in range(0, hidden, BLOCK_K):
             ks = start + tl.arange(0, BLOCK_K)
             xs = tl.load(x_row + ks, mask=ks < hidden, other=0.0).to(tl.float32)[None, :]
-            mask = (cols[:, None] < inner) & (ks[None, :] < hidden)
-            gate += tl.sum(tl.load(gate_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32) * xs, axis=1)
-            up += tl.sum(tl.load(up_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32) * xs, axis=1)
+            if FORMAT == 0:
+                mask = (cols[:, None] < inner) & (ks[None, :] < hidden)
+                gate_w = tl.load(gate_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+                up_w = tl.load(up_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+            else:  # the tiles' codes and scales, decoded in registers (rounded as the dense bank)
+                gate_w = load_rows(
+                    weight_ptr, scales_ptr, gate_row, cols < inner, start, hidden, scale_stride, offset,
+                    FORMAT, ALIGNED, COMPILED, ROUND_BF16, BLOCK_K,
+                ).to(x_ptr.dtype.element_ty).to(tl.float32)  # fmt: skip
+                up_w = load_rows(
+                    weight_ptr, scales_ptr, gate_row + inner, cols < inner, start, hidden, scale_stride, offset,
+                    FORMAT, ALIGNED, COMPILED, ROUND_BF16, BLOCK_K,
+                ).to(x_ptr.dtype.element_ty).to(tl.float32)  # fmt: skip
+            gate += tl.sum(gate_w * xs, axis=1)
+            up += tl.sum(up_w * xs, axis=1)
         gate = gate.to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as the unfused GEMV's output
         up = up.to(out_ptr.dtype.element_ty).to(tl.float32)
         out = gate / (1.0 + tl.exp(-gate)) * up
@@ -331,6 +403,32 @@ def _slot_mask(here, cols, hidden, ks, inner):
 
 
 @triton.jit
+def _quantized_slots(
+    weight_ptr,
+    scales_ptr,
+    weight_rows,
+    row_mask,
+    k0,
+    inner,
+    scale_stride,
+    offset,
+    FORMAT: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    COMPILED: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK_OUT: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """[K_PAD, BLOCK_OUT, BLOCK_K] fp32: a block of K of each slot's rows of a quantized bank."""
+    value = load_rows(
+        weight_ptr, scales_ptr, weight_rows, row_mask, k0, inner, scale_stride, offset,
+        FORMAT, ALIGNED, COMPILED, ROUND_BF16, BLOCK_K,
+    )  # fmt: skip
+    return tl.reshape(value, (K_PAD, BLOCK_OUT, BLOCK_K))
+
+
+@triton.jit
 def _slot_products(a_ptr, rows, here, ks, inner, w):
     """Each slot's activations `a` over a block of K times that block of its expert's weights `w`:
     [K_PAD, BLOCK_OUT] in fp32."""
@@ -338,11 +436,12 @@ def _slot_products(a_ptr, rows, here, ks, inner, w):
     return tl.sum(w.to(tl.float32) * xs.to(tl.float32)[:, None, :], axis=2)
 
 
-@tuned(COMBINE_CONFIGS, key=["size_class", "inner", "hidden", "K"])
+@tuned(COMBINE_CONFIGS, key=["size_class", "inner", "hidden", "K", "FORMAT"])
 @triton.jit
 def _expert_gemv_combine_kernel(
     a_ptr,
     weight_ptr,
+    scales_ptr,
     ids_ptr,
     weights_ptr,
     out_ptr,
@@ -351,9 +450,15 @@ def _expert_gemv_combine_kernel(
     hidden,
     first_expert,
     experts,
+    scale_stride,
+    offset,
     K: tl.constexpr,
     K_PAD: tl.constexpr,
     EARLY_IDS: tl.constexpr,
+    FORMAT: tl.constexpr,  # 0: a dense bank; 1: fp8, 2: mxfp4 (quantized_weight.load_rows)
+    ALIGNED: tl.constexpr,
+    COMPILED: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
     GDC: tl.constexpr,
     BLOCK_OUT: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -369,14 +474,29 @@ def _expert_gemv_combine_kernel(
     chosen = tl.load(ids_ptr + rows, mask=slots < K, other=-1).to(tl.int64) - first_expert
     here = (slots < K) & (chosen >= 0) & (chosen < experts)  # a slot of another rank's expert adds nothing
     matrices = weight_ptr + chosen[:, None, None] * hidden * inner + cols[None, :, None].to(tl.int64) * inner
+    # a quantized bank's rows, [K_PAD * BLOCK_OUT]
+    weight_rows = tl.reshape(chosen[:, None] * hidden + cols[None, :].to(tl.int64), (K_PAD * BLOCK_OUT,))
+    row_mask = tl.reshape(here[:, None] & (cols[None, :] < hidden), (K_PAD * BLOCK_OUT,))
     ks = tl.arange(0, BLOCK_K)  # the first block of K (with early ids: read before the wait), then the rest
-    w = tl.load(matrices + ks[None, None, :], mask=_slot_mask(here, cols, hidden, ks, inner), other=0.0)
+    if FORMAT == 0:
+        w = tl.load(matrices + ks[None, None, :], mask=_slot_mask(here, cols, hidden, ks, inner), other=0.0)
+    else:
+        w = _quantized_slots(
+            weight_ptr, scales_ptr, weight_rows, row_mask, 0, inner, scale_stride, offset,
+            FORMAT, ALIGNED, COMPILED, ROUND_BF16, K_PAD, BLOCK_OUT, BLOCK_K,
+        ).to(a_ptr.dtype.element_ty)  # fmt: skip
     if EARLY_IDS:
         wait_for_inputs(GDC)
     acc = _slot_products(a_ptr, rows, here, ks, inner, w)
     for start in range(BLOCK_K, inner, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
-        w = tl.load(matrices + ks[None, None, :], mask=_slot_mask(here, cols, hidden, ks, inner), other=0.0)
+        if FORMAT == 0:
+            w = tl.load(matrices + ks[None, None, :], mask=_slot_mask(here, cols, hidden, ks, inner), other=0.0)
+        else:
+            w = _quantized_slots(
+                weight_ptr, scales_ptr, weight_rows, row_mask, start, inner, scale_stride, offset,
+                FORMAT, ALIGNED, COMPILED, ROUND_BF16, K_PAD, BLOCK_OUT, BLOCK_K,
+            ).to(a_ptr.dtype.element_ty)  # fmt: skip
         acc += _slot_products(a_ptr, rows, here, ks, inner, w)
     expert_out = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as the unfused GEMV's output
     weights = tl.load(weights_ptr + rows, mask=here, other=0.0).to(tl.float32)

@@ -21,6 +21,12 @@ previous kernel's tail (PREFETCH_WEIGHTS = False reads it after, for measuring t
 two H200s a decode step of the 48-layer shape at TP=2 took 5% less time at batch 1 and 2% at 64
 with it, one GPU's the same within the noise; docs/benchmarks.md, 2026-11-28).
 
+Quantized weights (`ops/quantized_weight.py`: block FP8 codes with per-row tile scales, MXFP4
+nibbles with E8M0 scales) are read as they are: each block of a weight's codes and scales is
+decoded in registers (`load_rows`) to the values `weight.to(x.dtype)` gives, then multiplied as a
+dense block is; the reference is that dequantization, then `x @ w.T`. The weights of one launch
+are all dense or all of one format.
+
 Limits: forward only (the training path keeps `ops/linear.py`'s autograd), M <= MAX_ROWS, weights
 of x's dtype, three at most, no bias (the caller adds it).
 """
@@ -28,6 +34,7 @@ of x's dtype, three at most, no bias (the caller adds it).
 import torch
 
 from moemesh.ops.backend import dependent_launch, tl, triton, tuned, use_triton, wait_for_inputs
+from moemesh.ops.quantized_weight import QuantizedWeight, kernel_operands, load_rows
 
 MAX_ROWS = 64
 PREFETCH_WEIGHTS = True
@@ -49,47 +56,66 @@ CONFIGS = [
 ]  # fmt: skip
 
 
-def fits(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether `gemv` takes these operands (else use F.linear)."""
+def fits(x: torch.Tensor, *weights) -> bool:
+    """Whether `gemv` takes these operands (else use F.linear): dense weights of x's dtype, or
+    QuantizedWeights of one format standing for it."""
+    kinds = {w.format if isinstance(w, QuantizedWeight) else "dense" for w in weights}
     return (
         not torch.is_grad_enabled()
         and use_triton(x)
         and 0 < x.shape[0] <= MAX_ROWS
         and len(weights) <= 3
+        and len(kinds) == 1
         and all(
-            type(w) in (torch.Tensor, torch.nn.Parameter)
+            (
+                type(w) in (torch.Tensor, torch.nn.Parameter)
+                and w.is_contiguous()
+                or isinstance(w, QuantizedWeight)
+                and w.codes.is_contiguous()
+                and w.scales.is_contiguous()
+            )
             and w.dtype == x.dtype
             and w.dim() == 2
             and w.shape[1] == x.shape[1]
-            and w.is_contiguous()
             for w in weights
         )
     )
 
 
-def gemv(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+def gemv_reference(x: torch.Tensor, weights: list) -> list[torch.Tensor]:
+    """x @ w.T for each weight, a quantized one dequantized to x's dtype first."""
+    return [x @ w.to(x.dtype).T for w in weights]
+
+
+def gemv(x: torch.Tensor, weights: list) -> list[torch.Tensor]:
     """x [M, K] -> [x @ w.T for w in weights] (Triton; see `fits`)."""
     x = x.contiguous()
     rows, inner = x.shape
     outs = [x.new_empty(rows, w.shape[0]) for w in weights]
     sizes = [w.shape[0] for w in weights] + [0] * (3 - len(weights))
-    padded = weights + [weights[0]] * (3 - len(weights))  # unused slots: no program reads them
+    operands = [kernel_operands(w, x.dtype) for w in weights]
+    operands += [operands[0]] * (3 - len(weights))  # unused slots: no program reads them
     outs_padded = outs + [outs[0]] * (3 - len(outs))
+    aligned = all(o[4]["ALIGNED"] for o in operands)
 
     def grid(meta):
         return (sum(triton.cdiv(n, meta["BLOCK_OUT"]) for n in sizes),)
 
     _gemv_kernel[grid](
         x,
-        *padded,
+        *(o[0] for o in operands),
+        *(o[1] for o in operands),
         *outs_padded,
         *sizes,
+        *(o[2] for o in operands),
+        *(o[3] for o in operands),
         rows,
         inner,
         triton.next_power_of_2(rows),
         ROWS=1 if rows == 1 and ONE_ROW_REDUCTION else max(16, triton.next_power_of_2(rows)),  # tl.dot's least
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         PREFETCH=PREFETCH_WEIGHTS,
+        **{**operands[0][4], "ALIGNED": aligned},
         **dependent_launch(x),
     )
     return outs
@@ -102,25 +128,38 @@ def _one_row_tiles(configs, named_args, **kwargs):
     return [c for c in configs if c.kwargs["BLOCK_OUT"] >= 16]
 
 
-@tuned(CONFIGS, key=["n0", "n1", "n2", "inner", "size_class", "ROWS"], prune=_one_row_tiles)
+@tuned(CONFIGS, key=["n0", "n1", "n2", "inner", "size_class", "ROWS", "FORMAT"], prune=_one_row_tiles)
 @triton.jit
 def _gemv_kernel(
     x_ptr,
     w0_ptr,
     w1_ptr,
     w2_ptr,
+    s0_ptr,
+    s1_ptr,
+    s2_ptr,
     out0_ptr,
     out1_ptr,
     out2_ptr,
     n0,
     n1,
     n2,
+    stride0,
+    stride1,
+    stride2,
+    offset0,
+    offset1,
+    offset2,
     rows,
     inner,
     size_class,
     ROWS: tl.constexpr,
     PRECISION: tl.constexpr,
     PREFETCH: tl.constexpr,
+    FORMAT: tl.constexpr,  # 0: dense weights; 1: fp8, 2: mxfp4 (quantized_weight.load_rows)
+    ALIGNED: tl.constexpr,
+    COMPILED: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
     GDC: tl.constexpr,
     BLOCK_OUT: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -131,31 +170,78 @@ def _gemv_kernel(
     first1 = tl.cdiv(n0, BLOCK_OUT)  # the first block of weight 1, then of weight 2
     first2 = first1 + tl.cdiv(n1, BLOCK_OUT)
     if block < first1:  # this program's weight
-        w_ptr, out_ptr = w0_ptr, out0_ptr
+        w_ptr, s_ptr, out_ptr = w0_ptr, s0_ptr, out0_ptr
     elif block < first2:
-        w_ptr, out_ptr = w1_ptr, out1_ptr
+        w_ptr, s_ptr, out_ptr = w1_ptr, s1_ptr, out1_ptr
     else:
-        w_ptr, out_ptr = w2_ptr, out2_ptr
+        w_ptr, s_ptr, out_ptr = w2_ptr, s2_ptr, out2_ptr
     n = tl.where(block < first1, n0, tl.where(block < first2, n1, n2))
+    stride = tl.where(block < first1, stride0, tl.where(block < first2, stride1, stride2))
+    offset = tl.where(block < first1, offset0, tl.where(block < first2, offset1, offset2))
     start = tl.where(block < first1, 0, tl.where(block < first2, first1, first2))
     cols = (block - start) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
     m = tl.arange(0, ROWS)
     x_rows = x_ptr + m[:, None] * inner
     w_rows = w_ptr + cols[None, :].to(tl.int64) * inner  # [BLOCK_K, BLOCK_OUT] tiles of the weight
     ks = tl.arange(0, BLOCK_K)  # the first block of K, then the rest in a loop
-    w = tl.load(w_rows + ks[:, None], mask=(cols[None, :] < n) & (ks[:, None] < inner), other=0.0)
+    if FORMAT == 0:
+        w = tl.load(w_rows + ks[:, None], mask=(cols[None, :] < n) & (ks[:, None] < inner), other=0.0)
+    else:  # the block's codes and scales, decoded in registers
+        w = _quantized_block(
+            w_ptr, s_ptr, cols, n, 0, inner, stride, offset, FORMAT, ALIGNED, COMPILED, ROUND_BF16, BLOCK_K
+        ).to(x_ptr.dtype.element_ty)
     if PREFETCH:  # that block of weights read, now the input
         wait_for_inputs(GDC)
     acc = _block_product(x_rows + ks[None, :], (m[:, None] < rows) & (ks[None, :] < inner), w, ROWS, PRECISION)
     for k0 in range(BLOCK_K, inner, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_rows + ks[:, None], mask=(cols[None, :] < n) & (ks[:, None] < inner), other=0.0)
+        if FORMAT == 0:
+            w = tl.load(w_rows + ks[:, None], mask=(cols[None, :] < n) & (ks[:, None] < inner), other=0.0)
+        else:
+            w = _quantized_block(
+                w_ptr, s_ptr, cols, n, k0, inner, stride, offset, FORMAT, ALIGNED, COMPILED, ROUND_BF16, BLOCK_K
+            ).to(x_ptr.dtype.element_ty)
         acc += _block_product(x_rows + ks[None, :], (m[:, None] < rows) & (ks[None, :] < inner), w, ROWS, PRECISION)
     tl.store(
         out_ptr + m[:, None] * n + cols[None, :],
         acc.to(out_ptr.dtype.element_ty),
         mask=(m[:, None] < rows) & (cols[None, :] < n),
     )
+
+
+@triton.jit
+def _quantized_block(
+    w_ptr,
+    s_ptr,
+    cols,
+    n,
+    k0,
+    inner,
+    stride,
+    offset,
+    FORMAT: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    COMPILED: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """[BLOCK_K, BLOCK_OUT] of a quantized weight's rows `cols`, decoded, in x's dtype."""
+    value = load_rows(
+        w_ptr,
+        s_ptr,
+        cols.to(tl.int64),
+        cols < n,
+        k0,
+        inner,
+        stride,
+        offset,
+        FORMAT,
+        ALIGNED,
+        COMPILED,
+        ROUND_BF16,
+        BLOCK_K,
+    )
+    return tl.trans(value)
 
 
 @triton.jit

@@ -67,8 +67,11 @@ def base_product(x: torch.Tensor, weight, group_sizes: torch.Tensor, offsets, tr
     """`product` with the bank `weight` (its [E, K, O] transpose, `transposed`) in x's dtype. A
     quantized bank (ops/quantized_weight.py) is dequantized for the product: whole when that takes
     at most `DENSE_BANK_BYTES`, else a run of experts at a time (the group sizes read on the host),
-    so that a bank of gpt-oss-120b's (4.2 GB in bf16) never lives whole beside the model."""
-    if isinstance(weight, QuantizedWeight) and weight.numel() * x.element_size() > DENSE_BANK_BYTES:
+    so that a bank of gpt-oss-120b's (4.2 GB in bf16) never lives whole beside the model. Inside a
+    CUDA graph's capture (the engine's packed steps) the host cannot read the group sizes: there
+    the bank is dequantized whole, a temporary of one bank in the compute dtype."""
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    if isinstance(weight, QuantizedWeight) and weight.numel() * x.element_size() > DENSE_BANK_BYTES and not capturing:
         return _product_by_runs(x, weight, group_sizes, transposed)
     dense = weight.to(x.dtype)
     return product(x, dense.transpose(-2, -1) if transposed else dense, group_sizes, offsets)

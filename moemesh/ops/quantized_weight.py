@@ -20,6 +20,12 @@ The kernel (`_dequantize_kernel`) decodes both from their bits in fp32 and write
 output's dtype; `dequantize_reference` is the torch formula. Both give the fp32 product rounded
 once, so they agree bit for bit.
 
+The decoding kernels (`ops/gemv.py`, `ops/expert_gemv.py`) read a QuantizedWeight as it is: each
+tile of codes with its scales loaded and decoded in registers (`load_rows`), in fp32, rounded to
+the weight's dtype as `dequantize` rounds it, and multiplied as the dense weight's tile would be
+(`kernel_operands` gives a kernel its pointers and constants). A decode step so reads a quarter
+(MXFP4) or half (FP8) of bf16's bytes of each weight.
+
 Limits: frozen only (no gradient, no optimizer); not a torch.Tensor: FSDP does not shard it and
 distributed checkpoints do not save it (a LoRA run saves adapters only). A grouped GEMM
 dequantizes its whole bank for the product (one layer's bank in the compute dtype at a time).
@@ -108,6 +114,26 @@ class QuantizedWeight:
 
     def __repr__(self) -> str:
         return f"QuantizedWeight({self.format}, shape={tuple(self.shape)}, stands for {self.dtype})"
+
+
+def kernel_operands(weight, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, int, int, dict]:
+    """What a decoding kernel takes of `weight` (a tensor, or a QuantizedWeight standing for one of
+    `dtype`): (codes, scales, the scales' row stride, the fp8 column offset, the constexprs of
+    `load_rows`). A dense weight is its own codes (FORMAT 0: read as it is, the scales unused)."""
+    if not isinstance(weight, QuantizedWeight):
+        return weight, weight, 0, 0, {"FORMAT": 0, "ALIGNED": False, "COMPILED": False, "ROUND_BF16": False}
+    codes = weight.codes.view(torch.uint8) if weight.format == "fp8" else weight.codes
+    constants = {
+        "FORMAT": 1 if weight.format == "fp8" else 2,
+        "ALIGNED": weight.offset == 0,
+        "COMPILED": weight.is_cuda,
+        "ROUND_BF16": dtype == torch.bfloat16,
+    }
+    return codes, weight.scales, weight.scales.shape[-1], weight.offset, constants
+
+
+def is_quantized(weight) -> bool:
+    return isinstance(weight, QuantizedWeight)
 
 
 def dense(weight, dtype: torch.dtype) -> torch.Tensor:
@@ -205,6 +231,82 @@ def _e8m0(exponent):
     22: 2^22 x 2^-149); 255 NaN."""
     scale = tl.where(exponent == 0, 1 << 22, exponent << 23).to(tl.float32, bitcast=True)
     return tl.where(exponent == 255, float("nan"), scale)
+
+
+@triton.jit
+def _round_bf16(value):
+    """fp32 -> the nearest bf16 (ties to even), still fp32: Triton's interpreter truncates."""
+    bits = value.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def load_rows(
+    codes_ptr,
+    scales_ptr,
+    rows,
+    row_mask,
+    k0,
+    inner,
+    scale_stride,
+    offset,
+    FORMAT: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    COMPILED: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """[R, BLOCK_K] fp32: the columns k0 .. k0 + BLOCK_K - 1 of the rows `rows` ([R] int64, rows of
+    the weight flattened to [rows, inner]; an expert bank's expert e, row r is e * R + r) of a
+    quantized weight, decoded in registers (0 outside `row_mask` and past `inner`), rounded to bf16
+    where the weight stands for bf16. FORMAT 1: fp8 codes [rows, inner] as bytes, fp32 scales
+    [rows, scale_stride], column c's at (offset + c) // 128 (ALIGNED: offset 0, k0 a multiple of
+    BLOCK_K, so a tile's scale is read once and broadcast); FORMAT 2: mxfp4 bytes [rows, inner / 2],
+    E8M0 scales [rows, inner / 32] (BLOCK_K a multiple of 32)."""
+    if FORMAT == 2:  # each byte read once for its two codes, each group's scale once
+        pair = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        byte = tl.load(
+            codes_ptr + rows[:, None] * (inner // 2) + pair[None, :],
+            mask=row_mask[:, None] & (pair[None, :] < inner // 2),
+            other=0,
+        ).to(tl.int32)
+        group = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        exponent = tl.load(
+            scales_ptr + rows[:, None] * (inner // 32) + group[None, :],
+            mask=row_mask[:, None] & (group[None, :] < inner // 32),
+            other=127,
+        ).to(tl.int32)
+        values = tl.reshape(tl.join(_e2m1(byte & 15), _e2m1(byte >> 4)), (rows.shape[0], BLOCK_K // 32, 32))
+        value = tl.reshape(values * _e8m0(exponent)[:, :, None], (rows.shape[0], BLOCK_K))
+    else:
+        ks = k0 + tl.arange(0, BLOCK_K)
+        mask = row_mask[:, None] & (ks[None, :] < inner)
+        bits = tl.load(codes_ptr + rows[:, None] * inner + ks[None, :], mask=mask, other=0)
+        if COMPILED:  # the GPU's conversion (exact: every e4m3 is an fp32)
+            value = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            value = _e4m3(bits.to(tl.int32))
+        if ALIGNED and BLOCK_K >= 128:  # whole tiles: each one's scale read once, broadcast
+            tile = k0 // 128 + tl.arange(0, BLOCK_K // 128)
+            scale = tl.load(
+                scales_ptr + rows[:, None] * scale_stride + tile[None, :],
+                mask=row_mask[:, None] & (tile[None, :] < scale_stride),
+                other=1.0,
+            )
+            value = tl.reshape(
+                tl.reshape(value, (rows.shape[0], BLOCK_K // 128, 128)) * scale[:, :, None], (rows.shape[0], BLOCK_K)
+            )
+        elif ALIGNED:  # the block inside one tile: one scale a row
+            scale = tl.load(scales_ptr + rows * scale_stride + k0 // 128, mask=row_mask, other=1.0)
+            value = value * scale[:, None]
+        else:  # a column offset (a TP slice cutting a tile): each column's tile
+            value = value * tl.load(
+                scales_ptr + rows[:, None] * scale_stride + (ks[None, :] + offset) // 128, mask=mask, other=1.0
+            )
+    if ROUND_BF16 and not COMPILED:
+        value = _round_bf16(value)
+    return value
 
 
 @triton.jit
