@@ -350,3 +350,22 @@ def test_the_checkpoint_carries_the_template_the_run_trained_with(tmp_path, chec
     assert (saved / "chat_template.jinja").read_text() == settings["chat_template"]
     loaded = load_chat_template(HFTokenizer(saved / "tokenizer.json"))
     assert loaded.source == settings["chat_template"] and loaded.end_of_turn == "<|im_end|>"
+
+
+def test_an_openai_tool_call_row_trains_on_what_serve_renders():
+    """An assistant turn in OpenAI's form (content null, arguments a JSON string) renders as serve
+    renders a request's (content "", the arguments the object): not "None", not a quoted string."""
+    from moemesh.data.chat import _messages
+    from moemesh.data.template import ChatTemplate
+    from serving import TOOLS_TEMPLATE
+
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"city": "Rome"}'}}
+    rows = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    text = ChatTemplate(TOOLS_TEMPLATE).render(_messages(rows, "messages", "messages"), False)
+    assert text.endswith(
+        '<|im_start|>assistant\n<tool_call>\n{"name": "f", "arguments": {"city": "Rome"}}\n</tool_call><|im_end|>'
+    )
+    for arguments, message in [("{", "arguments is not JSON"), ("[1]", "arguments must be a JSON object")]:
+        bad = [rows[0], {**rows[1], "tool_calls": [{**call, "function": {"name": "f", "arguments": arguments}}]}]
+        with pytest.raises(DataError, match=rf'"messages"\[1\].tool_calls\[0\].function.{message}'):
+            _messages(bad, "messages", "messages")

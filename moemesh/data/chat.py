@@ -24,6 +24,7 @@ character lies in a span.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -211,8 +212,30 @@ def _messages(value: object, fmt: str, key: str) -> list[dict]:
             raise DataError(f'"{key}"[{n}]: "content" must be a string or a list of parts')
         if message.get("tool_calls") is not None and not isinstance(message["tool_calls"], list):
             raise DataError(f'"{key}"[{n}]: "tool_calls" must be a list')
-        messages.append(dict(message))
+        message = dict(message)
+        if content is None:  # an assistant's turn of tool calls alone: "" as serve gives it
+            message["content"] = ""
+        if message.get("tool_calls"):
+            message["tool_calls"] = [
+                _call(call, f'"{key}"[{n}].tool_calls[{j}]') for j, call in enumerate(message["tool_calls"])
+            ]
+        messages.append(message)
     return messages
+
+
+def _call(call: object, where: str) -> object:
+    """A tool call with OpenAI's arguments (a JSON string) as the object, as serve gives a
+    request's calls to the template (inference/protocol.py): a model trains on what it is served."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call  # arguments already an object, or a call of the template's own shape
+    try:
+        arguments = json.loads(function["arguments"]) if function["arguments"].strip() else {}
+    except (ValueError, RecursionError):
+        raise DataError(f"{where}.function.arguments is not JSON") from None
+    if not isinstance(arguments, dict):
+        raise DataError(f"{where}.function.arguments must be a JSON object")
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def encode_with_offsets(tokenizer: Tokenizer, text: str) -> tuple[np.ndarray, np.ndarray]:
