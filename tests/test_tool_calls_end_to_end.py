@@ -9,9 +9,10 @@ token here is constrained: the call is the model's, read by the Hermes parser th
 trailing space with it ("In ", "Lima", ", ") and a JSON key with its colon and quote
 ('city": "'), so the city and the sky the model copies are the same tokens where it reads them
 and where it writes them, each written after a token of its own: a 2-layer model learns the
-pattern in 200 steps on two CPU cores. Honestly: that learning is seed-sensitive (with a GPT-2
-split, " Lima" read and "Lima" written, or another seed, the call's city can stay at the most
-frequent one for 200 steps); the seed and sizes here are ones that learn it, fixed.
+pattern in 400 steps on one thread (about 40 s). The margin, measured: at 200 steps one seed of
+three left the call's city at the most frequent one (as a GPT-2 split, " Lima" read and "Lima"
+written, did); at 400 steps seeds 0, 1 and 2 all learn it. One thread: the same floats whatever
+the machine's load.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ MODEL = {
     "max_position_embeddings": 256,
 }
 TRAIN = {
-    "steps": 200,
+    "steps": 400,
     "global_batch": 8,
     "micro_batch": 8,
     "seq_len": 192,  # a row is 135 tokens: one a sequence
@@ -77,6 +78,7 @@ TRAIN = {
     "save_every": 0,
     "seed": 0,
     "device": "cpu",
+    "threads": 1,  # the same floats whatever the machine's load
 }
 
 
