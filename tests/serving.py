@@ -10,6 +10,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Literal  # the agent's tool's annotation, resolved in this module
 
 import torch
 
@@ -97,3 +98,31 @@ class ServerThread:
         self.service.shutdown()
         self.thread.join(timeout=30)
         self.sock.close()
+
+
+def forced_weather_agent(url: str, model_class: str) -> tuple[list[str], str]:
+    """An openai-agents Agent (tracing off) over `model_class` ("OpenAIChatCompletionsModel" or
+    "OpenAIResponsesModel") of the server at `url`, its @function_tool get_weather forced by
+    tool_choice: the cities the tool ran with, and the agent's final output."""
+    import agents
+    import openai
+
+    agents.set_tracing_disabled(True)
+    ran = []
+
+    @agents.function_tool
+    def get_weather(city: Literal["Paris", "Rome"]) -> str:
+        """The weather in a city."""
+        ran.append(city)
+        return f"sunny in {city}"
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    agent = agents.Agent(
+        name="weather",
+        instructions="answer",
+        tools=[get_weather],
+        model=getattr(agents, model_class)(model="tiny", openai_client=client),
+        model_settings=agents.ModelSettings(tool_choice="get_weather", max_tokens=30, temperature=1.0),
+        tool_use_behavior="stop_on_first_tool",
+    )
+    return ran, agents.Runner.run_sync(agent, "weather in Rome?").final_output

@@ -30,7 +30,7 @@ from moemesh.inference.engine import DecodeEngine  # noqa: E402
 from moemesh.inference.generate import load_for_generation  # noqa: E402
 from moemesh.inference.server import Service  # noqa: E402
 from serving import TOOLS_TEMPLATE as TEMPLATE  # noqa: E402
-from serving import ServerThread, write_checkpoint  # noqa: E402
+from serving import ServerThread, forced_weather_agent, write_checkpoint  # noqa: E402
 
 CITY = {"type": "string", "enum": ["Paris", "Rome"]}
 WEATHER = {
@@ -238,29 +238,9 @@ def test_reasoning_effort_reaches_a_template_that_reads_it(server):
 
 
 def test_agents_sdk_runs_a_function_tool(server):
-    agents = pytest.importorskip("agents", reason="openai-agents is in the test extra")
-    agents.set_tracing_disabled(True)
-    ran = []
-
-    @agents.function_tool
-    def get_weather(city: Literal["Paris", "Rome"]) -> str:
-        """The weather in a city."""
-        ran.append(city)
-        return f"sunny in {city}"
-
-    model = agents.OpenAIChatCompletionsModel(
-        model="tiny", openai_client=openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-    )
-    agent = agents.Agent(
-        name="weather",
-        instructions="answer",
-        tools=[get_weather],
-        model=model,
-        model_settings=agents.ModelSettings(tool_choice="get_weather", max_tokens=30, temperature=1.0),
-        tool_use_behavior="stop_on_first_tool",
-    )
-    result = agents.Runner.run_sync(agent, "weather in Rome?")
-    assert len(ran) == 1 and result.final_output == f"sunny in {ran[0]}"
+    pytest.importorskip("agents", reason="openai-agents is in the test extra")
+    ran, final_output = forced_weather_agent(server.url, "OpenAIChatCompletionsModel")
+    assert len(ran) == 1 and final_output == f"sunny in {ran[0]}"
 
 
 def test_langchain_bind_tools(server):
