@@ -126,3 +126,20 @@ def forced_weather_agent(url: str, model_class: str) -> tuple[list[str], str]:
         tool_use_behavior="stop_on_first_tool",
     )
     return ran, agents.Runner.run_sync(agent, "weather in Rome?").final_output
+
+
+def serve_with_template(directory: Path, template: str):
+    """A generator for a module fixture: the tiny checkpoint `directory` with its tokenizer's chat
+    `template` (eos <|im_end|>), served in this process; yields the ServerThread, stops it after."""
+    import json
+
+    from moemesh.inference.engine import DecodeEngine
+    from moemesh.inference.generate import load_for_generation
+    from moemesh.inference.server import Service
+
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": template}))
+    model, tokenizer = load_for_generation(directory)
+    service = Service(DecodeEngine(model, max_batch=4, max_len=1024), tokenizer, model_name="tiny", max_waiting=16)
+    running = ServerThread(service)
+    yield running
+    running.stop()

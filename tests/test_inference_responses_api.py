@@ -21,10 +21,7 @@ openai = pytest.importorskip("openai", reason="the server tests use the openai c
 pytest.importorskip("fastapi", reason="moemesh serve needs fastapi and uvicorn (pip install moemesh[serve])")
 pytest.importorskip("llguidance", reason="forced tool calls need llguidance (pip install moemesh[serve])")
 
-from moemesh.inference.engine import DecodeEngine  # noqa: E402
-from moemesh.inference.generate import load_for_generation  # noqa: E402
-from moemesh.inference.server import Service  # noqa: E402
-from serving import TOOLS_TEMPLATE, ServerThread, forced_weather_agent, write_checkpoint  # noqa: E402
+from serving import TOOLS_TEMPLATE, forced_weather_agent, serve_with_template, write_checkpoint  # noqa: E402
 
 TEMPLATE = TOOLS_TEMPLATE.replace("{% if enable_thinking %}", "{% if enable_thinking or reasoning_effort %}")
 WEATHER = {
@@ -51,13 +48,7 @@ NOW = {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    directory = write_checkpoint(tmp_path_factory.mktemp("responses"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": TEMPLATE}))
-    model, tokenizer = load_for_generation(directory)
-    service = Service(DecodeEngine(model, max_batch=4, max_len=1024), tokenizer, model_name="tiny", max_waiting=16)
-    running = ServerThread(service)
-    yield running
-    running.stop()
+    yield from serve_with_template(write_checkpoint(tmp_path_factory.mktemp("responses")), TEMPLATE)
 
 
 @pytest.fixture(scope="module")
