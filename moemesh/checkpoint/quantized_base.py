@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from moemesh.checkpoint.hf import read_quantization
 from moemesh.checkpoint.lazy import Columns, Lazy, map_leaves
-from moemesh.checkpoint.load import hf_state, is_hf_directory, weights_directory
+from moemesh.checkpoint.load import hf_state, is_hf_directory
 from moemesh.checkpoint.quantized import BlockFp8, Mxfp4, quantize_fp8
 from moemesh.errors import ConfigError
 from moemesh.models.moe import EXPERT_BANKS, Experts
@@ -184,7 +184,7 @@ def _read_entry(parts: Parts, at: tuple[torch.Tensor, ...]):
 def keep_base_quantized(model: nn.Module, path: str | Path, device: torch.device) -> KeptQuantized | None:
     """`keep_quantized` from the checkpoint at `path` when it is a quantized Hugging Face
     directory (None otherwise: nothing to keep)."""
-    directory = weights_directory(path)
+    directory = Path(path)  # a run directory holds moemesh checkpoints: not resolved here, nor verified twice
     if not is_hf_directory(directory) or read_quantization(directory) is None:
         return None
     if any(isinstance(p, DTensor) for p in model.parameters() if not p.requires_grad):
@@ -209,7 +209,7 @@ def keep_for_inference(
     dense checkpoint without `quantize`)."""
     if quantize is not None and quantize not in QUANTIZED_AT_LOAD:
         raise ConfigError(f"--quantize {quantize}: moemesh quantizes at load to {', '.join(QUANTIZED_AT_LOAD)}")
-    directory = weights_directory(path)
+    directory = Path(path)  # a run directory holds moemesh checkpoints: not resolved here, nor verified twice
     if not is_hf_directory(directory):
         if quantize is not None:
             raise ConfigError(
