@@ -42,21 +42,20 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2)
 
 
+def _add_overrides(command: argparse.ArgumentParser, help: str) -> None:
+    """`--set KEY=VALUE ...`, repeatable: overrides of the run config, as every command reads them."""
+    command.add_argument(
+        "--set", dest="overrides", action="append", nargs="+", default=[], metavar="KEY=VALUE", help=help
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="moemesh", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
     train = commands.add_parser("train", help="train a model (default: configs/tiny.toml on the stdlib corpus)")
     train.add_argument("--config", help="TOML config file (default: configs/tiny.toml)")
-    train.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        nargs="+",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config value, e.g. --set train.steps=100 model.num_experts=16",
-    )
+    _add_overrides(train, "override a config value, e.g. --set train.steps=100 model.num_experts=16")
 
     generate = commands.add_parser("generate", help="continue prompts with a trained model")
     _model_arguments(generate)
@@ -132,15 +131,7 @@ def _parser() -> argparse.ArgumentParser:
         "data", help="show the training sequences as the trainer reads them, trained tokens marked, and their counts"
     )
     data.add_argument("--config", help="TOML config file (default: configs/tiny.toml)")
-    data.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        nargs="+",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config value, as for `moemesh train`",
-    )
+    _add_overrides(data, "override a config value, as for `moemesh train`")
     data.add_argument("--show", type=int, default=0, metavar="N", help="print the first N sequences")
     data.add_argument(
         "--output", metavar="FILE.jsonl", help='write each sequence as {"input_ids", "labels", "position_ids"}'
@@ -148,15 +139,7 @@ def _parser() -> argparse.ArgumentParser:
 
     estimate = commands.add_parser("estimate", help="per-layer memory and time, pipeline stages, per-rank memory")
     estimate.add_argument("--config", help="TOML config file (default: configs/tiny.toml)")
-    estimate.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        nargs="+",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config value, as for `moemesh train`",
-    )
+    _add_overrides(estimate, "override a config value, as for `moemesh train`")
     estimate.add_argument("--pp", type=int, help="pipeline ranks (default: parallel.pp)")
     estimate.add_argument("--schedule", choices=("dualpipev", "1f1b"), help="default: parallel.pp_schedule")
     estimate.add_argument(

@@ -21,14 +21,14 @@ import torch
 
 from moemesh.config import DataConfig
 from moemesh.data.chat import Row, detect_format, read_rows
-from moemesh.data.packing import Packed, PackedDataset
+from moemesh.data.packing import EpochOrder, Packed, PackedDataset
 from moemesh.data.sources import jsonl_values, load_tokens
 from moemesh.data.template import ChatTemplate, load_chat_template
 from moemesh.data.tokenizer import Tokenizer, load_tokenizer
 from moemesh.errors import ConfigError, DataError
 
 
-class TokenDataset:
+class TokenDataset(EpochOrder):
     def __init__(self, tokens: np.ndarray, seq_len: int, val_fraction: float, seed: int, source: str = "data"):
         split = int(len(tokens) * (1 - val_fraction))
         self.train_tokens, self.val_tokens = tokens[:split], tokens[split:]
@@ -41,12 +41,6 @@ class TokenDataset:
                 f"train.seq_len={seq_len} tokens with data.val_fraction={val_fraction}"
             )
         self._epoch_order: tuple[int, np.ndarray] | None = None
-
-    def _window_order(self, epoch: int) -> np.ndarray:
-        if self._epoch_order is None or self._epoch_order[0] != epoch:
-            rng = np.random.default_rng([self.seed, epoch])
-            self._epoch_order = (epoch, rng.permutation(self.num_train_windows))
-        return self._epoch_order[1]
 
     def train_sequences(self, start: int, count: int) -> torch.Tensor:
         """Sequences start .. start+count-1 of the endless shuffled order: LongTensor [count, seq_len]."""

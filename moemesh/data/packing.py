@@ -129,7 +129,23 @@ def pack(rows: list[Row], seq_len: int, seed: int, pad_id: int) -> Packed:
     return Packed(torch.from_numpy(tokens), torch.from_numpy(labels), torch.from_numpy(positions))
 
 
-class PackedDataset:
+class EpochOrder:
+    """The training windows' order in each epoch: a permutation drawn from (seed, epoch), the
+    same for raw-text windows (`dataset.TokenDataset`) and packed sequences, kept for the epoch
+    being read. Needs `seed`, `num_train_windows` and `_epoch_order` (None at first)."""
+
+    seed: int
+    num_train_windows: int
+    _epoch_order: tuple[int, np.ndarray] | None
+
+    def _window_order(self, epoch: int) -> np.ndarray:
+        if self._epoch_order is None or self._epoch_order[0] != epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._epoch_order = (epoch, rng.permutation(self.num_train_windows))
+        return self._epoch_order[1]
+
+
+class PackedDataset(EpochOrder):
     """Training and validation sequences packed from rows (the last `val_fraction` of the rows
     held out), read as `TokenDataset` reads windows."""
 
@@ -160,12 +176,6 @@ class PackedDataset:
         self.val_tokens = sum(len(r.ids) for r in held_out)
         self.trained_tokens = sum(int(r.trained.sum()) for r in train_rows)
         self._epoch_order: tuple[int, np.ndarray] | None = None
-
-    def _window_order(self, epoch: int) -> np.ndarray:
-        if self._epoch_order is None or self._epoch_order[0] != epoch:
-            rng = np.random.default_rng([self.seed, epoch])
-            self._epoch_order = (epoch, rng.permutation(self.num_train_windows))
-        return self._epoch_order[1]
 
     def train_sequences(self, start: int, count: int) -> Packed:
         """Sequences start .. start+count-1 of the endless shuffled order."""

@@ -156,6 +156,7 @@ class Delimited(Parser):
 
     starts    the markers that open a call
     dropped   markers removed from the content (a section's wrapper around its calls)
+    end_marker  the marker that ends a call's body, where one does (else `begin` and `end`:)
     begin()   a new call's body starts (reset the end's scan)
     end(body) -> (body's end, where the text after it resumes) or None while not yet ended
     calls(marker, body) -> [(name, arguments JSON)], or None when the body does not parse
@@ -163,17 +164,22 @@ class Delimited(Parser):
 
     starts: tuple[str, ...] = ()
     dropped: tuple[str, ...] = ()
+    end_marker: str | None = None
 
     def __init__(self):
         self.pending, self.marker = "", None  # the marker of the call whose body is pending
         self.runs = _Runs()
+        self._end = MarkerEnd(self.end_marker) if self.end_marker is not None else None
 
     # ---- the format's --------------------------------------------------------------------------
     def begin(self) -> None:
-        pass
+        if self._end is not None:
+            self._end.reset()
 
     def end(self, body: str) -> tuple[int, int] | None:
-        raise NotImplementedError
+        if self._end is None:
+            raise NotImplementedError
+        return self._end(body)
 
     def calls(self, marker: str, body: str) -> list[tuple[str, str]] | None:
         raise NotImplementedError

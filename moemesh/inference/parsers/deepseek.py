@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 
-from moemesh.inference.parsers.base import Delimited, MarkerEnd, arguments_json
+from moemesh.inference.parsers.base import Delimited, arguments_json
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
@@ -28,16 +28,7 @@ _FENCED = re.compile(r"\s*([^\s`]+)\s*\n```(?:json)?\s*\n?(.*?)\s*```\s*", re.DO
 class DeepSeekV3(Delimited):
     starts = (CALL_BEGIN,)
     dropped = (CALLS_BEGIN, CALLS_END)
-
-    def __init__(self):
-        super().__init__()
-        self._end = MarkerEnd(CALL_END)
-
-    def begin(self) -> None:
-        self._end.reset()
-
-    def end(self, body: str):
-        return self._end(body)
+    end_marker = CALL_END
 
     def calls(self, marker: str, body: str):
         if SEP not in body:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 
-from moemesh.inference.parsers.base import Delimited, MarkerEnd
+from moemesh.inference.parsers.base import Delimited
 
 START, END, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
 _HEAD = re.compile(r"\s*call:([A-Za-z0-9_.\-]+)\{")
@@ -22,16 +22,7 @@ _HEAD = re.compile(r"\s*call:([A-Za-z0-9_.\-]+)\{")
 
 class Gemma4(Delimited):
     starts = (START,)
-
-    def __init__(self):
-        super().__init__()
-        self._end = MarkerEnd(END)
-
-    def begin(self) -> None:
-        self._end.reset()
-
-    def end(self, body: str):
-        return self._end(body)
+    end_marker = END
 
     def calls(self, marker: str, body: str):
         head = _HEAD.match(body)

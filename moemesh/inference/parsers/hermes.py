@@ -15,23 +15,14 @@ from __future__ import annotations
 
 import json
 
-from moemesh.inference.parsers.base import Delimited, MarkerEnd, arguments_json
+from moemesh.inference.parsers.base import Delimited, arguments_json
 
 START, END = "<tool_call>", "</tool_call>"
 
 
 class Hermes(Delimited):
     starts = (START,)
-
-    def __init__(self):
-        super().__init__()
-        self._end = MarkerEnd(END)
-
-    def begin(self) -> None:
-        self._end.reset()
-
-    def end(self, body: str):
-        return self._end(body)
+    end_marker = END
 
     def calls(self, marker: str, body: str):
         value = json.loads(body)
