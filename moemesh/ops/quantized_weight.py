@@ -136,11 +136,6 @@ def is_quantized(weight) -> bool:
     return isinstance(weight, QuantizedWeight)
 
 
-def dense(weight, dtype: torch.dtype) -> torch.Tensor:
-    """`weight` (a tensor or a QuantizedWeight) as a tensor of `dtype`."""
-    return weight.to(dtype)
-
-
 def dequantize(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
     """The dense weight in `dtype`: the Triton kernel where Triton runs, else the reference."""
     if use_triton(weight.codes):

@@ -164,7 +164,7 @@ def rank_param_counts(
     dims = ParallelDims(dp_replicate=parallel.dp_replicate, dp_shard=parallel.dp_shard, ep=parallel.ep, tp=parallel.tp)
     mesh = Mesh(dims, None)  # shapes only: no process groups
     model = apply_tp(apply_ep(meta_model(config), mesh), mesh)
-    stored = quantized_names(meta_model(config), quantized)  # names before the layout swaps modules
+    stored = quantized_names(meta_model(config), quantized) if quantized else set()  # before the layout
     share = QUANTIZED_BYTES.get(quantized, dtype_bytes) / dtype_bytes
     counts = []
     for item in _items(model):
@@ -183,8 +183,6 @@ QUANTIZED_BYTES = {"fp8": 1 + 4 / 128, "mxfp4": 0.5 + 1 / 32}  # a weight's byte
 def quantized_names(model: nn.Module, quantized: str) -> set[str]:
     """The weights a published checkpoint of `quantized` stores so: fp8, every projection and
     expert bank (not the head, the embeddings, norms or routers); mxfp4, the expert banks."""
-    if not quantized:
-        return set()
     names = set()
     for prefix, module in model.named_modules():
         if isinstance(module, Experts):
