@@ -18,7 +18,13 @@ from moemesh.ops import expert_gemv as expert_gemv_module
 from moemesh.ops import gemv
 from moemesh.ops.backend import HAVE_TRITON, INTERPRETED, _FirstConfig
 from moemesh.ops.combine import combine_pairs, combine_reference
-from moemesh.ops.expert_gemv import expert_gemv, expert_gemv_combine, expert_gemv_reference, expert_swiglu_gemv
+from moemesh.ops.expert_gemv import (
+    expert_gemv,
+    expert_gemv_combine,
+    expert_gemv_reference,
+    expert_pair_gemv,
+    expert_swiglu_gemv,
+)
 from moemesh.ops.quantized_weight import FP8_TILE, QuantizedWeight
 from moemesh.ops.swiglu import swiglu_reference
 from numerics import rel_err
@@ -60,8 +66,8 @@ def test_gemv_reads_quantized_weights(triton_kernels, fmt, rows):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("tokens", [0, 5])
 def test_expert_gemvs_read_quantized_banks(triton_kernels, fmt, tokens):
-    """Per expert (plain and fused SwiGLU) and per token (SwiGLU, the down projection with the
-    weighted sum), a bank of 6 experts of which 4 at most are chosen."""
+    """Per expert (plain and fused SwiGLU) and per token (plain, SwiGLU, the down projection with
+    the weighted sum), a bank of 6 experts of which 4 at most are chosen."""
     k, experts, inner, hidden = 2, 6, 64, 96
     x = torch.randn(tokens, hidden)
     gate_up = quantized(torch.randn(experts, 2 * inner, hidden), fmt)
@@ -73,6 +79,8 @@ def test_expert_gemvs_read_quantized_banks(triton_kernels, fmt, tokens):
         got = expert_gemv(x, gate_up, ids)
         assert got.shape == (tokens * k, 2 * inner)
         assert tokens == 0 or rel_err(got, expected) <= 1e-6
+        per_pair = expert_pair_gemv(x, gate_up, ids)  # the per-token form, for experts with biases
+        assert per_pair.shape == got.shape and (tokens == 0 or rel_err(per_pair, expected) <= 1e-6)
         glu = expert_gemv(x, gate_up, ids, glu=True)
         assert tokens == 0 or rel_err(glu, swiglu_reference(expected)) <= 1e-6
         gated = expert_swiglu_gemv(x, gate_up, ids)
@@ -126,18 +134,21 @@ def test_every_tile_the_autotuner_may_pick_reads_the_codes_right(triton_kernels,
     ids = torch.tensor([[0, 2], [2, 1]])
     with torch.no_grad():
         linear = gemv.gemv_reference(x.double(), [wide(weight)])[0]
-        gated = swiglu_reference(expert_gemv_reference(x.double(), wide(bank), ids)).float()
+        plain = expert_gemv_reference(x.double(), wide(bank), ids)
+        gated = swiglu_reference(plain).float()
         summed = combine_reference(
             expert_gemv_reference(gated.double(), wide(down), ids.view(-1, 1)), torch.arange(4).view(2, 2), ids.double()
         )
         kernels = [
-            (gemv, "_gemv_kernel", gemv.CONFIGS, lambda: gemv.gemv(x[:1], [weight])[0], linear[:1]),
+            (gemv, "_gemv_kernel", gemv.ROW_CONFIGS, lambda: gemv.gemv(x[:1], [weight])[0], linear[:1]),
             (gemv, "_gemv_kernel", gemv.CONFIGS[:7], lambda: gemv.gemv(x, [weight])[0], linear),
             (expert_gemv_module, "_by_expert_kernel", expert_gemv_module.BY_EXPERT_CONFIGS,
              lambda: expert_gemv(x, bank, ids, glu=True), gated),
-            (expert_gemv_module, "_expert_swiglu_gemv_kernel", expert_gemv_module.SWIGLU_CONFIGS,
+            (expert_gemv_module, "_per_pair_kernel", expert_gemv_module.ROW_CONFIGS,
              lambda: expert_swiglu_gemv(x, bank, ids), gated),
-            (expert_gemv_module, "_expert_gemv_combine_kernel", expert_gemv_module.COMBINE_CONFIGS,
+            (expert_gemv_module, "_per_pair_kernel", expert_gemv_module.ROW_CONFIGS,
+             lambda: expert_pair_gemv(x, bank, ids), plain),
+            (expert_gemv_module, "_expert_gemv_combine_kernel", expert_gemv_module.ROW_CONFIGS,
              lambda: expert_gemv_combine(gated, down, ids, ids.float()), summed),
         ]  # fmt: skip
         for module, name, configs, run, expected in kernels:

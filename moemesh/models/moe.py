@@ -39,7 +39,7 @@ from moemesh.models.layers import ACTIVATIONS, DenseMLP
 from moemesh.ops import combine, invariant, permute, recompute, swiglu
 from moemesh.ops.backend import autocast_inputs, use_triton
 from moemesh.ops.combine import combine_pairs
-from moemesh.ops.expert_gemv import expert_gemv, expert_gemv_combine, expert_swiglu_gemv
+from moemesh.ops.expert_gemv import expert_gemv, expert_gemv_combine, expert_pair_gemv, expert_swiglu_gemv
 from moemesh.ops.grouped_mm import group_offsets, grouped_mm
 from moemesh.ops.linear import linear
 from moemesh.ops.low_rank import low_rank_factors
@@ -275,7 +275,9 @@ class Experts(nn.Module):
         """x [T, H] through each token's experts expert_ids [T, k], summed with the routing
         weights [T, k] -> [T, H] (no autograd through the kernels: inference). SwiGLU experts
         without biases fuse the activation into the gate/up GEMV, and for the fewest tokens run
-        per token with the weighted sum fused too (`ops/expert_gemv.py`); quantized banks are
+        per token with the weighted sum fused too (`ops/expert_gemv.py`); other experts (biases,
+        a clamped SwiGLU) run per token too for the fewest, the activation and biases in torch
+        between the two kernels; quantized banks are
         read in their codes by the same kernels, with no host sync. `first_expert`: this
         bank holds the experts first_expert .. first_expert + E - 1 of the ids (expert
         parallelism over tokens every rank holds); the other ranks' pairs add nothing here, and
@@ -288,9 +290,18 @@ class Experts(nn.Module):
         if first_expert is not None and (self.gate_up_proj_bias is not None or self.down_proj_bias is not None):
             raise ValueError("the selected experts of one rank among several take no expert biases")
         first = first_expert or 0
-        if plain and use_triton(x) and expert_ids.numel() <= PER_TOKEN_ROWS:
-            gated = expert_swiglu_gemv(x, gate_up_proj, expert_ids, first)
-            return expert_gemv_combine(gated, down_proj, expert_ids, weights, first, early_ids=True)
+        if use_triton(x) and expert_ids.numel() <= PER_TOKEN_ROWS:
+            if plain:
+                gated = expert_swiglu_gemv(x, gate_up_proj, expert_ids, first)
+                return expert_gemv_combine(gated, down_proj, expert_ids, weights, first, early_ids=True)
+            gate_up = expert_pair_gemv(x, gate_up_proj, expert_ids, first)
+            if self.gate_up_proj_bias is not None:
+                gate_up = gate_up + self.gate_up_proj_bias[expert_ids.flatten()].to(gate_up.dtype)
+            out = expert_gemv_combine(self.activation(gate_up), down_proj, expert_ids, weights, first)
+            if self.down_proj_bias is not None:  # Σ_j w_j · bias_j, beside the weighted sum
+                bias = self.down_proj_bias[expert_ids] * self.down_bias_share
+                out = out + (weights.unsqueeze(-1).to(bias.dtype) * bias).sum(1).to(out.dtype)
+            return out
         if plain:
             gated = expert_gemv(x, gate_up_proj, expert_ids, glu=True, first_expert=first)
         else:

@@ -43,7 +43,14 @@ Limits: forward only (inference: no autograd); SwiGLU is the only activation fus
 import torch
 
 from moemesh.ops.backend import dependent_launch, tl, triton, tuned, use_triton, wait_for_inputs
-from moemesh.ops.quantized_weight import QuantizedWeight, kernel_operands, load_rows
+from moemesh.ops.quantized_weight import (
+    QuantizedWeight,
+    kernel_operands,
+    load_rows,
+    row_configs,
+    row_products,
+    tiles_by_format,
+)
 from moemesh.ops.swiglu import swiglu
 
 
@@ -264,16 +271,32 @@ COMBINE_CONFIGS = [
 ]
 
 
+ROW_CONFIGS = row_configs()  # a quantized bank's per-token kernels (quantized_weight.ROW_TILES)
+_pair_tiles = tiles_by_format(SWIGLU_CONFIGS, ROW_CONFIGS)
+_combine_tiles = tiles_by_format(COMBINE_CONFIGS, ROW_CONFIGS)
+
+
 def expert_swiglu_gemv(x: torch.Tensor, gate_up, expert_ids: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
     """x [T, K], gate_up [E, 2I, K] (gate rows, then up rows), expert_ids [T, k] -> [T·k, I]
     (Triton only: the reference is expert_gemv(x, gate_up, ids, glu=True, first_expert=...))."""
-    x, gate_up = x.contiguous(), _contiguous(gate_up)
+    return _per_pair(x, gate_up, expert_ids, first_expert, swiglu=True)
+
+
+def expert_pair_gemv(x: torch.Tensor, weight, expert_ids: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
+    """x [T, K], weight [E, O, K], expert_ids [T, k] -> [T·k, O], a program a (pair, block of
+    outputs): the per-token form of expert_gemv(x, weight, ids, first_expert=...), for experts
+    whose activation is not fused (biases, a clamped SwiGLU). Triton only."""
+    return _per_pair(x, weight, expert_ids, first_expert, swiglu=False)
+
+
+def _per_pair(x: torch.Tensor, weight, expert_ids: torch.Tensor, first_expert: int, swiglu: bool) -> torch.Tensor:
+    x, weight = x.contiguous(), _contiguous(weight)
     tokens, k = expert_ids.shape
-    inner = gate_up.shape[1] // 2
+    inner = weight.shape[1] // 2 if swiglu else weight.shape[1]
     out = x.new_empty(tokens * k, inner)
-    codes, scales, stride, offset, constants = kernel_operands(gate_up, x.dtype)
+    codes, scales, stride, offset, constants = kernel_operands(weight, x.dtype)
     if tokens:
-        _expert_swiglu_gemv_kernel[lambda meta: (tokens * k, triton.cdiv(inner, meta["BLOCK_OUT"]))](
+        _per_pair_kernel[lambda meta: (tokens * k, triton.cdiv(inner, meta["BLOCK_OUT"]))](
             x,
             codes,
             scales,
@@ -283,10 +306,11 @@ def expert_swiglu_gemv(x: torch.Tensor, gate_up, expert_ids: torch.Tensor, first
             x.shape[1],
             inner,
             first_expert,
-            gate_up.shape[0],
+            weight.shape[0],
             stride,
             offset,
             K=k,
+            SWIGLU=swiglu,
             **constants,
             **dependent_launch(x),
         )
@@ -337,9 +361,9 @@ def expert_gemv_combine(
     return out
 
 
-@tuned(SWIGLU_CONFIGS, key=["size_class", "hidden", "inner", "K", "FORMAT"])
+@tuned(SWIGLU_CONFIGS + ROW_CONFIGS, key=["size_class", "hidden", "inner", "K", "SWIGLU", "FORMAT"], prune=_pair_tiles)
 @triton.jit
-def _expert_swiglu_gemv_kernel(
+def _per_pair_kernel(
     x_ptr,
     weight_ptr,
     scales_ptr,
@@ -353,7 +377,8 @@ def _expert_swiglu_gemv_kernel(
     scale_stride,
     offset,
     K: tl.constexpr,
-    FORMAT: tl.constexpr,  # 0: a dense bank; 1: fp8, 2: mxfp4 (quantized_weight.load_rows)
+    SWIGLU: tl.constexpr,  # silu(gate) * up of a bank of 2 * inner rows (gate, then up); else inner rows
+    FORMAT: tl.constexpr,  # 0: a dense bank; 1: fp8, 2: mxfp4 (quantized_weight.row_products)
     ALIGNED: tl.constexpr,
     COMPILED: tl.constexpr,
     ROUND_BF16: tl.constexpr,
@@ -366,33 +391,51 @@ def _expert_swiglu_gemv_kernel(
     cols = tl.program_id(1) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
     expert = tl.load(ids_ptr + row).to(tl.int64) - first_expert
     if (expert >= 0) & (expert < experts):  # else another rank's expert: nothing read or written
-        gate_rows = weight_ptr + expert * 2 * inner * hidden + cols[:, None].to(tl.int64) * hidden
-        up_rows = gate_rows + inner * hidden
-        gate_row = expert * 2 * inner + cols.to(tl.int64)  # a quantized bank's rows
+        rows_per_expert = 2 * inner if SWIGLU else inner
+        gate_row = expert * rows_per_expert + cols.to(tl.int64)  # the rows of the bank flattened
         x_row = x_ptr + (row // K) * hidden
-        gate = tl.zeros([BLOCK_OUT], dtype=tl.float32)
-        up = tl.zeros([BLOCK_OUT], dtype=tl.float32)
-        for start in range(0, hidden, BLOCK_K):
-            ks = start + tl.arange(0, BLOCK_K)
-            xs = tl.load(x_row + ks, mask=ks < hidden, other=0.0).to(tl.float32)[None, :]
-            if FORMAT == 0:
+        if FORMAT == 0:
+            gate_rows = weight_ptr + gate_row[:, None] * hidden
+            gate = tl.zeros([BLOCK_OUT], dtype=tl.float32)
+            up = tl.zeros([BLOCK_OUT], dtype=tl.float32)
+            for start in range(0, hidden, BLOCK_K):
+                ks = start + tl.arange(0, BLOCK_K)
+                xs = tl.load(x_row + ks, mask=ks < hidden, other=0.0).to(tl.float32)[None, :]
                 mask = (cols[:, None] < inner) & (ks[None, :] < hidden)
-                gate_w = tl.load(gate_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
-                up_w = tl.load(up_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
-            else:  # the tiles' codes and scales, decoded in registers (rounded as the dense bank)
-                gate_w = load_rows(
-                    weight_ptr, scales_ptr, gate_row, cols < inner, start, hidden, scale_stride, offset,
-                    FORMAT, ALIGNED, COMPILED, ROUND_BF16, BLOCK_K,
-                ).to(x_ptr.dtype.element_ty).to(tl.float32)  # fmt: skip
-                up_w = load_rows(
-                    weight_ptr, scales_ptr, gate_row + inner, cols < inner, start, hidden, scale_stride, offset,
-                    FORMAT, ALIGNED, COMPILED, ROUND_BF16, BLOCK_K,
-                ).to(x_ptr.dtype.element_ty).to(tl.float32)  # fmt: skip
-            gate += tl.sum(gate_w * xs, axis=1)
-            up += tl.sum(up_w * xs, axis=1)
+                gate += tl.sum(tl.load(gate_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32) * xs, axis=1)
+                if SWIGLU:
+                    up_w = tl.load(gate_rows + inner * hidden + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+                    up += tl.sum(up_w * xs, axis=1)
+        else:  # the tiles' codes and scales decoded in registers, products added in a register tile
+            valid = cols < inner
+            gate3 = row_products(
+                weight_ptr, scales_ptr, x_row, gate_row, valid, 0, hidden, scale_stride, offset,
+                FORMAT, ALIGNED, COMPILED, BLOCK_K,
+            )  # fmt: skip
+            if SWIGLU:
+                up3 = row_products(
+                    weight_ptr, scales_ptr, x_row, gate_row + inner, valid, 0, hidden, scale_stride, offset,
+                    FORMAT, ALIGNED, COMPILED, BLOCK_K,
+                )  # fmt: skip
+            for start in range(BLOCK_K, hidden, BLOCK_K):
+                gate3 += row_products(
+                    weight_ptr, scales_ptr, x_row, gate_row, valid, start, hidden, scale_stride, offset,
+                    FORMAT, ALIGNED, COMPILED, BLOCK_K,
+                )  # fmt: skip
+                if SWIGLU:
+                    up3 += row_products(
+                        weight_ptr, scales_ptr, x_row, gate_row + inner, valid, start, hidden, scale_stride,
+                        offset, FORMAT, ALIGNED, COMPILED, BLOCK_K,
+                    )  # fmt: skip
+            gate = tl.sum(tl.sum(gate3, axis=2), axis=1)
+            if SWIGLU:
+                up = tl.sum(tl.sum(up3, axis=2), axis=1)
         gate = gate.to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as the unfused GEMV's output
-        up = up.to(out_ptr.dtype.element_ty).to(tl.float32)
-        out = gate / (1.0 + tl.exp(-gate)) * up
+        if SWIGLU:
+            up = up.to(out_ptr.dtype.element_ty).to(tl.float32)
+            out = gate / (1.0 + tl.exp(-gate)) * up
+        else:
+            out = gate
         tl.store(out_ptr + row * inner + cols, out.to(out_ptr.dtype.element_ty), mask=cols < inner)
 
 
@@ -436,7 +479,7 @@ def _slot_products(a_ptr, rows, here, ks, inner, w):
     return tl.sum(w.to(tl.float32) * xs.to(tl.float32)[:, None, :], axis=2)
 
 
-@tuned(COMBINE_CONFIGS, key=["size_class", "inner", "hidden", "K", "FORMAT"])
+@tuned(COMBINE_CONFIGS + ROW_CONFIGS, key=["size_class", "inner", "hidden", "K", "FORMAT"], prune=_combine_tiles)
 @triton.jit
 def _expert_gemv_combine_kernel(
     a_ptr,
@@ -463,6 +506,13 @@ def _expert_gemv_combine_kernel(
     BLOCK_OUT: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    if FORMAT != 0:  # a quantized bank: each slot's rows in turn, products in one register tile
+        wait_for_inputs(GDC)
+        _combine_quantized(
+            a_ptr, weight_ptr, scales_ptr, ids_ptr, weights_ptr, out_ptr, inner, hidden, first_expert, experts,
+            scale_stride, offset, K, FORMAT, ALIGNED, COMPILED, BLOCK_OUT, BLOCK_K,
+        )  # fmt: skip
+        return
     if not EARLY_IDS:
         wait_for_inputs(GDC)
     # The token's K experts at once, a [K, BLOCK_OUT, BLOCK_K] tile of their weights a step: more
@@ -501,4 +551,31 @@ def _expert_gemv_combine_kernel(
     expert_out = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as the unfused GEMV's output
     weights = tl.load(weights_ptr + rows, mask=here, other=0.0).to(tl.float32)
     total = tl.sum(weights[:, None] * expert_out, axis=0)
+    tl.store(out_ptr + token * hidden + cols, total.to(out_ptr.dtype.element_ty), mask=cols < hidden)
+
+
+@triton.jit
+def _combine_quantized(
+    a_ptr, weight_ptr, scales_ptr, ids_ptr, weights_ptr, out_ptr, inner, hidden, first_expert, experts,
+    scale_stride, offset, K: tl.constexpr, FORMAT: tl.constexpr, ALIGNED: tl.constexpr, COMPILED: tl.constexpr,
+    BLOCK_OUT: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """The combine of a quantized bank: out[t] = Σ_j w[t, j] · down[ids[t, j]] @ a[t·k + j], each
+    slot's routing weight folded into its products (each expert's output is not rounded to the
+    dtype before the sum, as the dense path's is: the fp32 sum of the exact products)."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
+    acc = tl.zeros([BLOCK_OUT, BLOCK_K // 8, 8 if FORMAT == 1 else 4], dtype=tl.float32)
+    for slot in tl.static_range(K):
+        pair = token * K + slot
+        chosen = tl.load(ids_ptr + pair).to(tl.int64) - first_expert
+        rows = chosen * hidden + cols.to(tl.int64)
+        valid = (cols < hidden) & (rows >= 0) & (rows < experts * hidden)  # another rank's expert adds nothing
+        weight = tl.load(weights_ptr + pair).to(tl.float32)
+        for start in range(0, inner, BLOCK_K):
+            acc += weight * row_products(
+                weight_ptr, scales_ptr, a_ptr + pair * inner, rows, valid, start, inner,
+                scale_stride, offset, FORMAT, ALIGNED, COMPILED, BLOCK_K,
+            )  # fmt: skip
+    total = tl.sum(tl.sum(acc, axis=2), axis=1)
     tl.store(out_ptr + token * hidden + cols, total.to(out_ptr.dtype.element_ty), mask=cols < hidden)

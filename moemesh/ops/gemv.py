@@ -34,7 +34,14 @@ of x's dtype, three at most, no bias (the caller adds it).
 import torch
 
 from moemesh.ops.backend import dependent_launch, tl, triton, tuned, use_triton, wait_for_inputs
-from moemesh.ops.quantized_weight import QuantizedWeight, kernel_operands, load_rows
+from moemesh.ops.quantized_weight import (
+    QuantizedWeight,
+    kernel_operands,
+    load_rows,
+    row_configs,
+    row_products,
+    tiles_by_format,
+)
 
 MAX_ROWS = 64
 PREFETCH_WEIGHTS = True
@@ -121,14 +128,20 @@ def gemv(x: torch.Tensor, weights: list) -> list[torch.Tensor]:
     return outs
 
 
+ROW_CONFIGS = row_configs()  # one row on a quantized weight (quantized_weight.ROW_TILES)
+_by_format = tiles_by_format(CONFIGS, ROW_CONFIGS, one_row=lambda args: args["ROWS"] == 1)
+
+
 def _one_row_tiles(configs, named_args, **kwargs):
-    """Blocks of fewer than 16 outputs only for the one-row reduction (tl.dot's least is 16)."""
+    """Blocks of fewer than 16 outputs only for the one-row reduction (tl.dot's least is 16); a
+    quantized weight's one row on its own tiles."""
+    configs = _by_format(configs, named_args, **kwargs)
     if kwargs.get("ROWS", named_args.get("ROWS")) == 1:
         return configs
     return [c for c in configs if c.kwargs["BLOCK_OUT"] >= 16]
 
 
-@tuned(CONFIGS, key=["n0", "n1", "n2", "inner", "size_class", "ROWS", "FORMAT"], prune=_one_row_tiles)
+@tuned(CONFIGS + ROW_CONFIGS, key=["n0", "n1", "n2", "inner", "size_class", "ROWS", "FORMAT"], prune=_one_row_tiles)
 @triton.jit
 def _gemv_kernel(
     x_ptr,
@@ -164,7 +177,7 @@ def _gemv_kernel(
     BLOCK_OUT: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    if not PREFETCH:
+    if not PREFETCH or (ROWS == 1 and FORMAT != 0):
         wait_for_inputs(GDC)
     block = tl.program_id(0)
     first1 = tl.cdiv(n0, BLOCK_OUT)  # the first block of weight 1, then of weight 2
@@ -180,6 +193,18 @@ def _gemv_kernel(
     offset = tl.where(block < first1, offset0, tl.where(block < first2, offset1, offset2))
     start = tl.where(block < first1, 0, tl.where(block < first2, first1, first2))
     cols = (block - start) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
+    if ROWS == 1 and FORMAT != 0:  # one row on a quantized weight: products in a register tile
+        rows64 = cols.to(tl.int64)
+        acc3 = row_products(
+            w_ptr, s_ptr, x_ptr, rows64, cols < n, 0, inner, stride, offset, FORMAT, ALIGNED, COMPILED, BLOCK_K
+        )
+        for k0 in range(BLOCK_K, inner, BLOCK_K):
+            acc3 += row_products(
+                w_ptr, s_ptr, x_ptr, rows64, cols < n, k0, inner, stride, offset, FORMAT, ALIGNED, COMPILED, BLOCK_K
+            )
+        total = tl.sum(tl.sum(acc3, axis=2), axis=1)
+        tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=cols < n)
+        return
     m = tl.arange(0, ROWS)
     x_rows = x_ptr + m[:, None] * inner
     w_rows = w_ptr + cols[None, :].to(tl.int64) * inner  # [BLOCK_K, BLOCK_OUT] tiles of the weight

@@ -361,3 +361,151 @@ def _dequantize_kernel(
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
         value = bits.to(tl.float32, bitcast=True)
     tl.store(out_ptr + row64 * cols + col[None, :], value.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ---- one row of activations times rows of a quantized weight -------------------------------------
+# A decode step of one token multiplies one activation row by each weight: a reduction over K, not
+# a tl.dot. `row_products` gives the products of a block of K for rows of the weight, shaped
+# [R, blocks, G] where each block of G columns shares one scale (fp8: a 128-wide tile, or the part
+# of it that BLOCK_K holds; mxfp4: a 32-group, as its 16 bytes, each byte's two columns summed), so
+# that a scale is a [R, blocks] tensor broadcast over its block with no reshape, and a kernel adds
+# the products up in a register tile of that shape, summing across threads once at the end. (The
+# earlier form, `load_rows` transposed for a sum over K a block, moved each block through shared
+# memory with ten barriers an iteration: 68 GB/s for FP8 q, k, v at batch 1 on an H200.)
+# The weights are not rounded to bf16 here: the products are of the exact decoded values, in fp32.
+#
+# Its tiles (ROW_TILES: rows a program, BLOCK_K, warps) read BLOCK_K = 256 x warps columns a step:
+# then each thread holds 8 bytes of codes (fp8: 8 columns; mxfp4: 4 bytes, 8 columns) beside the
+# same columns of x in one load, the layout of both the same. Any other width put x in a layout of
+# its own, moved through shared memory with barriers every step of K (counted in the kernels
+# compiled for sm90); more than 8 rows a program spill the accumulators' registers.
+ROW_TILES = [(2, 1024, 4), (4, 1024, 4), (8, 1024, 4), (4, 512, 2), (8, 512, 2), (4, 256, 1), (8, 256, 1)]
+
+
+def row_configs() -> list:
+    """ROW_TILES as the autotuner's configs (backend.tuned)."""
+    return [triton.Config({"BLOCK_OUT": o, "BLOCK_K": k}, num_warps=w) for o, k, w in ROW_TILES]
+
+
+def tiles_by_format(dense: list, quantized: list, one_row=lambda kwargs: True):
+    """A `tuned` prune: the configs of `dense` for dense weights (FORMAT 0), those of `quantized`
+    for a quantized weight's one-row products (`one_row(kwargs)`), else `dense` again."""
+
+    def prune(configs, named_args, **kwargs):
+        fmt = kwargs.get("FORMAT", named_args.get("FORMAT"))
+        chosen = quantized if fmt and one_row({**named_args, **kwargs}) else dense
+        return [c for c in configs if any(c is mine for mine in chosen)]  # (a Config equals its copies)
+
+    return prune
+
+
+@triton.jit
+def _e2m1_fast(code, COMPILED: tl.constexpr):
+    """E2M1 codes (int32 0-15) -> fp32 x 2^-14: the three magnitude bits put at an fp16's exponent
+    and mantissa (bits 9-11), the sign at bit 15: 2^(e-15)(1 + m/2), or m 2^-15 as a subnormal fp16
+    for e = 0, exact; the caller multiplies by 2^14 with the group's scale."""
+    bits = ((code & 7) << 9) | ((code & 8) << 12)
+    if COMPILED:
+        return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return _e2m1(code) * 0.00006103515625  # the interpreter: the same values, from the table
+
+
+@triton.jit
+def row_products(
+    codes_ptr,
+    scales_ptr,
+    x_ptr,
+    rows,
+    row_mask,
+    k0,
+    inner,
+    scale_stride,
+    offset,
+    FORMAT: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    COMPILED: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """[R, blocks, G] fp32: weight[r, c] * x[c] for the columns c in k0 .. k0 + BLOCK_K - 1 of the
+    rows `rows` ([R] int64 of the weight flattened to [rows, inner]; 0 outside `row_mask` and past
+    `inner`), x read at x_ptr (one row of `inner`). FORMAT 1: fp8, G = min(BLOCK_K, 128) columns a
+    block (k0 a multiple of BLOCK_K; ALIGNED: no column offset, so a block has one scale); FORMAT
+    2: mxfp4, G = 16 bytes of a 32-group, each the products of its two columns added."""
+    if FORMAT == 2:
+        products = _mxfp4_products(codes_ptr, scales_ptr, x_ptr, rows, row_mask, k0, inner, COMPILED, BLOCK_K)
+    else:
+        products = _fp8_products(
+            codes_ptr, scales_ptr, x_ptr, rows, row_mask, k0, inner, scale_stride, offset, ALIGNED, COMPILED, BLOCK_K
+        )
+    return products
+
+
+@triton.jit
+def _mxfp4_products(
+    codes_ptr, scales_ptr, x_ptr, rows, row_mask, k0, inner, COMPILED: tl.constexpr, BLOCK_K: tl.constexpr
+):  # fmt: skip
+    """row_products of mxfp4: [R, BLOCK_K / 8, 4], runs of 4 bytes (8 columns), each byte's two
+    products added. x in bf16 is read as 32-bit words of two elements, the even one the low half
+    (an element's fp32 is its bits shifted up 16): 16 bytes of x beside each 4 bytes of codes, one
+    load each, in the same layout."""
+    run = tl.arange(0, BLOCK_K // 8)
+    pair = k0 // 2 + run[:, None] * 4 + tl.arange(0, 4)[None, :]  # [runs, 4]: bytes, and x's pairs
+    in_k = pair < inner // 2
+    byte = tl.load(
+        codes_ptr + rows[:, None, None] * (inner // 2) + pair[None, :, :],
+        mask=row_mask[:, None, None] & in_k[None, :, :],
+        other=0,
+    ).to(tl.int32)
+    group = (k0 + run * 8) // 32
+    exponent = tl.load(
+        scales_ptr + rows[:, None] * (inner // 32) + group[None, :],
+        mask=row_mask[:, None] & (group[None, :] < inner // 32),
+        other=127,
+    ).to(tl.int32)
+    scale = (_e8m0(exponent) * 16384.0)[:, :, None]  # 2^14: what _e2m1_fast leaves out
+    if x_ptr.dtype.element_ty == tl.bfloat16:
+        word = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + pair[None, :, :], mask=in_k[None, :, :], other=0)
+        even = (word << 16).to(tl.float32, bitcast=True)
+        odd = (word & -65536).to(tl.float32, bitcast=True)
+    else:
+        even = tl.load(x_ptr + 2 * pair[None, :, :], mask=in_k[None, :, :], other=0.0).to(tl.float32)
+        odd = tl.load(x_ptr + 2 * pair[None, :, :] + 1, mask=in_k[None, :, :], other=0.0).to(tl.float32)
+    if COMPILED:  # both nibbles in one word: low at bits 0-3, high at 16-19, each then an fp16
+        both = byte | (byte << 12)
+        halves = ((both & 0x70007) << 9) | ((both & 0x80008) << 12)
+        low = (halves & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        high = (halves >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        low, high = _e2m1_fast(byte & 15, COMPILED), _e2m1_fast(byte >> 4, COMPILED)
+    return (low * even + high * odd) * scale
+
+
+@triton.jit
+def _fp8_products(
+    codes_ptr, scales_ptr, x_ptr, rows, row_mask, k0, inner, scale_stride, offset,
+    ALIGNED: tl.constexpr, COMPILED: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """row_products of fp8: [R, BLOCK_K / 8, 8], runs of 8 columns (8 bytes of codes, 8 of x's
+    elements in 16: one load each, in the same layout)."""
+    run = tl.arange(0, BLOCK_K // 8)
+    column = k0 + run[:, None] * 8 + tl.arange(0, 8)[None, :]  # [runs, 8]
+    in_cols = column < inner
+    mask = row_mask[:, None, None] & in_cols[None, :, :]
+    bits = tl.load(codes_ptr + rows[:, None, None] * inner + column[None, :, :], mask=mask, other=0)
+    if COMPILED:  # the GPU's conversion (exact: every e4m3 is an fp32)
+        value = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        value = _e4m3(bits.to(tl.int32))
+    xs = tl.load(x_ptr + column[None, :, :], mask=in_cols[None, :, :], other=0.0).to(tl.float32)
+    if ALIGNED:  # a run's one scale a row (128 is a multiple of 8)
+        tile = (k0 + run * 8) // 128
+        scale = tl.load(
+            scales_ptr + rows[:, None] * scale_stride + tile[None, :],
+            mask=row_mask[:, None] & (tile[None, :] < scale_stride),
+            other=1.0,
+        )[:, :, None]
+    else:
+        scale = tl.load(
+            scales_ptr + rows[:, None, None] * scale_stride + (column[None, :, :] + offset) // 128, mask=mask, other=1.0
+        )
+    return value * xs * scale
