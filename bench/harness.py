@@ -535,17 +535,27 @@ def intersection_length(a, b) -> float:
     return total
 
 
-def packed_rows(batch: int, seq: int, mean: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions [batch, seq] of rows packed as `data/packing.py` packs them (lengths uniform in
-    [mean/4, 7 mean/4], positions restarting at 0 for each), and a mask of the tokens trained (the
-    second half of each row: an assistant's reply after its prompt)."""
+def chat_rows(sequences: int, seq: int, mean: int, vocab: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Chat rows filling `sequences` sequences of `seq` tokens, in order, as `data/packing.py` packs
+    them: (token ids, mask of the tokens trained) a row, lengths uniform in [mean/4, 7 mean/4] (the
+    last of a sequence cut to fit), tokens uniform over `vocab`, the second half of each row trained
+    (an assistant's reply after its prompt). The same rows for the same arguments; `packed_rows`
+    puts them back in their sequences."""
     generator = torch.Generator().manual_seed(seed)
-    positions, trained = torch.empty(batch, seq, dtype=torch.long), torch.zeros(batch, seq, dtype=torch.bool)
-    for b in range(batch):
+    lengths = []
+    for _ in range(sequences):
         at = 0
         while at < seq:
-            length = min(seq - at, int(torch.randint(mean // 4, 7 * mean // 4 + 1, (1,), generator=generator)))
-            positions[b, at : at + length] = torch.arange(length)
-            trained[b, at + length // 2 : at + length] = True
-            at += length
-    return positions, trained
+            lengths.append(min(seq - at, int(torch.randint(mean // 4, 7 * mean // 4 + 1, (1,), generator=generator))))
+            at += lengths[-1]
+    tokens = torch.randint(vocab, (sequences * seq,), generator=generator).split(lengths)
+    return [(ids, torch.arange(len(ids)) >= len(ids) // 2) for ids in tokens]
+
+
+def packed_rows(rows: list[tuple[torch.Tensor, torch.Tensor]], seq: int) -> tuple[torch.Tensor, ...]:
+    """`chat_rows`' rows in their sequences: token ids, positions (restarting at 0 for each row) and
+    the trained mask, each [sequences, seq]."""
+    ids = torch.cat([ids for ids, _ in rows]).view(-1, seq)
+    positions = torch.cat([torch.arange(len(ids)) for ids, _ in rows]).view(-1, seq)
+    trained = torch.cat([trained for _, trained in rows]).view(-1, seq)
+    return ids, positions, trained

@@ -1,9 +1,13 @@
 """LoRA fine-tuning steps of moemesh beside transformers + PEFT, on the same shapes, in one run on
-one GPU (issue 30): step time, tokens/s, MFU, peak memory, trainable parameters.
+one GPU (issue 30), and on packed chat rows beside TRL's SFTTrainer + PEFT on the same rows (issue
+74): step time, tokens/s, MFU, peak memory, trainable parameters.
 
     PYTHONPATH=. python3 bench/train/lora.py [--layers 48] [--seq 4096] [--batch 1] [--rank 16 --alpha 32]
     PYTHONPATH=. python3 bench/train/lora.py --hf /models/Qwen3-30B-A3B          (read a real directory)
     PYTHONPATH=. python3 bench/train/lora.py --config configs/tiny.toml --seq 64 --steps 2 --warmup 1   (CPU smoke)
+    PYTHONPATH=. python3 bench/train/lora.py --packed 512 --trl [--skip-peft]     (beside TRL on chat rows)
+        TRL 1.16 from wheels downloaded into .whl (git-ignored; datasets also needs xxhash, where missing):
+        python3 -m pip install --no-index --find-links .whl trl datasets dill multiprocess
     PYTHONPATH=. python3 bench/train/lora.py --count-ops [N] [--config configs/tiny.toml --seq 256]
         (CPU: kernels a layer)
 
@@ -11,7 +15,12 @@ Model: Qwen3-30B-A3B's shape (hidden 2048, 128 experts top-8, expert width 768, 
 128, vocabulary 151,936) cut to --layers layers, with random weights built on the GPU (the device
 has no network, and 61 GB of bf16 weights need not go through the disk); or the model of a
 Hugging Face directory (--hf), which both sides read; or the [model] of a run config (--config).
-Data: --batch random sequences of --seq tokens (fixed seed), labels = inputs.
+Data: --batch random sequences of --seq tokens (fixed seed), labels = inputs. --packed N: chat rows
+(bench/harness.py's `chat_rows`: lengths uniform in [N/4, 7N/4], random tokens, the second half of
+each row trained, a fixed seed) filling --batch × (max(--warmup, 1) + --steps) sequences of --seq
+tokens: every moemesh variant also trains on the first --batch of them, packed as drawn (positions
+restarting at each row, attention within it, labels -100 where untrained), the same each step;
+TRL (--trl) on all of them, one step's worth a step.
 
 Each side, for each adapter set (--targets: attention + every expert's two banks, and attention
 only), in bf16 with the base frozen, adapters fp32 (PEFT's default upcast; moemesh's
@@ -22,13 +31,42 @@ train.param_dtype), AdamW (fused on a GPU) on the adapters, clipping to norm 1:
   moemesh              `apply_lora` (rank-r grouped GEMMs inside the experts' path), activation
                        checkpointing --recompute (full and/or selective), fused linear
                        cross-entropy, bf16 autocast
+  TRL SFTTrainer       (--trl) TRL's own loop over the chat rows as a pre-tokenized prompt-completion
+   + PEFT              dataset (input_ids, completion_mask), completion_only_loss, packing on
+                       (packing_strategy "bfd": padding-free, per_device_train_batch_size --batch,
+                       max_length --seq); the transformers model and PEFT adapters (peft_config)
+                       of the transformers + PEFT rows; gradient checkpointing (non-reentrant),
+                       bf16 mixed precision and optim adamw_torch_fused on a GPU, lr 1e-4,
+                       max_grad_norm 1, router_aux_loss_coef 0 (cross-entropy alone, as the other
+                       rows; TRL's default takes the config's and turns router logits on), no
+                       logging, saving or evaluation, dataloader defaults. TRL's own loss: its
+                       fused chunked LM head (the trained positions' log-probabilities alone).
 Each variant is freed before the next, so that each peak is its own (max allocated after the first
 step: the AdamW state is in it; with --cuda-graph, max reserved: the graph's pool is held
 whole). MFU = tokens/s × FLOPs per token / peak bf16 FLOP/s, FLOPs per token from
 moemesh.train.flops: 4 per frozen active parameter (forward, input gradient), 6 per trained one,
 attention's scores and values; recomputation is not counted (the usual convention). --record: for
 each adapter set the fastest moemesh row's tokens/s and peak memory, beside transformers + PEFT's,
-to the results file (bench/harness.py's `record`).
+to the results file (bench/harness.py's `record`); each packed row's tokens/s beside its variant's
+on raw text; with --trl, the fastest bf16 packed row's tokens/s and peak memory beside TRL's (peer
+"trl sft+peft", at packed=N).
+
+TRL's steps: max_steps max(--warmup, 1) + --steps, each optimizer step timed by a TrainerCallback
+(the GPU synchronized at the step's begin and end: the batch's loading and collation fall outside),
+the median of those after the warm-up; tokens/s the median over those steps of the step's tokens
+(counted as the collator receives its packed sequences: padding-free, no padding) by its time;
+BFD fills a sequence with up to --seq tokens, moemesh's carry --seq exactly. Peak memory: max
+allocated after the first step, as for the other rows; the loss shown is the run's mean.
+Attention: with packing "bfd", TRL (1.16) turns padding-free on and warns of nothing about the
+attention implementation (its SFTConfig says padding-free is for FlashAttention 2/3): each step's
+--batch packed sequences become one row of up to batch × seq tokens with position_ids restarting
+at each chat row (and cu_seq_lens, which only the varlen flash kernels read), no attention mask.
+With SDPA, transformers (masking_utils, 5.17 as 5.24) finds the rows from position_ids'
+restarts when no mask and no cache are given (find_packed_sequence_indices) and builds a boolean
+block-causal mask [1, 1, T, T]: each row attends within itself alone, so the numbers are right,
+but with a mask SDPA takes neither its flash kernel (the memory-efficient one reads the mask) nor
+enable_gqa (the 4 key/value heads repeated to 32). That is what a TRL user on SDPA runs; this
+script changes none of it.
 
 --count-ops (CPU, no GPU needed): the kernels that one decoder layer of moemesh's LoRA step
 launches, forward and backward (the recomputation inside), per recompute mode: a proxy for the
@@ -48,7 +86,10 @@ import collections
 import contextlib
 import itertools
 import os
+import statistics
 import sys
+import tempfile
+import time
 from unittest import mock
 
 import torch
@@ -56,6 +97,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.harness import (
     add_record_flag,
+    chat_rows,
     describe_device,
     free,
     grouped_mm_experts,
@@ -65,6 +107,7 @@ from bench.harness import (
     print_table,
     qwen3_30b_a3b,
     record,
+    sync,
     transformers_model,
 )
 from moemesh.config import load_config
@@ -97,34 +140,145 @@ def model_config(args) -> ModelConfig:
 # ---- transformers + PEFT -----------------------------------------------------------------------
 
 
+def hf_model(config: ModelConfig, args, device, dtype):
+    """transformers' model, SDPA attention, grouped_mm experts: the --hf directory's, else random
+    weights of `config`'s shape (`transformers_model`)."""
+    import transformers
+
+    if not args.hf:
+        return transformers_model(config, device, dtype)[0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        args.hf, dtype=dtype, device_map=device, attn_implementation="sdpa"
+    )
+    grouped_mm_experts(model.config)
+    return model
+
+
+def lora_config(args, experts: bool):
+    """PEFT's adapters: q/k/v/o (target_modules), and the fused expert banks where `experts`
+    (target_parameters: PEFT's ParamWrapper, peft >= 0.17)."""
+    import peft
+
+    banks = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if experts else []
+    return peft.LoraConfig(r=args.rank, lora_alpha=args.alpha, target_modules=ATTENTION, target_parameters=banks)
+
+
 def peft_model(config: ModelConfig, args, experts: bool, device, dtype):
     import peft
     import transformers
 
-    if args.hf:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            args.hf, dtype=dtype, device_map=device, attn_implementation="sdpa"
-        )
-        grouped_mm_experts(model.config)
-    else:
-        model, _ = transformers_model(config, device, dtype)
+    model = hf_model(config, args, device, dtype)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    banks = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if experts else []
-    lora = peft.LoraConfig(r=args.rank, lora_alpha=args.alpha, target_modules=ATTENTION, target_parameters=banks)
-    model = peft.get_peft_model(model, lora)
+    model = peft.get_peft_model(model, lora_config(args, experts))
     model.train()
     version = f"transformers {transformers.__version__} + peft {peft.__version__}"
     return model, version, lambda ids: model(input_ids=ids, labels=ids).loss
+
+
+# ---- TRL's SFTTrainer + PEFT -----------------------------------------------------------------------
+
+
+def trl_variant(targets: str, chat: list, args, config: ModelConfig, device, dtype) -> dict:
+    """TRL's SFTTrainer + PEFT trained on `chat` (`chat_rows`) as its user trains it: the rows as a
+    pre-tokenized prompt-completion dataset (input_ids, completion_mask), packed by TRL (BFD,
+    padding-free), the transformers model and PEFT's adapters of the transformers + PEFT rows. Each
+    optimizer step timed by a callback; its tokens counted as the collator batches them."""
+    import datasets
+    import peft
+    import transformers
+    import trl
+
+    class Steps(transformers.TrainerCallback):
+        """Each step's milliseconds (the GPU synchronized at its begin and end) and the tokens of its
+        batch; the peak memory counted from the end of the first step (the AdamW state is in it)."""
+
+        def __init__(self):
+            self.ms, self.tokens = [], []
+
+        def counting(self, collator):
+            def collate(examples):
+                self.tokens.append(sum(len(example["input_ids"]) for example in examples))
+                return collator(examples)
+
+            return collate
+
+        def on_step_begin(self, *_, **__):
+            sync()
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **_):
+            sync()
+            self.ms.append((time.perf_counter() - self.start) * 1e3)
+            if state.global_step == 1 and device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+
+    dataset = datasets.Dataset.from_dict(
+        {"input_ids": [ids.tolist() for ids, _ in chat], "completion_mask": [m.int().tolist() for _, m in chat]}
+    )
+    warmup, cuda = max(args.warmup, 1), device.type == "cuda"
+    steps = Steps()
+    with tempfile.TemporaryDirectory() as out:  # nothing is written there
+        training = trl.SFTConfig(
+            output_dir=out,
+            max_steps=warmup + args.steps,
+            per_device_train_batch_size=args.batch,
+            max_length=args.seq,
+            packing=True,
+            packing_strategy="bfd",
+            completion_only_loss=True,
+            router_aux_loss_coef=0.0,  # cross-entropy alone, as moemesh's rows train
+            learning_rate=1e-4,
+            max_grad_norm=1.0,
+            optim="adamw_torch_fused" if cuda else "adamw_torch",
+            bf16=cuda,
+            gradient_checkpointing=True,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+            report_to="none",
+            save_strategy="no",
+            logging_strategy="no",
+            disable_tqdm=True,
+            seed=args.seed,
+        )
+        tokenizer = transformers.AutoTokenizer.from_pretrained(args.hf) if args.hf else transformers.ByT5Tokenizer()
+        trainer = trl.SFTTrainer(
+            model=hf_model(config, args, device, dtype),
+            args=training,
+            train_dataset=dataset,
+            processing_class=tokenizer,  # the rows are token ids already: TRL reads its pad token alone
+            peft_config=lora_config(args, TARGETS[targets]),
+            callbacks=[steps],
+        )
+        trainer.data_collator = steps.counting(trainer.data_collator)  # the same collator, its batches counted
+        loss = trainer.train().training_loss
+    trained = [p for p in trainer.model.parameters() if p.requires_grad]
+    timed = list(zip(steps.ms, steps.tokens))[warmup:]
+    row = variant_row(
+        f"trl {trl.__version__} SFTTrainer + peft {peft.__version__} (packing bfd, padding-free)",
+        targets,
+        statistics.median(ms for ms, _ in timed),
+        statistics.median(tokens / ms * 1e3 for ms, tokens in timed),
+        trained,
+        loss,
+        args,
+        config,
+        device,
+        torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+    )
+    row["loss"] += " (mean)"
+    del trainer, trained
+    free()
+    return row
 
 
 # ---- moemesh -----------------------------------------------------------------------------------
 
 
 def moemesh_model(
-    config: ModelConfig, args, experts: bool, recompute: str, device, dtype, base: str = "bf16", packed: int = 0
+    config: ModelConfig, args, experts: bool, recompute: str, device, dtype, base: str = "bf16", packed=None
 ):
-    """moemesh's LoRA model and its forward; `packed`: on chat rows of ~N tokens packed into each
-    sequence (`packed_rows`: positions restarting, attention within each row, half trained)."""
+    """moemesh's LoRA model and its forward; `packed`: (positions, trained mask) of the chat rows
+    packed into the sequences it is given (`packed_rows`: positions restarting, attention within
+    each row, half trained)."""
     model = meta_model(config, dtype)  # the frozen base in the compute dtype
     adapters = LoraConfig(rank=args.rank, alpha=args.alpha, targets=ATTENTION, experts=experts)
     apply_lora(model, adapters, getattr(torch, args.adapter_dtype))
@@ -145,12 +299,12 @@ def moemesh_model(
         torch.autocast(device.type, dtype=torch.bfloat16) if dtype == torch.bfloat16 else contextlib.nullcontext()
     )
 
-    if packed:
-        positions, trained = (t.to(device) for t in packed_rows(args.batch, args.seq, packed, args.seed))
+    if packed is not None:
+        positions, trained = (t.to(device) for t in packed)
 
     def forward(ids):
         with autocast:
-            if not packed:
+            if packed is None:
                 return model(ids, labels=ids, return_logits=False).loss
             return model(ids, labels=torch.where(trained, ids, -100), positions=positions, return_logits=False).loss
 
@@ -201,13 +355,13 @@ def random_quantized_base(model, base: str, device, seed: int) -> None:
 
 
 def run_variant(
-    name: str, targets: str, model, forward, args, config: ModelConfig, device, graphed: bool = False
+    name: str, targets: str, model, forward, ids, args, config: ModelConfig, device, graphed: bool = False
 ) -> dict:
+    """`model`'s steps on `ids` ([batch, seq]), the same each step."""
     trained = [p for p in model.parameters() if p.requires_grad]
     fused = device.type == "cuda"
     optimizer = torch.optim.AdamW(trained, lr=1e-4, fused=fused, foreach=None if fused else True)
-    generator = torch.Generator().manual_seed(1234)
-    ids = torch.randint(config.vocab_size, (args.batch, args.seq), generator=generator).to(device)
+    ids = ids.to(device)
     losses = []
 
     def forward_backward(ids):
@@ -230,29 +384,35 @@ def run_variant(
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     ms = median_ms(step, warmup=max(args.warmup - 1, 0), repeat=args.steps)
-    tokens_per_s = args.batch * args.seq / ms * 1e3
+    if args.profile and device.type == "cuda":
+        print_profile(name, targets, step, args.profile)
+    peak = peak_gib(device, graphed) if device.type == "cuda" else None
+    loss = losses[-1].float().item()
+    return variant_row(name, targets, ms, ids.numel() / ms * 1e3, trained, loss, args, config, device, peak)
+
+
+def variant_row(
+    name: str, targets: str, ms: float, tokens_per_s: float, trained, loss: float, args, config, device, peak
+) -> dict:
+    """A row of the table: a variant's step time, tokens/s, MFU, peak memory (GiB, None: not
+    measured), trainable parameters and loss."""
     with torch.device("meta"):  # the same FLOPs for both sides: a moemesh model with these adapters
         counted = meta_model(config)
         apply_lora(counted, LoraConfig(rank=args.rank, alpha=args.alpha, targets=ATTENTION, experts=TARGETS[targets]))
     flops = flops_per_token(counted, args.seq)
-    peak = peak_flops(device)
-    if args.profile and device.type == "cuda":
-        print_profile(name, targets, step, args.profile)
-    row = {
+    flops_per_s = peak_flops(device)
+    return {
         "implementation": name,
         "LoRA on": targets,
         "step ms": f"{ms:.0f}",
         "tokens/s": f"{tokens_per_s:,.0f}",
-        "MFU": f"{tokens_per_s * flops / peak:.1%}" if peak else "n/a",
-        "peak GiB": "n/a",
+        "MFU": f"{tokens_per_s * flops / flops_per_s:.1%}" if flops_per_s else "n/a",
+        "peak GiB": "n/a" if peak is None else f"{peak:.1f}",
         "trainable": f"{sum(p.numel() for p in trained) / 1e6:.1f}M",
-        "loss": f"{losses[-1].float().item():.4f}",
+        "loss": f"{loss:.4f}",
         "_tps": tokens_per_s,
-        "_peak": peak_gib(device, graphed) if device.type == "cuda" else None,
+        "_peak": peak,
     }
-    if row["_peak"] is not None:
-        row["peak GiB"] = f"{row['_peak']:.1f}"
-    return row
 
 
 def peak_gib(device, graphed: bool) -> float:
@@ -420,6 +580,9 @@ def main():
     parser.add_argument(
         "--packed", type=int, default=0, metavar="N", help="also each moemesh variant on chat rows of ~N tokens packed"
     )
+    parser.add_argument(
+        "--trl", action="store_true", help="also TRL's SFTTrainer + PEFT on the same chat rows (needs --packed)"
+    )
     parser.add_argument("--skip-peft", action="store_true", help="moemesh alone (no transformers + PEFT rows)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
@@ -437,6 +600,8 @@ def main():
     add_record_flag(parser)
     args = parser.parse_args()
     args.seq = args.seq or (4096 if args.count_ops is None else 256)
+    if args.trl and not args.packed:
+        parser.error("--trl trains on chat rows: give --packed N")
     if args.shape == "qwen3_30b_a3b" and not (args.hf or args.config):
         args.layers = args.layers or 48
     if args.count_ops is not None:
@@ -450,12 +615,20 @@ def main():
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = model_config(args)
+    raw = torch.randint(config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(1234))
+    # --packed: the chat rows of TRL's steps (the untimed first one included); moemesh's are the first batch of them
+    chat = []
+    if args.packed:
+        sequences = args.batch * (max(args.warmup, 1) + args.steps)
+        chat = chat_rows(sequences, args.seq, args.packed, config.vocab_size, args.seed)
+        ids, positions, trained = (t[: args.batch] for t in packed_rows(chat, args.seq))
     rows = []
     for targets in args.targets.split(","):
         experts = TARGETS[targets]
         if not args.skip_peft:
             model, version, forward = peft_model(config, args, experts, device, dtype)
-            rows.append(run_variant(version, targets, model, forward, args, config, device))
+            rows.append(run_variant(version, targets, model, forward, raw, args, config, device))
+            rows[-1]["_peer"] = "transformers+peft"
             del model, forward
             free()
         for base in args.base.split(","):
@@ -464,19 +637,23 @@ def main():
                     {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graph],
                     [0, args.packed][: 1 + bool(args.packed)],
                 ):
-                    model, forward = moemesh_model(config, args, experts, recompute, device, dtype, base, packed)
+                    chat_mask = (positions, trained) if packed else None
+                    model, forward = moemesh_model(config, args, experts, recompute, device, dtype, base, chat_mask)
                     how = f"{', CUDA graph' if graphed else ''}{f', chat rows of ~{packed} packed' if packed else ''}"
                     name = f"moemesh ({base} base, {recompute} recompute{how})"
-                    rows.append(run_variant(name, targets, model, forward, args, config, device, graphed))
+                    tokens = ids if packed else raw
+                    rows.append(run_variant(name, targets, model, forward, tokens, args, config, device, graphed))
                     rows[-1]["_base"], rows[-1]["_packed"] = base, packed
                     del model, forward
                     free()
-    if not args.skip_peft:
-        for row in rows:
-            peer = next(
-                r for r in rows if r["LoRA on"] == row["LoRA on"] and r["implementation"].startswith("transformers")
-            )
-            row["tokens/s vs PEFT"] = f"{row['_tps'] / peer['_tps']:.2f}x"
+        if args.trl:
+            rows.append(trl_variant(targets, chat, args, config, device, dtype))
+            rows[-1]["_peer"] = "trl sft+peft"
+    for row in rows:
+        if peft := peer_row(rows, row["LoRA on"], "transformers+peft"):
+            row["tokens/s vs PEFT"] = f"{row['_tps'] / peft['_tps']:.2f}x"
+        if (trl := peer_row(rows, row["LoRA on"], "trl sft+peft")) and row.get("_packed"):
+            row["tokens/s vs TRL"] = f"{row['_tps'] / trl['_tps']:.2f}x"
     source = args.hf or args.config or f"{config.num_hidden_layers}-layer {args.shape} shape, random weights"
     print(
         f"device: {describe_device(device)}; model: {source}; {args.batch}×{args.seq} tokens per step; "
@@ -487,21 +664,29 @@ def main():
         record_rows(args, rows)
 
 
+def peer_row(rows: list[dict], targets: str, peer: str) -> dict | None:
+    """The row of `peer` ("transformers+peft", "trl sft+peft": the results file's names) for an
+    adapter set, where the run has one."""
+    return next((r for r in rows if r["LoRA on"] == targets and r.get("_peer") == peer), None)
+
+
 def record_rows(args, rows: list[dict]) -> None:
     """--record: for each adapter set and base, the fastest moemesh row's tokens/s and peak memory
     beside its peer of the same run: for the bf16 base transformers + PEFT's (not recorded
-    without it), for a quantized base the bf16 base's fastest row, where the run has one."""
+    without it), for a quantized base the bf16 base's fastest row, where the run has one. Packed
+    rows (--packed): each beside moemesh's raw-text row of its variant; with --trl, the fastest
+    of the bf16 base beside TRL's (tokens/s and peak memory)."""
     for targets in args.targets.split(","):
-        peft = next((r for r in rows if r["LoRA on"] == targets and "_base" not in r), None)
+        peft, trl = peer_row(rows, targets, "transformers+peft"), peer_row(rows, targets, "trl sft+peft")
         best = {}
         for base in args.base.split(","):
             ours = [r for r in rows if r["LoRA on"] == targets and r.get("_base") == base and not r.get("_packed")]
             if ours:
                 best[base] = max(ours, key=lambda r: r["_tps"])
-            for row in [r for r in rows if r["LoRA on"] == targets and r.get("_base") == base and r.get("_packed")]:
-                raw = next(
-                    r for r in rows if r["implementation"] == row["implementation"].rsplit(", chat rows", 1)[0] + ")"
-                )
+            packed = [r for r in rows if r["LoRA on"] == targets and r.get("_base") == base and r.get("_packed")]
+            for row in packed:
+                name = row["implementation"].rsplit(", chat rows", 1)[0] + ")"  # its variant on raw text
+                raw = next(r for r in rows if r["LoRA on"] == targets and r["implementation"] == name)
                 at = {
                     **model_at(args),
                     "targets": targets,
@@ -509,6 +694,12 @@ def record_rows(args, rows: list[dict]) -> None:
                     **({"base": base} if base != "bf16" else {}),
                 }
                 record("lora tokens/s", at, row["_tps"], "tokens/s", "moemesh raw text", raw["_tps"])
+            if base == "bf16" and packed and trl:
+                row = max(packed, key=lambda r: r["_tps"])
+                at = {**model_at(args), "targets": targets, "packed": row["_packed"]}
+                record("lora tokens/s", at, row["_tps"], "tokens/s", "trl sft+peft", trl["_tps"])
+                if row["_peak"] is not None:
+                    record("lora peak memory GiB", at, row["_peak"], "GiB", "trl sft+peft", trl["_peak"])
         for base, row in best.items():
             peer, name = (peft, "transformers+peft") if base == "bf16" else (best.get("bf16"), "moemesh bf16 base")
             if base == "bf16" and peer is None:

@@ -125,6 +125,7 @@ from bench.harness import (
     add_record_flag,
     bench_model_config,
     busy_intervals,
+    chat_rows,
     chosen_mode,
     describe_device,
     free,
@@ -359,8 +360,8 @@ def run_variant(
 
 
 def moemesh_forward(model, config: ModelConfig, autocast: bool, mesh=None, packed=None):
-    """`packed`: (positions, trained mask) of packed chat rows (`packed_rows`), else one document a
-    sequence, every token trained."""
+    """`packed`: (positions, trained mask) of packed chat rows (`chat_rows` in their sequences,
+    `packed_rows`), else one document a sequence, every token trained."""
     device_type = next(model.parameters()).device.type
     ranks = mesh.dims.batch_size if mesh is not None else 1
     if packed is not None:
@@ -447,7 +448,9 @@ def assembled_step(args) -> None:
         del model
         free()
         variants = [("moemesh (bf16)", torch.bfloat16, False, "none", {})]  # the last: the keys of --record's rows
-        if args.packed:
+        if args.packed:  # the rows' positions and trained mask; the tokens stay the raw step's
+            chat = chat_rows(args.batch, args.seq, args.packed, config.vocab_size, args.seed)
+            packed = packed_rows(chat, args.seq)[1:]
             variants.append(
                 (
                     f"moemesh (bf16, chat rows of ~{args.packed} tokens packed)",
@@ -472,7 +475,7 @@ def assembled_step(args) -> None:
                         model,
                         config,
                         autocast,
-                        packed=packed_rows(args.batch, args.seq, at["packed"], args.seed) if "packed" in at else None,
+                        packed=packed if "packed" in at else None,
                     ),
                     args,
                     config,
