@@ -979,45 +979,59 @@ def _weight_bytes(weight) -> int:
 
 def quantized_gemv_rows(copy_gbps):
     """--quantized-gemv: decoding's kernels on quantized weights (codes and scales decoded in
-    registers) beside the same kernels on bf16: GB/s of the weight bytes each call reads (codes
-    and scales; the chosen experts') and that against a device copy, and the error against the
-    dequantize-then-reference. Shapes: Qwen3-30B-A3B's attention (q, k, v in one launch; o_proj)
-    and experts (128, top-8, 2048 x 768), gpt-oss-120b's experts (128, top-4, 2880 x 2880)."""
+    registers) beside the same kernels on bf16: µs a launch inside a CUDA graph (`launches_us`:
+    the attention weights cycle over copies that do not fit L2 together, the experts are chosen
+    afresh each launch from a bank larger than L2, as a decode step reads them), GB/s of the weight
+    bytes each launch reads (codes and scales; the chosen experts') and that against a device copy,
+    and the error against the dequantize-then-reference. Shapes: Qwen3-30B-A3B's attention (q, k, v
+    in one launch; o_proj) and experts (128, top-8, 2048 x 768), gpt-oss-120b's experts (128, top-4,
+    2880 x 2880; one token: its per-token kernels for experts with biases, gate/up then down)."""
     from moemesh.ops import gemv
-    from moemesh.ops.expert_gemv import expert_gemv, expert_gemv_combine, expert_swiglu_gemv
+    from moemesh.ops.expert_gemv import expert_gemv, expert_gemv_combine, expert_pair_gemv, expert_swiglu_gemv
 
     dtype = torch.float32 if SMOKE else DTYPE  # the interpreter's tl.dot is wrong in bf16
     scale = 16 if SMOKE else 1
     formats = ("bf16", "fp8", "mxfp4")
-    report("decoding kernels on quantized weights: ms, GB/s of the weight bytes read, vs the device copy, error")
-    report(f"  {'kernel':<44} {'weights':<6} {'tokens':>6} {'ms':>8} {'GB/s':>8} {'vs copy':>8} {'rel err':>9}")
+    report("decoding kernels on quantized weights: µs a launch in a CUDA graph, GB/s of the weight bytes read, vs copy")
+    report(f"  {'kernel':<44} {'weights':<6} {'tokens':>6} {'us':>8} {'GB/s':>8} {'vs copy':>8} {'rel err':>9}")
 
-    def row(name, fmt, tokens, fn, reference, read):
-        ms = bench_ms(fn)
-        err = rel_err(fn(), reference())
+    def row(name, fmt, tokens, launch, copies, reference, read):
+        us = launches_us(launch, copies)
+        err = rel_err(launch(0), reference())
         report(
-            f"  {name:<44} {fmt:<6} {tokens:>6} {ms:>8.3f} {read / ms / 1e6:>8.0f} "
-            f"{read / ms / 1e6 / copy_gbps:>8.0%} {err:>9.1e}"
+            f"  {name:<44} {fmt:<6} {tokens:>6} {us:>8.1f} {read / us / 1e3:>8.0f} "
+            f"{read / us / 1e3 / copy_gbps:>8.0%} {err:>9.1e}"
         )
 
     hidden, heads = 2048 // scale, 4096 // scale
     for fmt in formats:
-        qkv = [_quantized((torch.randn(n, hidden, device=DEVICE) * 0.02).to(dtype), fmt) for n in (heads, 512, 512)]
-        o_proj = _quantized((torch.randn(hidden, heads, device=DEVICE) * 0.02).to(dtype), fmt)
+        one = [_quantized((torch.randn(n, hidden, device=DEVICE) * 0.02).to(dtype), fmt) for n in (heads, 512, 512)]
+        copies = 1 if SMOKE else max(2, 2**28 // sum(map(_weight_bytes, one)))
+        qkv = [one] + [
+            [
+                w
+                for w in (
+                    _quantized((torch.randn(n, hidden, device=DEVICE) * 0.02).to(dtype), fmt) for n in (heads, 512, 512)
+                )
+            ]
+            for _ in range(copies - 1)
+        ]
+        o_proj = [_quantized((torch.randn(hidden, heads, device=DEVICE) * 0.02).to(dtype), fmt) for _ in range(copies)]
         for tokens in (1, 64):
             x = torch.randn(tokens, hidden, device=DEVICE, dtype=dtype)
             a = torch.randn(tokens, heads, device=DEVICE, dtype=dtype)
             with torch.no_grad():
-                row("gemv q, k, v (Qwen3-30B-A3B)", fmt, tokens, lambda: gemv.gemv(x, qkv)[0],
-                    lambda: gemv.gemv_reference(x, qkv)[0], sum(map(_weight_bytes, qkv)))  # fmt: skip
-                row("gemv o_proj", fmt, tokens, lambda: gemv.gemv(a, [o_proj])[0],
-                    lambda: gemv.gemv_reference(a, [o_proj])[0], _weight_bytes(o_proj))  # fmt: skip
+                row("gemv q, k, v (Qwen3-30B-A3B)", fmt, tokens, lambda i: gemv.gemv(x, qkv[i])[0], copies,
+                    lambda: gemv.gemv_reference(x, qkv[0])[0], sum(map(_weight_bytes, qkv[0])))  # fmt: skip
+                row("gemv o_proj", fmt, tokens, lambda i: gemv.gemv(a, [o_proj[i]])[0], copies,
+                    lambda: gemv.gemv_reference(a, [o_proj[0]])[0], _weight_bytes(o_proj[0]))  # fmt: skip
     for shape, experts, k, hidden, inner in (
         ("Qwen3-30B-A3B", 128, 8, 2048, 768),
         ("gpt-oss-120b", 128, 4, 2880, 2880),
     ):
         experts, hidden, inner = (8, 96, 64) if SMOKE else (experts, hidden, inner)
         k = min(k, experts)
+        plain = shape == "gpt-oss-120b"  # its experts have biases: no fused activation
         for fmt in formats:
             if fmt == "mxfp4" and (hidden % 32 or inner % 32):
                 continue
@@ -1027,19 +1041,39 @@ def quantized_gemv_rows(copy_gbps):
             dense_down = down if fmt == "bf16" else down.to(dtype)
             for tokens in (1, 64):
                 x = torch.randn(tokens, hidden, device=DEVICE, dtype=dtype)
-                ids = torch.stack([torch.randperm(experts, device=DEVICE)[:k] for _ in range(tokens)])
+                draws = 1 if SMOKE else GEMV_LAUNCHES
+                ids = [
+                    torch.stack([torch.randperm(experts, device=DEVICE)[:k] for _ in range(tokens)])
+                    for _ in range(draws)
+                ]
                 weights = torch.rand(tokens, k, device=DEVICE)
-                read = per_expert * (tokens * k if tokens == 1 else len(torch.unique(ids)))
+                read = per_expert * (tokens * k if tokens == 1 else len(torch.unique(ids[0])))
                 with torch.no_grad():
-                    gated = expert_swiglu_gemv(x, dense_up, ids)
-                    if tokens == 1:  # per token: SwiGLU, then the down projection with the weighted sum
+                    if plain:
+                        up = expert_gemv(x, dense_up, ids[0])
+                        gated = (torch.nn.functional.silu(up[:, :inner]) * up[:, inner:]).contiguous()
+                    else:
+                        gated = expert_gemv(x, dense_up, ids[0], glu=True)
+                    reference = expert_gemv_combine(gated, dense_down, ids[0], weights)
+                    if tokens == 1 and plain:  # per token: gate/up, the activation, the down projection summed
+                        row(f"expert_pair_gemv + combine ({shape})", fmt, tokens,
+                            lambda i: expert_gemv_combine(
+                                _glu(expert_pair_gemv(x, gate_up, ids[i]), inner), down, ids[i], weights),
+                            draws, lambda: reference, read)  # fmt: skip
+                    elif tokens == 1:  # per token: SwiGLU, then the down projection with the weighted sum
                         row(f"expert_swiglu_gemv + combine ({shape})", fmt, tokens,
-                            lambda: expert_gemv_combine(expert_swiglu_gemv(x, gate_up, ids), down, ids, weights),
-                            lambda: expert_gemv_combine(gated, dense_down, ids, weights), read)  # fmt: skip
+                            lambda i: expert_gemv_combine(
+                                expert_swiglu_gemv(x, gate_up, ids[i]), down, ids[i], weights),
+                            draws, lambda: reference, read)  # fmt: skip
                     else:  # per expert: gate/up with SwiGLU, down
                         row(f"expert_gemv glu + down ({shape})", fmt, tokens,
-                            lambda: expert_gemv(expert_gemv(x, gate_up, ids, glu=True), down, ids.view(-1, 1)),
-                            lambda: expert_gemv(gated, dense_down, ids.view(-1, 1)), read)  # fmt: skip
+                            lambda i: expert_gemv(expert_gemv(x, gate_up, ids[i], glu=True), down, ids[i].view(-1, 1)),
+                            draws, lambda: expert_gemv(gated, dense_down, ids[0].view(-1, 1)), read)  # fmt: skip
+
+
+def _glu(gate_up: torch.Tensor, inner: int) -> torch.Tensor:
+    """silu(gate) * up of gate/up rows [N, 2 inner] (the bench's stand-in for gpt-oss's activation)."""
+    return (torch.nn.functional.silu(gate_up[:, :inner]) * gate_up[:, inner:]).contiguous()
 
 
 def launch_rows() -> None:

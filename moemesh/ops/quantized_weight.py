@@ -374,12 +374,23 @@ def _dequantize_kernel(
 # memory with ten barriers an iteration: 68 GB/s for FP8 q, k, v at batch 1 on an H200.)
 # The weights are not rounded to bf16 here: the products are of the exact decoded values, in fp32.
 #
-# Its tiles (ROW_TILES: rows a program, BLOCK_K, warps) read BLOCK_K = 256 x warps columns a step:
-# then each thread holds 8 bytes of codes (fp8: 8 columns; mxfp4: 4 bytes, 8 columns) beside the
-# same columns of x in one load, the layout of both the same. Any other width put x in a layout of
-# its own, moved through shared memory with barriers every step of K (counted in the kernels
-# compiled for sm90); more than 8 rows a program spill the accumulators' registers.
-ROW_TILES = [(2, 1024, 4), (4, 1024, 4), (8, 1024, 4), (4, 512, 2), (8, 512, 2), (4, 256, 1), (8, 256, 1)]
+# Its tiles (ROW_TILES: rows a program, BLOCK_K, warps) read a multiple of 256 x warps columns a
+# step: then each thread holds runs of 8 bytes of codes (fp8: 8 columns; mxfp4: 4 bytes, 8
+# columns) beside the same columns of x, one load each, the layout of both the same. Any other
+# width put x in a layout of its own, moved through shared memory with barriers every step of K
+# (counted in the kernels compiled for sm90); more than 8 rows a program spill the accumulators'
+# registers. Two or four runs a thread keep more bytes in flight (an H200's one-run tiles read FP8
+# at 35% of a copy, bf16's tiles at 61-78%: bench/kernels/ops.py --quantized-gemv, 2026-12-02).
+ROW_TILES = [
+    (2, 1024, 4),
+    (4, 1024, 4),
+    (8, 1024, 4),
+    (4, 512, 2),
+    (4, 1024, 2),
+    (2, 2048, 2),
+    (2, 1024, 1),
+    (4, 512, 1),
+]
 
 
 def row_configs() -> list:
