@@ -262,7 +262,10 @@ def trl_variant(targets: str, chat: list, args, config: ModelConfig, device, dty
         args,
         config,
         device,
-        torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+        # beside graphed moemesh rows (the graph's pool held whole: max reserved), TRL's max reserved too
+        (torch.cuda.max_memory_reserved if args.cuda_graph == "on" else torch.cuda.max_memory_allocated)(device) / 2**30
+        if cuda
+        else None,
     )
     row["loss"] += " (mean)"
     del trainer, trained
