@@ -33,9 +33,12 @@ before the kernels cost a four-GPU decode step at batch 64 about 440 small launc
 All round where the unfused path rounds (gate and up, each expert's output) and add up in fp32.
 
 A bank may be a QuantizedWeight (`ops/quantized_weight.py`: FP8 codes with per-row tile scales,
-or MXFP4): every kernel here reads its codes and scales and decodes each tile in registers
-(`load_rows`) to the values `bank.to(x.dtype)` gives, an expert's bytes read as above; the
-references take the chosen experts' entries of the bank dequantized (`QuantizedWeight.experts`).
+or MXFP4): every kernel here reads its codes and scales and decodes each tile in registers, an
+expert's bytes read as above — the per-expert kernel to the values `bank.to(x.dtype)` gives
+(`load_rows`), the per-token ones as exact fp32 products (`row_products`, on their own tiles; the
+combine folds each slot's routing weight into them); the references take the chosen experts'
+entries of the bank dequantized (`QuantizedWeight.experts`). `expert_pair_gemv` is the per-token
+form without a fused activation, for experts with biases or a clamped SwiGLU (gpt-oss).
 
 Limits: forward only (inference: no autograd); SwiGLU is the only activation fused.
 """

@@ -22,10 +22,11 @@ two H200s a decode step of the 48-layer shape at TP=2 took 5% less time at batch
 with it, one GPU's the same within the noise; docs/benchmarks.md, 2026-11-28).
 
 Quantized weights (`ops/quantized_weight.py`: block FP8 codes with per-row tile scales, MXFP4
-nibbles with E8M0 scales) are read as they are: each block of a weight's codes and scales is
-decoded in registers (`load_rows`) to the values `weight.to(x.dtype)` gives, then multiplied as a
-dense block is; the reference is that dequantization, then `x @ w.T`. The weights of one launch
-are all dense or all of one format.
+nibbles with E8M0 scales) are read as they are: one row's products come from `row_products` (the
+codes decoded in registers, exact fp32 products added in a register tile, on tiles of their own:
+ROW_CONFIGS), more rows' from `load_rows` (the block decoded to the values `weight.to(x.dtype)`
+gives, then multiplied as a dense block is); the reference is that dequantization, then `x @ w.T`.
+The weights of one launch are all dense or all of one format.
 
 Limits: forward only (the training path keeps `ops/linear.py`'s autograd), M <= MAX_ROWS, weights
 of x's dtype, three at most, no bias (the caller adds it).

@@ -21,10 +21,12 @@ output's dtype; `dequantize_reference` is the torch formula. Both give the fp32 
 once, so they agree bit for bit.
 
 The decoding kernels (`ops/gemv.py`, `ops/expert_gemv.py`) read a QuantizedWeight as it is: each
-tile of codes with its scales loaded and decoded in registers (`load_rows`), in fp32, rounded to
-the weight's dtype as `dequantize` rounds it, and multiplied as the dense weight's tile would be
+tile of codes with its scales loaded and decoded in registers, in fp32 — for a block of rows
+(`load_rows`) rounded to the weight's dtype as `dequantize` rounds it and multiplied as the dense
+weight's tile would be, for one row (`row_products`, below) multiplied unrounded
 (`kernel_operands` gives a kernel its pointers and constants). A decode step so reads a quarter
-(MXFP4) or half (FP8) of bf16's bytes of each weight.
+(MXFP4) or half (FP8) of bf16's bytes of each weight; on an H200 the one-row kernels read them at
+about a third of a copy's bandwidth (bench/kernels/ops.py --quantized-gemv), bf16's at 60-80%.
 
 Limits: frozen only (no gradient, no optimizer); not a torch.Tensor: FSDP does not shard it and
 distributed checkpoints do not save it (a LoRA run saves adapters only). A grouped GEMM
