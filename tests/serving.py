@@ -128,6 +128,13 @@ def forced_weather_agent(url: str, model_class: str) -> tuple[list[str], str]:
     return ran, agents.Runner.run_sync(agent, "weather in Rome?").final_output
 
 
+def openai_client(url: str, api_key: str = "none"):
+    """The official client of a served model at `url` (no retries: a failure shows at once)."""
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0, timeout=60)
+
+
 def serve_with_template(directory: Path, template: str):
     """A generator for a module fixture: the tiny checkpoint `directory` with its tokenizer's chat
     `template` (eos <|im_end|>), served in this process; yields the ServerThread, stops it after."""

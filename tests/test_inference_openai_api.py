@@ -33,7 +33,7 @@ from moemesh.inference.engine import DecodeEngine  # noqa: E402
 from moemesh.inference.generate import load_for_generation  # noqa: E402
 from moemesh.inference.protocol import CHAT_FIELDS, COMPLETION_FIELDS, derived_seed  # noqa: E402
 from moemesh.inference.server import Service  # noqa: E402
-from serving import ServerThread, write_checkpoint  # noqa: E402
+from serving import ServerThread, openai_client, write_checkpoint  # noqa: E402
 
 KEY = "k"
 ROWS = 4
@@ -62,7 +62,7 @@ def server(loaded):
 
 @pytest.fixture
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    return openai_client(server.url, KEY)
 
 
 def post(server, body, path="/v1/completions", **kwargs) -> httpx.Response:

@@ -21,7 +21,7 @@ openai = pytest.importorskip("openai", reason="the server tests use the openai c
 pytest.importorskip("fastapi", reason="moemesh serve needs fastapi and uvicorn (pip install moemesh[serve])")
 pytest.importorskip("llguidance", reason="forced tool calls need llguidance (pip install moemesh[serve])")
 
-from serving import TOOLS_TEMPLATE, forced_weather_agent, serve_with_template, write_checkpoint  # noqa: E402
+from serving import TOOLS_TEMPLATE, forced_weather_agent, openai_client, serve_with_template, write_checkpoint  # noqa: E402
 
 TEMPLATE = TOOLS_TEMPLATE.replace("{% if enable_thinking %}", "{% if enable_thinking or reasoning_effort %}")
 WEATHER = {
@@ -53,7 +53,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    return openai_client(server.url)
 
 
 def _raw_events(server, body: dict) -> list[dict]:

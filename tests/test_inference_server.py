@@ -29,7 +29,7 @@ from moemesh.cli import main  # noqa: E402
 from moemesh.inference.engine import DecodeEngine  # noqa: E402
 from moemesh.inference.generate import load_for_generation  # noqa: E402
 from moemesh.inference.server import Service  # noqa: E402
-from serving import ServerThread, write_checkpoint  # noqa: E402
+from serving import ServerThread, openai_client, write_checkpoint  # noqa: E402
 
 KEY = "test-key"
 LIMIT = 64 << 10
@@ -58,7 +58,7 @@ def server(checkpoint):
 
 @pytest.fixture
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    return openai_client(server.url, KEY)
 
 
 def _idle(server, timeout=10.0) -> bool:

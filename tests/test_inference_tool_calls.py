@@ -27,7 +27,7 @@ pytest.importorskip("fastapi", reason="moemesh serve needs fastapi and uvicorn (
 pytest.importorskip("llguidance", reason="forced tool calls need llguidance (pip install moemesh[serve])")
 
 from serving import TOOLS_TEMPLATE as TEMPLATE  # noqa: E402
-from serving import forced_weather_agent, serve_with_template, write_checkpoint  # noqa: E402
+from serving import forced_weather_agent, openai_client, serve_with_template, write_checkpoint  # noqa: E402
 
 CITY = {"type": "string", "enum": ["Paris", "Rome"]}
 WEATHER = {
@@ -57,7 +57,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    return openai_client(server.url)
 
 
 def _streamed_calls(chunks) -> tuple[list[dict], str | None, str]:

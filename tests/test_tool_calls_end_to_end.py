@@ -33,7 +33,7 @@ from moemesh.data.template import ChatTemplate  # noqa: E402
 from moemesh.inference.engine import DecodeEngine  # noqa: E402
 from moemesh.inference.generate import load_for_generation  # noqa: E402
 from moemesh.inference.server import Service  # noqa: E402
-from serving import TOOLS_TEMPLATE, ServerThread  # noqa: E402
+from serving import TOOLS_TEMPLATE, ServerThread, openai_client  # noqa: E402
 
 CITIES = ["Paris", "Rome", "Tokyo", "Lima", "Oslo", "Cairo"]
 SKIES = ["sunny", "rainy", "cloudy", "windy"]
@@ -192,7 +192,7 @@ def test_an_agent_calls_the_tool_by_itself_and_answers_from_its_result(server):
 
 
 def test_the_model_s_call_streamed_and_whole(server):
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    client = openai_client(server.url)
     for city in ("Paris", "Cairo"):
         settings = dict(
             model="weather",

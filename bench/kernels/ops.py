@@ -1050,8 +1050,7 @@ def quantized_gemv_rows(copy_gbps):
                 read = per_expert * (tokens * k if tokens == 1 else len(torch.unique(ids[0])))
                 with torch.no_grad():
                     if plain:
-                        up = expert_gemv(x, dense_up, ids[0])
-                        gated = (torch.nn.functional.silu(up[:, :inner]) * up[:, inner:]).contiguous()
+                        gated = _glu(expert_gemv(x, dense_up, ids[0]), inner)
                     else:
                         gated = expert_gemv(x, dense_up, ids[0], glu=True)
                     reference = expert_gemv_combine(gated, dense_down, ids[0], weights)

@@ -449,32 +449,6 @@ def _slot_mask(here, cols, hidden, ks, inner):
 
 
 @triton.jit
-def _quantized_slots(
-    weight_ptr,
-    scales_ptr,
-    weight_rows,
-    row_mask,
-    k0,
-    inner,
-    scale_stride,
-    offset,
-    FORMAT: tl.constexpr,
-    ALIGNED: tl.constexpr,
-    COMPILED: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
-    K_PAD: tl.constexpr,
-    BLOCK_OUT: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """[K_PAD, BLOCK_OUT, BLOCK_K] fp32: a block of K of each slot's rows of a quantized bank."""
-    value = load_rows(
-        weight_ptr, scales_ptr, weight_rows, row_mask, k0, inner, scale_stride, offset,
-        FORMAT, ALIGNED, COMPILED, ROUND_BF16, BLOCK_K,
-    )  # fmt: skip
-    return tl.reshape(value, (K_PAD, BLOCK_OUT, BLOCK_K))
-
-
-@triton.jit
 def _slot_products(a_ptr, rows, here, ks, inner, w):
     """Each slot's activations `a` over a block of K times that block of its expert's weights `w`:
     [K_PAD, BLOCK_OUT] in fp32."""
@@ -501,7 +475,7 @@ def _expert_gemv_combine_kernel(
     K: tl.constexpr,
     K_PAD: tl.constexpr,
     EARLY_IDS: tl.constexpr,
-    FORMAT: tl.constexpr,  # 0: a dense bank; 1: fp8, 2: mxfp4 (quantized_weight.load_rows)
+    FORMAT: tl.constexpr,  # 0: a dense bank; 1: fp8, 2: mxfp4 (_combine_quantized)
     ALIGNED: tl.constexpr,
     COMPILED: tl.constexpr,
     ROUND_BF16: tl.constexpr,
@@ -527,29 +501,14 @@ def _expert_gemv_combine_kernel(
     chosen = tl.load(ids_ptr + rows, mask=slots < K, other=-1).to(tl.int64) - first_expert
     here = (slots < K) & (chosen >= 0) & (chosen < experts)  # a slot of another rank's expert adds nothing
     matrices = weight_ptr + chosen[:, None, None] * hidden * inner + cols[None, :, None].to(tl.int64) * inner
-    # a quantized bank's rows, [K_PAD * BLOCK_OUT]
-    weight_rows = tl.reshape(chosen[:, None] * hidden + cols[None, :].to(tl.int64), (K_PAD * BLOCK_OUT,))
-    row_mask = tl.reshape(here[:, None] & (cols[None, :] < hidden), (K_PAD * BLOCK_OUT,))
     ks = tl.arange(0, BLOCK_K)  # the first block of K (with early ids: read before the wait), then the rest
-    if FORMAT == 0:
-        w = tl.load(matrices + ks[None, None, :], mask=_slot_mask(here, cols, hidden, ks, inner), other=0.0)
-    else:
-        w = _quantized_slots(
-            weight_ptr, scales_ptr, weight_rows, row_mask, 0, inner, scale_stride, offset,
-            FORMAT, ALIGNED, COMPILED, ROUND_BF16, K_PAD, BLOCK_OUT, BLOCK_K,
-        ).to(a_ptr.dtype.element_ty)  # fmt: skip
+    w = tl.load(matrices + ks[None, None, :], mask=_slot_mask(here, cols, hidden, ks, inner), other=0.0)
     if EARLY_IDS:
         wait_for_inputs(GDC)
     acc = _slot_products(a_ptr, rows, here, ks, inner, w)
     for start in range(BLOCK_K, inner, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
-        if FORMAT == 0:
-            w = tl.load(matrices + ks[None, None, :], mask=_slot_mask(here, cols, hidden, ks, inner), other=0.0)
-        else:
-            w = _quantized_slots(
-                weight_ptr, scales_ptr, weight_rows, row_mask, start, inner, scale_stride, offset,
-                FORMAT, ALIGNED, COMPILED, ROUND_BF16, K_PAD, BLOCK_OUT, BLOCK_K,
-            ).to(a_ptr.dtype.element_ty)  # fmt: skip
+        w = tl.load(matrices + ks[None, None, :], mask=_slot_mask(here, cols, hidden, ks, inner), other=0.0)
         acc += _slot_products(a_ptr, rows, here, ks, inner, w)
     expert_out = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as the unfused GEMV's output
     weights = tl.load(weights_ptr + rows, mask=here, other=0.0).to(tl.float32)

@@ -368,9 +368,9 @@ def _dequantize_kernel(
 # ---- one row of activations times rows of a quantized weight -------------------------------------
 # A decode step of one token multiplies one activation row by each weight: a reduction over K, not
 # a tl.dot. `row_products` gives the products of a block of K for rows of the weight, shaped
-# [R, blocks, G] where each block of G columns shares one scale (fp8: a 128-wide tile, or the part
-# of it that BLOCK_K holds; mxfp4: a 32-group, as its 16 bytes, each byte's two columns summed), so
-# that a scale is a [R, blocks] tensor broadcast over its block with no reshape, and a kernel adds
+# [R, runs, 8] (fp8: runs of 8 columns) or [R, runs, 4] (mxfp4: runs of 4 bytes, each byte's two
+# columns' products added), a run inside one scale's block (fp8's 128-wide tile, mxfp4's 32-group)
+# so that the scales are a [R, runs] tensor broadcast over its runs with no reshape; a kernel adds
 # the products up in a register tile of that shape, summing across threads once at the end. (The
 # earlier form, `load_rows` transposed for a sum over K a block, moved each block through shared
 # memory with ten barriers an iteration: 68 GB/s for FP8 q, k, v at batch 1 on an H200.)
@@ -413,17 +413,6 @@ def tiles_by_format(dense: list, quantized: list, one_row=lambda kwargs: True):
 
 
 @triton.jit
-def _e2m1_fast(code, COMPILED: tl.constexpr):
-    """E2M1 codes (int32 0-15) -> fp32 x 2^-14: the three magnitude bits put at an fp16's exponent
-    and mantissa (bits 9-11), the sign at bit 15: 2^(e-15)(1 + m/2), or m 2^-15 as a subnormal fp16
-    for e = 0, exact; the caller multiplies by 2^14 with the group's scale."""
-    bits = ((code & 7) << 9) | ((code & 8) << 12)
-    if COMPILED:
-        return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return _e2m1(code) * 0.00006103515625  # the interpreter: the same values, from the table
-
-
-@triton.jit
 def row_products(
     codes_ptr,
     scales_ptr,
@@ -439,11 +428,11 @@ def row_products(
     COMPILED: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """[R, blocks, G] fp32: weight[r, c] * x[c] for the columns c in k0 .. k0 + BLOCK_K - 1 of the
-    rows `rows` ([R] int64 of the weight flattened to [rows, inner]; 0 outside `row_mask` and past
-    `inner`), x read at x_ptr (one row of `inner`). FORMAT 1: fp8, G = min(BLOCK_K, 128) columns a
-    block (k0 a multiple of BLOCK_K; ALIGNED: no column offset, so a block has one scale); FORMAT
-    2: mxfp4, G = 16 bytes of a 32-group, each the products of its two columns added."""
+    """[R, runs, 8] (fp8) or [R, runs, 4] (mxfp4, a byte's two columns added) fp32: weight[r, c]
+    * x[c] for the columns c in k0 .. k0 + BLOCK_K - 1 of the rows `rows` ([R] int64 of the weight
+    flattened to [rows, inner]; 0 outside `row_mask` and past `inner`), x read at x_ptr (one row
+    of `inner`); k0 a multiple of BLOCK_K, BLOCK_K of 8 (fp8; ALIGNED: no column offset, so a run
+    has one scale) or of 32 (mxfp4)."""
     if FORMAT == 2:
         products = _mxfp4_products(codes_ptr, scales_ptr, x_ptr, rows, row_mask, k0, inner, COMPILED, BLOCK_K)
     else:
@@ -475,7 +464,7 @@ def _mxfp4_products(
         mask=row_mask[:, None] & (group[None, :] < inner // 32),
         other=127,
     ).to(tl.int32)
-    scale = (_e8m0(exponent) * 16384.0)[:, :, None]  # 2^14: what _e2m1_fast leaves out
+    scale = (_e8m0(exponent) * 16384.0)[:, :, None]  # 2^14: what the nibbles' decoding leaves out
     if x_ptr.dtype.element_ty == tl.bfloat16:
         word = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + pair[None, :, :], mask=in_k[None, :, :], other=0)
         even = (word << 16).to(tl.float32, bitcast=True)
@@ -483,13 +472,15 @@ def _mxfp4_products(
     else:
         even = tl.load(x_ptr + 2 * pair[None, :, :], mask=in_k[None, :, :], other=0.0).to(tl.float32)
         odd = tl.load(x_ptr + 2 * pair[None, :, :] + 1, mask=in_k[None, :, :], other=0.0).to(tl.float32)
-    if COMPILED:  # both nibbles in one word: low at bits 0-3, high at 16-19, each then an fp16
+    if COMPILED:  # each nibble's three magnitude bits at an fp16's bits 9-11, its sign at bit 15:
+        # 2^(e-15)(1 + m/2), or m 2^-15 a subnormal fp16 for e = 0, exact (2^-14 of E2M1's value);
+        # both nibbles of a byte in one word first (low at bits 0-3, high at 16-19)
         both = byte | (byte << 12)
         halves = ((both & 0x70007) << 9) | ((both & 0x80008) << 12)
         low = (halves & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         high = (halves >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    else:
-        low, high = _e2m1_fast(byte & 15, COMPILED), _e2m1_fast(byte >> 4, COMPILED)
+    else:  # the interpreter: the same values from the table
+        low, high = _e2m1(byte & 15) * 0.00006103515625, _e2m1(byte >> 4) * 0.00006103515625
     return (low * even + high * odd) * scale
 
 

@@ -90,38 +90,56 @@ def parse_whole(parser: Parser, text: str) -> list[Event]:
     return merged(parser.feed(text) + parser.finish())
 
 
-class JsonEnd:
+class JsonDepth:
+    """The bracket depth of a JSON text fed a character at a time, strings and escapes respected."""
+
+    def __init__(self):
+        self.depth = 0
+        self.in_string = self.escape = False
+
+    def step(self, c: str) -> int:
+        """+1 at an opening bracket outside strings, -1 at a closing one, else 0 (depth kept)."""
+        if self.in_string:
+            if self.escape:
+                self.escape = False
+            elif c == "\\":
+                self.escape = True
+            elif c == '"':
+                self.in_string = False
+            return 0
+        if c == '"':
+            self.in_string = True
+            return 0
+        if c in "{[":
+            self.depth += 1
+            return 1
+        if c in "}]":
+            self.depth -= 1
+            return -1
+        return 0
+
+
+class JsonEnd(JsonDepth):
     """Where a JSON object or array that starts in a text ends, scanned a character at a time
     from where the last call stopped (strings and escapes respected; scalars are not values here)."""
 
     def __init__(self, start: int = 0):
-        self.pos, self.depth, self.started = start, 0, False
-        self.in_string = self.escape = False
+        super().__init__()
+        self.pos, self.started = start, False
 
     def scan(self, text: str) -> int | None:
         """The index just past the value's end, or None while it has not ended; -1 when the text
         does not start (after spaces, from `start`) with an object or an array."""
         for i in range(self.pos, len(text)):
             c = text[i]
-            if self.in_string:
-                if self.escape:
-                    self.escape = False
-                elif c == "\\":
-                    self.escape = True
-                elif c == '"':
-                    self.in_string = False
-            elif c == '"':
-                self.in_string = True
-            elif c in "{[":
-                self.depth += 1
-                self.started = True
-            elif c in "}]":
-                self.depth -= 1
-                if self.depth <= 0:
-                    self.pos = i + 1
-                    return i + 1
-            elif not self.started and not c.isspace():
+            if not (self.started or self.in_string or c.isspace() or c in '"{}[]'):
                 return -1
+            moved = self.step(c)
+            if moved > 0:
+                self.started = True
+            elif moved < 0 and self.depth <= 0:
+                self.pos = i + 1
+                return i + 1
         self.pos = len(text)
         return None
 

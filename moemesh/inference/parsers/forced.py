@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from moemesh.inference.parsers.base import Event, Parser, arguments_json, merged
+from moemesh.inference.parsers.base import Event, JsonDepth, Parser, arguments_json, merged
 
 
 class Named(Parser):
@@ -34,8 +34,7 @@ class Required(Parser):
     """The list's items found by depth: an item is the text from a `{` at depth 1 to its `}`."""
 
     def __init__(self):
-        self.text, self.pos, self.depth = "", 0, 0
-        self.in_string = self.escape = False
+        self.text, self.pos, self.json = "", 0, JsonDepth()
         self.item_at: int | None = None
         self.calls = 0
         self.broken = False
@@ -45,24 +44,12 @@ class Required(Parser):
         out: list[Event] = []
         for i in range(self.pos, len(self.text)):
             c = self.text[i]
-            if self.in_string:
-                if self.escape:
-                    self.escape = False
-                elif c == "\\":
-                    self.escape = True
-                elif c == '"':
-                    self.in_string = False
-            elif c == '"':
-                self.in_string = True
-            elif c in "{[":
-                self.depth += 1
-                if c == "{" and self.depth == 2:
-                    self.item_at = i
-            elif c in "}]":
-                self.depth -= 1
-                if c == "}" and self.depth == 1 and self.item_at is not None:
-                    out += self._item(self.text[self.item_at : i + 1])
-                    self.item_at = None
+            moved = self.json.step(c)
+            if moved > 0 and c == "{" and self.json.depth == 2:
+                self.item_at = i
+            elif moved < 0 and c == "}" and self.json.depth == 1 and self.item_at is not None:
+                out += self._item(self.text[self.item_at : i + 1])
+                self.item_at = None
         self.pos = len(self.text)
         return out
 
