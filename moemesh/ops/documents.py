@@ -8,6 +8,12 @@ by the positions tensor itself (the one tensor every layer of a forward receives
 attention is flex attention with a block mask (its kernel skips the blocks of other rows: the work
 of attention over the rows one by one, not over the whole sequence); elsewhere, or while a CUDA
 graph is being captured, torch's scaled_dot_product_attention with the boolean [B, 1, T, T] mask.
+
+The block mask is computed a block at a time (`document_block_mask`): which 128 × 128 tiles of
+the [T, T] scores hold an allowed pair, and which hold only allowed pairs, from each tile's first
+and last row numbers. torch's `create_block_mask` evaluates the mask at every (query, key) pair
+first — [T, T] tensors of int64 row numbers, 128 MiB each at T = 4,096, made in every forward
+(inside a CUDA graph, in the graph's pool).
 """
 
 from __future__ import annotations
@@ -35,6 +41,47 @@ def document_mask(positions: torch.Tensor, window: int | None = None) -> torch.T
     if window is not None:
         allowed &= index[None, :] > index[:, None] - window
     return allowed
+
+
+def document_block_mask(positions: torch.Tensor, window: int | None = None, block: int = 128):
+    """flex attention's BlockMask of `document_mask(positions, window)`, made from tiles of
+    `block` × `block` pairs, not from the pairs: a tile is full where its queries and keys all lie
+    in one row, each key at or before each query and within the window; it is partial (the mask
+    evaluated inside the kernel) where a pair may be allowed: on the diagonal, or where the rows of
+    its keys reach those of its queries. A tile the sequence's end cuts is partial. Rows are
+    contiguous, so their numbers do not decrease along the sequence: a tile's rows are those
+    between its first and last token's."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    seq = positions.shape[-1]
+    ids = document_ids(positions)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        allowed = (ids[b, q_idx] == ids[b, kv_idx]) & (kv_idx <= q_idx)
+        return allowed & (kv_idx > q_idx - window) if window is not None else allowed
+
+    first = torch.arange(0, seq, block, device=positions.device)  # each tile's first token
+    last = (first + block - 1).clamp(max=seq - 1)
+    first_id, last_id = ids[:, first], ids[:, last]  # [B, blocks]
+    q_first, q_last = first[:, None], last[:, None]  # queries along dim -2, keys along dim -1
+    same_row = first_id[:, None, :] == last_id[:, :, None]  # [B, q, k]: the keys' first row is the queries' last
+    reaches = last_id[:, None, :] >= first_id[:, :, None]  # the keys' last row reaches the queries' first
+    whole = first + block <= seq  # a tile cut by the sequence's end is never full (as torch pads it)
+    full = same_row & (last[None, :] <= q_first) & whole[None, :] & whole[:, None]
+    partial = reaches & (first[None, :] <= q_last)
+    if window is not None:
+        full &= first[None, :] > q_last - window
+        partial &= last[None, :] > q_first - window
+    partial &= ~full
+
+    def ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [B, 1, q, k] -> counts, indices
+        dense = dense[:, None].to(torch.int32)
+        indices = torch.argsort(dense, dim=-1, descending=True, stable=True).to(torch.int32)
+        return dense.sum(-1, dtype=torch.int32), indices
+
+    return BlockMask.from_kv_blocks(
+        *ordered(partial), *ordered(full), BLOCK_SIZE=block, mask_mod=mask_mod, seq_lengths=(seq, seq)
+    )
 
 
 def _cached(kind: str, positions: torch.Tensor, window: int | None, make):
@@ -79,23 +126,15 @@ _compiled_flex = None
 
 def _flex(q, k, v, positions, scale, window, gqa):
     global _compiled_flex
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
 
-    def make():
-        ids = document_ids(positions)
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            allowed = (ids[b, q_idx] == ids[b, kv_idx]) & (kv_idx <= q_idx)
-            return allowed & (kv_idx > q_idx - window) if window is not None else allowed
-
-        batch, seq = positions.shape
-        return create_block_mask(mask_mod, batch, None, seq, seq, device=positions.device)
-
     capturing = torch.cuda.is_current_stream_capturing()  # not the eager warm-up's mask: this graph's own
-    block_mask = _cached("block-captured" if capturing else "block", positions, window, make)
+    block_mask = _cached(
+        "block-captured" if capturing else "block", positions, window, lambda: document_block_mask(positions, window)
+    )
     return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
 
 

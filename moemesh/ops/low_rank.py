@@ -12,8 +12,12 @@ each use cast every factor four times a step (forward, recomputation, backward, 
 back to fp32), and the scale was one more elementwise kernel over the update's output in forward,
 recomputation and backward. Now: one kernel a factor in forward, one in backward (the scale rides
 the cast: `torch.mul` into a tensor of the other dtype). The copies live until backward, as the
-rest of the graph does: 2 bytes a trained parameter in bf16 (1.2 GiB for r=16 on every expert of
-Qwen3-30B-A3B's 48 layers).
+rest of the graph does: 2 bytes a trained parameter in bf16 (1.6 GiB for r=16 on attention and
+every expert of Qwen3-30B-A3B's 48 layers).
+
+Inside a CUDA graph (train.cuda_graphs) launches cost the host nothing, and that memory is what
+matters: there a recomputation casts again (`recompute.reused` computes while a graph is
+captured), so each layer's copies live only through its forward and its backward.
 """
 
 from __future__ import annotations

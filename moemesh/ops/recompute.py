@@ -2,9 +2,9 @@
 forward again there (`train.activation_checkpointing`).
 
     none       every tensor the backward needs is kept from the forward
-    full       only the layer's inputs are kept (and LoRA's cast factors, `reused`); the whole
-               layer runs again in backward (`torch.utils.checkpoint`, non-reentrant), its
-               collectives included
+    full       only the layer's inputs are kept (and, outside CUDA graphs, LoRA's cast factors:
+               `reused`); the whole layer runs again in backward (`torch.utils.checkpoint`,
+               non-reentrant), its collectives included
     selective  as Megatron's selective recomputation: the outputs of the matmuls (projections,
                the experts' grouped GEMMs) and of the collectives (all-to-alls, all-reduces) are
                kept; the cheap rest — norms, rotary, attention's core (softmax), activations,
@@ -23,7 +23,9 @@ matches: LoRA's factors cast to the compute dtype (`models/lora.py`), made once 
 again when the layer recomputes. The recomputation gets the forward's tensor, autograd history
 included; its graph is dropped (torch's non-reentrant checkpoint runs the backward through the
 forward's graph, the recomputation only refills saved tensors), so gradients still reach the
-parameters once, through the forward's cast.
+parameters once, through the forward's cast. While a CUDA graph is captured `reused` computes
+again instead: a graph's launches are free, and the copies kept through the step are not (1.6 GiB
+of bf16 factors for the LoRA recipe, `ops/low_rank.py`).
 
 A recomputation gives bit for bit what the forward gave: the same ops on the same inputs, the
 random state restored (LoRA dropout), kept tensors unchanged (checked). So gradients do not change.
@@ -85,9 +87,15 @@ def reused(compute: Callable[[], torch.Tensor]) -> torch.Tensor:
     instead of computed again when the region recomputes. `compute` must save no tensor for
     backward (a cast does not)."""
     tape = getattr(_local, "tape", None)
-    if tape is None:
+    if tape is None or _capturing():
         return compute()
     return tape.replay() if tape.replaying else tape.record(compute())
+
+
+def _capturing() -> bool:
+    """Whether a CUDA graph is being captured: its launches are free, so `reused` computes again
+    rather than keeping a copy through the step."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 def recomputing() -> bool:
