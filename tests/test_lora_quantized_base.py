@@ -31,13 +31,15 @@ WORLD = 2
 TRAIN = {"steps": 2, "global_batch": 8, "micro_batch": 4, "seq_len": 16, "eval_every": 0, "save_every": 0}
 
 
-def lora_run(rank, directory: str, source: str, keep: bool, layout: dict) -> dict:
+def lora_run(rank, directory: str, source: str, keep: bool, layout: dict, recompute: str = "none") -> dict:
     """Two LoRA steps (every projection and every expert adapted) from `source`: losses, adapters, and
     what the base kept quantized."""
     from moemesh.checkpoint.load import init_source
 
-    run_dir = os.path.join(directory, f"run-{os.path.basename(source)}-{keep}-{'-'.join(map(str, layout.items()))}")
-    raw = tiny_raw(run_dir, os.path.join(directory, "corpus.txt"), **TRAIN)
+    run_dir = os.path.join(
+        directory, f"run-{os.path.basename(source)}-{keep}-{recompute}-{'-'.join(map(str, layout.items()))}"
+    )
+    raw = tiny_raw(run_dir, os.path.join(directory, "corpus.txt"), **TRAIN, activation_checkpointing=recompute)
     del raw["model"]
     raw["train"]["init_from"] = source
     raw["parallel"] = layout
@@ -90,6 +92,29 @@ def test_lora_on_the_kept_base_is_lora_on_the_dense_base_bit_for_bit(published, 
     if fmt == "mxfp4":  # gpt-oss: exactly the experts
         assert all(".mlp.experts." in name for name in kept["kept"]) and len(kept["kept"]) == 4
     assert "base    kept quantized:" in kept["lines"], kept["lines"]
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_checkpointed_layers_dequantize_a_bank_once_for_recomputation_and_backward(
+    published,  # noqa: F811
+    corpus,
+    recompute,
+    monkeypatch,
+):
+    """Under activation checkpointing the recomputation's dequantized bank is saved for backward
+    (grouped_mm.shared_bank): each expert bank is dequantized twice a micro-batch (forward, and
+    recomputation + backward), not three times; the run stays the dense base's bit for bit."""
+    source = str(published["qwen3_moe-fp8-bf16-scales"][0])
+    dense = lora_run(0, str(corpus), source, False, {}, recompute)
+    banks, dequantize = [], QuantizedWeight.to
+    monkeypatch.setattr(
+        QuantizedWeight, "to", lambda self, dtype: (banks.append(self.ndim == 3), dequantize(self, dtype))[1]
+    )
+    kept = lora_run(0, str(corpus), source, True, {}, recompute)
+    _same(kept, dense, recompute)
+    layers, steps, micro_batches = 2, TRAIN["steps"], TRAIN["global_batch"] // TRAIN["micro_batch"]
+    expert_banks = 2 * layers  # gate_up and down
+    assert sum(banks) == 2 * expert_banks * steps * micro_batches, sum(banks)
 
 
 def test_under_tp2_and_ep2_each_rank_keeps_its_block_quantized(pool, published, corpus):  # noqa: F811

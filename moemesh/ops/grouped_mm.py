@@ -70,14 +70,32 @@ def base_product(x: torch.Tensor, weight, group_sizes: torch.Tensor, offsets, tr
     so that a bank of gpt-oss-120b's (4.2 GB in bf16) never lives whole beside the model. Inside a
     CUDA graph's capture (the engine's packed steps) the host cannot read the group sizes: there
     the bank is dequantized whole, a temporary of one bank in the compute dtype."""
-    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    if isinstance(weight, QuantizedWeight) and weight.numel() * x.element_size() > DENSE_BANK_BYTES and not capturing:
+    if _by_runs(x, weight):
         return _product_by_runs(x, weight, group_sizes, transposed)
     dense = weight.to(x.dtype)
     return product(x, dense.transpose(-2, -1) if transposed else dense, group_sizes, offsets)
 
 
 DENSE_BANK_BYTES = 2**30
+
+
+def _by_runs(x: torch.Tensor, weight) -> bool:
+    """Whether `base_product` dequantizes the quantized bank `weight` a run of experts at a time."""
+    if not isinstance(weight, QuantizedWeight) or weight.numel() * x.element_size() <= DENSE_BANK_BYTES:
+        return False
+    return not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def shared_bank(x: torch.Tensor, weight) -> torch.Tensor | None:
+    """A quantized bank dequantized once for a checkpointed layer's recomputation and backward,
+    or None (a dense bank, one dequantized a run at a time, or no activation checkpointing).
+    Under checkpointing the forward saves it for backward at no cost — the checkpoint keeps no
+    saved tensor, and the recomputation in backward makes it again — so backward does not
+    dequantize the bank a third time: a step of the LoRA recipe on an FP8 base dequantizes each
+    bank twice, not three times. Without checkpointing, saving it would hold a dense bank a layer."""
+    if not isinstance(weight, QuantizedWeight) or not recompute.checkpointing() or _by_runs(x, weight):
+        return None
+    return weight.to(x.dtype)
 
 
 def _product_by_runs(x: torch.Tensor, weight, group_sizes: torch.Tensor, transposed: bool) -> torch.Tensor:
@@ -121,28 +139,41 @@ class _GroupedMM(torch.autograd.Function):
     ctx, not saved: activation checkpointing detaches the tensors it recomputes, and a deferred
     weight gradient must reach the weight's own graph. The output, and the rank-r product that
     backward needs, are `recompute.kept`: selective activation checkpointing does not compute
-    them twice."""
+    them twice.
+
+    Inside a CUDA graph's capture the factors are saved instead: no weight gradient is deferred
+    there (graphs run one process), so the factors need not reach backward as the forward's own
+    tensors, and activation checkpointing then drops the forward's copies after the layer — the
+    recomputation casts them again (`recompute.reused`) — rather than holding every layer's
+    through the step (1.2 GiB of bf16 factors for r=16 on every expert of Qwen3-30B-A3B)."""
 
     @staticmethod
     def forward(ctx, x, weight, a, b, x_low_rank, group_sizes, offsets):
-        ctx.weight, ctx.a, ctx.b = weight, a, b
+        held = not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+        ctx.weight, ctx.a, ctx.b = weight, *((a, b) if held else (None, None))
+        ctx.low_rank = a is not None
         groups = (group_sizes, offsets)
+        dense = shared_bank(x, weight)  # saved: None, or the bank backward would dequantize again
+        base = weight if dense is None else dense
+        factors = (None, None) if held else (a, b)
         if a is None:
-            ctx.save_for_backward(x, group_sizes, offsets)
-            return recompute.kept(lambda: base_product(x, weight, *groups))
+            ctx.save_for_backward(x, group_sizes, offsets, dense, *factors)
+            return recompute.kept(lambda: base_product(x, base, *groups))
         low_rank = recompute.kept(lambda: product(x if x_low_rank is None else x_low_rank, a, *groups))
-        ctx.save_for_backward(x, group_sizes, offsets, low_rank, x_low_rank)
-        return recompute.kept(lambda: base_product(x, weight, *groups).add_(product(low_rank, b, *groups)))
+        ctx.save_for_backward(x, group_sizes, offsets, dense, *factors, low_rank, x_low_rank)
+        return recompute.kept(lambda: base_product(x, base, *groups).add_(product(low_rank, b, *groups)))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x, group_sizes, offsets, *rest = ctx.saved_tensors
-        weight, a, b, groups = ctx.weight, ctx.a, ctx.b, (group_sizes, offsets)
+        x, group_sizes, offsets, dense, saved_a, saved_b, *rest = ctx.saved_tensors
+        a, b = (ctx.a, ctx.b) if ctx.a is not None else (saved_a, saved_b)
+        weight, groups = ctx.weight, (group_sizes, offsets)
         needs_x, needs_weight, needs_a, needs_b, needs_x_r = ctx.needs_input_grad[:5]
         grad = grad.contiguous()
-        grad_x = base_product(grad, weight, *groups, transposed=True) if needs_x else None
+        base = weight if dense is None else dense
+        grad_x = base_product(grad, base, *groups, transposed=True) if needs_x else None
         grad_x_r = grad_low_rank = None
-        if a is not None:
+        if ctx.low_rank:
             low_rank, x_low_rank = rest
             x_r = x if x_low_rank is None else x_low_rank
             if needs_x or needs_x_r or needs_a:

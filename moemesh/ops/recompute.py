@@ -92,6 +92,12 @@ def reused(compute: Callable[[], torch.Tensor]) -> torch.Tensor:
     return tape.replay() if tape.replaying else tape.record(compute())
 
 
+def checkpointing() -> bool:
+    """Whether the forward now running is inside an activation-checkpointed region (its first
+    run or its recomputation): what it saves for backward is then not kept from the first run."""
+    return getattr(_local, "tape", None) is not None
+
+
 def _capturing() -> bool:
     """Whether a CUDA graph is being captured: its launches are free, so `reused` computes again
     rather than keeping a copy through the step."""
