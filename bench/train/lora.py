@@ -212,6 +212,12 @@ def trl_variant(targets: str, chat: list, args, config: ModelConfig, device, dty
             if state.global_step == 1 and device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
 
+    if device.type == "cuda":  # what earlier variants left behind would crowd TRL's allocations
+        print(
+            f"TRL starts with {torch.cuda.memory_allocated(device) / 2**30:.1f} GiB allocated, "
+            f"{torch.cuda.memory_reserved(device) / 2**30:.1f} GiB reserved",
+            file=sys.stderr,
+        )
     dataset = datasets.Dataset.from_dict(
         {"input_ids": [ids.tolist() for ids, _ in chat], "completion_mask": [m.int().tolist() for _, m in chat]}
     )

@@ -353,13 +353,16 @@ def plot_train(rows: list[Row], out: Path) -> Path:
         ax1.legend(fontsize=9, loc="upper right")
         ax1.set_ylim(0, max(step.value, step.peer_value or 0) * 1.3)
 
-    lora = pick(rows, "lora tokens/s", without=("gpus", "model"), layers="48")
+    lora = pick(rows, "lora tokens/s", without=("gpus", "model", "base", "packed"), layers="48")
     if not lora:
         empty(ax2, "lora tokens/s")
     else:
         by_target = {r.at.get("targets", "?"): r for r in sorted(lora, key=lambda r: r.date)}
         targets = sorted(by_target, key=lambda t: -len(t))
-        mems = {r.at.get("targets"): r for r in pick(rows, "lora peak memory GiB", without=("gpus",), layers="48")}
+        mems = {
+            r.at.get("targets"): r
+            for r in pick(rows, "lora peak memory GiB", without=("gpus", "model", "base", "packed"), layers="48")
+        }
         used += list(by_target.values()) + list(mems.values())
         notes = []
         for t in targets:
