@@ -409,7 +409,7 @@ def _per_pair_kernel(
                 if SWIGLU:
                     up_w = tl.load(gate_rows + inner * hidden + ks[None, :], mask=mask, other=0.0).to(tl.float32)
                     up += tl.sum(up_w * xs, axis=1)
-        else:  # the tiles' codes and scales decoded in registers, products added in a register tile
+        else:  # the tiles' codes and scales decoded in registers, run sums added in a register tile
             valid = cols < inner
             gate3 = row_products(
                 weight_ptr, scales_ptr, x_row, gate_row, valid, 0, hidden, scale_stride, offset,
@@ -430,9 +430,9 @@ def _per_pair_kernel(
                         weight_ptr, scales_ptr, x_row, gate_row + inner, valid, start, hidden, scale_stride,
                         offset, FORMAT, ALIGNED, COMPILED, BLOCK_K,
                     )  # fmt: skip
-            gate = tl.sum(tl.sum(gate3, axis=2), axis=1)
+            gate = tl.sum(gate3, axis=1)
             if SWIGLU:
-                up = tl.sum(tl.sum(up3, axis=2), axis=1)
+                up = tl.sum(up3, axis=1)
         gate = gate.to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as the unfused GEMV's output
         if SWIGLU:
             up = up.to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -527,7 +527,7 @@ def _combine_quantized(
     dtype before the sum, as the dense path's is: the fp32 sum of the exact products)."""
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
-    acc = tl.zeros([BLOCK_OUT, BLOCK_K // 8, 8 if FORMAT == 1 else 4], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_OUT, BLOCK_K // 8], dtype=tl.float32)
     for slot in tl.static_range(K):
         pair = token * K + slot
         chosen = tl.load(ids_ptr + pair).to(tl.int64) - first_expert
@@ -539,5 +539,5 @@ def _combine_quantized(
                 weight_ptr, scales_ptr, a_ptr + pair * inner, rows, valid, start, inner,
                 scale_stride, offset, FORMAT, ALIGNED, COMPILED, BLOCK_K,
             )  # fmt: skip
-    total = tl.sum(tl.sum(acc, axis=2), axis=1)
+    total = tl.sum(acc, axis=1)
     tl.store(out_ptr + token * hidden + cols, total.to(out_ptr.dtype.element_ty), mask=cols < hidden)

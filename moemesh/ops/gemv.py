@@ -23,7 +23,7 @@ with it, one GPU's the same within the noise; docs/benchmarks.md, 2026-11-28).
 
 Quantized weights (`ops/quantized_weight.py`: block FP8 codes with per-row tile scales, MXFP4
 nibbles with E8M0 scales) are read as they are: one row's products come from `row_products` (the
-codes decoded in registers, exact fp32 products added in a register tile, on tiles of their own:
+codes decoded in registers, exact fp32 products summed by run in a register tile, on tiles of their own:
 ROW_CONFIGS), more rows' from `load_rows` (the block decoded to the values `weight.to(x.dtype)`
 gives, then multiplied as a dense block is); the reference is that dequantization, then `x @ w.T`.
 The weights of one launch are all dense or all of one format.
@@ -196,14 +196,14 @@ def _gemv_kernel(
     cols = (block - start) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
     if ROWS == 1 and FORMAT != 0:  # one row on a quantized weight: products in a register tile
         rows64 = cols.to(tl.int64)
-        acc3 = row_products(
+        acc = row_products(
             w_ptr, s_ptr, x_ptr, rows64, cols < n, 0, inner, stride, offset, FORMAT, ALIGNED, COMPILED, BLOCK_K
         )
         for k0 in range(BLOCK_K, inner, BLOCK_K):
-            acc3 += row_products(
+            acc += row_products(
                 w_ptr, s_ptr, x_ptr, rows64, cols < n, k0, inner, stride, offset, FORMAT, ALIGNED, COMPILED, BLOCK_K
             )
-        total = tl.sum(tl.sum(acc3, axis=2), axis=1)
+        total = tl.sum(acc, axis=1)
         tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=cols < n)
         return
     m = tl.arange(0, ROWS)

@@ -367,11 +367,12 @@ def _dequantize_kernel(
 
 # ---- one row of activations times rows of a quantized weight -------------------------------------
 # A decode step of one token multiplies one activation row by each weight: a reduction over K, not
-# a tl.dot. `row_products` gives the products of a block of K for rows of the weight, shaped
-# [R, runs, 8] (fp8: runs of 8 columns) or [R, runs, 4] (mxfp4: runs of 4 bytes, each byte's two
-# columns' products added), a run inside one scale's block (fp8's 128-wide tile, mxfp4's 32-group)
-# so that the scales are a [R, runs] tensor broadcast over its runs with no reshape; a kernel adds
-# the products up in a register tile of that shape, summing across threads once at the end. (The
+# a tl.dot. `row_products` gives a block of K's products for rows of the weight summed by runs of
+# 8 columns, [R, runs]: a run lies inside one scale's block (fp8's 128-wide tile, mxfp4's 32-group)
+# and in one thread's registers, so its exact products are added there and scaled once (a multiply
+# a run, not one a product: 171 instructions an iteration of the (4, 1024, 4) FP8 tile compiled for
+# sm90 became ~140, and its [R, runs, 8] accumulator of 72 registers a thread [R, runs]); a kernel
+# adds the run sums up in a register tile of that shape, summing across threads once at the end. (The
 # earlier form, `load_rows` transposed for a sum over K a block, moved each block through shared
 # memory with ten barriers an iteration: 68 GB/s for FP8 q, k, v at batch 1 on an H200.)
 # The weights are not rounded to bf16 here: the products are of the exact decoded values, in fp32.
@@ -428,11 +429,12 @@ def row_products(
     COMPILED: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """[R, runs, 8] (fp8) or [R, runs, 4] (mxfp4, a byte's two columns added) fp32: weight[r, c]
-    * x[c] for the columns c in k0 .. k0 + BLOCK_K - 1 of the rows `rows` ([R] int64 of the weight
-    flattened to [rows, inner]; 0 outside `row_mask` and past `inner`), x read at x_ptr (one row
-    of `inner`); k0 a multiple of BLOCK_K, BLOCK_K of 8 (fp8; ALIGNED: no column offset, so a run
-    has one scale) or of 32 (mxfp4)."""
+    """[R, BLOCK_K / 8] fp32: for each run of 8 columns c in k0 .. k0 + BLOCK_K - 1, the sum of
+    weight[r, c] * x[c] over the run, for the rows `rows` ([R] int64 of the weight flattened to
+    [rows, inner]; 0 outside `row_mask` and past `inner`), x read at x_ptr (one row of `inner`);
+    k0 a multiple of BLOCK_K, BLOCK_K of 8 (fp8; ALIGNED: no column offset, so a run has one
+    scale) or of 32 (mxfp4). A run lies in one scale's block: its exact products are summed in
+    registers, then scaled once."""
     if FORMAT == 2:
         products = _mxfp4_products(codes_ptr, scales_ptr, x_ptr, rows, row_mask, k0, inner, COMPILED, BLOCK_K)
     else:
@@ -446,10 +448,10 @@ def row_products(
 def _mxfp4_products(
     codes_ptr, scales_ptr, x_ptr, rows, row_mask, k0, inner, COMPILED: tl.constexpr, BLOCK_K: tl.constexpr
 ):  # fmt: skip
-    """row_products of mxfp4: [R, BLOCK_K / 8, 4], runs of 4 bytes (8 columns), each byte's two
-    products added. x in bf16 is read as 32-bit words of two elements, the even one the low half
-    (an element's fp32 is its bits shifted up 16): 16 bytes of x beside each 4 bytes of codes, one
-    load each, in the same layout."""
+    """row_products of mxfp4: runs of 4 bytes (8 columns), [R, BLOCK_K / 8, 4] products (each
+    byte's two added) summed over the run, then scaled (a power of two: exactly). x in bf16 is
+    read as 32-bit words of two elements, the even one the low half (an element's fp32 is its bits
+    shifted up 16): 16 bytes of x beside each 4 bytes of codes, one load each, in the same layout."""
     run = tl.arange(0, BLOCK_K // 8)
     pair = k0 // 2 + run[:, None] * 4 + tl.arange(0, 4)[None, :]  # [runs, 4]: bytes, and x's pairs
     in_k = pair < inner // 2
@@ -464,7 +466,7 @@ def _mxfp4_products(
         mask=row_mask[:, None] & (group[None, :] < inner // 32),
         other=127,
     ).to(tl.int32)
-    scale = (_e8m0(exponent) * 16384.0)[:, :, None]  # 2^14: what the nibbles' decoding leaves out
+    scale = _e8m0(exponent) * 16384.0  # [R, runs]; 2^14: what the nibbles' decoding leaves out
     if x_ptr.dtype.element_ty == tl.bfloat16:
         word = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + pair[None, :, :], mask=in_k[None, :, :], other=0)
         even = (word << 16).to(tl.float32, bitcast=True)
@@ -481,7 +483,7 @@ def _mxfp4_products(
         high = (halves >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     else:  # the interpreter: the same values from the table
         low, high = _e2m1(byte & 15) * 0.00006103515625, _e2m1(byte >> 4) * 0.00006103515625
-    return (low * even + high * odd) * scale
+    return tl.sum(low * even + high * odd, axis=2) * scale
 
 
 @triton.jit
@@ -489,8 +491,9 @@ def _fp8_products(
     codes_ptr, scales_ptr, x_ptr, rows, row_mask, k0, inner, scale_stride, offset,
     ALIGNED: tl.constexpr, COMPILED: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """row_products of fp8: [R, BLOCK_K / 8, 8], runs of 8 columns (8 bytes of codes, 8 of x's
-    elements in 16: one load each, in the same layout)."""
+    """row_products of fp8: runs of 8 columns (8 bytes of codes, 8 of x's elements in 16: one
+    load each, in the same layout), [R, BLOCK_K / 8, 8] exact products summed over the run, then
+    times the run's scale (ALIGNED; else each product times its column's, then summed)."""
     run = tl.arange(0, BLOCK_K // 8)
     column = k0 + run[:, None] * 8 + tl.arange(0, 8)[None, :]  # [runs, 8]
     in_cols = column < inner
@@ -507,9 +510,9 @@ def _fp8_products(
             scales_ptr + rows[:, None] * scale_stride + tile[None, :],
             mask=row_mask[:, None] & (tile[None, :] < scale_stride),
             other=1.0,
-        )[:, :, None]
-    else:
-        scale = tl.load(
-            scales_ptr + rows[:, None, None] * scale_stride + (column[None, :, :] + offset) // 128, mask=mask, other=1.0
         )
-    return value * xs * scale
+        return tl.sum(value * xs, axis=2) * scale
+    scale = tl.load(
+        scales_ptr + rows[:, None, None] * scale_stride + (column[None, :, :] + offset) // 128, mask=mask, other=1.0
+    )
+    return tl.sum(value * xs * scale, axis=2)
