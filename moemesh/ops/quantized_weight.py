@@ -381,9 +381,10 @@ def _dequantize_kernel(
 # step: then each thread holds runs of 8 bytes of codes (fp8: 8 columns; mxfp4: 4 bytes, 8
 # columns) beside the same columns of x, one load each, the layout of both the same. Any other
 # width put x in a layout of its own, moved through shared memory with barriers every step of K
-# (counted in the kernels compiled for sm90); more than 8 rows a program spill the accumulators'
-# registers. Two or four runs a thread keep more bytes in flight (an H200's one-run tiles read FP8
-# at 35% of a copy, bf16's tiles at 61-78%: bench/kernels/ops.py --quantized-gemv, 2026-12-02).
+# (counted in the kernels compiled for sm90); more than 8 rows a program take over 128 registers a
+# thread. Two or four runs a thread keep more bytes in flight (an H200's one-run tiles read FP8
+# at 37-40% of a copy with run sums (35% before), bf16's tiles at 61-78%: bench/kernels/ops.py
+# --quantized-gemv, 2026-12-02).
 ROW_TILES = [
     (2, 1024, 4),
     (4, 1024, 4),
