@@ -44,7 +44,9 @@ transformers: bf16, SDPA, grouped_mm experts where the version has them, its dyn
 `generate` of 1 and of --new-tokens tokens for the B prompts, the difference over the steps
 (its prefill is one batched forward, small beside its steps).
 Also printed: the share of moemesh's tokens at batch B equal to batch 1's for the same prompt
-(bf16 greedy: rows batched differently round differently, and a near-tie can flip).
+(bf16 greedy: rows batched differently round differently, and a near-tie can flip). --agreement N
+(with --quantize): N prompts' greedy tokens from the kept weights against the same weights
+dequantized to bf16 (`agreement_row`).
 
 Sides run one after the other, each model freed before the next (the 48-layer model is 61 GB in
 bf16). Prints a table per model; nothing is written but --record's rows.
@@ -271,9 +273,50 @@ def moemesh_rows(config, args, device, dtype, prompts) -> tuple[list[dict], dict
         more, first = weights_rows(model, config, args, prompts, fmt)
         rows += more
         first_row = first_row or first
+        if args.agreement and fmt != "bf16":
+            rows.append(agreement_row(model, args, prompts, fmt))
         del model
         free()
     return rows, first_row
+
+
+def agreement_row(model, args, prompts, fmt: str) -> dict:
+    """--agreement N: the greedy tokens of N prompts × --new-tokens, batched, from the weights
+    kept in `fmt`, and then from the same weights dequantized in place (each QuantizedWeight
+    replaced by `weight.to(weight.dtype)`, bf16 on a GPU: the model a dequantizing reader gives):
+    the share of token positions that agree, and of prompts whose tokens all do. The kernels differ in rounding only
+    (exact fp32 products against bf16-rounded weights), so a disagreement is a near-tie flipped,
+    after which the two continuations part."""
+    from moemesh.ops.quantized_weight import QuantizedWeight
+
+    tokenizer = ByteTokenizer()
+    tokenizer.eos_id = None
+    batch = prompts[: args.agreement]
+    params = SamplingParams(max_tokens=args.new_tokens)
+
+    def tokens() -> list[list[int]]:
+        engine = DecodeEngine(model, max_batch=len(batch), max_len=args.prompt_len + args.new_tokens + 1)
+        out = [s.token_ids for s in generate(engine, tokenizer, batch, params)]
+        del engine
+        free()
+        return out
+
+    kept = tokens()
+    for module in model.modules():
+        for name, weight in list(vars(module).items()):
+            if isinstance(weight, QuantizedWeight):
+                delattr(module, name)
+                module.register_parameter(name, torch.nn.Parameter(weight.to(weight.dtype), requires_grad=False))
+    dense = tokens()
+    same = sum(a == b for k, d in zip(kept, dense) for a, b in zip(k, d))
+    return {
+        "side": f"moemesh, {fmt} against its weights dequantized to bf16",
+        "batch": len(batch),
+        "ms/token": "",
+        "same tokens as batch 1": f"{same / sum(map(len, kept)):.1%} of tokens, "
+        f"{sum(k == d for k, d in zip(kept, dense))}/{len(batch)} prompts whole",
+        "_ms": math.inf,
+    }
 
 
 def weights_rows(model, config, args, prompts, fmt: str) -> tuple[list[dict], dict]:
@@ -1033,6 +1076,14 @@ def decode_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument(
+        "--agreement",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --quantize: N prompts' greedy tokens from the kept weights against the same weights "
+        "dequantized to bf16 (issue 73's check: 64 prompts x 64 tokens)",
+    )
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--transformers-batches", help="transformers' batch sizes, if not those of --batches")
     parser.add_argument(
@@ -1132,7 +1183,7 @@ def decode(args, parser: argparse.ArgumentParser) -> None:
         output_router_logits=False,
     )  # generation: no load-balancing loss on either side
     generator = torch.Generator().manual_seed(0)
-    count = max(*args.batches, args.profile_batch, args.score_batch)
+    count = max(*args.batches, args.profile_batch, args.score_batch, args.agreement)
     prompts = torch.randint(1, config.vocab_size, (count, args.prompt_len), generator=generator).tolist()
     torch.manual_seed(0)
     title = (
