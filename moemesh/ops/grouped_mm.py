@@ -83,7 +83,7 @@ def _by_runs(x: torch.Tensor, weight) -> bool:
     """Whether `base_product` dequantizes the quantized bank `weight` a run of experts at a time."""
     if not isinstance(weight, QuantizedWeight) or weight.numel() * x.element_size() <= DENSE_BANK_BYTES:
         return False
-    return not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+    return not recompute.capturing()
 
 
 def shared_bank(x: torch.Tensor, weight) -> torch.Tensor | None:
@@ -149,7 +149,7 @@ class _GroupedMM(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, a, b, x_low_rank, group_sizes, offsets):
-        held = not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+        held = not recompute.capturing()
         ctx.weight, ctx.a, ctx.b = weight, *((a, b) if held else (None, None))
         ctx.low_rank = a is not None
         groups = (group_sizes, offsets)

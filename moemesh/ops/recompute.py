@@ -24,7 +24,7 @@ again when the layer recomputes. The recomputation gets the forward's tensor, au
 included; its graph is dropped (torch's non-reentrant checkpoint runs the backward through the
 forward's graph, the recomputation only refills saved tensors), so gradients still reach the
 parameters once, through the forward's cast. While a CUDA graph is captured `reused` computes
-again instead: a graph's launches are free, and the copies kept through the step are not (1.6 GiB
+again instead: a graph's launches are free, and the copies kept through the step are not (1.2 GiB
 of bf16 factors for the LoRA recipe, `ops/low_rank.py`).
 
 A recomputation gives bit for bit what the forward gave: the same ops on the same inputs, the
@@ -87,7 +87,7 @@ def reused(compute: Callable[[], torch.Tensor]) -> torch.Tensor:
     instead of computed again when the region recomputes. `compute` must save no tensor for
     backward (a cast does not)."""
     tape = getattr(_local, "tape", None)
-    if tape is None or _capturing():
+    if tape is None or capturing():
         return compute()
     return tape.replay() if tape.replaying else tape.record(compute())
 
@@ -98,9 +98,9 @@ def checkpointing() -> bool:
     return getattr(_local, "tape", None) is not None
 
 
-def _capturing() -> bool:
+def capturing() -> bool:
     """Whether a CUDA graph is being captured: its launches are free, so `reused` computes again
-    rather than keeping a copy through the step."""
+    rather than keeping a copy through the step (and `grouped_mm` saves the factors it would hold)."""
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
