@@ -127,6 +127,10 @@ Random weights, greedy, no early stop (every request makes --new-tokens tokens).
               prompts, after a warm-up call, unless --no-transformers. With --batch-invariant
               the workload runs again on an engine in that mode (issue 50): its warm seconds
               against the default's, and its requests must equal each prompt alone, bit for bit.
+              With --quantize fp8[,mxfp4] it runs again on the model with its weights kept in
+              each format (as the decode steps' rows: random weights quantized at build), its
+              warm tokens/s against bf16's (issue 73: 384 prompts of 64-1,536 tokens, 192 new:
+              --layers 48 --prompts 384 --prompt-lens 64,1536 --new-tokens 192 --quantize fp8).
   prefill     one --prefill-len prompt, and a batch of short prompts (--prefill-len tokens in all)
               in one packed step: milliseconds and tokens/s (the engine's step, after a warm-up).
   prefix      time to first token of a request whose first --prefix-len tokens another request
@@ -1272,6 +1276,26 @@ def offline_rows(model, args, prompts, tokenizer) -> list[dict]:
     return rows
 
 
+def quantized_offline_rows(config, args, device, dtype, prompts, tokenizer, dense: list[dict]) -> list[dict]:
+    """--quantize: the workload on models whose weights are kept in each format (`quantized_model`:
+    random weights quantized at build), each warm run's tokens/s against bf16's (`dense`)."""
+    rows = []
+    for fmt in args.quantize:
+        try:
+            model = quantized_model(config, device, dtype, fmt)
+        except torch.OutOfMemoryError:
+            free()
+            rows.append({"side": f"moemesh {fmt}", "seconds": "out of memory"})
+            continue
+        more = engine_offline_rows(model, args, prompts, tokenizer, f"moemesh {fmt}")
+        if dense and "_tps" in dense[1]:
+            more[1]["vs bf16"] = f"{more[1]['_tps'] / dense[1]['_tps']:.2f}×"
+        rows += more
+        del model
+        free()
+    return rows
+
+
 def workload_row(side: str, prompts: list[list[int]], out: int, seconds: float) -> dict:
     """The workload table's row of one side's run: `out` tokens made in `seconds`."""
     return {
@@ -1541,6 +1565,12 @@ def offline_arguments(parser: argparse.ArgumentParser) -> None:
         "--batch-invariant", action="store_true", help="the offline workload also in batch-invariant mode, its ratio"
     )
     parser.add_argument(
+        "--quantize",
+        default="",
+        help="comma-separated, of fp8 and mxfp4: the offline workload also with the weights kept quantized (as the "
+        "decode steps' rows), its ratio to bf16's",
+    )
+    parser.add_argument(
         "--invariant-graphs", choices=["auto", "on", "off"], default="auto", help="that engine's CUDA graphs"
     )
     parser.add_argument("--no-transformers", action="store_true")
@@ -1551,6 +1581,9 @@ def offline_arguments(parser: argparse.ArgumentParser) -> None:
 
 def offline(args, parser: argparse.ArgumentParser) -> None:
     args.prompt_lens = [int(n) for n in args.prompt_lens.split(",")]
+    args.quantize = [f for f in args.quantize.split(",") if f]
+    if unknown := set(args.quantize) - {"fp8", "mxfp4"}:
+        parser.error(f"--quantize: unknown {sorted(unknown)}; known: fp8, mxfp4")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else torch.bfloat16 if device.type == "cuda" else torch.float32
     config = bench_model_config(args)
@@ -1589,6 +1622,9 @@ def offline(args, parser: argparse.ArgumentParser) -> None:
             print_table(packed_profile_rows(model, args, config), f"one packed step, profiled; {title}")
         del model
         free()
+        if args.workload:
+            rows += quantized_offline_rows(config, args, device, dtype, prompts, tokenizer, rows)
+            print_table(rows, offline_title)
     if not args.no_transformers:
         sync()
         rows += generate_batch_rows(config, args, device, prompts[: args.transformers_prompts])
@@ -1610,6 +1646,9 @@ def record_offline(args, rows: list[dict], prefill: list[dict], prefix: list[dic
         at = {**model, "prompts": row["prompts"]}
         if side == "moemesh":
             record("offline tokens/s", at, row["_tps"], "tokens/s", name, peer)
+        elif side.startswith("moemesh "):  # the weights kept quantized, beside bf16's
+            dense = next((r["_tps"] for r in rows if r["side"] == "moemesh, warm"), None)
+            record("offline tokens/s", {**at, "base": side.split()[1]}, row["_tps"], "tokens/s", "moemesh bf16", dense)
         else:  # the engine in batch-invariant mode
             record("offline tokens/s", {**at, "mode": side}, row["_tps"], "tokens/s")
     for row in prefill:
