@@ -22,6 +22,9 @@ server's process, N requests in flight, no HTTP): the share of the engine the se
         --serve-args '--max-num-batched-tokens 2048'
     # against a server that runs already (no engine-alone column)
     PYTHONPATH=. python3 bench/serve/serve_load.py --url http://127.0.0.1:8000 --clients 1,16
+    # the weights kept quantized as a published checkpoint's (issue 73): FP8, or gpt-oss-120b's MXFP4 experts
+    PYTHONPATH=. python3 bench/serve/serve_load.py --layers 48 --clients 1,64 --quantize fp8
+    PYTHONPATH=. python3 bench/serve/serve_load.py --config configs/gpt_oss_120b.toml --clients 1,64 --quantize mxfp4
     # the server under tensor parallelism: its child under torchrun on N GPUs (issue 49)
     PYTHONPATH=. python3 bench/serve/serve_load.py --layers 48 --clients 1,64 --tp 4
 
@@ -208,6 +211,11 @@ def serve_child(args) -> None:
     group = None
     if args.tp > 1:  # under torchrun: rank 0 serves, the others follow its steps
         model, group = tensor_parallel_model(config)
+    elif args.quantize:
+        from bench.serve.decode import quantized_model
+
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        model = quantized_model(config, device, dtype, args.quantize)
     else:
         model = moemesh_model(config, device)
     if args.spread_routing:
@@ -413,6 +421,7 @@ def record_served(args, served: str | None, row: dict, alone: dict | None) -> No
         "schedule": row.get("schedule") if args.schedules else None,
         "step_tokens": row.get("step tokens") if args.step_tokens else None,
         "reply_window_ms": row.get("reply window ms") if args.reply_windows else None,
+        "base": args.quantize,
     }
     peer = "engine alone" if alone else ""
     for figure, key, unit in (("serve tokens/s", "tokens/s", "tokens/s"), ("serve TTFT p50 ms", "TTFT p50 ms", "ms")):
@@ -427,7 +436,7 @@ def start_server(args) -> tuple[subprocess.Popen, str, dict]:
         command[:1] = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.tp)]
     names = ("layers", "config", "requests", "prompt_len", "max_tokens", "max_tokens_spread", "long_prompt", "tp")
     names += ("serve_args", "schedules", "step_tokens")
-    names += ("fake_step_ms", "fake_prefill_ms", "fake_token_us", "spread_routing")
+    names += ("fake_step_ms", "fake_prefill_ms", "fake_token_us", "spread_routing", "quantize")
     for name in names:
         value = getattr(args, name)
         if value is True:
@@ -500,6 +509,12 @@ def main():
     parser.add_argument("--fake-token-us", type=float, default=10.0, help="with --fake-step-ms: more a prefill token")
     parser.add_argument("--port", type=int, default=8013, help="the server's (and the next one, its bench control's)")
     parser.add_argument("--tp", type=int, default=1, help="the started server's tensor-parallel GPUs")
+    parser.add_argument(
+        "--quantize",
+        choices=["fp8", "mxfp4"],
+        help="the started server's weights kept in this format, as a published checkpoint's are "
+        "(bench/serve/decode.py's quantized_model: random weights quantized at build)",
+    )
     add_record_flag(parser)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child
     args = parser.parse_args()
@@ -509,6 +524,8 @@ def main():
         parser.error(f"--schedules takes mixed and prefill-first, got {args.schedules}")
     args.reply_windows = [float(w) for w in args.reply_windows.split(",")] if args.reply_windows else []
     args.step_token_values = [int(t) for t in args.step_tokens.split(",")] if args.step_tokens else []
+    if args.quantize and args.tp > 1:
+        parser.error("--quantize: one GPU's server only (the tensor-parallel child builds dense weights)")
     if args.fake_step_ms is not None and not args.config:
         parser.error("--fake-step-ms wants --config of a small model (configs/tiny.toml): its weights go unused")
     if args.serve:
@@ -560,8 +577,9 @@ def main():
                 if isinstance(value, float):
                     digits = 1 if "CPU" in key else 0
                     row[key] = f"{value:g}" if key.startswith("steps") else f"{value:,.{digits}f}"
+        kept = f", weights kept in {args.quantize}" if args.quantize else ""
         title = (
-            f"moemesh serve under load ({model} at {url}): prompt {args.prompt_len} tokens, {args.max_tokens} "
+            f"moemesh serve under load ({model} at {url}{kept}): prompt {args.prompt_len} tokens, {args.max_tokens} "
             + (f"± {args.max_tokens_spread:.0%} " if args.max_tokens_spread else "")
             + f"new tokens a request, {args.requests} requests a client, greedy, streamed, openai client"
         )

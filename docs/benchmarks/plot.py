@@ -207,7 +207,7 @@ def log2_axis(ax, ticks: Iterable[float]) -> None:
 
 def plot_decode(rows: list[Row], out: Path) -> Path:
     """decode ms/token against batch, one GPU, the 48-layer shape: moemesh beside each peer."""
-    sel = pick(rows, "decode ms/token", without=("gpus", "model"), layers="48")
+    sel = pick(rows, "decode ms/token", without=("gpus", "model", "base"), layers="48")
     fig, (ax,) = new_figure(1)
     if not sel:
         empty(ax, "decode ms/token")
@@ -417,7 +417,7 @@ def plot_serve(rows: list[Row], out: Path) -> Path:
         (ax1, "serve tokens/s", "tokens/s delivered to all clients"),
         (ax2, "serve TTFT p50 ms", "time to first token, p50 (ms)"),
     ):
-        sel = pick(rows, figure, without=("gpus", "model"), layers="48")
+        sel = pick(rows, figure, without=("gpus", "model", "base"), layers="48")
         if not sel:
             empty(ax, figure)
             continue
@@ -535,7 +535,7 @@ def plot_scaling(rows: list[Row], out: Path) -> Path:
 
     series = []
     for figure, batch, ms in (("decode ms/token", "1", True), ("decode tokens/s", "64", False)):
-        for r in pick(rows, figure, without=("model",), layers="48", batch=batch):
+        for r in pick(rows, figure, without=("model", "base"), layers="48", batch=batch):
             if "gpus" in r.at and r.peer == "one GPU" and r.peer_value:
                 speedup = r.peer_value / r.value if ms else r.value / r.peer_value
                 series.append((batch, r.at.get("layout", "tp"), float(r.at["gpus"]), speedup, r))
