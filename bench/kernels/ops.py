@@ -1005,18 +1005,14 @@ def quantized_gemv_rows(copy_gbps):
 
     hidden, heads = 2048 // scale, 4096 // scale
     for fmt in formats:
-        one = [_quantized((torch.randn(n, hidden, device=DEVICE) * 0.02).to(dtype), fmt) for n in (heads, 512, 512)]
+
+        def projections(*shapes):
+            return [_quantized((torch.randn(n, k, device=DEVICE) * 0.02).to(dtype), fmt) for n, k in shapes]
+
+        one = projections((heads, hidden), (512, hidden), (512, hidden))
         copies = 1 if SMOKE else max(2, 2**28 // sum(map(_weight_bytes, one)))
-        qkv = [one] + [
-            [
-                w
-                for w in (
-                    _quantized((torch.randn(n, hidden, device=DEVICE) * 0.02).to(dtype), fmt) for n in (heads, 512, 512)
-                )
-            ]
-            for _ in range(copies - 1)
-        ]
-        o_proj = [_quantized((torch.randn(hidden, heads, device=DEVICE) * 0.02).to(dtype), fmt) for _ in range(copies)]
+        qkv = [one] + [projections((heads, hidden), (512, hidden), (512, hidden)) for _ in range(copies - 1)]
+        o_proj = [projections((hidden, heads))[0] for _ in range(copies)]
         for tokens in (1, 64):
             x = torch.randn(tokens, hidden, device=DEVICE, dtype=dtype)
             a = torch.randn(tokens, heads, device=DEVICE, dtype=dtype)

@@ -46,7 +46,7 @@ transformers: bf16, SDPA, grouped_mm experts where the version has them, its dyn
 Also printed: the share of moemesh's tokens at batch B equal to batch 1's for the same prompt
 (bf16 greedy: rows batched differently round differently, and a near-tie can flip). --agreement N
 (with --quantize): N prompts' greedy tokens from the kept weights against the same weights
-dequantized to bf16 (`agreement_row`).
+dequantized (`agreement_row`).
 
 Sides run one after the other, each model freed before the next (the 48-layer model is 61 GB in
 bf16). Prints a table per model; nothing is written but --record's rows.
@@ -288,9 +288,10 @@ def agreement_row(model, args, prompts, fmt: str) -> dict:
     """--agreement N: the greedy tokens of N prompts × --new-tokens, batched, from the weights
     kept in `fmt`, and then from the same weights dequantized in place (each QuantizedWeight
     replaced by `weight.to(weight.dtype)`, bf16 on a GPU: the model a dequantizing reader gives):
-    the share of token positions that agree, and of prompts whose tokens all do. The kernels differ in rounding only
-    (exact fp32 products against bf16-rounded weights), so a disagreement is a near-tie flipped,
-    after which the two continuations part."""
+    the share of token positions that agree, and of prompts whose tokens all do. The two run
+    other kernels on the same values (exact fp32 products in the quantized one-row paths, bf16
+    tiles elsewhere, sums in another order), so a disagreement is a near-tie flipped, after which
+    the two continuations part."""
     from moemesh.ops.quantized_weight import QuantizedWeight
 
     tokenizer = ByteTokenizer()
@@ -314,7 +315,7 @@ def agreement_row(model, args, prompts, fmt: str) -> dict:
     dense = tokens()
     same = sum(a == b for k, d in zip(kept, dense) for a, b in zip(k, d))
     return {
-        "side": f"moemesh, {fmt} against its weights dequantized to bf16",
+        "side": f"moemesh, {fmt} against the same weights dequantized",
         "batch": len(batch),
         "ms/token": "",
         "same tokens as batch 1": f"{same / sum(map(len, kept)):.1%} of tokens, "
@@ -1086,7 +1087,7 @@ def decode_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         metavar="N",
         help="with --quantize: N prompts' greedy tokens from the kept weights against the same weights "
-        "dequantized to bf16 (issue 73's check: 64 prompts x 64 tokens)",
+        "dequantized (issue 73's check: 64 prompts x 64 tokens)",
     )
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--transformers-batches", help="transformers' batch sizes, if not those of --batches")

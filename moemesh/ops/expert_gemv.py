@@ -411,28 +411,28 @@ def _per_pair_kernel(
                     up += tl.sum(up_w * xs, axis=1)
         else:  # the tiles' codes and scales decoded in registers, run sums added in a register tile
             valid = cols < inner
-            gate3 = row_products(
+            gate_runs = row_products(
                 weight_ptr, scales_ptr, x_row, gate_row, valid, 0, hidden, scale_stride, offset,
                 FORMAT, ALIGNED, COMPILED, BLOCK_K,
             )  # fmt: skip
             if SWIGLU:
-                up3 = row_products(
+                up_runs = row_products(
                     weight_ptr, scales_ptr, x_row, gate_row + inner, valid, 0, hidden, scale_stride, offset,
                     FORMAT, ALIGNED, COMPILED, BLOCK_K,
                 )  # fmt: skip
             for start in range(BLOCK_K, hidden, BLOCK_K):
-                gate3 += row_products(
+                gate_runs += row_products(
                     weight_ptr, scales_ptr, x_row, gate_row, valid, start, hidden, scale_stride, offset,
                     FORMAT, ALIGNED, COMPILED, BLOCK_K,
                 )  # fmt: skip
                 if SWIGLU:
-                    up3 += row_products(
+                    up_runs += row_products(
                         weight_ptr, scales_ptr, x_row, gate_row + inner, valid, start, hidden, scale_stride,
                         offset, FORMAT, ALIGNED, COMPILED, BLOCK_K,
                     )  # fmt: skip
-            gate = tl.sum(gate3, axis=1)
+            gate = tl.sum(gate_runs, axis=1)
             if SWIGLU:
-                up = tl.sum(up3, axis=1)
+                up = tl.sum(up_runs, axis=1)
         gate = gate.to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as the unfused GEMV's output
         if SWIGLU:
             up = up.to(out_ptr.dtype.element_ty).to(tl.float32)

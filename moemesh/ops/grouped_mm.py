@@ -151,7 +151,6 @@ class _GroupedMM(torch.autograd.Function):
     def forward(ctx, x, weight, a, b, x_low_rank, group_sizes, offsets):
         held = not recompute.capturing()
         ctx.weight, ctx.a, ctx.b = weight, *((a, b) if held else (None, None))
-        ctx.low_rank = a is not None
         groups = (group_sizes, offsets)
         dense = shared_bank(x, weight)  # saved: None, or the bank backward would dequantize again
         base = weight if dense is None else dense
@@ -173,7 +172,7 @@ class _GroupedMM(torch.autograd.Function):
         base = weight if dense is None else dense
         grad_x = base_product(grad, base, *groups, transposed=True) if needs_x else None
         grad_x_r = grad_low_rank = None
-        if ctx.low_rank:
+        if rest:  # LoRA: its rank-r product and input were saved
             low_rank, x_low_rank = rest
             x_r = x if x_low_rank is None else x_low_rank
             if needs_x or needs_x_r or needs_a:

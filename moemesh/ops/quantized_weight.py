@@ -25,8 +25,9 @@ tile of codes with its scales loaded and decoded in registers, in fp32 — for a
 (`load_rows`) rounded to the weight's dtype as `dequantize` rounds it and multiplied as the dense
 weight's tile would be, for one row (`row_products`, below) multiplied unrounded
 (`kernel_operands` gives a kernel its pointers and constants). A decode step so reads a quarter
-(MXFP4) or half (FP8) of bf16's bytes of each weight; on an H200 the one-row kernels read them at
-about a third of a copy's bandwidth (bench/kernels/ops.py --quantized-gemv), bf16's at 60-80%.
+(MXFP4) or half (FP8) of bf16's bytes of each weight; on an H200 the one-row kernels read FP8 at
+37-40% of a copy's bandwidth and MXFP4 at 13-19% (bench/kernels/ops.py --quantized-gemv,
+2026-12-02), bf16's at 60-80%.
 
 Limits: frozen only (no gradient, no optimizer); not a torch.Tensor: FSDP does not shard it and
 distributed checkpoints do not save it (a LoRA run saves adapters only). A grouped GEMM
@@ -371,7 +372,7 @@ def _dequantize_kernel(
 # 8 columns, [R, runs]: a run lies inside one scale's block (fp8's 128-wide tile, mxfp4's 32-group)
 # and in one thread's registers, so its exact products are added there and scaled once (a multiply
 # a run, not one a product: 171 instructions an iteration of the (4, 1024, 4) FP8 tile compiled for
-# sm90 became ~140, and its [R, runs, 8] accumulator of 72 registers a thread [R, runs]); a kernel
+# sm90 became 155, and its [R, runs, 8] accumulator of 72 registers a thread [R, runs], 40); a kernel
 # adds the run sums up in a register tile of that shape, summing across threads once at the end. (The
 # earlier form, `load_rows` transposed for a sum over K a block, moved each block through shared
 # memory with ten barriers an iteration: 68 GB/s for FP8 q, k, v at batch 1 on an H200.)
