@@ -10,7 +10,8 @@
     PYTHONPATH=. python3 bench/kernels/ops.py --invariant-attention   # only: batch-invariant attention's tiles
     PYTHONPATH=. python3 bench/kernels/ops.py --gemv-tiles        # only: decoding's projections (ops/gemv.py)
     PYTHONPATH=. python3 bench/kernels/ops.py --selected-tiles    # only: batch-invariant decode's experts
-    PYTHONPATH=. python3 bench/kernels/ops.py --dequantize-tiles  # only: a quantized bank's dequantization
+    PYTHONPATH=. python3 bench/kernels/ops.py --dequantize-tiles  # only: a quantized bank's dequantization,
+                                                                  # and its product by the fused kernel
     PYTHONPATH=. python3 bench/kernels/ops.py --quantized-gemv    # only: decoding's kernels on FP8/MXFP4 weights
     PYTHONPATH=. python3 bench/kernels/ops.py --grid-barrier      # only: a dependent launch against a grid barrier
 
@@ -929,17 +930,55 @@ def dequantize_tile_rows(copy_gbps):
     for fmt, bank in banks.items():
         moved = bank.nbytes + bank.numel() * 2
         reference = dequantize_reference(bank.experts(slice(0, 2)), torch.bfloat16)
-        for tile in [
-            (r, c, w, b)
-            for b in (False, True)
-            for r, c, w in ((16, 128, 4), (16, 512, 8), (32, 256, 4), (8, 1024, 8), (64, 128, 8))
-        ]:
+        for tile in ((16, 128, 4), (16, 512, 8), (32, 256, 4), (8, 1024, 8), (64, 128, 8)):
             ms = bench_ms(lambda t=tile: dequantize_triton(bank, torch.bfloat16, t))
             exact = torch.equal(dequantize_triton(bank.experts(slice(0, 2)), torch.bfloat16, tile), reference)
             shape = "x".join(map(str, bank.shape))
             report(
                 f"  {fmt:<6} {shape:<18} {'x'.join(map(str, tile)):<20} {ms:>8.3f} {moved / ms / 1e6:>8.0f} "
                 f"{moved / ms / 1e6 / copy_gbps:>8.0%}  {exact}"
+            )
+
+    report()
+    fused_product_rows()
+
+
+def fused_product_rows():
+    """The forward's product over a quantized bank two ways: dequantized, then torch's grouped
+    GEMM, against ops/quantized_grouped_mm.py's kernel decoding the tiles in registers (per
+    tile), on a LoRA step's rows: 4,096 tokens top-8 of the Qwen3-30B-A3B shape in FP8, top-4 of
+    gpt-oss-120b's in MXFP4 (a format the kernel is not used for: the bench shows why), routed
+    with a trained router's skew (expert popularity log-normal, sigma 0.5)."""
+    from moemesh.ops import grouped_mm as grouped
+    from moemesh.ops.quantized_grouped_mm import TILE, quantized_grouped_mm
+    from moemesh.ops.quantized_weight import dequantize
+
+    tokens = 64 if SMOKE else 4096
+    tiles = [TILE] if SMOKE else [TILE, (128, 128, 64, 4, 4), (128, 128, 64, 4, 2), (128, 128, 64, 8, 3),
+                                   (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (64, 128, 64, 4, 3)]  # fmt: skip
+    report("a bank's forward product: dequantize + grouped GEMM against the fused kernel (us; equal: bit for bit):")
+    header = f"{'tile (M,N,K,warps,stages)':<26} {'fused us':>9} {'TFLOP/s':>8} {'dequant+GEMM':>13} {'equal':>6}"
+    report(f"  {'bank':<28} {header}")
+    shapes = [("fp8 gate_up", "fp8", 128, 1536, 2048, 8), ("fp8 down", "fp8", 128, 2048, 768, 8),
+              ("mxfp4 gate_up (gpt-oss-120b)", "mxfp4", 128, 5760, 2880, 4)]  # fmt: skip
+    for name, fmt, experts, rows, cols, k in shapes:
+        if SMOKE:
+            experts, rows, cols = 8, 64, 256
+        bank = _bank(experts, rows, cols, fmt, DTYPE)
+        popularity = torch.exp(torch.randn(experts, device=DEVICE) * 0.5)
+        chosen = torch.multinomial(popularity.expand(tokens, experts), k)
+        sizes = torch.bincount(chosen.flatten(), minlength=experts).to(torch.int32)
+        offsets = torch.cumsum(sizes, 0, dtype=torch.int32) if not SMOKE else None
+        x = torch.randn(tokens * k, cols, device=DEVICE, dtype=DTYPE)
+        dense_ms = bench_ms(lambda: grouped.product(x, dequantize(bank, DTYPE), sizes, offsets))
+        want = grouped.product(x, dequantize(bank, DTYPE), sizes, offsets)
+        flops = 2 * tokens * k * rows * cols
+        for tile in tiles:
+            ms = bench_ms(lambda t=tile: quantized_grouped_mm(x, bank, sizes, t))
+            equal = torch.equal(quantized_grouped_mm(x, bank, sizes, tile), want)
+            report(
+                f"  {name:<28} {str(tile):<26} {ms * 1e3:>9.0f} {flops / ms / 1e9:>8.0f} {dense_ms * 1e3:>13.0f} "
+                f"{str(equal):>6}"
             )
 
 

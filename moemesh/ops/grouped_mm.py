@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moemesh.ops import recompute, weight_grad
+from moemesh.ops import quantized_grouped_mm, recompute, weight_grad
 from moemesh.ops.backend import autocast_inputs
-from moemesh.ops.quantized_weight import QuantizedWeight
+from moemesh.ops.quantized_weight import QuantizedWeight, for_backward
 
 # torch >= 2.10 exposes the public name; 2.9 only the private one.
 _grouped_mm_kernel = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -70,6 +70,8 @@ def base_product(x: torch.Tensor, weight, group_sizes: torch.Tensor, offsets, tr
     so that a bank of gpt-oss-120b's (4.2 GB in bf16) never lives whole beside the model. Inside a
     CUDA graph's capture (the engine's packed steps) the host cannot read the group sizes: there
     the bank is dequantized whole, a temporary of one bank in the compute dtype."""
+    if not transposed and quantized_grouped_mm.applies(x, weight):
+        return quantized_grouped_mm.quantized_grouped_mm(x, weight, group_sizes)
     if _by_runs(x, weight):
         return _product_by_runs(x, weight, group_sizes, transposed)
     dense = weight.to(x.dtype)
@@ -86,16 +88,16 @@ def _by_runs(x: torch.Tensor, weight) -> bool:
     return not recompute.capturing()
 
 
-def shared_bank(x: torch.Tensor, weight) -> torch.Tensor | None:
-    """A quantized bank dequantized once for a checkpointed layer's recomputation and backward,
-    or None (a dense bank, one dequantized a run at a time, or no activation checkpointing).
-    Under checkpointing the forward saves it for backward at no cost — the checkpoint keeps no
-    saved tensor, and the recomputation in backward makes it again — so backward does not
-    dequantize the bank a third time: a step of the LoRA recipe on an FP8 base dequantizes each
-    bank twice, not three times. Without checkpointing, saving it would hold a dense bank a layer."""
-    if not isinstance(weight, QuantizedWeight) or not recompute.checkpointing() or _by_runs(x, weight):
-        return None
-    return weight.to(x.dtype)
+def shared_bank(x: torch.Tensor, weight) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(what to save for backward, the bank the forward's product reads): `quantized_weight.
+    for_backward`, which dequantizes a checkpointed layer's quantized bank once, in its
+    recomputation, for that and backward. The first run's product reads the quantized bank (on a
+    GPU, an FP8 bank by `ops/quantized_grouped_mm.py`'s kernel, which dequantizes nothing): a step
+    of the LoRA recipe on an FP8 base dequantizes each bank once. A bank dequantized a run at a
+    time is not held whole (None, `weight`)."""
+    if _by_runs(x, weight):
+        return None, weight
+    return for_backward(x, weight)
 
 
 def _product_by_runs(x: torch.Tensor, weight, group_sizes: torch.Tensor, transposed: bool) -> torch.Tensor:
@@ -152,8 +154,7 @@ class _GroupedMM(torch.autograd.Function):
         held = not recompute.capturing()
         ctx.weight, ctx.a, ctx.b = weight, *((a, b) if held else (None, None))
         groups = (group_sizes, offsets)
-        dense = shared_bank(x, weight)  # saved: None, or the bank backward would dequantize again
-        base = weight if dense is None else dense
+        dense, base = shared_bank(x, weight)  # saved: None, or the bank backward would dequantize again
         factors = (None, None) if held else (a, b)
         if a is None:
             ctx.save_for_backward(x, group_sizes, offsets, dense, *factors)

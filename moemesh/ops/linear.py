@@ -23,6 +23,7 @@ from torch import nn
 
 from moemesh.ops import gemv, invariant, recompute, weight_grad
 from moemesh.ops.backend import autocast_inputs
+from moemesh.ops.quantized_weight import for_backward
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -37,34 +38,36 @@ def _add_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 class _Linear(torch.autograd.Function):
     """Keeps the base weight as given and casts it to x's dtype again in backward (see grouped_mm;
-    the low-rank factors are small and come already cast). The weights are held on ctx, not saved:
-    activation checkpointing would detach them. The output, and the rank-r product x_r·Aᵀ that
-    backward needs, are `recompute.kept`: selective activation checkpointing does not compute them
-    twice."""
+    the low-rank factors are small and come already cast) — but a quantized base's dense copy, in
+    a checkpointed layer, is made once for the recomputation and backward (`for_backward`). The
+    weights are held on ctx, not saved: activation checkpointing would detach them. The output,
+    and the rank-r product x_r·Aᵀ that backward needs, are `recompute.kept`: selective activation
+    checkpointing does not compute them twice."""
 
     @staticmethod
     def forward(ctx, x, weight, a, b, x_low_rank):
         ctx.weight, ctx.a, ctx.b = weight, a, b
+        dense, base = for_backward(x, weight)  # a quantized weight's dense copy, or None
         if a is None:
-            ctx.save_for_backward(x)
-            return recompute.kept(lambda: F.linear(x, weight.to(x.dtype)))
+            ctx.save_for_backward(x, dense)
+            return recompute.kept(lambda: F.linear(x, base.to(x.dtype)))
         low_rank = recompute.kept(lambda: F.linear(x if x_low_rank is None else x_low_rank, a))
 
         def compute() -> torch.Tensor:
-            out = F.linear(x, weight.to(x.dtype))
+            out = F.linear(x, base.to(x.dtype))
             _add_product(out, low_rank, b.t())  # the update added by its own GEMM
             return out
 
-        ctx.save_for_backward(x, low_rank, x_low_rank)
+        ctx.save_for_backward(x, dense, low_rank, x_low_rank)
         return recompute.kept(compute)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x, *rest = ctx.saved_tensors
+        x, dense, *rest = ctx.saved_tensors
         weight, a, b = ctx.weight, ctx.a, ctx.b
         needs_x, needs_weight, needs_a, needs_b, needs_x_r = ctx.needs_input_grad
         grad = grad.contiguous()
-        grad_x = grad @ weight.to(x.dtype) if needs_x else None
+        grad_x = grad @ (weight if dense is None else dense).to(x.dtype) if needs_x else None
         grad_x_r = grad_low_rank = None
         if a is not None:
             low_rank, x_low_rank = rest
@@ -104,6 +107,7 @@ class _SharedInputLinears(torch.autograd.Function):
         weights, bs = weights_and_bs[:count], weights_and_bs[count:]
         ctx.a, ctx.weights, ctx.bs = a, weights, bs
         low_rank = recompute.kept(lambda: F.linear(x, a))
+        dense, bases = zip(*(for_backward(x, weight) for weight in weights))  # quantized weights' dense copies
 
         def project(weight: torch.Tensor, piece: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             out = F.linear(x, weight.to(x.dtype))
@@ -111,14 +115,15 @@ class _SharedInputLinears(torch.autograd.Function):
             return out
 
         pieces = low_rank.split([b.shape[1] for b in bs], dim=-1)
-        outs = [recompute.kept(lambda w=w, p=p, b=b: project(w, p, b)) for w, p, b in zip(weights, pieces, bs)]
-        ctx.save_for_backward(x, low_rank)
+        outs = [recompute.kept(lambda w=w, p=p, b=b: project(w, p, b)) for w, p, b in zip(bases, pieces, bs)]
+        ctx.save_for_backward(x, low_rank, *dense)
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        x, low_rank = ctx.saved_tensors
+        x, low_rank, *dense = ctx.saved_tensors
         a, weights, bs = ctx.a, ctx.weights, ctx.bs
+        bases = [weight if copy is None else copy for weight, copy in zip(weights, dense)]
         needs = ctx.needs_input_grad
         needs_weights, needs_bs = needs[2 : 2 + len(weights)], needs[2 + len(weights) :]
         grads = [g.contiguous() for g in grads]
@@ -128,8 +133,8 @@ class _SharedInputLinears(torch.autograd.Function):
             torch.mm(_rows(grad), b, out=_rows(piece))
         grad_x = None
         if needs[0]:
-            grad_x = grads[0] @ weights[0].to(x.dtype)
-            for grad, weight in zip(grads[1:], weights[1:]):
+            grad_x = grads[0] @ bases[0].to(x.dtype)
+            for grad, weight in zip(grads[1:], bases[1:]):
                 _add_product(grad_x, grad, weight.to(x.dtype))
             _add_product(grad_x, grad_low_rank, a)
 

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moemesh.ops import recompute
 from moemesh.ops.backend import tl, triton, use_triton
 
 FP8_TILE = 128  # block FP8's tile width (and height) in the published checkpoints
@@ -137,6 +138,23 @@ def kernel_operands(weight, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Ten
 
 def is_quantized(weight) -> bool:
     return isinstance(weight, QuantizedWeight)
+
+
+def for_backward(x: torch.Tensor, weight) -> tuple[torch.Tensor | None, object]:
+    """(what a product's autograd node saves of its frozen `weight` for backward, the weight its
+    forward multiplies). A quantized weight inside an activation-checkpointed region is
+    dequantized once for the recomputation and backward both: the recomputation multiplies the
+    dense weight and saves it, so backward does not dequantize again (it lives from the layer's
+    recomputation to its backward). The region's first run saves a stand-in of the dense
+    weight's shape and dtype that holds no memory — torch's checkpoint keeps nothing a first run
+    saves and compares only those — and multiplies `weight` itself. Elsewhere nothing is saved
+    (backward dequantizes again: holding a dense copy a layer would cost what quantizing saved)."""
+    if not isinstance(weight, QuantizedWeight) or not recompute.checkpointing():
+        return None, weight
+    if not recompute.recomputing():
+        return x.new_empty(()).expand(weight.shape), weight
+    dense = weight.to(x.dtype)
+    return dense, dense
 
 
 def dequantize(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,142 @@
+"""The grouped GEMM of a forward over an FP8 expert bank, each weight tile decoded in registers.
+
+Why: a LoRA step on a block-FP8 base (`ops/quantized_weight.py`) otherwise dequantizes each
+bank to bf16 before torch's grouped GEMM reads it, and a dequantization moves 1.5x the bank's
+bf16 bytes (codes read, bf16 written). This kernel reads the codes instead: every [BLOCK_N,
+BLOCK_K] tile of W_e is loaded as bytes with its rows' scales, decoded and rounded to bf16 as
+`dequantize` rounds it (`load_rows`), and fed to `tl.dot` beside x's rows of expert e. The dense
+weight it multiplies is the one `dequantize` gives, so the products are those of the dense bank
+(bit for bit against torch's grouped GEMM on the measured shapes below; fp32 accumulation
+either way).
+
+Where it is used: the products of a forward that need no dense bank afterwards (`grouped_mm.
+base_product`): the first run of a checkpointed layer (its recomputation dequantizes once, for
+itself and for backward: `grouped_mm.shared_bank`), and forwards without gradients. So a step of
+the LoRA recipe dequantizes each FP8 bank once, not twice.
+
+Measured on one H200 (bench/kernels/ops.py --dequantize-tiles, 2026-12-02), 4,096 tokens top-8
+of the Qwen3-30B-A3B shape (128 experts, routing skewed as a trained router's): gate_up 623 us
+(331 TFLOP/s) against 321 us of dequantization + 427 us of grouped GEMM; down 339 against
+152 + 245. Not used where it measured slower: the input gradient's product (W_e untransposed:
+731 us against 437 for the dense grouped GEMM on a bank backward has anyway), and MXFP4 banks
+(the nibbles' decoding: gpt-oss-120b's gate_up 4.0 ms against 1.9 + 1.9; gpt-oss-20b's 2.7
+against 0.5 + 0.9).
+
+Grid: one program per (M-tile of an expert, N-tile), M-tiles numbered expert after expert
+(each expert's rows rounded up to BLOCK_M); the grid is sized for the most tiles any routing
+can give (rows / BLOCK_M + experts), and programs past the last tile return. No host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moemesh.ops.backend import INTERPRETED, tl, triton, use_triton
+from moemesh.ops.quantized_weight import QuantizedWeight, kernel_operands, load_rows
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the fastest of bench/kernels/ops.py
+# --dequantize-tiles on an H200 for both banks; the interpreter's is small, for the tests' speed.
+TILE = (128, 128, 64, 4, 3)
+INTERPRETED_TILE = (16, 64, 64, 4, 1)
+
+
+def applies(x: torch.Tensor, weight) -> bool:
+    """Whether x's product with the bank `weight` runs as this kernel: an FP8 bank [E, N, K] and
+    x in bf16 or fp16 (fp32 under the interpreter), where the Triton kernels run
+    (`backend.use_triton`)."""
+    return (
+        isinstance(weight, QuantizedWeight)
+        and weight.format == "fp8"
+        and weight.ndim == 3
+        and (x.dtype in (torch.bfloat16, torch.float16) or not x.is_cuda)  # (a GPU's fp32 tl.dot: TF32)
+        and use_triton(x)
+    )
+
+
+def quantized_grouped_mm(
+    x: torch.Tensor, weight: QuantizedWeight, group_sizes: torch.Tensor, tile: tuple | None = None
+) -> torch.Tensor:
+    """[N, O]: out[rows of group e] = x[rows of group e] @ W_e.T for the bank W [E, O, K] (rows past
+    the last group left unwritten, as torch's grouped GEMM leaves them); `tile` as TILE."""
+    block_m, block_n, block_k, warps, stages = tile or (INTERPRETED_TILE if INTERPRETED else TILE)
+    experts, out_cols, inner = weight.shape
+    codes, scales, scale_stride, offset, constants = kernel_operands(weight, x.dtype)
+    out = torch.empty(len(x), out_cols, dtype=x.dtype, device=x.device)
+    n_tiles = triton.cdiv(out_cols, block_n)
+    _kernel[((len(x) // block_m + experts) * n_tiles,)](
+        x.contiguous(),
+        codes,
+        scales,
+        out,
+        torch.cumsum(group_sizes, 0, dtype=torch.int32),
+        experts,
+        out_cols,
+        inner,
+        scale_stride,
+        offset,
+        n_tiles,
+        E_POW2=triton.next_power_of_2(experts),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=warps,
+        num_stages=stages,
+        **constants,
+    )
+    return out
+
+
+@triton.jit
+def _kernel(
+    x_ptr,
+    codes_ptr,
+    scales_ptr,
+    out_ptr,
+    group_ends_ptr,
+    experts,
+    out_cols,
+    inner,
+    scale_stride,
+    offset,
+    n_tiles,
+    E_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FORMAT: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    COMPILED: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):
+    tile = tl.program_id(0) // n_tiles
+    n = (tl.program_id(0) % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ids = tl.arange(0, E_POW2)
+    ends = tl.load(group_ends_ptr + ids, mask=ids < experts, other=0)
+    starts = tl.load(group_ends_ptr + ids - 1, mask=(ids > 0) & (ids < experts), other=0)
+    tiles = tl.where(ids < experts, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+    tile_ends = tl.cumsum(tiles, 0)
+    e = tl.sum((tile_ends <= tile).to(tl.int32))  # this program's expert (== experts: past the last tile)
+    if e < experts:
+        first = tl.sum(tl.where(ids == e, tile_ends - tiles, 0))
+        start = tl.sum(tl.where(ids == e, starts, 0))
+        end = tl.sum(tl.where(ids == e, ends, 0))
+        m = start + (tile - first) * BLOCK_M + tl.arange(0, BLOCK_M)
+        x_rows = x_ptr + m.to(tl.int64)[:, None] * inner
+        w_rows = e.to(tl.int64) * out_cols + n.to(tl.int64)  # rows of the bank flattened to [E * O, K]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, inner, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            xs = tl.load(x_rows + ks[None, :], mask=(m[:, None] < end) & (ks[None, :] < inner), other=0.0)
+            w = load_rows(
+                codes_ptr, scales_ptr, w_rows, n < out_cols, k0, inner, scale_stride, offset,
+                FORMAT, ALIGNED, COMPILED, ROUND_BF16, BLOCK_K,
+            )  # fmt: skip
+            if COMPILED:
+                acc = tl.dot(xs, tl.trans(w.to(x_ptr.dtype.element_ty)), acc)
+            else:  # the interpreter's tl.dot misreads bf16: the same products in fp32 (exact for bf16's)
+                acc = tl.dot(xs.to(tl.float32), tl.trans(w), acc)
+        tl.store(
+            out_ptr + m.to(tl.int64)[:, None] * out_cols + n[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=(m[:, None] < end) & (n[None, :] < out_cols),
+        )
