@@ -10,6 +10,35 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _dot_by_rows() -> None:
+    """The interpreter's fp32 tl.dot as a GPU's: each output element the same sum over K wherever its
+    row sits in the tile. The interpreter's is numpy's matmul, whose BLAS (OpenBLAS 0.3.31, numpy
+    2.4) sums a tile's last rows by another kernel than its first: a row's last bit then depended on
+    its place, and the batch-invariant kernels' tests saw the BLAS, not the kernel. einsum without
+    BLAS (optimize=False) sums each element alone."""
+    try:
+        import numpy as np
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    if builder is None or not hasattr(builder, "create_dot"):
+        return
+    numpy_dot = builder.create_dot
+
+    def create_dot(self, a, b, d, *args, **kwargs):
+        if a.data.dtype != np.float32 or b.data.dtype != np.float32:
+            return numpy_dot(self, a, b, d, *args, **kwargs)
+        product = np.einsum("...mk,...kn->...mn", a.data, b.data, optimize=False)
+        return interpreter.TensorHandle((product + d.data).astype(d.data.dtype), d.dtype.scalar)
+
+    builder.create_dot = create_dot
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _dot_by_rows()
+
+
 @pytest.fixture(autouse=True)
 def seed(request):
     """Fresh random inputs for every test, reproducible from its name."""
