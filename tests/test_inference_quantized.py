@@ -60,8 +60,29 @@ def greedy(model, group=None, **engine) -> list[list[int]] | None:
     return [r.token_ids for r in results]
 
 
-@pytest.mark.parametrize("case", ["gpt_oss-mxfp4", "deepseek_v3-fp8", "qwen3_moe-fp8-bf16-scales"])
-def test_kept_weights_give_the_dequantized_model_s_tokens(published, case):  # noqa: F811
+@pytest.mark.parametrize(
+    "case, fused",
+    [("gpt_oss-mxfp4", False), ("deepseek_v3-fp8", False), ("qwen3_moe-fp8-bf16-scales", False),
+     ("deepseek_v3-fp8", True), ("qwen3_moe-fp8-bf16-scales", True)],
+)  # fmt: skip
+def test_kept_weights_give_the_dequantized_model_s_tokens(published, case, fused, monkeypatch):  # noqa: F811
+    """`fused`: every step's experts by grouped GEMMs (as prompts beyond SELECTED_EXPERT_ROWS
+    pairs take them), ops/quantized_grouped_mm.py's kernel (a GPU's; here Triton's interpreter)
+    multiplying the codes instead of a dequantized bank: the same tokens."""
+    if fused:
+        from moemesh.ops import quantized_grouped_mm
+        from moemesh.ops.backend import HAVE_TRITON, INTERPRETED
+
+        if not HAVE_TRITON or not (INTERPRETED or torch.cuda.is_available()):
+            pytest.skip("the fused kernel needs triton (its interpreter on a CPU)")
+        calls, kernel = [], quantized_grouped_mm.quantized_grouped_mm
+        from moemesh.models import moe
+
+        monkeypatch.setattr(quantized_grouped_mm, "use_triton", lambda tensor: True)
+        monkeypatch.setattr(moe, "SELECTED_EXPERT_ROWS", 0)
+        monkeypatch.setattr(
+            quantized_grouped_mm, "quantized_grouped_mm", lambda *a, **k: (calls.append(1), kernel(*a, **k))[1]
+        )
     source = published[case][0]
     kept, _ = load_for_generation(source, "bytes")
     weights = kept_weights(kept)
@@ -69,6 +90,8 @@ def test_kept_weights_give_the_dequantized_model_s_tokens(published, case):  # n
     fmt = "mxfp4" if case.startswith("gpt_oss") else "fp8"
     assert {w.format for w in weights.values()} == {fmt}
     tokens = greedy(kept)
+    if fused:
+        assert calls  # the prompts' steps multiplied the codes
     assert tokens == greedy(dequantized(kept))
     assert len({tuple(t) for t in tokens}) == len(PROMPTS)
     dense, _ = load_for_generation(source, "bytes", dequantize=True)  # today's dense read: the same weights

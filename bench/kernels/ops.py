@@ -930,7 +930,16 @@ def dequantize_tile_rows(copy_gbps):
     for fmt, bank in banks.items():
         moved = bank.nbytes + bank.numel() * 2
         reference = dequantize_reference(bank.experts(slice(0, 2)), torch.bfloat16)
-        for tile in ((16, 128, 4), (16, 512, 8), (32, 256, 4), (8, 1024, 8), (64, 128, 8)):
+        for tile in (
+            (16, 128, 4),
+            (16, 512, 8),
+            (32, 256, 4),
+            (8, 1024, 8),
+            (64, 128, 8),
+            (16, 1024, 8),
+            (8, 2048, 8),
+            (4, 2048, 4),
+        ):
             ms = bench_ms(lambda t=tile: dequantize_triton(bank, torch.bfloat16, t))
             exact = torch.equal(dequantize_triton(bank.experts(slice(0, 2)), torch.bfloat16, tile), reference)
             shape = "x".join(map(str, bank.shape))

@@ -31,7 +31,9 @@ weight's tile would be, for one row (`row_products`, below) multiplied unrounded
 
 Limits: frozen only (no gradient, no optimizer); not a torch.Tensor: FSDP does not shard it and
 distributed checkpoints do not save it (a LoRA run saves adapters only). A grouped GEMM
-dequantizes its whole bank for the product (one layer's bank in the compute dtype at a time).
+dequantizes its whole bank for the product (one layer's bank in the compute dtype at a time),
+except a forward's over an FP8 bank on a GPU, which decodes the tiles itself
+(`ops/quantized_grouped_mm.py`).
 """
 
 from __future__ import annotations
