@@ -169,3 +169,21 @@ def test_save_pretrained_loads_in_transformers_with_the_same_logits(case, tmp_pa
     _, _, written = save_round_trip(theirs, tmp_path, RTOL)
     assert written["q_lora_rank"] == theirs.config.q_lora_rank
     assert "swiglu_limit" not in written and "layer_types" not in written
+
+
+def test_a_model_built_in_bf16_keeps_the_correction_bias_fp32():
+    """Built on the meta device under bf16 as the default dtype (the benches' 48-layer models, with
+    no room for an fp32 copy): the bias is made on the device in fp32, at zero."""
+    from moemesh.config import load_config
+    from moemesh.models import build
+
+    config = load_config("configs/deepseek_v3_small.toml", launched=False).model.replace(num_hidden_layers=4)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = build(config, seed=0)
+    finally:
+        torch.set_default_dtype(previous)
+    biases = [b for name, b in model.named_buffers() if name.endswith("e_score_correction_bias")]
+    assert biases and all(b.dtype == torch.float32 and not b.any() for b in biases)
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16

@@ -148,7 +148,8 @@ class GroupLimitedRouter(nn.Module):
         self.norm_topk_prob = config.norm_topk_prob and self.sigmoid  # V2 never renormalises
         self.scaling = config.routed_scaling_factor
         if self.sigmoid:  # a buffer: set by the balancing rule, not by gradients
-            self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts))
+            # fp32 whatever the default dtype (a model built in bf16 on the meta device: `_apply`)
+            self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts, dtype=torch.float32))
         # Not a buffer: no part of the model's state (checkpoints, dtype and meta-device loading
         # leave it alone); int64 so that the counts add up exactly.
         self.expert_load: torch.Tensor | None = None
