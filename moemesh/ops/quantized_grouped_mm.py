@@ -15,12 +15,17 @@ itself and for backward: `grouped_mm.shared_bank`), and forwards without gradien
 the LoRA recipe dequantizes each FP8 bank once, not twice.
 
 Measured on one H200 (bench/kernels/ops.py --dequantize-tiles, 2026-12-02), 4,096 tokens top-8
-of the Qwen3-30B-A3B shape (128 experts, routing skewed as a trained router's): gate_up 623 us
-(331 TFLOP/s) against 321 us of dequantization + 427 us of grouped GEMM; down 339 against
-152 + 245. Not used where it measured slower: the input gradient's product (W_e untransposed:
-731 us against 437 for the dense grouped GEMM on a bank backward has anyway), and MXFP4 banks
-(the nibbles' decoding: gpt-oss-120b's gate_up 4.0 ms against 1.9 + 1.9; gpt-oss-20b's 2.7
-against 0.5 + 0.9).
+of the Qwen3-30B-A3B shape (128 experts, routing skewed as a trained router's): gate_up 669 us
+(308 TFLOP/s) against 744 us of dequantization + grouped GEMM, down 358 against 404, bit for bit
+the same (a prototype's run that day: 623 and 339 against 748 and 397). Not used where it
+measured slower: the input gradient's product (a variant reading W_e untransposed, that day: gate_up
+731 us against the dense grouped GEMM's 437 on the bank backward holds anyway), and MXFP4 banks (the
+nibbles' decoding: gpt-oss-120b's gate_up 4.42 ms against 3.72).
+
+Its limit: compiled for sm90 the loop converts a step of K's tile (~270 instructions a thread: fp8
+to fp32, the scale, to bf16, through shared memory) and then waits for that step's wgmma before
+the next, so conversion and MMA do not overlap — ~310 TFLOP/s where torch's grouped GEMM of the
+dense bank gives ~480. Overlapping them needs warp specialization (producer warps decoding).
 
 Grid: one program per (M-tile of an expert, N-tile), M-tiles numbered expert after expert
 (each expert's rows rounded up to BLOCK_M); the grid is sized for the most tiles any routing
