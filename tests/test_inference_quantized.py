@@ -73,8 +73,8 @@ def test_kept_weights_give_the_dequantized_model_s_tokens(published, case, fused
         from moemesh.ops import quantized_grouped_mm
         from moemesh.ops.backend import HAVE_TRITON, INTERPRETED
 
-        if not HAVE_TRITON or not (INTERPRETED or torch.cuda.is_available()):
-            pytest.skip("the fused kernel needs triton (its interpreter on a CPU)")
+        if not HAVE_TRITON or not INTERPRETED:  # these runs are on the CPU
+            pytest.skip("the fused kernel on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1)")
         calls, kernel = [], quantized_grouped_mm.quantized_grouped_mm
         from moemesh.models import moe
 

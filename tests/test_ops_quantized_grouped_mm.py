@@ -38,6 +38,9 @@ def test_the_fused_product_is_the_dequantized_banks(dtype, rows, cols, offset, s
     used = sum(sizes)
     x = torch.randn(used + rest, cols).to(dtype)
     x[used:] = float("nan")  # a buffer's unwritten rows: no group reads them
+    if x.is_cuda and dtype == torch.float32:
+        assert not fused.applies(x, weight)
+        pytest.skip("a GPU's fp32 tl.dot rounds to TF32: fp32 products there dequantize instead")
     assert fused.applies(x, weight)
     out = fused.quantized_grouped_mm(x, weight, group_sizes)
     dense = dequantize_reference(weight, dtype).double()
@@ -46,9 +49,8 @@ def test_the_fused_product_is_the_dequantized_banks(dtype, rows, cols, offset, s
     assert out.shape == (used + rest, rows) and out.dtype == dtype
     assert torch.isfinite(out[:used]).all()
     if used:
-        assert rel_err(out[:used].double(), reference) <= (1e-6 if dtype == torch.float32 else 5e-3), rel_err(
-            out[:used].double(), reference
-        )
+        error = rel_err(out[:used].double(), reference)
+        assert error <= (1e-6 if dtype == torch.float32 else 5e-3), error
 
 
 def test_it_applies_to_fp8_banks_where_triton_runs(monkeypatch):

@@ -64,8 +64,9 @@ def product(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor, of
 
 
 def base_product(x: torch.Tensor, weight, group_sizes: torch.Tensor, offsets, transposed: bool = False) -> torch.Tensor:
-    """`product` with the bank `weight` (its [E, K, O] transpose, `transposed`) in x's dtype. A
-    quantized bank (ops/quantized_weight.py) is dequantized for the product: whole when that takes
+    """`product` with the bank `weight` (its [E, K, O] transpose, `transposed`) in x's dtype. An
+    FP8 bank's untransposed product on a GPU reads the codes (ops/quantized_grouped_mm.py); any
+    other quantized bank (ops/quantized_weight.py) is dequantized for the product: whole when that takes
     at most `DENSE_BANK_BYTES`, else a run of experts at a time (the group sizes read on the host),
     so that a bank of gpt-oss-120b's (4.2 GB in bf16) never lives whole beside the model. Inside a
     CUDA graph's capture (the engine's packed steps) the host cannot read the group sizes: there
