@@ -23,9 +23,13 @@ measured slower: the input gradient's product (a variant reading W_e untranspose
 nibbles' decoding: gpt-oss-120b's gate_up 4.42 ms against 3.72).
 
 Its limit: compiled for sm90 the loop converts a step of K's tile (~270 instructions a thread: fp8
-to fp32, the scale, to bf16, through shared memory) and then waits for that step's wgmma before
+to fp32, the scale, to bf16, then through shared memory) and waits for that step's wgmma before
 the next, so conversion and MMA do not overlap — ~310 TFLOP/s where torch's grouped GEMM of the
-dense bank gives ~480. Overlapping them needs warp specialization (producer warps decoding).
+dense bank gives ~480. The swapped form (a tile's `swap`: out.T = W_e x.T) feeds the decoded tile
+to wgmma from registers, and compiled for sm90 (Triton 3.9) it keeps one wgmma in flight while
+the next tile decodes (no shared-memory round trip): not yet timed on a GPU at 4 warps and 128 x
+128 (a prototype's 8-warp and 64-row swapped tiles measured slower, 789 and 831 us for gate_up);
+bench/kernels/ops.py --dequantize-tiles times it beside TILE.
 
 Grid: one program per (M-tile of an expert, N-tile), M-tiles numbered expert after expert
 (each expert's rows rounded up to BLOCK_M); the grid is sized for the most tiles any routing
@@ -39,10 +43,11 @@ import torch
 from moemesh.ops.backend import INTERPRETED, tl, triton, use_triton
 from moemesh.ops.quantized_weight import QuantizedWeight, kernel_operands, load_rows
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the fastest of bench/kernels/ops.py
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, swap: out.T = W_e x.T, the decoded tile wgmma's A
+# operand from registers rather than shared memory): the fastest of bench/kernels/ops.py
 # --dequantize-tiles on an H200 for both banks; the interpreter's is small, for the tests' speed.
-TILE = (128, 128, 64, 4, 3)
-INTERPRETED_TILE = (16, 64, 64, 4, 1)
+TILE = (128, 128, 64, 4, 3, False)
+INTERPRETED_TILE = (16, 64, 64, 4, 1, False)
 
 
 def applies(x: torch.Tensor, weight) -> bool:
@@ -63,7 +68,7 @@ def quantized_grouped_mm(
 ) -> torch.Tensor:
     """[N, O]: out[rows of group e] = x[rows of group e] @ W_e.T for the bank W [E, O, K] (rows past
     the last group left unwritten, as torch's grouped GEMM leaves them); `tile` as TILE."""
-    block_m, block_n, block_k, warps, stages = tile or (INTERPRETED_TILE if INTERPRETED else TILE)
+    block_m, block_n, block_k, warps, stages, swap = tile or (INTERPRETED_TILE if INTERPRETED else TILE)
     experts, out_cols, inner = weight.shape
     codes, scales, scale_stride, offset, constants = kernel_operands(weight, x.dtype)
     out = torch.empty(len(x), out_cols, dtype=x.dtype, device=x.device)
@@ -81,6 +86,7 @@ def quantized_grouped_mm(
         offset,
         n_tiles,
         E_POW2=triton.next_power_of_2(experts),
+        SWAP=swap,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -105,6 +111,7 @@ def _kernel(
     offset,
     n_tiles,
     E_POW2: tl.constexpr,
+    SWAP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -126,22 +133,40 @@ def _kernel(
         start = tl.sum(tl.where(ids == e, starts, 0))
         end = tl.sum(tl.where(ids == e, ends, 0))
         m = start + (tile - first) * BLOCK_M + tl.arange(0, BLOCK_M)
-        x_rows = x_ptr + m.to(tl.int64)[:, None] * inner
+        m64 = m.to(tl.int64)
         w_rows = e.to(tl.int64) * out_cols + n.to(tl.int64)  # rows of the bank flattened to [E * O, K]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, inner, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
-            xs = tl.load(x_rows + ks[None, :], mask=(m[:, None] < end) & (ks[None, :] < inner), other=0.0)
             w = load_rows(
                 codes_ptr, scales_ptr, w_rows, n < out_cols, k0, inner, scale_stride, offset,
                 FORMAT, ALIGNED, COMPILED, ROUND_BF16, BLOCK_K,
             )  # fmt: skip
-            if COMPILED:
-                acc = tl.dot(xs, tl.trans(w.to(x_ptr.dtype.element_ty)), acc)
-            else:  # the interpreter's tl.dot misreads bf16: the same products in fp32 (exact for bf16's)
-                acc = tl.dot(xs.to(tl.float32), tl.trans(w), acc)
-        tl.store(
-            out_ptr + m.to(tl.int64)[:, None] * out_cols + n[None, :],
-            acc.to(out_ptr.dtype.element_ty),
-            mask=(m[:, None] < end) & (n[None, :] < out_cols),
-        )
+            if COMPILED:  # (the interpreter's tl.dot misreads bf16: there the same products in fp32)
+                w = w.to(x_ptr.dtype.element_ty)
+            if SWAP:  # out.T = W_e x.T: the decoded tile is the A operand, from registers
+                xs = tl.load(
+                    x_ptr + m64[None, :] * inner + ks[:, None],
+                    mask=(m[None, :] < end) & (ks[:, None] < inner),
+                    other=0.0,
+                )
+                acc = tl.dot(w, xs.to(w.dtype), acc)
+            else:
+                xs = tl.load(
+                    x_ptr + m64[:, None] * inner + ks[None, :],
+                    mask=(m[:, None] < end) & (ks[None, :] < inner),
+                    other=0.0,
+                )
+                acc = tl.dot(xs.to(w.dtype), tl.trans(w), acc)
+        if SWAP:
+            tl.store(
+                out_ptr + m64[None, :] * out_cols + n[:, None],
+                acc.to(out_ptr.dtype.element_ty),
+                mask=(m[None, :] < end) & (n[:, None] < out_cols),
+            )
+        else:
+            tl.store(
+                out_ptr + m64[:, None] * out_cols + n[None, :],
+                acc.to(out_ptr.dtype.element_ty),
+                mask=(m[:, None] < end) & (n[None, :] < out_cols),
+            )
