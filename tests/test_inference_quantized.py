@@ -70,14 +70,13 @@ def test_kept_weights_give_the_dequantized_model_s_tokens(published, case, fused
     pairs take them), ops/quantized_grouped_mm.py's kernel (a GPU's; here Triton's interpreter)
     multiplying the codes instead of a dequantized bank: the same tokens."""
     if fused:
+        from moemesh.models import moe
         from moemesh.ops import quantized_grouped_mm
         from moemesh.ops.backend import HAVE_TRITON, INTERPRETED
 
         if not HAVE_TRITON or not INTERPRETED:  # these runs are on the CPU
             pytest.skip("the fused kernel on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1)")
         calls, kernel = [], quantized_grouped_mm.quantized_grouped_mm
-        from moemesh.models import moe
-
         monkeypatch.setattr(quantized_grouped_mm, "use_triton", lambda tensor: True)
         monkeypatch.setattr(moe, "SELECTED_EXPERT_ROWS", 0)
         monkeypatch.setattr(

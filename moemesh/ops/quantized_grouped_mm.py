@@ -134,6 +134,7 @@ def _kernel(
         end = tl.sum(tl.where(ids == e, ends, 0))
         m = start + (tile - first) * BLOCK_M + tl.arange(0, BLOCK_M)
         m64 = m.to(tl.int64)
+        x_rows = x_ptr + m64[:, None] * inner
         w_rows = e.to(tl.int64) * out_cols + n.to(tl.int64)  # rows of the bank flattened to [E * O, K]
         acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, inner, BLOCK_K):
@@ -144,29 +145,15 @@ def _kernel(
             )  # fmt: skip
             if COMPILED:  # (the interpreter's tl.dot misreads bf16: there the same products in fp32)
                 w = w.to(x_ptr.dtype.element_ty)
+            xs = tl.load(x_rows + ks[None, :], mask=(m[:, None] < end) & (ks[None, :] < inner), other=0.0).to(w.dtype)
             if SWAP:  # out.T = W_e x.T: the decoded tile is the A operand, from registers
-                xs = tl.load(
-                    x_ptr + m64[None, :] * inner + ks[:, None],
-                    mask=(m[None, :] < end) & (ks[:, None] < inner),
-                    other=0.0,
-                )
-                acc = tl.dot(w, xs.to(w.dtype), acc)
+                acc = tl.dot(w, tl.trans(xs), acc)
             else:
-                xs = tl.load(
-                    x_ptr + m64[:, None] * inner + ks[None, :],
-                    mask=(m[:, None] < end) & (ks[None, :] < inner),
-                    other=0.0,
-                )
-                acc = tl.dot(xs.to(w.dtype), tl.trans(w), acc)
+                acc = tl.dot(xs, tl.trans(w), acc)
         if SWAP:
-            tl.store(
-                out_ptr + m64[None, :] * out_cols + n[:, None],
-                acc.to(out_ptr.dtype.element_ty),
-                mask=(m[None, :] < end) & (n[:, None] < out_cols),
-            )
-        else:
-            tl.store(
-                out_ptr + m64[:, None] * out_cols + n[None, :],
-                acc.to(out_ptr.dtype.element_ty),
-                mask=(m[:, None] < end) & (n[None, :] < out_cols),
-            )
+            acc = tl.trans(acc)
+        tl.store(
+            out_ptr + m64[:, None] * out_cols + n[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=(m[:, None] < end) & (n[None, :] < out_cols),
+        )
