@@ -963,9 +963,10 @@ def fused_product_rows():
 
     tokens = 64 if SMOKE else 4096
     tiles = [TILE, (*TILE[:5], True)] if SMOKE else [
-        TILE, (128, 128, 64, 4, 4, False), (128, 128, 64, 8, 3, False), (128, 128, 64, 4, 3, True),
+        TILE, (128, 128, 64, 4, 4, False), (128, 128, 64, 8, 3, False), (128, 128, 128, 4, 3, False),
+        (128, 128, 128, 8, 3, False), (128, 256, 64, 8, 3, False), (128, 128, 64, 4, 3, True),
         (128, 128, 64, 4, 4, True), (128, 128, 64, 4, 2, True), (128, 128, 128, 4, 3, True), (64, 128, 64, 4, 3, True),
-        (128, 64, 64, 4, 3, True), (256, 128, 64, 8, 3, True),
+        (128, 64, 64, 4, 3, True), (256, 128, 64, 8, 3, True), (128, 256, 64, 8, 3, True),
     ]  # fmt: skip
     report("a bank's forward product: dequantize + grouped GEMM against the fused kernel (us; equal: bit for bit):")
     header = f"{'tile (M,N,K,warps,stages,swap)':<34} {'fused us':>9} {'TFLOP/s':>8} {'dequant+GEMM':>13} {'equal':>6}"

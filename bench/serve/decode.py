@@ -1233,14 +1233,20 @@ def decode(args, parser: argparse.ArgumentParser) -> None:
 
 def record_decode(args, rows: list[dict]) -> None:
     """--record: moemesh's ms/token and tokens/s at each batch (as shipped), beside transformers'
-    where it ran at that batch."""
+    where it ran at that batch; with --quantize each format's beside bf16's."""
     theirs = {row["batch"]: row["_ms"] for row in rows if row["side"].startswith("transformers")}
+    dense = {row["batch"]: row["_ms"] for row in rows if row["side"] == "moemesh"}
+    shape = model_at(args) if args.shape == "qwen3_30b_a3b" else {"model": args.shape.replace("_", "-")}
     for row in rows:
-        if row["side"] != "moemesh":
-            continue
-        batch, peer = row["batch"], theirs.get(row["batch"])
-        shape = model_at(args) if args.shape == "qwen3_30b_a3b" else {"model": args.shape.replace("_", "-")}
-        at, name = {**shape, "batch": batch}, "" if peer is None else "transformers"
+        if not row["side"].startswith("moemesh") or not math.isfinite(row.get("_ms", math.inf)):
+            continue  # (out of memory, or the agreement row)
+        batch = row["batch"]
+        if row["side"] == "moemesh":
+            peer = theirs.get(batch)
+            at, name = {**shape, "batch": batch}, "" if peer is None else "transformers"
+        else:  # "moemesh, fp8": the weights kept quantized
+            peer = dense.get(batch)
+            at, name = {**shape, "batch": batch, "base": row["side"].split(", ")[1]}, "moemesh bf16"
         record("decode ms/token", at, row["_ms"], "ms", name, peer)
         record("decode tokens/s", at, batch * 1e3 / row["_ms"], "tokens/s", name, peer and batch * 1e3 / peer)
 

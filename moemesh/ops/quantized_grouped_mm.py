@@ -25,11 +25,14 @@ nibbles' decoding: gpt-oss-120b's gate_up 4.42 ms against 3.72).
 Its limit: compiled for sm90 the loop converts a step of K's tile (~270 instructions a thread: fp8
 to fp32, the scale, to bf16, then through shared memory) and waits for that step's wgmma before
 the next, so conversion and MMA do not overlap — ~310 TFLOP/s where torch's grouped GEMM of the
-dense bank gives ~480. The swapped form (a tile's `swap`: out.T = W_e x.T) feeds the decoded tile
-to wgmma from registers, and compiled for sm90 (Triton 3.9) it keeps one wgmma in flight while
-the next tile decodes (no shared-memory round trip): not yet timed on a GPU at 4 warps and 128 x
-128 (a prototype's 8-warp and 64-row swapped tiles measured slower, 789 and 831 us for gate_up);
-bench/kernels/ops.py --dequantize-tiles times it beside TILE.
+dense bank gives ~480. A thread's conversion is already three instructions an element (e4m3
+pairs to f16, f16 to fp32, the scale's multiply; bf16 pairs packed). What measured no faster
+(bench/kernels/ops.py --dequantize-tiles and a register-capped variant, 2026-12-02, gate_up / down
+against TILE's 657 / 336 us): the swapped form (a tile's `swap`: out.T = W_e x.T, the decoded tile
+wgmma's A operand from registers, one wgmma in flight while the next tile decodes) 701 / 363 at
+128 x 128 and 4 warps, 632 / 358 at 256 x 128 and 8 warps; 4 stages 618 / 344 on one machine start
+and 686 / 349 on another (3: 673 / 348); 128-deep K steps 872 / 504; 2 stages capped at 168
+registers a thread, so three programs share an SM, 739 / 378.
 
 Grid: one program per (M-tile of an expert, N-tile), M-tiles numbered expert after expert
 (each expert's rows rounded up to BLOCK_M); the grid is sized for the most tiles any routing
