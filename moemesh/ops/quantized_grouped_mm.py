@@ -28,11 +28,12 @@ the next, so conversion and MMA do not overlap — ~310 TFLOP/s where torch's gr
 dense bank gives ~480. A thread's conversion is already three instructions an element (e4m3
 pairs to f16, f16 to fp32, the scale's multiply; bf16 pairs packed). What measured no faster
 (bench/kernels/ops.py --dequantize-tiles and a register-capped variant, 2026-12-02, gate_up / down
-against TILE's 657 / 336 us): the swapped form (a tile's `swap`: out.T = W_e x.T, the decoded tile
-wgmma's A operand from registers, one wgmma in flight while the next tile decodes) 701 / 363 at
-128 x 128 and 4 warps, 632 / 358 at 256 x 128 and 8 warps; 4 stages 618 / 344 on one machine start
-and 686 / 349 on another (3: 673 / 348); 128-deep K steps 872 / 504; 2 stages capped at 168
-registers a thread, so three programs share an SM, 739 / 378.
+against TILE's 657 / 336 us): a swapped form (out.T = W_e x.T, the decoded tile wgmma's A operand
+from registers, one wgmma in flight while the next tile decodes; removed) 701 / 363 at 128 x 128
+and 4 warps, 632 / 358 at 256 x 128 and 8 warps — it won only on an MXFP4 bank, where this kernel
+is not used (gpt-oss-120b's gate_up at 128 x 64: 3.46 ms against dequantization + GEMM's 3.69);
+4 stages 618 / 344 on one machine start and 686 / 349 on another (3: 673 / 348); 128-deep K steps
+872 / 504; 2 stages capped at 168 registers a thread, so three programs share an SM, 739 / 378.
 
 Grid: one program per (M-tile of an expert, N-tile), M-tiles numbered expert after expert
 (each expert's rows rounded up to BLOCK_M); the grid is sized for the most tiles any routing
@@ -46,11 +47,10 @@ import torch
 from moemesh.ops.backend import INTERPRETED, tl, triton, use_triton
 from moemesh.ops.quantized_weight import QuantizedWeight, kernel_operands, load_rows
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, swap: out.T = W_e x.T, the decoded tile wgmma's A
-# operand from registers rather than shared memory): the fastest of bench/kernels/ops.py
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the fastest of bench/kernels/ops.py
 # --dequantize-tiles on an H200 for both banks; the interpreter's is small, for the tests' speed.
-TILE = (128, 128, 64, 4, 3, False)
-INTERPRETED_TILE = (16, 64, 64, 4, 1, False)
+TILE = (128, 128, 64, 4, 3)
+INTERPRETED_TILE = (16, 64, 64, 4, 1)
 
 
 def applies(x: torch.Tensor, weight) -> bool:
@@ -71,7 +71,7 @@ def quantized_grouped_mm(
 ) -> torch.Tensor:
     """[N, O]: out[rows of group e] = x[rows of group e] @ W_e.T for the bank W [E, O, K] (rows past
     the last group left unwritten, as torch's grouped GEMM leaves them); `tile` as TILE."""
-    block_m, block_n, block_k, warps, stages, swap = tile or (INTERPRETED_TILE if INTERPRETED else TILE)
+    block_m, block_n, block_k, warps, stages = tile or (INTERPRETED_TILE if INTERPRETED else TILE)
     experts, out_cols, inner = weight.shape
     codes, scales, scale_stride, offset, constants = kernel_operands(weight, x.dtype)
     out = torch.empty(len(x), out_cols, dtype=x.dtype, device=x.device)
@@ -89,7 +89,6 @@ def quantized_grouped_mm(
         offset,
         n_tiles,
         E_POW2=triton.next_power_of_2(experts),
-        SWAP=swap,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -114,7 +113,6 @@ def _kernel(
     offset,
     n_tiles,
     E_POW2: tl.constexpr,
-    SWAP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -139,7 +137,7 @@ def _kernel(
         m64 = m.to(tl.int64)
         x_rows = x_ptr + m64[:, None] * inner
         w_rows = e.to(tl.int64) * out_cols + n.to(tl.int64)  # rows of the bank flattened to [E * O, K]
-        acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP else (BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, inner, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             w = load_rows(
@@ -149,12 +147,7 @@ def _kernel(
             if COMPILED:  # (the interpreter's tl.dot misreads bf16: there the same products in fp32)
                 w = w.to(x_ptr.dtype.element_ty)
             xs = tl.load(x_rows + ks[None, :], mask=(m[:, None] < end) & (ks[None, :] < inner), other=0.0).to(w.dtype)
-            if SWAP:  # out.T = W_e x.T: the decoded tile is the A operand, from registers
-                acc = tl.dot(w, tl.trans(xs), acc)
-            else:
-                acc = tl.dot(xs, tl.trans(w), acc)
-        if SWAP:
-            acc = tl.trans(acc)
+            acc = tl.dot(xs, tl.trans(w), acc)
         tl.store(
             out_ptr + m64[:, None] * out_cols + n[None, :],
             acc.to(out_ptr.dtype.element_ty),
