@@ -1042,14 +1042,20 @@ def quantized_gemv_rows(copy_gbps):
     scale = 16 if SMOKE else 1
     formats = ("bf16", "fp8", "mxfp4")
     report("decoding kernels on quantized weights: µs a launch in a CUDA graph, GB/s of the weight bytes read, vs copy")
-    report(f"  {'kernel':<44} {'weights':<6} {'tokens':>6} {'us':>8} {'GB/s':>8} {'vs copy':>8} {'rel err':>9}")
+    report(
+        f"  {'kernel':<44} {'weights':<6} {'tokens':>6} {'us':>8} {'GB/s':>8} {'vs copy':>8} {'rel err':>9} "
+        f"{'≠ dense':>8}"
+    )
+    report("  (≠ dense: the share of outputs not bit-equal to the same kernel's on the weights dequantized)")
 
-    def row(name, fmt, tokens, launch, copies, reference, read):
+    def row(name, fmt, tokens, launch, copies, reference, read, dense=None):
         us = launches_us(launch, copies)
-        err = rel_err(launch(0), reference())
+        out = launch(0)
+        err = rel_err(out, reference())
+        differ = "" if dense is None else f"{(out != dense()).float().mean().item():>8.1%}"
         report(
             f"  {name:<44} {fmt:<6} {tokens:>6} {us:>8.1f} {read / us / 1e3:>8.0f} "
-            f"{read / us / 1e3 / copy_gbps:>8.0%} {err:>9.1e}"
+            f"{read / us / 1e3 / copy_gbps:>8.0%} {err:>9.1e} {differ}"
         )
 
     hidden, heads = 2048 // scale, 4096 // scale
@@ -1067,9 +1073,11 @@ def quantized_gemv_rows(copy_gbps):
             a = torch.randn(tokens, heads, device=DEVICE, dtype=dtype)
             with torch.no_grad():
                 row("gemv q, k, v (Qwen3-30B-A3B)", fmt, tokens, lambda i: gemv.gemv(x, qkv[i])[0], copies,
-                    lambda: gemv.gemv_reference(x, qkv[0])[0], sum(map(_weight_bytes, qkv[0])))  # fmt: skip
+                    lambda: gemv.gemv_reference(x, qkv[0])[0], sum(map(_weight_bytes, qkv[0])),
+                    lambda: gemv.gemv(x, [w.to(dtype) for w in qkv[0]])[0])  # fmt: skip
                 row("gemv o_proj", fmt, tokens, lambda i: gemv.gemv(a, [o_proj[i]])[0], copies,
-                    lambda: gemv.gemv_reference(a, [o_proj[0]])[0], _weight_bytes(o_proj[0]))  # fmt: skip
+                    lambda: gemv.gemv_reference(a, [o_proj[0]])[0], _weight_bytes(o_proj[0]),
+                    lambda: gemv.gemv(a, [o_proj[0].to(dtype)])[0])  # fmt: skip
     for shape, experts, k, hidden, inner in (
         ("Qwen3-30B-A3B", 128, 8, 2048, 768),
         ("gpt-oss-120b", 128, 4, 2880, 2880),
@@ -1103,16 +1111,21 @@ def quantized_gemv_rows(copy_gbps):
                         row(f"expert_pair_gemv + combine ({shape})", fmt, tokens,
                             lambda i: expert_gemv_combine(
                                 _glu(expert_pair_gemv(x, gate_up, ids[i]), inner), down, ids[i], weights),
-                            draws, lambda: reference, read)  # fmt: skip
+                            draws, lambda: reference, read, lambda: expert_gemv_combine(
+                                _glu(expert_pair_gemv(x, dense_up, ids[0]), inner), dense_down, ids[0],
+                                weights))  # fmt: skip
                     elif tokens == 1:  # per token: SwiGLU, then the down projection with the weighted sum
                         row(f"expert_swiglu_gemv + combine ({shape})", fmt, tokens,
                             lambda i: expert_gemv_combine(
                                 expert_swiglu_gemv(x, gate_up, ids[i]), down, ids[i], weights),
-                            draws, lambda: reference, read)  # fmt: skip
+                            draws, lambda: reference, read, lambda: expert_gemv_combine(
+                                expert_swiglu_gemv(x, dense_up, ids[0]), dense_down, ids[0], weights))  # fmt: skip
                     else:  # per expert: gate/up with SwiGLU, down
                         row(f"expert_gemv glu + down ({shape})", fmt, tokens,
                             lambda i: expert_gemv(expert_gemv(x, gate_up, ids[i], glu=True), down, ids[i].view(-1, 1)),
-                            draws, lambda: expert_gemv(gated, dense_down, ids[0].view(-1, 1)), read)  # fmt: skip
+                            draws, lambda: expert_gemv(gated, dense_down, ids[0].view(-1, 1)), read,
+                            lambda: expert_gemv(expert_gemv(x, dense_up, ids[0], glu=True), dense_down,
+                                                ids[0].view(-1, 1)))  # fmt: skip
 
 
 def _glu(gate_up: torch.Tensor, inner: int) -> torch.Tensor:

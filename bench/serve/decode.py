@@ -31,6 +31,10 @@ dense), instead of Qwen3-30B-A3B's:
     PYTHONPATH=. python3 bench/serve/decode.py --shape deepseek_v3 --layers 5 --batches 1,64 \
         --no-transformers --prompt-len 128 --variants 1 --quantize fp8
 
+--gpt-fast DIR adds gpt-fast's compiled MoE model at the same shape, batch 1, bf16 and its int8
+weight-only variant (bench/serve/gpt_fast.py; --gpt-fast-variants int8 for one of them: each
+compiles for ~2.5 minutes).
+
 Random weights, a random prompt of --prompt-len tokens per sequence, greedy, --new-tokens
 tokens. For each batch size B, a decode step of B sequences in milliseconds, the prompts' cost
 left out. moemesh: "ms/token" is a step as `generate` runs it (scheduler, engine with CUDA graphs,
@@ -314,6 +318,11 @@ def agreement_row(model, args, prompts, fmt: str) -> dict:
                 module.register_parameter(name, torch.nn.Parameter(weight.to(weight.dtype), requires_grad=False))
     dense = tokens()
     same = sum(a == b for k, d in zip(kept, dense) for a, b in zip(k, d))
+    parted = [next((i for i, (a, b) in enumerate(zip(k, d)) if a != b), None) for k, d in zip(kept, dense)]
+    parted = sorted(i for i in parted if i is not None)
+    print(  # where the continuations part: at 0, the prompts' prefill already differs
+        f"agreement, {fmt}: first differing token of each parted prompt {parted}", flush=True
+    )
     return {
         "side": f"moemesh, {fmt} against the same weights dequantized",
         "batch": len(batch),
@@ -1092,6 +1101,15 @@ def decode_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--transformers-batches", help="transformers' batch sizes, if not those of --batches")
     parser.add_argument(
+        "--gpt-fast",
+        metavar="DIR",
+        help="a gpt-fast checkout: its compiled MoE model (bf16 and int8 weight-only) at batch 1 beside "
+        "moemesh's rows (bench/serve/gpt_fast.py)",
+    )
+    parser.add_argument(
+        "--gpt-fast-variants", default="bf16,int8", help="which of gpt-fast's variants run (bf16, int8)"
+    )
+    parser.add_argument(
         "--variants",
         type=int,
         default=4,
@@ -1222,6 +1240,11 @@ def decode(args, parser: argparse.ArgumentParser) -> None:
         return print_table(check, f"{title}: batch-invariant mode, bit-equality (0 differing is the claim)")
     rows, _ = moemesh_rows(config, args, device, dtype, prompts)
     print_table(rows, title)  # printed at once: the other side may run out of time or memory
+    if args.gpt_fast:
+        from bench.serve.gpt_fast import gpt_fast_rows
+
+        rows += gpt_fast_rows(config, args, device)
+        print_table(rows, title)
     if not args.no_transformers:
         if args.transformers_batches:
             args.batches = [int(b) for b in args.transformers_batches.split(",")]
@@ -1235,6 +1258,11 @@ def record_decode(args, rows: list[dict]) -> None:
     """--record: moemesh's ms/token and tokens/s at each batch (as shipped), beside transformers'
     where it ran at that batch; with --quantize each format's beside bf16's."""
     theirs = {row["batch"]: row["_ms"] for row in rows if row["side"].startswith("transformers")}
+    gpt_fast = {  # bench/serve/gpt_fast.py's rows (batch 1): its bf16 beside ours, its int8 beside the kept weights
+        "int8" if "int8" in row["side"] else "bf16": row["_ms"]
+        for row in rows
+        if row["side"].startswith("gpt-fast") and math.isfinite(row["_ms"])
+    }
     dense = {row["batch"]: row["_ms"] for row in rows if row["side"] == "moemesh"}
     shape = model_at(args) if args.shape == "qwen3_30b_a3b" else {"model": args.shape.replace("_", "-")}
     for row in rows:
@@ -1249,6 +1277,10 @@ def record_decode(args, rows: list[dict]) -> None:
             at, name = {**shape, "batch": batch, "base": row["side"].split(", ")[1]}, "moemesh bf16"
         record("decode ms/token", at, row["_ms"], "ms", name, peer)
         record("decode tokens/s", at, batch * 1e3 / row["_ms"], "tokens/s", name, peer and batch * 1e3 / peer)
+        theirs_here = gpt_fast.get("bf16" if row["side"] == "moemesh" else "int8") if batch == 1 else None
+        if theirs_here is not None:
+            name = "gpt-fast compiled" + ("" if row["side"] == "moemesh" else " int8")
+            record("decode ms/token", at, row["_ms"], "ms", name, theirs_here)
 
 
 # ---- --offline -------------------------------------------------------------------------------------------

@@ -34,6 +34,11 @@ and 4 warps, 632 / 358 at 256 x 128 and 8 warps — it won only on an MXFP4 bank
 is not used (gpt-oss-120b's gate_up at 128 x 64: 3.46 ms against dequantization + GEMM's 3.69);
 4 stages 618 / 344 on one machine start and 686 / 349 on another (3: 673 / 348); 128-deep K steps
 872 / 504; 2 stages capped at 168 registers a thread, so three programs share an SM, 739 / 378.
+And writing the decoded bank from this kernel for backward (its recomputation's product filling
+the dense bank as it goes, so no separate dequantization): gate_up 848 / down 434 us against
+dequantization + GEMM's 823 / 400, and a whole LoRA step (bench/train/lora.py, 4,096 tokens, FP8
+attention + experts, both in one call, 2026-12-02) 11,018 and 11,086 tokens/s against 11,230 and
+11,247 without it — removed.
 
 Grid: one program per (M-tile of an expert, N-tile), M-tiles numbered expert after expert
 (each expert's rows rounded up to BLOCK_M); the grid is sized for the most tiles any routing
