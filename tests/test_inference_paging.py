@@ -338,31 +338,33 @@ def test_the_block_pool_counts_references_and_evicts_the_least_recently_freed():
         pool.allocate(1)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
 def test_packed_steps_padded_to_buckets_equal_each_prompt_alone(monkeypatch, family):
     """The body of a captured packed step (run eagerly on a CPU, as a CUDA graph on a GPU): tokens
     and samples padded to a bucket in the fixed buffers, the attention's tiles found on the
-    device (no host runs), padding in the scratch row. Qwen3's attention takes the kernels, so
-    its packed steps go through the bucket; GPT-OSS's (sinks) reads the runs on the host, so the
-    engine notices at its first bucket and runs its packed steps eagerly from then on — the
-    tokens are right either way."""
+    device (no host runs), padding in the scratch row. Qwen3's and GPT-OSS's (sinks) attention
+    takes the kernels, so their packed steps go through the bucket; DeepSeek-V3's (latent) reads
+    the runs on the host, so the engine notices at its first bucket and runs its packed steps
+    eagerly from then on — the tokens are right either way."""
     if not HAVE_TRITON:
         pytest.skip("triton is not installed")
     monkeypatch.setenv("MOEMESH_KERNELS", "triton")  # interpreted on a CPU
-    config = FAMILIES[family].replace(head_dim=16, vocab_size=256, max_position_embeddings=64)
+    config = FAMILIES[family].replace(vocab_size=256, max_position_embeddings=64)
+    if config.kv_lora_rank is None:  # (the attention kernels take heads of 16 to 256)
+        config = config.replace(head_dim=16)
     model = build(config, seed=5, device="cuda" if torch.cuda.is_available() else "cpu").eval()
     engine = DecodeEngine(
         model, max_batch=4, max_len=64, max_num_batched_tokens=16, block_size=4, packed_graph_tokens=16
     )
     buckets, replay = [], engine._replay
     engine._replay = lambda key, step: (buckets.append(key[0] == "packed"), replay(key, step))[1]
-    batch = prompts(LENGTHS if family == "qwen3_moe" else LENGTHS[:2])  # (the interpreter is slow)
+    batch = prompts(LENGTHS[: {"qwen3_moe": None, "gpt_oss": 4, "deepseek_v3": 2}[family]])  # (the interpreter is slow)
     params = [SamplingParams(max_tokens=n) for n in (3, 1, 2, 1, 2, 1, 2)][: len(batch)]
     results = generate(engine, TOKENIZER, batch, params)
     for prompt, p, result in zip(batch, params, results):
         assert result.token_ids == reference(model, prompt, p.max_tokens)
     assert engine.blocks.num_free == engine.cache.num_blocks - 1
-    if family == "qwen3_moe":
+    if family != "deepseek_v3":
         assert sum(buckets) > 3 and engine.packed_buckets == [16]  # every packed step went through the bucket
     else:
         # tried once (on a GPU already when the pool was sized from memory), then eager

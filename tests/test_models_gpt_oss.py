@@ -70,6 +70,19 @@ def test_logits_loss_aux_and_every_gradient_match_transformers(case, tmp_path):
     assert_same_gradients(gradients(ours), as_ours(gradients(theirs), ours.config), RTOL)
 
 
+def test_attention_in_chunks_of_queries_matches_transformers(monkeypatch, tmp_path):
+    """The eager attention with sinks bounds the scores it holds (layers.SCORES_AT_ONCE): with a
+    bound of one score, every query row goes alone, and logits and gradients still agree."""
+    from moemesh.models import layers
+
+    monkeypatch.setattr(layers, "SCORES_AT_ONCE", 1)
+    theirs = hf_model(CASES["e5_k2_clamped"], seed=3)
+    ours, out, ref = compare_with_transformers(theirs, tmp_path, 4, RTOL, aux=True)
+    ref.loss.backward()
+    out.loss.backward()
+    assert_same_gradients(gradients(ours), as_ours(gradients(theirs), ours.config), RTOL)
+
+
 def test_clamp_and_sinks_matter():
     """The test cases exercise what they claim: some gate/up values pass the limit, and the sinks
     change the output (a model without them would fail the parity test)."""

@@ -152,18 +152,21 @@ def test_split_count_fills_the_launch_and_no_more():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("window, norm", [(None, True), (5, False), (150, False)])
+@pytest.mark.parametrize(
+    "window, norm, sinks", [(None, True, False), (5, False, True), (150, False, False), (None, False, True)]
+)
 @pytest.mark.parametrize("max_len", [40, 700])
 @pytest.mark.parametrize("step", ["decode", "packed"])
-def test_paged_attention_equals_the_contiguous_reference(triton_kernels, dtype, window, norm, max_len, step):
+def test_paged_attention_equals_the_contiguous_reference(triton_kernels, dtype, window, norm, sinks, max_len, step):
     """Three sequences in shuffled blocks of 16 (random block tables, partial last blocks), their
     earlier keys and values in the cache; the step's tokens — one a sequence (decode), or 1, 5
     and a tile's tokens + 5 consecutive tokens (packed: a chunk of a prompt in two tiles) — normed, rotated and
     written at their slots, then attending over their own sequence up to their own position,
     against each sequence's keys held contiguously and attended explicitly (700 entries: in 8
     splits when decoding, 4 packed, each every 8th or 4th block of keys, some empty, a window
-    across blocks). A decode step reads its first block of earlier keys apart from the step's
-    own (EARLY_READS): the sequence of one token has only its own."""
+    across blocks; with sinks, GPT-OSS's logit a head in each denominator, large enough to take
+    much of the probability). A decode step reads its first block of earlier keys apart from the
+    step's own (EARLY_READS): the sequence of one token has only its own."""
     heads, kv_heads, dim, block_size = 8, 2, 32, 16
     ends = [1, 18 if max_len < 200 else 301, max_len]  # each sequence's last position + 1
     per_tile = decode_attention.tile_tokens(heads // kv_heads)
@@ -193,6 +196,7 @@ def test_paged_attention_equals_the_contiguous_reference(triton_kernels, dtype, 
     angles = positions[:, None].float() * torch.rand(dim // 2)
     cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
     q_norm, k_norm = (torch.rand(dim).to(dtype) + 0.5 if norm else None for _ in range(2))
+    head_sinks = torch.randn(heads).to(dtype) * 2 + 1 if sinks else None
     starts, lengths, first = [], [], 0
     for n in counts:  # runs of at most per_tile tokens of one sequence
         for at in range(first, first + n, per_tile):
@@ -219,6 +223,7 @@ def test_paged_attention_equals_the_contiguous_reference(triton_kernels, dtype, 
         dim**-0.5,
         window,
         token_a_sequence=step == "decode",  # its first block of earlier keys read before the wait
+        sinks=head_sinks,
     )
 
     def heads_of(t, n):  # [N, n·D] -> [N, n, 1, D], normed and rotated as the eager path does
@@ -236,7 +241,7 @@ def test_paged_attention_equals_the_contiguous_reference(triton_kernels, dtype, 
         values[:, ends[b] - n : ends[b]] = v[first : first + n].view(n, kv_heads, dim).transpose(0, 1)
         mask = attention_mask(positions[first : first + n], max_len, window)
         out = grouped_attention(
-            want_q[first : first + n].transpose(0, 1)[None], keys[None], values[None], mask, dim**-0.5
+            want_q[first : first + n].transpose(0, 1)[None], keys[None], values[None], mask, dim**-0.5, head_sinks
         )
         want.append(out[0].transpose(0, 1).reshape(n, -1))
         first += n
@@ -249,15 +254,16 @@ def test_paged_attention_equals_the_contiguous_reference(triton_kernels, dtype, 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"])
 def test_models_decode_with_the_kernels_as_without(triton_kernels, monkeypatch, family):
     """Whole models, rows prefilled at different lengths then decoded together: every fused path
-    (Qwen3: q/k norms and a sliding window; Mixtral: neither; GPT-OSS and DeepSeek-V3 take the
-    GEMV and router paths, their attention stays eager) against the eager path, and both against
-    the full forward. Heads of 16 (the attention kernels take 16 to 256)."""
+    (Qwen3: q/k norms and a sliding window; Mixtral: neither; GPT-OSS: sinks and a sliding window;
+    DeepSeek-V3 takes the GEMV and router paths, its latent attention stays eager) against the
+    eager path, and both against the full forward. Heads of 16 (the attention kernels take 16 to
+    256)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = FAMILIES[family]
     if config.kv_lora_rank is None:
         config = config.replace(head_dim=16)
     model = build(config, seed=1, device=device).eval()
-    takes_kernels = family in ("qwen3_moe", "mixtral")  # the others' attention: sinks, latent
+    takes_kernels = family != "deepseek_v3"  # its latent attention: eager
     input_ids = torch.randint(0, model.config.vocab_size, (3, 11), device=device)
     with torch.no_grad():
         full = model(input_ids).logits

@@ -83,7 +83,6 @@ class Attention(nn.Module):
             return self.invariant(x, rope, positions, cache)
         if (
             cache is not None
-            and self.sinks is None
             and use_triton(x)
             and decode_attention.fits(self.head_dim, rope[0].shape[-1])
             and getattr(self.q_proj, "lora_A", None) is None  # the kernels read the base weights (merge adapters first)
@@ -216,6 +215,7 @@ class Attention(nn.Module):
             self.head_dim**-0.5,
             self.sliding_window,
             token_a_sequence=not cache.packed,
+            sinks=self.sinks,
         )
         return self.o_proj(out.view(batch, seq, -1))
 
@@ -268,6 +268,11 @@ def paged_attention(
     return out.view(batch, seq, heads, -1).transpose(1, 2)
 
 
+# The most fp32 scores `grouped_attention` holds at once (256 MiB; a softmax's few copies of them
+# beside): the eager attention's queries go in chunks beyond it.
+SCORES_AT_ONCE = 2**26
+
+
 def grouped_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -280,9 +285,20 @@ def grouped_attention(
     [B, h_kv, L, D] and v [B, h_kv, L, Dv] (a KV cache's), mask [T, L] or [B, T, L] (True: visible).
     The h / h_kv query heads that share a key/value head are multiplied as one matrix, so each cached entry is read once
     (no repeated keys). With `sinks` (GPT-OSS: one logit per head), each head's softmax has one
-    more column that takes probability and returns nothing. Scores and softmax in fp32."""
+    more column that takes probability and returns nothing. Scores and softmax in fp32, for at
+    most SCORES_AT_ONCE scores at a time: longer queries go in chunks (a 32k-token prompt's
+    scores over its keys, at GPT-OSS's 64 heads, would be 256 GiB at once)."""
     batch, heads, seq, _ = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
+    chunk = max(1, SCORES_AT_ONCE // (batch * heads * kv_len))
+    if seq > chunk:
+        return torch.cat(
+            [
+                grouped_attention(q[:, :, at : at + chunk], k, v, mask[..., at : at + chunk, :], scale, sinks)
+                for at in range(0, seq, chunk)
+            ],
+            dim=2,
+        )
     groups = heads // kv_heads
     scores = (q.reshape(batch, kv_heads, groups * seq, -1) @ k.transpose(-2, -1)).float() * scale
     scores = scores.view(batch, kv_heads, groups, seq, kv_len)

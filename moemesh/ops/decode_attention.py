@@ -30,7 +30,8 @@ unknown to the host); the programs past the step's tiles do nothing.
 
 The reference is `models/layers.paged_attention` (the eager path: gathers through the block
 table, explicit masked softmax; tests compare the two). Limits: a power-of-two head size
-(16 to 256) covered whole by the rotary tables, no attention sinks, values of the keys' size.
+(16 to 256) covered whole by the rotary tables, values of the keys' size. Attention sinks
+(GPT-OSS) enter where a row's sum is normalised: the last division, or the splits' merge.
 Numerics: fp32 norms, rotary and softmax, rounded once to the cache's dtype; the eager path
 rounds after each bf16 operation, so in bf16 the two differ by a rounding or two.
 """
@@ -140,6 +141,7 @@ def paged_attention(
     scale: float,
     window: int | None,
     token_a_sequence: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [N, h, D] of tokens at `positions` [N] of the sequences in table rows `token_rows` [N]
     against the pools [slots, h_kv, D] through `block_tables` [rows, W]; the tiles (first token,
@@ -147,7 +149,8 @@ def paged_attention(
     kv_len bounds the keys read (the splits) -> [N, h·D]. `token_a_sequence` (a decode step: no
     two tokens of one sequence, and the tiles made before the kernel before this one): every key
     before a token's own is an earlier step's, and each program reads its first block of them,
-    and the tiles, before it waits for that kernel (see EARLY_READS)."""
+    and the tiles, before it waits for that kernel (see EARLY_READS). `sinks` [h] (GPT-OSS): one
+    logit per query head in each softmax's denominator, with no value."""
     tokens, heads, head_dim = q.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
@@ -177,6 +180,8 @@ def paged_attention(
             tile_count,
             scale,
             window or 0,
+            q if sinks is None else sinks,
+            HAS_SINKS=sinks is not None and splits == 1,
             GROUP=group,
             HEADS=heads,
             ROWS=rows,
@@ -190,7 +195,16 @@ def paged_attention(
             **dependent_launch(q),
         )
         if splits > 1:
-            _merge_splits_kernel[(tokens * heads,)](partial, out, SPLITS=splits, D=head_dim, **dependent_launch(q))
+            _merge_splits_kernel[(tokens * heads,)](
+                partial,
+                out,
+                q if sinks is None else sinks,
+                HAS_SINKS=sinks is not None,
+                HEADS=heads,
+                SPLITS=splits,
+                D=head_dim,
+                **dependent_launch(q),
+            )
     return out
 
 
@@ -323,6 +337,8 @@ def _paged_attention_kernel(
     tile_count_ptr,
     scale,
     window,
+    sinks_ptr,
+    HAS_SINKS: tl.constexpr,
     GROUP: tl.constexpr,
     HEADS: tl.constexpr,
     ROWS: tl.constexpr,
@@ -385,6 +401,12 @@ def _paged_attention_kernel(
                 q, k, v, keys_at, present, position, lowest, running_max, total, acc, scale, PRECISION
             )
         if SPLITS == 1:
+            if HAS_SINKS:  # the sink's term in the denominator, all rescaled to the larger maximum
+                sink = tl.load(sinks_ptr + head, mask=valid, other=0.0).to(tl.float32)
+                common = tl.maximum(running_max, sink)
+                alpha = tl.exp(running_max - common)
+                acc = acc * alpha[:, None]
+                total = total * alpha + tl.exp(sink - common)
             out = acc / tl.where(total > 0, total, 1.0)[:, None]  # a padding row has no key
             tl.store(out_ptr + at[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
         else:  # [N, h, SPLITS, D + 2]: the unnormalised sum, its running maximum and total
@@ -395,16 +417,31 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _merge_splits_kernel(partial_ptr, out_ptr, SPLITS: tl.constexpr, D: tl.constexpr, GDC: tl.constexpr):
+def _merge_splits_kernel(
+    partial_ptr,
+    out_ptr,
+    sinks_ptr,
+    HAS_SINKS: tl.constexpr,
+    HEADS: tl.constexpr,
+    SPLITS: tl.constexpr,
+    D: tl.constexpr,
+    GDC: tl.constexpr,
+):
     """One (token, head): the splits' sums rescaled to their common maximum (a split without keys
-    has maximum -inf and weighs nothing)."""
+    has maximum -inf and weighs nothing), and with sinks the head's sink in the denominator."""
     wait_for_inputs(GDC)
     token_head = tl.program_id(0).to(tl.int64)
     splits = tl.arange(0, SPLITS)
     d = tl.arange(0, D)
     at = (token_head * SPLITS + splits) * (D + 2)
     maxima = tl.load(partial_ptr + at + D)
-    scale = tl.exp(maxima - tl.max(maxima, axis=0))
+    common = tl.max(maxima, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + token_head % HEADS).to(tl.float32)
+        common = tl.maximum(common, sink)
+    scale = tl.exp(maxima - common)
     total = tl.sum(tl.load(partial_ptr + at + D + 1) * scale, axis=0)
+    if HAS_SINKS:
+        total += tl.exp(sink - common)
     acc = tl.sum(tl.load(partial_ptr + at[:, None] + d[None, :]) * scale[:, None], axis=0)
     tl.store(out_ptr + token_head * D + d, (acc / total).to(out_ptr.dtype.element_ty))
