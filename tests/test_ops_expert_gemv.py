@@ -72,6 +72,35 @@ def test_per_token_expert_gemvs(triton_kernels, dtype, k):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_per_token_expert_gemvs_of_gpt_oss_experts(triton_kernels, dtype):
+    """GPT-OSS's experts in the same two kernels: gate and up biases (each sum rounded, then the
+    bias added and rounded, as the unfused path), its clamped SwiGLU (a limit that clamps about
+    a third of gate and up), and the down bias weighted by the routing weights, at a share (a
+    tensor-parallel rank's 1/2); against the gather + bmm reference, clamped_swiglu and combine."""
+    from moemesh.ops.swiglu import clamped_swiglu
+
+    tokens, k, experts, inner, hidden, alpha, limit, share = 3, 4, 6, 300, 70, 1.702, 10.0, 0.5
+    x = torch.randn(tokens, hidden).to(dtype)
+    gate_up, down = torch.randn(experts, 2 * inner, hidden).to(dtype), torch.randn(experts, hidden, inner).to(dtype)
+    gate_up_bias, down_bias = torch.randn(experts, 2 * inner).to(dtype), torch.randn(experts, hidden).to(dtype)
+    ids = torch.stack([torch.randperm(experts)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k)
+    gated = expert_swiglu_gemv(x, gate_up, ids, bias=gate_up_bias, clamp=(alpha, limit))
+    products = expert_gemv_reference(x.double(), gate_up.double(), ids)
+    assert 0.2 < (products.abs() > limit).double().mean() < 0.5  # the clamp bites
+    biased = products.to(dtype).double() + gate_up_bias[ids.flatten()].double()
+    assert rel_err(gated, clamped_swiglu(biased, alpha, limit)) <= tol(dtype)
+    assert rel_err(expert_swiglu_gemv(x, gate_up, ids), clamped_swiglu(biased, alpha, limit)) > 0.1  # (it matters)
+    expected = combine_reference(
+        expert_gemv_reference(gated.double(), down.double(), ids.view(-1, 1)),
+        torch.arange(tokens * k).view(tokens, k),
+        weights.double(),
+    ) + (weights.double()[..., None] * down_bias[ids].double() * share).sum(1)
+    got = expert_gemv_combine(gated, down, ids, weights, early_ids=True, bias=down_bias, bias_share=share)
+    assert rel_err(got, expected) <= tol(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("per_token", [False, True])
 def test_a_bank_of_some_experts_adds_only_its_own(triton_kernels, dtype, per_token):
     """A rank holding experts 2..4 of 7 (`first_expert=2`) is given the step's global ids: the rows

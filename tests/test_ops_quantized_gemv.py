@@ -26,7 +26,7 @@ from moemesh.ops.expert_gemv import (
     expert_swiglu_gemv,
 )
 from moemesh.ops.quantized_weight import FP8_TILE, QuantizedWeight
-from moemesh.ops.swiglu import swiglu_reference
+from moemesh.ops.swiglu import clamped_swiglu, swiglu_reference
 from numerics import rel_err
 
 FORMATS = ["fp8", "fp8-offset", "mxfp4"]
@@ -95,6 +95,16 @@ def test_expert_gemvs_read_quantized_banks(triton_kernels, fmt, tokens):
         assert tokens == 0 or rel_err(out, summed) <= 1e-6
         by_expert = combine_pairs(expert_gemv(gated, down, ids.view(-1, 1)), ids, weights)
         assert tokens == 0 or rel_err(by_expert, summed) <= 1e-6
+        # GPT-OSS's form: biases on gate, up and down, its clamped SwiGLU
+        gate_up_bias, down_bias = torch.randn(experts, 2 * inner), torch.randn(experts, hidden)
+        gated = expert_swiglu_gemv(x, gate_up, ids, bias=gate_up_bias, clamp=(1.702, 2.0))
+        biased = expected + gate_up_bias[ids.flatten()].double()
+        assert tokens == 0 or rel_err(gated, clamped_swiglu(biased, 1.702, 2.0)) <= 1e-6
+        out = expert_gemv_combine(gated, down, ids, weights, bias=down_bias)
+        summed = combine_reference(
+            expert_gemv_reference(gated.double(), wide(down), ids.view(-1, 1)), positions, weights.double()
+        ) + (weights.double()[..., None] * down_bias[ids].double()).sum(1)
+        assert tokens == 0 or rel_err(out, summed) <= 1e-6
 
 
 @pytest.mark.parametrize("fmt", ["fp8-offset", "mxfp4"])

@@ -30,7 +30,7 @@ token. Two shapes of step:
     52.1 padded to 2,048; docs/benchmarks.md). A bucket samples
     min(bucket, max_batch) rows, those past the step's at its first token. Larger steps, steps
     that keep all the logits of a chunk, and models whose attention needs the runs on the host
-    (the eager reference: latent attention, sinks) run eagerly.
+    (the eager reference: DeepSeek's latent attention) run eagerly.
 
 Pool size: `num_blocks` as given; else on a GPU from memory — one forward of the largest step
 (max_num_batched_tokens tokens, into the scratch row) measures the activations' peak, and the

@@ -220,7 +220,10 @@ class Experts(nn.Module):
         self.activation = swiglu
         if config.hidden_act != "silu":  # GeGLU (Gemma)
             self.activation = functools.partial(_glu, ACTIVATIONS[config.hidden_act])
+        # GPT-OSS's clamped SwiGLU: (alpha, limit), which the decoding kernels fuse too.
+        self.swiglu_clamp = None
         if config.swiglu_limit is not None:
+            self.swiglu_clamp = (config.swiglu_alpha, config.swiglu_limit)
             self.activation = functools.partial(clamped_swiglu, alpha=config.swiglu_alpha, limit=config.swiglu_limit)
         # The share of down_proj_bias each copy of the output adds. Tensor parallelism makes the
         # output a partial sum that is reduced once per block, so there every rank adds bias / tp.
@@ -276,9 +279,9 @@ class Experts(nn.Module):
         """x [T, H] through each token's experts expert_ids [T, k], summed with the routing
         weights [T, k] -> [T, H] (no autograd through the kernels: inference). SwiGLU experts
         without biases fuse the activation into the gate/up GEMV, and for the fewest tokens run
-        per token with the weighted sum fused too (`ops/expert_gemv.py`); other experts (biases,
-        a clamped SwiGLU) run per token too for the fewest, the activation and biases in torch
-        between the two kernels; quantized banks are
+        per token with the weighted sum fused too (`ops/expert_gemv.py`) — GPT-OSS's too, its
+        biases and clamped SwiGLU in the same two kernels; others (GeGLU) run per token for the
+        fewest, the activation in torch between the two kernels; quantized banks are
         read in their codes by the same kernels, with no host sync. `first_expert`: this
         bank holds the experts first_expert .. first_expert + E - 1 of the ids (expert
         parallelism over tokens every rank holds); the other ranks' pairs add nothing here, and
@@ -292,9 +295,20 @@ class Experts(nn.Module):
             raise ValueError("the selected experts of one rank among several take no expert biases")
         first = first_expert or 0
         if use_triton(x) and expert_ids.numel() <= PER_TOKEN_ROWS:
-            if plain:
-                gated = expert_swiglu_gemv(x, gate_up_proj, expert_ids, first)
-                return expert_gemv_combine(gated, down_proj, expert_ids, weights, first, early_ids=True)
+            if self.activation is swiglu or self.swiglu_clamp is not None:  # the kernels' activations
+                gated = expert_swiglu_gemv(
+                    x, gate_up_proj, expert_ids, first, bias=self.gate_up_proj_bias, clamp=self.swiglu_clamp
+                )
+                return expert_gemv_combine(
+                    gated,
+                    down_proj,
+                    expert_ids,
+                    weights,
+                    first,
+                    early_ids=True,
+                    bias=self.down_proj_bias,
+                    bias_share=self.down_bias_share,
+                )
             gate_up = expert_pair_gemv(x, gate_up_proj, expert_ids, first)
             if self.gate_up_proj_bias is not None:
                 gate_up = gate_up + self.gate_up_proj_bias[expert_ids.flatten()].to(gate_up.dtype)

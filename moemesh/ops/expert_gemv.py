@@ -38,9 +38,12 @@ expert's bytes read as above — the per-expert kernel to the values `bank.to(x.
 (`load_rows`), the per-token ones as exact fp32 products (`row_products`, on their own tiles; the
 combine folds each slot's routing weight into them); the references take the chosen experts'
 entries of the bank dequantized (`QuantizedWeight.experts`). `expert_pair_gemv` is the per-token
-form without a fused activation, for experts with biases or a clamped SwiGLU (gpt-oss).
+form without a fused activation (Gemma's GeGLU). GPT-OSS's experts — biases on gate, up and down
+and a clamped SwiGLU — take the two fused kernels too (`bias`, `clamp`): unfused, the biases'
+gathers and adds and the clamped activation were some dozen small launches a layer.
 
-Limits: forward only (inference: no autograd); SwiGLU is the only activation fused.
+Limits: forward only (inference: no autograd); SwiGLU (plain or GPT-OSS's clamped) is the only
+activation fused.
 """
 
 import torch
@@ -279,10 +282,19 @@ _pair_tiles = tiles_by_format(SWIGLU_CONFIGS, ROW_CONFIGS)
 _combine_tiles = tiles_by_format(COMBINE_CONFIGS, ROW_CONFIGS)
 
 
-def expert_swiglu_gemv(x: torch.Tensor, gate_up, expert_ids: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
+def expert_swiglu_gemv(
+    x: torch.Tensor,
+    gate_up,
+    expert_ids: torch.Tensor,
+    first_expert: int = 0,
+    bias: torch.Tensor | None = None,
+    clamp: tuple[float, float] | None = None,
+) -> torch.Tensor:
     """x [T, K], gate_up [E, 2I, K] (gate rows, then up rows), expert_ids [T, k] -> [T·k, I]
-    (Triton only: the reference is expert_gemv(x, gate_up, ids, glu=True, first_expert=...))."""
-    return _per_pair(x, gate_up, expert_ids, first_expert, swiglu=True)
+    (Triton only: the reference is expert_gemv(x, gate_up, ids, glu=True, first_expert=...)).
+    GPT-OSS's form: `bias` [E, 2I] added to gate and up (each rounded, as the unfused add rounds),
+    and `clamp` (alpha, limit) its clamped SwiGLU (`ops/swiglu.clamped_swiglu`)."""
+    return _per_pair(x, gate_up, expert_ids, first_expert, swiglu=True, bias=bias, clamp=clamp)
 
 
 def expert_pair_gemv(x: torch.Tensor, weight, expert_ids: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
@@ -292,18 +304,30 @@ def expert_pair_gemv(x: torch.Tensor, weight, expert_ids: torch.Tensor, first_ex
     return _per_pair(x, weight, expert_ids, first_expert, swiglu=False)
 
 
-def _per_pair(x: torch.Tensor, weight, expert_ids: torch.Tensor, first_expert: int, swiglu: bool) -> torch.Tensor:
+def _per_pair(
+    x: torch.Tensor,
+    weight,
+    expert_ids: torch.Tensor,
+    first_expert: int,
+    swiglu: bool,
+    bias: torch.Tensor | None = None,
+    clamp: tuple[float, float] | None = None,
+) -> torch.Tensor:
     x, weight = x.contiguous(), _contiguous(weight)
     tokens, k = expert_ids.shape
     inner = weight.shape[1] // 2 if swiglu else weight.shape[1]
     out = x.new_empty(tokens * k, inner)
     codes, scales, stride, offset, constants = kernel_operands(weight, x.dtype)
+    alpha, limit = clamp or (1.0, 0.0)
     if tokens:
         _per_pair_kernel[lambda meta: (tokens * k, triton.cdiv(inner, meta["BLOCK_OUT"]))](
             x,
             codes,
             scales,
             expert_ids.contiguous(),
+            x if bias is None else bias.contiguous(),
+            alpha,
+            limit,
             out,
             triton.next_power_of_2(tokens),
             x.shape[1],
@@ -314,6 +338,8 @@ def _per_pair(x: torch.Tensor, weight, expert_ids: torch.Tensor, first_expert: i
             offset,
             K=k,
             SWIGLU=swiglu,
+            HAS_BIAS=bias is not None,
+            CLAMPED=clamp is not None,
             **constants,
             **dependent_launch(x),
         )
@@ -327,13 +353,17 @@ def expert_gemv_combine(
     weights: torch.Tensor,
     first_expert: int = 0,
     early_ids: bool = False,
+    bias: torch.Tensor | None = None,
+    bias_share: float = 1.0,
 ) -> torch.Tensor:
     """a [T·k, I], down [E, H, I], expert_ids and weights [T, k] -> [T, H]: the slots whose expert
     is in the bank, summed (Triton only: the reference is combine_pairs(expert_gemv(a, down,
     ids.view(-1, 1), first_expert=...), ids, weights, first_expert, E)). `early_ids`: the ids were
     written before the kernel that writes `a` (the router's, before `expert_swiglu_gemv`), so each
     program reads them and its first block of the chosen experts' weights before it waits for that
-    kernel under a dependent launch (ops/backend.py), as the GEMV reads its first weights."""
+    kernel under a dependent launch (ops/backend.py), as the GEMV reads its first weights.
+    `bias` [E, H] (GPT-OSS's down_proj_bias): Σ_j w[t, j] · bias_share · bias[ids[t, j]] added in
+    the same fp32 sum (rounded once, where the unfused path rounds the two sums apart)."""
     early_ids = early_ids and EARLY_WEIGHTS and expert_ids.is_contiguous()  # (a copy: the kernel just before)
     a, down = a.contiguous(), _contiguous(down)
     tokens, k = expert_ids.shape
@@ -347,6 +377,8 @@ def expert_gemv_combine(
             scales,
             expert_ids.contiguous(),
             weights.contiguous(),
+            a if bias is None else bias.contiguous(),
+            bias_share,
             out,
             triton.next_power_of_2(tokens),
             a.shape[1],
@@ -358,6 +390,7 @@ def expert_gemv_combine(
             K=k,
             K_PAD=triton.next_power_of_2(k),
             EARLY_IDS=early_ids,
+            HAS_BIAS=bias is not None,
             **constants,
             **dependent_launch(a),
         )
@@ -371,6 +404,9 @@ def _per_pair_kernel(
     weight_ptr,
     scales_ptr,
     ids_ptr,
+    bias_ptr,
+    alpha,
+    limit,
     out_ptr,
     size_class,
     hidden,
@@ -381,6 +417,8 @@ def _per_pair_kernel(
     offset,
     K: tl.constexpr,
     SWIGLU: tl.constexpr,  # silu(gate) * up of a bank of 2 * inner rows (gate, then up); else inner rows
+    HAS_BIAS: tl.constexpr,  # a bias per row of the bank, added to each product (rounded)
+    CLAMPED: tl.constexpr,  # GPT-OSS's SwiGLU: clamped gate and up, sigmoid(alpha * gate), up + 1
     FORMAT: tl.constexpr,  # 0: a dense bank; 1: fp8, 2: mxfp4 (quantized_weight.row_products)
     ALIGNED: tl.constexpr,
     COMPILED: tl.constexpr,
@@ -434,9 +472,22 @@ def _per_pair_kernel(
             if SWIGLU:
                 up = tl.sum(up_runs, axis=1)
         gate = gate.to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as the unfused GEMV's output
+        if HAS_BIAS:  # + the bias, rounded as the unfused add
+            gate_bias = tl.load(bias_ptr + gate_row, mask=cols < inner, other=0.0).to(out_ptr.dtype.element_ty)
+            gate = (gate + gate_bias.to(tl.float32)).to(out_ptr.dtype.element_ty).to(tl.float32)
         if SWIGLU:
             up = up.to(out_ptr.dtype.element_ty).to(tl.float32)
-            out = gate / (1.0 + tl.exp(-gate)) * up
+            if HAS_BIAS:
+                up_bias = tl.load(bias_ptr + gate_row + inner, mask=cols < inner, other=0.0).to(
+                    out_ptr.dtype.element_ty
+                )
+                up = (up + up_bias.to(tl.float32)).to(out_ptr.dtype.element_ty).to(tl.float32)
+            if CLAMPED:
+                gate = tl.minimum(gate, limit)
+                up = tl.minimum(tl.maximum(up, -limit), limit)
+                out = (up + 1.0) * gate / (1.0 + tl.exp(-alpha * gate))
+            else:
+                out = gate / (1.0 + tl.exp(-gate)) * up
         else:
             out = gate
         tl.store(out_ptr + row * inner + cols, out.to(out_ptr.dtype.element_ty), mask=cols < inner)
@@ -464,6 +515,8 @@ def _expert_gemv_combine_kernel(
     scales_ptr,
     ids_ptr,
     weights_ptr,
+    bias_ptr,
+    bias_share,
     out_ptr,
     size_class,
     inner,
@@ -475,6 +528,7 @@ def _expert_gemv_combine_kernel(
     K: tl.constexpr,
     K_PAD: tl.constexpr,
     EARLY_IDS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     FORMAT: tl.constexpr,  # 0: a dense bank; 1: fp8, 2: mxfp4 (_combine_quantized)
     ALIGNED: tl.constexpr,
     COMPILED: tl.constexpr,
@@ -486,8 +540,9 @@ def _expert_gemv_combine_kernel(
     if FORMAT != 0:  # a quantized bank: each slot's rows in turn, products in one register tile
         wait_for_inputs(GDC)
         _combine_quantized(
-            a_ptr, weight_ptr, scales_ptr, ids_ptr, weights_ptr, out_ptr, inner, hidden, first_expert, experts,
-            scale_stride, offset, K, FORMAT, ALIGNED, COMPILED, BLOCK_OUT, BLOCK_K,
+            a_ptr, weight_ptr, scales_ptr, ids_ptr, weights_ptr, bias_ptr, bias_share, out_ptr, inner, hidden,
+            first_expert, experts, scale_stride, offset, K, K_PAD, HAS_BIAS, FORMAT, ALIGNED, COMPILED, BLOCK_OUT,
+            BLOCK_K,
         )  # fmt: skip
         return
     if not EARLY_IDS:
@@ -513,14 +568,36 @@ def _expert_gemv_combine_kernel(
     expert_out = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as the unfused GEMV's output
     weights = tl.load(weights_ptr + rows, mask=here, other=0.0).to(tl.float32)
     total = tl.sum(weights[:, None] * expert_out, axis=0)
+    if HAS_BIAS:
+        total += _weighted_bias(
+            bias_ptr, bias_share, ids_ptr, weights_ptr, token, cols, hidden, first_expert, experts, K, K_PAD
+        )
     tl.store(out_ptr + token * hidden + cols, total.to(out_ptr.dtype.element_ty), mask=cols < hidden)
 
 
 @triton.jit
+def _weighted_bias(
+    bias_ptr, bias_share, ids_ptr, weights_ptr, token, cols, hidden, first_expert, experts,
+    K: tl.constexpr, K_PAD: tl.constexpr,
+):  # fmt: skip
+    """Σ_j w[t, j] · bias_share · bias[ids[t, j]] over the token's slots in the bank: [BLOCK_OUT] fp32."""
+    slots = tl.arange(0, K_PAD)
+    rows = token * K + slots
+    chosen = tl.load(ids_ptr + rows, mask=slots < K, other=-1).to(tl.int64) - first_expert
+    here = (slots < K) & (chosen >= 0) & (chosen < experts)
+    weights = tl.load(weights_ptr + rows, mask=here, other=0.0).to(tl.float32)
+    bias = tl.load(
+        bias_ptr + chosen[:, None] * hidden + cols[None, :], mask=here[:, None] & (cols[None, :] < hidden), other=0.0
+    )
+    return tl.sum(weights[:, None] * (bias.to(tl.float32) * bias_share), axis=0)
+
+
+@triton.jit
 def _combine_quantized(
-    a_ptr, weight_ptr, scales_ptr, ids_ptr, weights_ptr, out_ptr, inner, hidden, first_expert, experts,
-    scale_stride, offset, K: tl.constexpr, FORMAT: tl.constexpr, ALIGNED: tl.constexpr, COMPILED: tl.constexpr,
-    BLOCK_OUT: tl.constexpr, BLOCK_K: tl.constexpr,
+    a_ptr, weight_ptr, scales_ptr, ids_ptr, weights_ptr, bias_ptr, bias_share, out_ptr, inner, hidden, first_expert,
+    experts, scale_stride, offset, K: tl.constexpr, K_PAD: tl.constexpr, HAS_BIAS: tl.constexpr,
+    FORMAT: tl.constexpr, ALIGNED: tl.constexpr, COMPILED: tl.constexpr, BLOCK_OUT: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """The combine of a quantized bank: out[t] = Σ_j w[t, j] · down[ids[t, j]] @ a[t·k + j], each
     slot's routing weight folded into its products (each expert's output is not rounded to the
@@ -540,4 +617,8 @@ def _combine_quantized(
                 scale_stride, offset, FORMAT, ALIGNED, COMPILED, BLOCK_K,
             )  # fmt: skip
     total = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        total += _weighted_bias(
+            bias_ptr, bias_share, ids_ptr, weights_ptr, token, cols, hidden, first_expert, experts, K, K_PAD
+        )
     tl.store(out_ptr + token * hidden + cols, total.to(out_ptr.dtype.element_ty), mask=cols < hidden)
