@@ -1273,8 +1273,9 @@ def record_decode(args, rows: list[dict]) -> None:
             peer = theirs.get(batch)
             at, name = {**shape, "batch": batch}, "" if peer is None else "transformers"
         else:  # "moemesh, fp8": the weights kept quantized
-            peer = dense.get(batch)
-            at, name = {**shape, "batch": batch, "base": row["side"].split(", ")[1]}, "moemesh bf16"
+            peer = dense.get(batch)  # (None where bf16's weights do not fit: no peer)
+            at = {**shape, "batch": batch, "base": row["side"].split(", ")[1]}
+            name = "" if peer is None else "moemesh bf16"
         record("decode ms/token", at, row["_ms"], "ms", name, peer)
         record("decode tokens/s", at, batch * 1e3 / row["_ms"], "tokens/s", name, peer and batch * 1e3 / peer)
         theirs_here = gpt_fast.get("bf16" if row["side"] == "moemesh" else "int8") if batch == 1 else None
