@@ -100,6 +100,8 @@ def test_expert_gemvs_read_quantized_banks(triton_kernels, fmt, tokens):
         gated = expert_swiglu_gemv(x, gate_up, ids, bias=gate_up_bias, clamp=(1.702, 2.0))
         biased = expected + gate_up_bias[ids.flatten()].double()
         assert tokens == 0 or rel_err(gated, clamped_swiglu(biased, 1.702, 2.0)) <= 1e-6
+        per_pair = expert_pair_gemv(x, gate_up, ids, bias=gate_up_bias)  # (the form of other activations)
+        assert tokens == 0 or rel_err(per_pair, biased) <= 1e-6
         out = expert_gemv_combine(gated, down, ids, weights, bias=down_bias)
         summed = combine_reference(
             expert_gemv_reference(gated.double(), wide(down), ids.view(-1, 1)), positions, weights.double()

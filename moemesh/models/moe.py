@@ -309,14 +309,16 @@ class Experts(nn.Module):
                     bias=self.down_proj_bias,
                     bias_share=self.down_bias_share,
                 )
-            gate_up = expert_pair_gemv(x, gate_up_proj, expert_ids, first)
-            if self.gate_up_proj_bias is not None:
-                gate_up = gate_up + self.gate_up_proj_bias[expert_ids.flatten()].to(gate_up.dtype)
-            out = expert_gemv_combine(self.activation(gate_up), down_proj, expert_ids, weights, first)
-            if self.down_proj_bias is not None:  # Σ_j w_j · bias_j, beside the weighted sum
-                bias = self.down_proj_bias[expert_ids] * self.down_bias_share
-                out = out + (weights.unsqueeze(-1).to(bias.dtype) * bias).sum(1).to(out.dtype)
-            return out
+            gate_up = expert_pair_gemv(x, gate_up_proj, expert_ids, first, bias=self.gate_up_proj_bias)
+            return expert_gemv_combine(
+                self.activation(gate_up),
+                down_proj,
+                expert_ids,
+                weights,
+                first,
+                bias=self.down_proj_bias,
+                bias_share=self.down_bias_share,
+            )
         if plain:
             gated = expert_gemv(x, gate_up_proj, expert_ids, glu=True, first_expert=first)
         else:

@@ -297,11 +297,13 @@ def expert_swiglu_gemv(
     return _per_pair(x, gate_up, expert_ids, first_expert, swiglu=True, bias=bias, clamp=clamp)
 
 
-def expert_pair_gemv(x: torch.Tensor, weight, expert_ids: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
+def expert_pair_gemv(
+    x: torch.Tensor, weight, expert_ids: torch.Tensor, first_expert: int = 0, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """x [T, K], weight [E, O, K], expert_ids [T, k] -> [T·k, O], a program a (pair, block of
     outputs): the per-token form of expert_gemv(x, weight, ids, first_expert=...), for experts
     whose activation is not fused (biases, a clamped SwiGLU). Triton only."""
-    return _per_pair(x, weight, expert_ids, first_expert, swiglu=False)
+    return _per_pair(x, weight, expert_ids, first_expert, swiglu=False, bias=bias)
 
 
 def _per_pair(
