@@ -50,7 +50,11 @@ transformers: bf16, SDPA, grouped_mm experts where the version has them, its dyn
 Also printed: the share of moemesh's tokens at batch B equal to batch 1's for the same prompt
 (bf16 greedy: rows batched differently round differently, and a near-tie can flip). --agreement N
 (with --quantize): N prompts' greedy tokens from the kept weights against the same weights
-dequantized (`agreement_row`).
+dequantized (`agreement_row`). --profile-steps N instead of timing: the GPU kernels of N decode
+steps at --profile-batch, by name, with --quantize each format's table after bf16's. Under
+dependent launches (ops/backend.py) a kernel's time includes its wait for the one before, so its
+share says where a step waits, not what the kernel costs; "span" is the first kernel's start to the
+last one's end, a step's share of it.
 
 Sides run one after the other, each model freed before the next (the 48-layer model is 61 GB in
 bf16). Prints a table per model; nothing is written but --record's rows.
@@ -995,11 +999,27 @@ def sum_in_norm_columns(x, exact, group) -> dict:
 def profile_rows(config, args, device, prompts) -> list[dict]:
     """The GPU kernels of --profile-steps decode steps of the engine (in batch-invariant mode with
     --batch-invariant) at batch --profile-batch, by name: calls and microseconds per step, the
-    busiest first (the kernels of the graphs' replays; the prompts' prefill not included)."""
-    model = build(config, seed=0, device=device).eval()
-    max_len = args.prompt_len + args.profile_steps + 2
-    engine = DecodeEngine(model, max_batch=args.profile_batch, max_len=max_len, batch_invariant=args.batch_invariant)
-    return kernel_rows(engine, args, prompts)
+    busiest first (the kernels of the graphs' replays; the prompts' prefill not included). With
+    --quantize, each format's table after bf16's (a model that does not fit: a row saying so)."""
+    rows = []
+    for fmt in ["bf16", *args.quantize]:
+        try:
+            if fmt == "bf16":
+                model = build(config, seed=0, device=device).eval()
+            else:
+                model = quantized_model(config, device, torch.get_default_dtype(), fmt)
+        except torch.OutOfMemoryError:
+            free()
+            rows.append({"kernel": f"{fmt}: out of memory"})
+            continue
+        max_len = args.prompt_len + args.profile_steps + 2
+        engine = DecodeEngine(
+            model, max_batch=args.profile_batch, max_len=max_len, batch_invariant=args.batch_invariant
+        )
+        rows += [{"weights": fmt, **row} for row in kernel_rows(engine, args, prompts)]
+        del model, engine
+        free()
+    return rows
 
 
 def kernel_rows(engine: DecodeEngine, args, prompts) -> list[dict]:
@@ -1016,6 +1036,7 @@ def kernel_table(kernels: list[dict], steps: int, what: str) -> list[dict]:
     (30 rows, the first all of them)."""
     by_name = kernels_by_name(kernels)
     busy = sum(us for _, us, _ in by_name)
+    span = max((k["ts"] + k["dur"] for k in kernels), default=0) - min((k["ts"] for k in kernels), default=0)
     rows = [
         {
             "kernel": name,
@@ -1032,6 +1053,7 @@ def kernel_table(kernels: list[dict], steps: int, what: str) -> list[dict]:
             "calls/step": f"{len(kernels) / steps:.0f}",
             "µs/step": f"{busy / steps:.0f}",
             "share": "100%",
+            "span µs/step": f"{span / steps:.0f}" if kernels else "-",
         },
     )
     return rows[:30]
@@ -1117,7 +1139,10 @@ def decode_arguments(parser: argparse.ArgumentParser) -> None:
         "every batch; every MoE block on the grouped GEMM; the projections by cuBLAS",
     )
     parser.add_argument(
-        "--profile-steps", type=int, default=0, help="instead of timing: the GPU kernels of this many decode steps"
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="instead of timing: the GPU kernels of this many decode steps (with --quantize, each format's too)",
     )
     parser.add_argument("--profile-batch", type=int, default=1, help="the batch of --profile-steps")
     parser.add_argument(
