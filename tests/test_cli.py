@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from moemesh.checkpoint.load import from_pretrained, load_model
-from moemesh.cli import main
+from moemesh.cli import INFERENCE_ALLOCATOR, inference_allocator, main
 from moemesh.train.trainer import train
 from tiny_run import tiny_config, write_corpus, write_tiny_toml
 
@@ -105,8 +105,11 @@ def test_the_command_line_exits_2_without_a_traceback(tmp_path):
     assert result.stderr == "moemesh train: error: unknown config key 'train.step' (did you mean 'train.steps'?)\n"
 
 
-def test_generate_prints_the_prompt_and_its_continuation(capsys, trained):
+def test_generate_prints_the_prompt_and_its_continuation(capsys, trained, monkeypatch):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     assert main(["generate", "--checkpoint", str(trained), "--prompt", "def ", "--max-new-tokens", "30"]) == 0
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == INFERENCE_ALLOCATOR  # the inference commands' default
     out = capsys.readouterr().out
     assert out.startswith("def ") and len(out) > len("def \n")
     args = ["generate", "--checkpoint", str(trained), "--prompt", "x", "--temperature", "0.9", "--top-p", "0.9"]
@@ -373,3 +376,14 @@ def test_out_of_memory_is_one_line_with_advice(monkeypatch, capsys):
         "moemesh train: error: rank 3: out of GPU memory (CUDA out of memory. Tried to allocate 2.00 GiB)"
     )
     assert "train.micro_batch" in err and "moemesh estimate" in err
+
+
+def test_a_users_allocator_setting_stands():
+    """The inference commands set expandable segments only where neither of torch's variables is set."""
+    for given in ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}, {"PYTORCH_ALLOC_CONF": "backend:native"}):
+        environ = dict(given)
+        inference_allocator(environ)
+        assert environ == given
+    environ = {}
+    inference_allocator(environ)
+    assert environ == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}

@@ -1906,6 +1906,9 @@ def preemption(args, parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from moemesh.cli import inference_allocator
+
+    inference_allocator()  # as `moemesh generate` and `serve` run (gpt-oss-120b's batch 64 needs it)
     argv = sys.argv[1:] if argv is None else argv
     mode = chosen_mode(argv, MODES)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
