@@ -50,11 +50,12 @@ transformers: bf16, SDPA, grouped_mm experts where the version has them, its dyn
 Also printed: the share of moemesh's tokens at batch B equal to batch 1's for the same prompt
 (bf16 greedy: rows batched differently round differently, and a near-tie can flip). --agreement N
 (with --quantize): N prompts' greedy tokens from the kept weights against the same weights
-dequantized (`agreement_row`). --profile-steps N instead of timing: the GPU kernels of N decode
-steps at --profile-batch, by name, with --quantize each format's table after bf16's. Under
-dependent launches (ops/backend.py) a kernel's time includes its wait for the one before, so its
-share says where a step waits, not what the kernel costs; "span" is the first kernel's start to the
-last one's end, a step's share of it.
+dequantized (`agreement_rows`), beside the kept weights run again and with only the weights
+outside the expert banks dequantized (where a parting comes from). --profile-steps N instead of
+timing: the GPU kernels of N decode steps at --profile-batch, by name, with --quantize each
+format's table after bf16's. Under dependent launches (ops/backend.py) a kernel's time includes
+its wait for the one before, so its share says where a step waits, not what the kernel costs;
+"span" is the first kernel's start to the last one's end, a step's share of it.
 
 Sides run one after the other, each model freed before the next (the 48-layer model is 61 GB in
 bf16). Prints a table per model; nothing is written but --record's rows.
@@ -286,20 +287,23 @@ def moemesh_rows(config, args, device, dtype, prompts) -> tuple[list[dict], dict
         rows += more
         first_row = first_row or first
         if args.agreement and fmt != "bf16":
-            rows.append(agreement_row(model, args, prompts, fmt))
+            rows += agreement_rows(model, args, prompts, fmt)
         del model
         free()
     return rows, first_row
 
 
-def agreement_row(model, args, prompts, fmt: str) -> dict:
+def agreement_rows(model, args, prompts, fmt: str) -> list[dict]:
     """--agreement N: the greedy tokens of N prompts × --new-tokens, batched, from the weights
     kept in `fmt`, and then from the same weights dequantized in place (each QuantizedWeight
     replaced by `weight.to(weight.dtype)`, bf16 on a GPU: the model a dequantizing reader gives):
     the share of token positions that agree, and of prompts whose tokens all do. The two run
     other kernels on the same values (exact fp32 products in the quantized one-row paths, bf16
     tiles elsewhere, sums in another order), so a disagreement is a near-tie flipped, after which
-    the two continuations part."""
+    the two continuations part. Two rows more say where the parting comes from: the kept weights
+    run again (the engine's own repeatability), and only the weights outside the expert banks
+    dequantized (attention and the other projections; the banks still kept)."""
+    from moemesh.models.moe import Experts
     from moemesh.ops.quantized_weight import QuantizedWeight
 
     tokenizer = ByteTokenizer()
@@ -314,27 +318,35 @@ def agreement_row(model, args, prompts, fmt: str) -> dict:
         free()
         return out
 
+    def dequantize(which) -> None:
+        for module in model.modules():
+            for name, weight in list(vars(module).items()):
+                if isinstance(weight, QuantizedWeight) and which(module):
+                    delattr(module, name)
+                    module.register_parameter(name, torch.nn.Parameter(weight.to(weight.dtype), requires_grad=False))
+
+    def row(against: str, other: list[list[int]]) -> dict:
+        same = sum(a == b for k, d in zip(kept, other) for a, b in zip(k, d))
+        parted = [next((i for i, (a, b) in enumerate(zip(k, d)) if a != b), None) for k, d in zip(kept, other)]
+        parted = sorted(i for i in parted if i is not None)
+        print(  # where the continuations part: at 0, the prompts' prefill already differs
+            f"agreement, {fmt}, {against}: first differing token of each parted prompt {parted}", flush=True
+        )
+        return {
+            "side": f"moemesh, {fmt} against {against}",
+            "batch": len(batch),
+            "ms/token": "",
+            "same tokens as batch 1": f"{same / sum(map(len, kept)):.1%} of tokens, "
+            f"{sum(k == d for k, d in zip(kept, other))}/{len(batch)} prompts whole",
+            "_ms": math.inf,
+        }
+
     kept = tokens()
-    for module in model.modules():
-        for name, weight in list(vars(module).items()):
-            if isinstance(weight, QuantizedWeight):
-                delattr(module, name)
-                module.register_parameter(name, torch.nn.Parameter(weight.to(weight.dtype), requires_grad=False))
-    dense = tokens()
-    same = sum(a == b for k, d in zip(kept, dense) for a, b in zip(k, d))
-    parted = [next((i for i, (a, b) in enumerate(zip(k, d)) if a != b), None) for k, d in zip(kept, dense)]
-    parted = sorted(i for i in parted if i is not None)
-    print(  # where the continuations part: at 0, the prompts' prefill already differs
-        f"agreement, {fmt}: first differing token of each parted prompt {parted}", flush=True
-    )
-    return {
-        "side": f"moemesh, {fmt} against the same weights dequantized",
-        "batch": len(batch),
-        "ms/token": "",
-        "same tokens as batch 1": f"{same / sum(map(len, kept)):.1%} of tokens, "
-        f"{sum(k == d for k, d in zip(kept, dense))}/{len(batch)} prompts whole",
-        "_ms": math.inf,
-    }
+    rows = [row("itself run again", tokens())]
+    dequantize(lambda module: not isinstance(module, Experts))
+    rows.append(row("its weights but the expert banks dequantized", tokens()))
+    dequantize(lambda module: True)
+    return [row("the same weights dequantized", tokens()), *rows]
 
 
 def weights_rows(model, config, args, prompts, fmt: str) -> tuple[list[dict], dict]:
