@@ -408,6 +408,14 @@ def _dequantize_kernel(
 # thread. Two or four runs a thread keep more bytes in flight (an H200's one-run tiles read FP8
 # at 37-40% of a copy with run sums (35% before), bf16's tiles at 61-78%: bench/kernels/ops.py
 # --quantized-gemv, 2026-12-02).
+#
+# What bounds them, counted in the loops compiled for sm90 (Triton 3.9, the row length divisible by
+# 16 as launches specialize it; 2026-12-03): an H200 streams ~16 bytes a clock an SM and issues 128
+# thread-instructions, ~8 a byte. FP8's loops take 4.4-5.9 a byte, so they are not bound by their
+# instructions; MXFP4's 15-17 (the nibbles' decoding, the conversions to fp32, an FMA each), so at
+# most ~half the bandwidth. A bf16 lookup of each nibble by `prmt` in inline PTX (15-18) and
+# `tl.dot_scaled` over 16 padded rows (13-20) counted no fewer; products on the tensor cores of
+# nibbles decoded straight to bf16 would drop the FMAs and the conversions (not built).
 ROW_TILES = [
     (2, 1024, 4),
     (4, 1024, 4),
