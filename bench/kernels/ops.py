@@ -11,7 +11,8 @@
     PYTHONPATH=. python3 bench/kernels/ops.py --gemv-tiles        # only: decoding's projections (ops/gemv.py)
     PYTHONPATH=. python3 bench/kernels/ops.py --selected-tiles    # only: batch-invariant decode's experts
     PYTHONPATH=. python3 bench/kernels/ops.py --dequantize-tiles  # only: a quantized bank's dequantization,
-                                                                  # and its product by the fused kernel
+                                                                  # its product by the fused kernel, and
+                                                                  # whether it hides behind a GEMM
     PYTHONPATH=. python3 bench/kernels/ops.py --quantized-gemv    # only: decoding's kernels on FP8/MXFP4 weights
     PYTHONPATH=. python3 bench/kernels/ops.py --grid-barrier      # only: a dependent launch against a grid barrier
 
@@ -990,6 +991,43 @@ def fused_product_rows():
                 f"  {name:<28} {str(tile):<26} {ms * 1e3:>9.0f} {flops / ms / 1e9:>8.0f} {dense_ms * 1e3:>13.0f} "
                 f"{str(equal):>6}"
             )
+        if fmt == "fp8" and not SMOKE:
+            overlap_rows(name, x, bank, sizes, offsets)
+
+
+def overlap_rows(name, x, bank, sizes, offsets):
+    """Whether a bank's dequantization hides behind another bank's grouped GEMM when the two run
+    on two streams (a prefetch of the next layer's dense bank): the GEMM alone, the
+    dequantization alone, both one after the other, and both at once (us)."""
+    from moemesh.ops import grouped_mm as grouped
+    from moemesh.ops.quantized_weight import dequantize, dequantize_triton
+
+    dense = dequantize(bank, DTYPE)
+    side = torch.cuda.Stream()
+    for tile in (None, (16, 1024, 8), (64, 2048, 8)):
+
+        def deq(t=tile):
+            return dequantize_triton(bank, DTYPE, t)
+
+        def gemm():
+            return grouped.product(x, dense, sizes, offsets)
+
+        def serial():
+            deq()
+            gemm()
+
+        def both():
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                deq()
+            gemm()
+            torch.cuda.current_stream().wait_stream(side)
+
+        times = [bench_ms(f) * 1e3 for f in (gemm, deq, serial, both)]
+        report(
+            f"  overlap {name:<20} dequant tile {str(tile):<14} GEMM {times[0]:>5.0f}  dequant {times[1]:>5.0f}  "
+            f"serial {times[2]:>5.0f}  two streams {times[3]:>5.0f}"
+        )
 
 
 def _quantized(weight: torch.Tensor, fmt: str):

@@ -38,7 +38,11 @@ And writing the decoded bank from this kernel for backward (its recomputation's 
 the dense bank as it goes, so no separate dequantization): gate_up 848 / down 434 us against
 dequantization + GEMM's 823 / 400, and a whole LoRA step (bench/train/lora.py, 4,096 tokens, FP8
 attention + experts, both in one call, 2026-12-02) 11,018 and 11,086 tokens/s against 11,230 and
-11,247 without it — removed.
+11,247 without it — removed. Nor does a dequantization hide behind a GEMM on a second stream (a
+prefetch of the next layer's dense bank, so that the first run could take torch's grouped GEMM):
+the gate_up bank's dequantization (309 us) beside its dense GEMM (462 us) took 748 us, against
+751 one after the other (bench/kernels/ops.py --dequantize-tiles' overlap rows, 2026-12-03): the
+GEMM holds every SM.
 
 Grid: one program per (M-tile of an expert, N-tile), M-tiles numbered expert after expert
 (each expert's rows rounded up to BLOCK_M); the grid is sized for the most tiles any routing
