@@ -43,7 +43,18 @@ and a clamped SwiGLU — take the two fused kernels too (`bias`, `clamp`): unfus
 gathers and adds and the clamped activation were some dozen small launches a layer.
 
 Limits: forward only (inference: no autograd); SwiGLU (plain or GPT-OSS's clamped) is the only
-activation fused.
+activation fused. The per-expert kernel on a quantized bank multiplies the dense bank's values but
+sums K in another order than on the dense bank itself: Triton lays out a dot operand by the
+narrowest load it comes from (`computeOrigBitWidth`), so a tile decoded from bytes is held 4
+elements a thread along K (kWidth 4) where a bf16 tile is held 2, and the mma.sync instructions
+take other runs of K. So 0.01-0.03% of its outputs differ in the last bit from the same kernel's
+on the bank dequantized (64 tokens of the Qwen3-30B-A3B shape on an H200, 2026-12-03; the grouped
+GEMM's operands go through shared memory and agree bit for bit), which parts greedy tokens at
+near-ties: 92.7% of 64 prompts x 64 tokens agree (bench/serve/decode.py --agreement 64). A
+side-effecting register move on the decoded tile (`tl.inline_asm_elementwise`, is_pure=False)
+ends that walk, and then every token agreed (100%, 64 of 64 prompts whole), but FP8's batch-64
+step took 17.09 ms against bf16's 16.72 in that call (without it, 14.9 against 16.8 the day
+before): not taken. What might give both: the codes (and MXFP4's scales) loaded as 16-bit words.
 """
 
 import torch
