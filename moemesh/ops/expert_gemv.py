@@ -54,7 +54,9 @@ near-ties: 92.7% of 64 prompts x 64 tokens agree (bench/serve/decode.py --agreem
 side-effecting register move on the decoded tile (`tl.inline_asm_elementwise`, is_pure=False)
 ends that walk, and then every token agreed (100%, 64 of 64 prompts whole), but FP8's batch-64
 step took 17.09 ms against bf16's 16.72 in that call (without it, 14.9 against 16.8 the day
-before): not taken. What might give both: the codes (and MXFP4's scales) loaded as 16-bit words.
+before): not taken. What might give both: the rule takes the narrower of the two operands'
+loads and halves it for a `tl.join` on the way (so codes loaded as 16-bit words and joined are 8
+again); a dense tile loaded as 32-bit words of two and joined would take kWidth 4 too.
 """
 
 import torch
