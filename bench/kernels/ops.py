@@ -449,18 +449,24 @@ def invariant_tile_rows():
 EXPERT_TP = (1, 2, 4)
 EXPERT_TOKENS = (32, 64)
 # (BLOCK_OUT, BLOCK_K, num_warps, num_stages): the shipped list, then wider blocks of shorter K.
-EXPERT_EXTRA_CONFIGS = [(256, 64, 8, 3), (256, 128, 8, 3)]
+EXPERT_EXTRA_CONFIGS = [(256, 64, 8, 3), (256, 128, 8, 3)] + [  # deeper K steps, more stages: decoded tiles
+    (16, 512, 4, 3), (32, 512, 4, 3), (64, 512, 8, 3), (64, 256, 4, 4), (32, 256, 8, 3),
+    (128, 256, 8, 3), (32, 128, 4, 6), (64, 128, 4, 5), (16, 256, 4, 6), (64, 64, 4, 6),
+]  # fmt: skip
 
 
-def expert_tile_rows(copy_gbps):
+def expert_tile_rows(copy_gbps, formats=("bf16", "tp", "fp8", "mxfp4")):
     """For gate/up (SwiGLU fused) and down, at one GPU's expert bank, TP=2 and 4 ranks' slices and
-    their whole experts: the kernel under each config of BY_EXPERT_CONFIGS and EXPERT_EXTRA_CONFIGS,
-    and as shipped (its autotuner's pick): microseconds and GB/s over the bytes of the chosen experts
-    that the rank holds; each a dependent launch, 48 of them in a CUDA graph, as a decode step runs
-    them (a bank of weights is far larger than L2: none is read from there again)."""
+    their whole experts (bf16), and the one GPU's bank kept in FP8 and MXFP4 (tiles decoded in
+    registers): the kernel under each config of BY_EXPERT_CONFIGS and EXPERT_EXTRA_CONFIGS, and
+    as shipped (its autotuner's pick): microseconds and GB/s over the bytes of the chosen experts
+    that the rank holds (codes and scales for a quantized bank); each a dependent launch, 48 of
+    them in a CUDA graph, as a decode step runs them (a bank of weights is far larger than L2:
+    none is read from there again)."""
     import triton
 
     from moemesh.ops import expert_gemv as module
+    from moemesh.ops.quantized_weight import kernel_operands
 
     kernel = module._by_expert_kernel
     jit = getattr(kernel, "fn", None) or kernel.kernel  # triton's autotuner, or the CPU's first config
@@ -469,32 +475,35 @@ def expert_tile_rows(copy_gbps):
     ]
     configs = (shipped + EXPERT_EXTRA_CONFIGS)[: 2 if SMOKE else None]
     k, hidden, experts, inner = (SIZES[n] for n in ("k", "hidden", "experts", "inner"))
-    e = torch.finfo(DTYPE).bits // 8
+    dtype = torch.float32 if SMOKE else DTYPE  # the interpreter's tl.dot is wrong in bf16
     report(f"decoding's per-expert kernel: configs (BLOCK_OUT, BLOCK_K, warps, stages), E={experts}, top-{k}")
     report(
-        f"{'projection':<30}{'tokens':>7}{'shipped us':>11}{'GB/s':>7}{'best config':>22}{'us':>8}{'GB/s':>7}"
+        f"{'projection':<38}{'tokens':>7}{'shipped us':>11}{'GB/s':>7}{'best config':>22}{'us':>8}{'GB/s':>7}"
         f"{'%copy':>7}"
     )
-    layouts = [(1, "")] + [(tp, how) for tp in EXPERT_TP[1:] for how in ("slices", "whole")]
-    for tp, how in layouts:
+    layouts = [(1, "", fmt) for fmt in ("bf16", "fp8", "mxfp4") if fmt in formats]
+    layouts += [(tp, how, "bf16") for tp in EXPERT_TP[1:] for how in ("slices", "whole") if "tp" in formats]
+    layouts = [layout for layout in layouts if layout[2] != "mxfp4" or not (hidden % 32 or inner % 32)]
+    for tp, how, fmt in layouts:
         bank, part = (experts // tp, inner) if how == "whole" else (experts, inner // tp)
         for name, out_features, width, glu in (("gate/up", part, hidden, True), ("down", hidden, part, False)):
             rows_per_expert = 2 * out_features if glu else out_features
-            weight = torch.randn(bank, rows_per_expert, width, dtype=DTYPE, device=DEVICE) / width**0.5
+            weight = _bank(bank, rows_per_expert, width, fmt, dtype)
+            codes, scales, stride, offset, constants = kernel_operands(weight, dtype)
             for tokens in (2, 3) if SMOKE else EXPERT_TOKENS:
-                x = torch.randn(tokens, width, dtype=DTYPE, device=DEVICE)
+                x = torch.randn(tokens, width, dtype=dtype, device=DEVICE)
                 ids = torch.stack([torch.randperm(experts, device=DEVICE)[:k] for _ in range(tokens)]).contiguous()
-                nbytes = int((ids.unique() < bank).sum()) * rows_per_expert * width * e  # the bank: 0 .. bank - 1
+                nbytes = int((ids.unique() < bank).sum()) * _weight_bytes(weight) // bank  # the bank: 0 .. bank - 1
                 out = x.new_empty(tokens * k, out_features)
 
                 def run(config):
                     block_out, block_k, warps, stages = config
                     grid = (bank, triton.cdiv(out_features, block_out))
                     launch = functools.partial(
-                        jit[grid], x, weight, ids, out, tokens * k, width, out_features,
-                        triton.next_power_of_2(tokens * k), 0, PAIRS_PER_X=k, GLU=glu, PRECISION="tf32",
-                        BLOCK_OUT=block_out, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
-                        **dependent_launch(x),
+                        jit[grid], x, codes, scales, ids, out, tokens * k, width, out_features,
+                        triton.next_power_of_2(tokens * k), 0, stride, offset, PAIRS_PER_X=k, GLU=glu,
+                        PRECISION="tf32", AS_DECODED=fmt == "bf16", BLOCK_OUT=block_out,
+                        BLOCK_K=block_k, num_warps=warps, num_stages=stages, **constants, **dependent_launch(x),
                     )  # fmt: skip
                     return launches_us(lambda i: launch(), 1)
 
@@ -507,12 +516,13 @@ def expert_tile_rows(copy_gbps):
                         report(f"  {config}: {type(error).__name__}")
                 as_shipped = launches_us(lambda i: module.expert_gemv_triton(x, weight, ids, glu=glu), 1)
                 best = min(times, key=times.get)
-                what = f"{name}, tp={tp} {how} [{bank}x{rows_per_expert}x{width}]"
+                what = f"{name}, {fmt}, tp={tp} {how} [{bank}x{rows_per_expert}x{width}]"
                 report(
-                    f"{what:<30}{tokens:>7}{as_shipped:>11.1f}{nbytes / as_shipped / 1e3:>7.0f}{str(best):>22}"
+                    f"{what:<38}{tokens:>7}{as_shipped:>11.1f}{nbytes / as_shipped / 1e3:>7.0f}{str(best):>22}"
                     f"{times[best]:>8.1f}{nbytes / times[best] / 1e3:>7.0f}"
                     f"{nbytes / times[best] / 1e3 / copy_gbps:>7.0%}"
                 )
+                report("    " + " ".join(f"{c}: {t:.1f}" for c, t in times.items()))
 
 
 def selected_tile_rows(copy_gbps):
@@ -1226,6 +1236,9 @@ def main():
     ):
         only.add_argument(flag, action="store_true", help=f"only: {what}")
     parser.add_argument("--picked-tiles", action="store_true", help="with --invariant-tiles: only the picked ones")
+    parser.add_argument(
+        "--tile-formats", default="bf16,tp,fp8,mxfp4", help="with --expert-tiles: the banks (tp: bf16 TP slices)"
+    )
     add_record_flag(parser)
     args = parser.parse_args()
     if not SMOKE and not torch.cuda.is_available():
@@ -1244,7 +1257,7 @@ def main():
             return 0
     copy_gbps = copy_bandwidth()
     for only, rows in (
-        (args.expert_tiles, expert_tile_rows),
+        (args.expert_tiles, functools.partial(expert_tile_rows, formats=args.tile_formats.split(","))),
         (args.gemv_tiles, gemv_tile_rows),
         (args.selected_tiles, selected_tile_rows),
         (args.dequantize_tiles, dequantize_tile_rows),

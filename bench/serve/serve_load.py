@@ -462,6 +462,9 @@ def start_server(args) -> tuple[subprocess.Popen, str, dict]:
 
 
 def main():
+    from moemesh.cli import inference_allocator
+
+    inference_allocator()  # as `moemesh serve` runs, and the child inherits it (gpt-oss-120b's prefill needs it)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", help="a server that runs already (else one is started: --layers or --config)")
     parser.add_argument("--api-key", help="sent as a bearer token")

@@ -43,20 +43,19 @@ and a clamped SwiGLU — take the two fused kernels too (`bias`, `clamp`): unfus
 gathers and adds and the clamped activation were some dozen small launches a layer.
 
 Limits: forward only (inference: no autograd); SwiGLU (plain or GPT-OSS's clamped) is the only
-activation fused. The per-expert kernel on a quantized bank multiplies the dense bank's values but
-sums K in another order than on the dense bank itself: Triton lays out a dot operand by the
-narrowest load it comes from (`computeOrigBitWidth`), so a tile decoded from bytes is held 4
-elements a thread along K (kWidth 4) where a bf16 tile is held 2, and the mma.sync instructions
-take other runs of K. So 0.01-0.03% of its outputs differ in the last bit from the same kernel's
-on the bank dequantized (64 tokens of the Qwen3-30B-A3B shape on an H200, 2026-12-03; the grouped
-GEMM's operands go through shared memory and agree bit for bit), which parts greedy tokens at
-near-ties: 92.7% of 64 prompts x 64 tokens agree (bench/serve/decode.py --agreement 64). A
-side-effecting register move on the decoded tile (`tl.inline_asm_elementwise`, is_pure=False)
-ends that walk, and then every token agreed (100%, 64 of 64 prompts whole), but FP8's batch-64
-step took 17.09 ms against bf16's 16.72 in that call (without it, 14.9 against 16.8 the day
-before): not taken. What might give both: the rule takes the narrower of the two operands'
-loads and halves it for a `tl.join` on the way (so codes loaded as 16-bit words and joined are 8
-again); a dense tile loaded as 32-bit words of two and joined would take kWidth 4 too.
+activation fused. The per-expert kernel sums a quantized bank's products in the dense bank's
+order only because a dense bank's tile is made to take the decoded one's layout: Triton lays out
+a dot operand by the narrowest load it comes from (`computeOrigBitWidth`), so a tile decoded from
+bytes is held 4 elements a thread along K (kWidth 4) where a bf16 one is held 2, and mma.sync
+takes other runs of K. Before, 0.01-0.03% of its outputs on an FP8 bank differed in the last bit
+from its outputs on the bank dequantized (64 tokens of the Qwen3-30B-A3B shape, an H200,
+2026-12-03), which parted greedy tokens at near-ties: 92.7% of 64 prompts x 64 tokens agreed
+(bench/serve/decode.py --agreement 64). Now the activations of a dense bank's product pass a
+`tl.where` on a mask from a byte load (AS_DECODED; always true): the walk meets a load of 8 bits,
+both operands take kWidth 4, and the outputs are bit-equal — 100% of the tokens agree, 64 of 64
+prompts whole (2026-12-04). It costs the bf16 bank's gate/up + down at 64 tokens 297 us against
+285, ~1% of a bf16 decode step at batch 64; making the decoded tile take the dense layout instead
+(a side-effecting register move, `tl.inline_asm_elementwise`) cost FP8's batch-64 step 15%.
 """
 
 import torch
@@ -131,6 +130,8 @@ BY_EXPERT_CONFIGS = [
         (16, 256, 4, 4),
         (128, 64, 4, 3),  # wider blocks of shorter K: a TP=4 rank's slice of down [2048 x 192] read
         (128, 32, 4, 4),  # 1.17x faster in a step's graph (bench/kernels/ops.py --expert-tiles, 2026-11-29)
+        (256, 128, 8, 3),  # an FP8 bank's gate/up at 64 tokens: 136.5 us against 146.7 (the same, 2026-12-04)
+        (32, 128, 4, 6),  # a bf16 bank's gate/up at 32 and 64 tokens: 162.5 / 190.8 us against 165.6 / 196.8
     )
 ]
 
@@ -160,6 +161,7 @@ def expert_gemv_triton(
             PAIRS_PER_X=k,
             GLU=glu,
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            AS_DECODED=constants["FORMAT"] == 0,
             **constants,
             **dependent_launch(x),
         )
@@ -219,6 +221,7 @@ def _by_expert_kernel(
     GDC: tl.constexpr,
     BLOCK_OUT: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    AS_DECODED: tl.constexpr = False,
     ROWS: tl.constexpr = 16,
     SCAN: tl.constexpr = 256,
 ):
@@ -233,6 +236,9 @@ def _by_expert_kernel(
     matrix = weight_ptr + expert.to(tl.int64) * rows_per_expert * inner + cols[None, :].to(tl.int64) * inner
     gate_rows = expert.to(tl.int64) * rows_per_expert + cols.to(tl.int64)  # a quantized bank's rows
     m = tl.arange(0, ROWS)
+    if AS_DECODED:  # a dense bank's tile summed as a decoded one (the Limits above): a byte-load mask
+        byte = tl.arange(0, BLOCK_K)
+        nonzero = (tl.load(x_ptr.to(tl.pointer_type(tl.uint8)) + byte, mask=byte < 2 * inner, other=0) | 1) != 0
     for first in range(0, count, ROWS):
         pair = expert_pair_block(ids_ptr, pairs, expert + first_expert, first, ROWS, SCAN)
         valid = first + m < count
@@ -242,6 +248,8 @@ def _by_expert_kernel(
         for k0 in range(0, inner, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             xs = tl.load(x_rows + ks[None, :], mask=valid[:, None] & (ks[None, :] < inner), other=0.0)
+            if AS_DECODED:
+                xs = tl.where(nonzero[None, :], xs, 0.0)
             if FORMAT == 0:
                 w_mask = (cols[None, :] < out_features) & (ks[:, None] < inner)  # [BLOCK_K, BLOCK_OUT]
                 w = tl.load(matrix + ks[:, None], mask=w_mask, other=0.0)
