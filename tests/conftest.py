@@ -4,6 +4,8 @@ import zlib
 import pytest
 import torch
 
+from triton_interpreter import patch_lang_once_per_launch
+
 # Triton's interpreter runs the kernels on CPU tensors. triton.jit reads this variable when a kernel
 # is defined (at `import moemesh.ops`), so it is set here, before any test module imports them.
 if not torch.cuda.is_available():
@@ -37,6 +39,7 @@ def _dot_by_rows() -> None:
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     _dot_by_rows()
+    patch_lang_once_per_launch()
 
 
 @pytest.fixture(autouse=True)

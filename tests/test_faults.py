@@ -58,9 +58,23 @@ def _curve(run_dir: Path) -> list[dict]:
     return [{k: r.get(k) for k in COMPARED} for r in read_metrics(run_dir / "metrics.jsonl")]
 
 
-def _python(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def _python_started(*args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": f"{TESTS.parent}{os.pathsep}{TESTS}", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout)
+    return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _finished(process: subprocess.Popen, timeout: float = 120) -> subprocess.CompletedProcess:
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
+        raise
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def _python(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return _finished(_python_started(*args), timeout)
 
 
 def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
@@ -79,29 +93,35 @@ def test_kill_9_anywhere_then_resume_equals_an_uninterrupted_run(tmp_path):
     then one that finishes: every figure of every step, and the final weights, are bitwise those of
     a run that was never interrupted; the run directory holds the two newest checkpoints, no more."""
     config = write_tiny_toml(tmp_path)
-    straight = _python(
+    # the uninterrupted run beside the interrupted ones (one thread each): a process of its own
+    straight = _python_started(
         "-m", "moemesh", "train", "--config", str(config), "--set", *KILL_RUN, f"train.run_dir={tmp_path / 'straight'}"
     )
-    assert straight.returncode == 0, straight.stderr[-2000:]
-
-    rng = random.Random(20)
-    plan = [(point, rng.randint(1, 2)) for point in rng.sample(KILL_POINTS, len(KILL_POINTS))]
-    run = [
-        "train",
-        "--config",
-        str(config),
-        "--set",
-        *KILL_RUN,
-        f"train.run_dir={tmp_path / 'killed'}",
-        "train.resume=true",
-    ]
-    for point, nth in plan:
-        killed = _python(str(TESTS / "kill_point.py"), point, str(nth), *run)
-        assert killed.returncode == -signal.SIGKILL, (point, nth, killed.returncode, killed.stderr[-2000:])
-        assert killed.stderr == "", (point, killed.stderr)  # no error, no traceback: it just died
-    finished = _python("-m", "moemesh", *run)
-    assert finished.returncode == 0, finished.stderr[-2000:]
-    assert finished.stderr == ""  # nothing was skipped: every published checkpoint verifies
+    try:
+        rng = random.Random(20)
+        plan = [(point, rng.randint(1, 2)) for point in rng.sample(KILL_POINTS, len(KILL_POINTS))]
+        run = [
+            "train",
+            "--config",
+            str(config),
+            "--set",
+            *KILL_RUN,
+            f"train.run_dir={tmp_path / 'killed'}",
+            "train.resume=true",
+        ]
+        for point, nth in plan:
+            killed = _python(str(TESTS / "kill_point.py"), point, str(nth), *run)
+            assert killed.returncode == -signal.SIGKILL, (point, nth, killed.returncode, killed.stderr[-2000:])
+            assert killed.stderr == "", (point, killed.stderr)  # no error, no traceback: it just died
+        finished = _python("-m", "moemesh", *run)
+        assert finished.returncode == 0, finished.stderr[-2000:]
+        assert finished.stderr == ""  # nothing was skipped: every published checkpoint verifies
+        straight_result = _finished(straight)
+    finally:
+        if straight.poll() is None:  # a failure above: not left running
+            straight.kill()
+            straight.communicate()
+    assert straight_result.returncode == 0, straight_result.stderr[-2000:]
 
     killed_dir, straight_dir = tmp_path / "killed", tmp_path / "straight"
     assert _curve(killed_dir) == _curve(straight_dir)

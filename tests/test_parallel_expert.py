@@ -1,12 +1,14 @@
 """Expert parallelism on 4 CPU processes (gloo), fp32, against one process.
 
-Every check builds the full model from the same seed on every rank, computes the single-process
-reference itself, then shards (EP over 4 ranks, or 2 EP ranks × 2 data-parallel replicas) and
-compares loss, logits and every gradient. Tolerance 1e-5 relative: the sharded run adds the same
-fp32 terms in another order (partial sums per rank), which moves results by ~1e-7."""
+Every check builds the full model from the same seed on every rank, takes the single-process
+reference (computed on rank 0, received whole by the others), then shards (EP over 4 ranks, or
+2 EP ranks × 2 data-parallel replicas) and compares loss, logits and every gradient. Tolerance
+1e-5 relative: the sharded run adds the same fp32 terms in another order (partial sums per rank),
+which moves results by ~1e-7."""
 
 import os
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -46,6 +48,24 @@ def micro_batch(seed=0, batch=8, seq=9):
     return input_ids, labels
 
 
+def reference_step(reference, input_ids, labels):
+    """One process's forward and backward of `reference` on rank 0, its output and gradients sent
+    to the other ranks exactly (pickled): the same on every rank (the same seed and inputs), so the
+    others wait instead of computing it again, 4 ranks on 2 cores (with the kernels interpreted,
+    half of a check's time). -> the output; every rank's `reference` holds the gradients."""
+    sent = [None]
+    if dist.get_rank() == 0:
+        out = reference(input_ids, labels=labels)
+        out.loss.backward()
+        grads = {name: p.grad for name, p in reference.named_parameters()}
+        sent = [(out.loss.detach(), out.logits.detach(), out.aux_loss.detach(), grads)]
+    dist.broadcast_object_list(sent, src=0)
+    loss, logits, aux_loss, grads = sent[0]
+    for name, param in reference.named_parameters():
+        param.grad = grads[name]
+    return SimpleNamespace(loss=loss, logits=logits, aux_loss=aux_loss)
+
+
 def sharded_step(
     dims: ParallelDims, config: ModelConfig, input_ids, labels, prepare=lambda model: None, dispatch="gather"
 ):
@@ -53,8 +73,7 @@ def sharded_step(
     Returns (reference model, reference output, sharded model, this rank's summed loss)."""
     reference = build(config, seed=1)
     prepare(reference)
-    ref_out = reference(input_ids, labels=labels)
-    ref_out.loss.backward()
+    ref_out = reference_step(reference, input_ids, labels)
 
     mesh = init_mesh(dims)
     model = build(config, seed=1)

@@ -224,19 +224,25 @@ def check_each_rank_reads_only_its_shard(rank, hf_dir):
     return sum(read), sum(kept.values()), whole
 
 
-def test_tp_generation_equals_one_process(tmp_path):
+@pytest.fixture(scope="module")
+def tp_pool():
+    """The TP ranks, started once for the module's checks on them; 600 s a check (the decoding
+    kernels run interpreted on CPU)."""
+    pool = WorkerPool(TP, timeout_s=600)
+    yield pool
+    pool.close()
+
+
+def test_tp_generation_equals_one_process(tp_pool, tmp_path):
     save_pretrained(build(CONFIG, seed=5), tmp_path / "hf")
-    pool = WorkerPool(TP)
-    try:
-        (gathers, gathered), follower = pool.run(check_generation)
-        pool.run(check_a_decode_step_is_one_broadcast)
-        channels = pool.run(check_the_leader_s_messages)
-        reads = pool.run(check_each_rank_reads_only_its_shard, str(tmp_path / "hf"))
-        pool.run(check_ep_generation)
-        pool.run(check_whole_experts_generation)
-        tiles = pool.run(check_ranks_agree_on_tiles)
-    finally:
-        pool.close()
+    pool = tp_pool
+    (gathers, gathered), follower = pool.run(check_generation)
+    pool.run(check_a_decode_step_is_one_broadcast)
+    channels = pool.run(check_the_leader_s_messages)
+    reads = pool.run(check_each_rank_reads_only_its_shard, str(tmp_path / "hf"))
+    pool.run(check_ep_generation)
+    pool.run(check_whole_experts_generation)
+    tiles = pool.run(check_ranks_agree_on_tiles)
     assert channels == [["BroadcastChannel", "SharedMemoryChannel"]] * TP
     assert tiles == [("a", "b", [float("inf")] * 3), ("b", "b", "raised")]
     for read, kept, whole in reads:
@@ -295,7 +301,20 @@ def check_packed_steps_in_buckets(rank):
     return engine.paths
 
 
-def test_tp_generation_with_the_decoding_kernels(monkeypatch):
+def with_the_kernels(rank, check, *args):
+    """`check` on this rank with MOEMESH_KERNELS=triton (read at every call); the variable put back after."""
+    before = os.environ.get("MOEMESH_KERNELS")
+    os.environ["MOEMESH_KERNELS"] = "triton"
+    try:
+        return check(rank, *args)
+    finally:
+        if before is None:
+            os.environ.pop("MOEMESH_KERNELS")
+        else:
+            os.environ["MOEMESH_KERNELS"] = before
+
+
+def test_tp_generation_with_the_decoding_kernels(tp_pool):
     """The Triton decoding kernels (ops/gemv.py, decode_attention.py, topk_softmax.py, the fused
     expert GEMVs) on each rank's heads and expert slices, the block's reduce after the fused
     weighted sum: one process's tokens, with two all-reduces a layer per token (counted)."""
@@ -308,14 +327,9 @@ def test_tp_generation_with_the_decoding_kernels(monkeypatch):
             "its ranks are CPU processes (gloo) whose kernels run in Triton's interpreter, which a GPU host "
             "leaves off (tests/conftest.py); across GPUs, bench/serve/decode.py --tensor-parallel checks the tokens"
         )
-    monkeypatch.setenv("MOEMESH_KERNELS", "triton")  # before the workers start: they inherit it
-    pool = WorkerPool(TP, timeout_s=600)
-    try:
-        pool.run(check_generation_with_kernels)
-        pool.run(check_generation_with_kernels, True)
-        assert pool.run(check_packed_steps_in_buckets) == [["packed"]] * TP
-    finally:
-        pool.close()
+    tp_pool.run(with_the_kernels, check_generation_with_kernels)
+    tp_pool.run(with_the_kernels, check_generation_with_kernels, True)
+    assert tp_pool.run(with_the_kernels, check_packed_steps_in_buckets) == [["packed"]] * TP
 
 
 def check_copied_key_value_heads(rank, hf_dir, config_file):

@@ -63,22 +63,40 @@ LAYOUTS = {  # [parallel] settings: the axes' sizes, and how the experts' tokens
 }
 
 
+def launched(layout: dict) -> int:
+    return math.prod(size for axis, size in layout.items() if axis in AXES)
+
+
+def train_args(config_file, layout: dict, run_dir) -> list[str]:
+    """`moemesh train` of the reference's config in `layout`, checkpoints at step 3 and the end."""
+    parallel = [f"parallel.{axis}={size}" for axis, size in layout.items()]
+    return ["-m", "moemesh", "train", "--config", str(config_file), "--set", *OVERRIDES, *parallel,
+            f"train.run_dir={run_dir}", "train.save_every=3"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def layout_runs(reference):
+    """The reference's run under torchrun in a layout, once per layout for the module, with
+    checkpoints at step 3 and at the end (train.save_every=3: writing one changes no number), so
+    that test_parallel_resume_continues_exactly resumes a copy of it instead of training it again."""
+    config_file, _ = reference
+    runs = {}
+
+    def run(layout: dict):
+        name = "-".join(f"{key}{value}" for key, value in layout.items())
+        if name not in runs:
+            run_dir = config_file.parent / name
+            result = torchrun(launched(layout), *train_args(config_file, layout, run_dir))
+            runs[name] = result, run_dir
+        return runs[name]
+
+    return run
+
+
 @pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
-def test_parallel_training_equals_one_process(reference, layout):
+def test_parallel_training_equals_one_process(reference, layout_runs, layout):
     config_file, single_dir = reference
-    run_dir = config_file.parent / "-".join(f"{key}{value}" for key, value in layout.items())
-    result = torchrun(
-        math.prod(size for axis, size in layout.items() if axis in AXES),
-        "-m",
-        "moemesh",
-        "train",
-        "--config",
-        str(config_file),
-        "--set",
-        *OVERRIDES,
-        *(f"parallel.{axis}={size}" for axis, size in layout.items()),
-        f"train.run_dir={run_dir}",
-    )
+    result, run_dir = layout_runs(layout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     if layout.get("ep_capacity", 1) < 1:
         assert "computed again: an expert-parallel buffer was full (layer " in result.stdout, result.stdout
@@ -122,28 +140,26 @@ def test_a_dead_rank_stops_the_others_instead_of_hanging(tmp_path):
     assert time.monotonic() - started < 90
 
 
-@pytest.mark.parametrize("layout", ["parallel.ep=2", "parallel.tp=2", "parallel.dp_shard=2"])
-def test_parallel_resume_continues_exactly(reference, layout):
-    """Stop a 2-process run after its step-3 checkpoint (simulated by removing what came later)
-    and resume it in the same layout: steps 4 and 5 are those of the uninterrupted
-    single-process run (so the sharded weights and AdamW moments came back in place)."""
+RESUMED = {
+    "parallel.ep=2": LAYOUTS["ep2"],
+    "parallel.tp=2": LAYOUTS["tp2"],
+    "parallel.dp_shard=2": LAYOUTS["dp_shard2"],
+}
+
+
+@pytest.mark.parametrize("layout", RESUMED)
+def test_parallel_resume_continues_exactly(reference, layout_runs, tmp_path, layout):
+    """Stop a 2-process run after its step-3 checkpoint (simulated by removing what came later
+    from a copy of the layout's run) and resume it in the same layout: steps 4 and 5 are those of
+    the uninterrupted single-process run (so the sharded weights and AdamW moments came back in
+    place)."""
     config_file, single_dir = reference
-    run_dir = config_file.parent / f"{layout}_resume"
-    args = [
-        "-m",
-        "moemesh",
-        "train",
-        "--config",
-        str(config_file),
-        "--set",
-        *OVERRIDES,
-        layout,
-        f"train.run_dir={run_dir}",
-        "train.save_every=3",
-    ]
-    assert torchrun(2, *args).returncode == 0
+    straight, straight_dir = layout_runs(RESUMED[layout])
+    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+    run_dir = tmp_path / "resumed"
+    shutil.copytree(straight_dir, run_dir)
     shutil.rmtree(run_dir / "checkpoints" / f"step_{STEPS}")
-    result = torchrun(2, *args, "train.resume=true")
+    result = torchrun(2, *train_args(config_file, RESUMED[layout], run_dir), "train.resume=true")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "resumed from" in result.stdout
     ours = [r for r in metrics(run_dir) if "loss" in r]
